@@ -1,0 +1,313 @@
+/* Job file: parse, fill defaults, validate.
+ *
+ * Validation is strict and happens once, here, on the server that reads the
+ * file: workers receive the same text at Register and parse it with the same
+ * code, so a job that passes here can be trusted everywhere. Unknown keys are
+ * errors because a misspelt optional key ("learning_rate" for "lr") would
+ * otherwise fall back to a default without anyone noticing. */
+#include "job.h"
+
+#include <float.h>
+#include <jansson.h>
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "util.h"
+
+#define MAX_SYNTHETIC (1 << 24)
+
+/* Names the job accepts, in the "a, b, c" form messages quote. */
+static const char OPTIMIZERS[] = "sgd, momentum, adagrad, adam";
+static const char DATASETS[] = "fashion-mnist, mnist, synthetic";
+
+/* Is key one of the names in `known` ("a, b, c")? */
+static int key_known(const char *key, const char *known) {
+  size_t klen = strlen(key);
+  for (const char *p = known; *p;) {
+    size_t n = strcspn(p, ",");
+    if (n == klen && memcmp(p, key, n) == 0) return 1;
+    p += n;
+    while (*p == ',' || *p == ' ') p++;
+  }
+  return 0;
+}
+
+/* Rejects any key of obj not in `known` ("a, b, c"); `where` is the dotted
+ * path of obj ("" for the top level). */
+static int check_keys(json_t *obj, const char *known, const char *where, char *err) {
+  const char *key;
+  json_t *v;
+  json_object_foreach(obj, key, v) {
+    if (!key_known(key, known))
+      return ps_seterr(err, PS_EINVAL, "unknown field '%s%s%.60s' (known: %s)", where,
+                       *where ? "." : "", key, known);
+  }
+  return 0;
+}
+
+/* Optional integer field in [lo, hi]; absent leaves *out unchanged. */
+static int get_int(json_t *obj, const char *key, const char *name, long long lo, long long hi,
+                   long long *out, char *err) {
+  json_t *v = json_object_get(obj, key);
+  if (!v) return 0;
+  if (!json_is_integer(v) || json_integer_value(v) < lo || json_integer_value(v) > hi)
+    return ps_seterr(err, PS_EINVAL, "'%s' must be an integer in %lld..%lld", name, lo, hi);
+  *out = json_integer_value(v);
+  return 0;
+}
+
+/* Optional finite number stored as float; lo_open/hi_open say whether the
+ * bounds are exclusive. The bounds are checked on the float actually
+ * stored, so 1e-50 (0 in float) fails "> 0" and 1e300 fails "finite". */
+static int get_float(json_t *obj, const char *key, const char *name, double lo, int lo_open,
+                     double hi, int hi_open, float *out, char *err) {
+  json_t *v = json_object_get(obj, key);
+  if (!v) return 0;
+  double d = json_is_number(v) ? json_number_value(v) : NAN;
+  /* A double beyond FLT_MAX has no float value (the cast would be UB). */
+  int ok = isfinite(d) && fabs(d) <= FLT_MAX;
+  float f = ok ? (float)d : 0.0f;
+  ok = ok && (lo_open ? f > lo : f >= lo) && (hi_open ? f < hi : f <= hi);
+  if (!ok) {
+    char range[64];
+    if (isinf(hi))
+      snprintf(range, sizeof range, "%s %g", lo_open ? ">" : ">=", lo);
+    else
+      snprintf(range, sizeof range, "in %c%g, %g%c", lo_open ? '(' : '[', lo, hi,
+               hi_open ? ')' : ']');
+    return ps_seterr(err, PS_EINVAL, "'%s' must be a finite number %s", name, range);
+  }
+  *out = f;
+  return 0;
+}
+
+/* Optional string of at most cap-1 characters, copied into out. */
+static int get_string(json_t *obj, const char *key, const char *name, char *out, size_t cap,
+                      char *err) {
+  json_t *v = json_object_get(obj, key);
+  if (!v) return 0;
+  const char *s = json_string_value(v);
+  if (!s) return ps_seterr(err, PS_EINVAL, "'%s' must be a string", name);
+  if (strlen(s) >= cap)
+    return ps_seterr(err, PS_EINVAL, "'%s' is too long (at most %zu characters)", name, cap - 1);
+  memcpy(out, s, strlen(s) + 1);
+  return 0;
+}
+
+static void set_defaults(ps_job *job) {
+  memset(job, 0, sizeof *job);
+  snprintf(job->optim.name, sizeof job->optim.name, "adam");
+  job->optim.lr = 0.001f;
+  job->optim.momentum = 0.9f;
+  job->optim.nesterov = 0;
+  job->optim.beta1 = 0.9f;
+  job->optim.beta2 = 0.999f;
+  job->optim.eps = 1e-8f;
+  job->optim.initial_accumulator = 0.1f;
+  job->seed = 1;
+  job->batch_size = 64;
+  job->epochs = 1;
+  job->max_steps = 0;
+  snprintf(job->mode, sizeof job->mode, "async");
+  snprintf(job->dataset, sizeof job->dataset, "fashion-mnist");
+  snprintf(job->data_dir, sizeof job->data_dir, "/usr/share/datasets/fashion-mnist");
+  job->synthetic_train = 2048;
+  job->synthetic_test = 512;
+  job->eval_interval_s = 30.0;
+  job->heartbeat_timeout_ms = 10000;
+}
+
+static int parse_job_id(json_t *root, ps_job *job, char *err) {
+  json_t *v = json_object_get(root, "job_id");
+  if (!v) return ps_seterr(err, PS_EINVAL, "'job_id' is required");
+  const char *id = json_string_value(v);
+  size_t n = id ? strlen(id) : 0;
+  /* The id travels in every request and names checkpoint files, so it is
+   * kept to characters that are safe in paths and logs. */
+  int ok = id && n >= 1 && n < sizeof job->job_id;
+  for (size_t i = 0; ok && i < n; i++) {
+    char ch = id[i];
+    ok = (ch >= 'A' && ch <= 'Z') || (ch >= 'a' && ch <= 'z') || (ch >= '0' && ch <= '9') ||
+         ch == '.' || ch == '_' || ch == '-';
+  }
+  if (!ok)
+    return ps_seterr(err, PS_EINVAL,
+                     "'job_id' must be a string of 1..%zu characters from [A-Za-z0-9._-]",
+                     sizeof job->job_id - 1);
+  memcpy(job->job_id, id, n + 1);
+  return 0;
+}
+
+static int parse_optimizer(json_t *root, ps_optim_config *o, char *err) {
+  json_t *obj = json_object_get(root, "optimizer");
+  if (!obj) return 0;
+  if (!json_is_object(obj))
+    return ps_seterr(err, PS_EINVAL, "'optimizer' must be an object such as {\"name\": \"adam\"}");
+  static const char *const known =
+      "name, lr, beta1, beta2, eps, momentum, nesterov, initial_accumulator";
+  int rc;
+  if ((rc = check_keys(obj, known, "optimizer", err))) return rc;
+  json_t *nv = json_object_get(obj, "name");
+  if (nv) {
+    const char *name = json_string_value(nv);
+    if (!name || !key_known(name, OPTIMIZERS))
+      return ps_seterr(err, PS_EINVAL, "'optimizer.name' %s%.32s%s is not known (known: %s)",
+                       name ? "'" : "", name ? name : "(not a string)", name ? "'" : "",
+                       OPTIMIZERS);
+    snprintf(o->name, sizeof o->name, "%s", name);
+  }
+  if ((rc = get_float(obj, "lr", "optimizer.lr", 0, 1, INFINITY, 0, &o->lr, err))) return rc;
+  if ((rc = get_float(obj, "beta1", "optimizer.beta1", 0, 0, 1, 1, &o->beta1, err))) return rc;
+  if ((rc = get_float(obj, "beta2", "optimizer.beta2", 0, 0, 1, 1, &o->beta2, err))) return rc;
+  if ((rc = get_float(obj, "eps", "optimizer.eps", 0, 1, INFINITY, 0, &o->eps, err))) return rc;
+  if ((rc = get_float(obj, "momentum", "optimizer.momentum", 0, 0, 1, 1, &o->momentum, err)))
+    return rc;
+  if ((rc = get_float(obj, "initial_accumulator", "optimizer.initial_accumulator", 0, 0, INFINITY,
+                      0, &o->initial_accumulator, err)))
+    return rc;
+  json_t *nest = json_object_get(obj, "nesterov");
+  if (nest) {
+    if (!json_is_boolean(nest))
+      return ps_seterr(err, PS_EINVAL, "'optimizer.nesterov' must be true or false");
+    o->nesterov = json_is_true(nest);
+  }
+  return 0;
+}
+
+static int parse_dataset(json_t *root, ps_job *job, char *err) {
+  json_t *obj = json_object_get(root, "dataset");
+  if (!obj) return 0;
+  if (!json_is_object(obj))
+    return ps_seterr(err, PS_EINVAL,
+                     "'dataset' must be an object such as {\"name\": \"fashion-mnist\"}");
+  static const char *const known = "name, dir, train_size, test_size";
+  int rc;
+  if ((rc = check_keys(obj, known, "dataset", err))) return rc;
+  json_t *nv = json_object_get(obj, "name");
+  if (nv) {
+    const char *name = json_string_value(nv);
+    if (!name || !key_known(name, DATASETS))
+      return ps_seterr(err, PS_EINVAL, "'dataset.name' %s%.32s%s is not known (known: %s)",
+                       name ? "'" : "", name ? name : "(not a string)", name ? "'" : "", DATASETS);
+    snprintf(job->dataset, sizeof job->dataset, "%s", name);
+    /* Each IDX data set has its own default directory; synthetic has none. */
+    if (strcmp(name, "mnist") == 0)
+      snprintf(job->data_dir, sizeof job->data_dir, "/usr/share/datasets/mnist");
+    else if (strcmp(name, "synthetic") == 0)
+      job->data_dir[0] = '\0';
+  }
+  if ((rc = get_string(obj, "dir", "dataset.dir", job->data_dir, sizeof job->data_dir, err)))
+    return rc;
+  int synthetic = strcmp(job->dataset, "synthetic") == 0;
+  if (!synthetic && (json_object_get(obj, "train_size") || json_object_get(obj, "test_size")))
+    return ps_seterr(err, PS_EINVAL,
+                     "'dataset.train_size' and 'dataset.test_size' apply only to the synthetic "
+                     "dataset (this one is '%s')",
+                     job->dataset);
+  long long v = job->synthetic_train;
+  if ((rc = get_int(obj, "train_size", "dataset.train_size", 1, MAX_SYNTHETIC, &v, err))) return rc;
+  job->synthetic_train = (int)v;
+  v = job->synthetic_test;
+  if ((rc = get_int(obj, "test_size", "dataset.test_size", 1, MAX_SYNTHETIC, &v, err))) return rc;
+  job->synthetic_test = (int)v;
+  return 0;
+}
+
+static int parse_root(json_t *root, ps_job *job, char *err) {
+  if (!json_is_object(root)) return ps_seterr(err, PS_EINVAL, "the job must be a JSON object");
+  static const char *const known =
+      "job_id, model, optimizer, seed, batch_size, epochs, max_steps, mode, dataset, "
+      "eval_interval_s, heartbeat_timeout_ms";
+  int rc;
+  if ((rc = check_keys(root, known, "", err))) return rc;
+  if ((rc = parse_job_id(root, job, err))) return rc;
+
+  json_t *model = json_object_get(root, "model");
+  if (!model) return ps_seterr(err, PS_EINVAL, "'model' is required (see model_spec.h)");
+  /* The spec's messages already say "model: ..." or "layer N (type): ...". */
+  if ((rc = ps_model_spec_from_json(model, &job->model, err))) return rc;
+
+  if ((rc = parse_optimizer(root, &job->optim, err))) return rc;
+
+  long long v = (long long)job->seed;
+  if ((rc = get_int(root, "seed", "seed", 0, LLONG_MAX, &v, err))) return rc;
+  job->seed = (uint64_t)v;
+  v = job->batch_size;
+  if ((rc = get_int(root, "batch_size", "batch_size", 1, 65536, &v, err))) return rc;
+  job->batch_size = (int)v;
+  v = job->epochs;
+  if ((rc = get_int(root, "epochs", "epochs", 1, 1000000, &v, err))) return rc;
+  job->epochs = (int)v;
+  v = job->max_steps;
+  if ((rc = get_int(root, "max_steps", "max_steps", 0, LLONG_MAX, &v, err))) return rc;
+  job->max_steps = v;
+
+  json_t *mode = json_object_get(root, "mode");
+  if (mode) {
+    const char *m = json_string_value(mode);
+    if (!m) return ps_seterr(err, PS_EINVAL, "'mode' must be a string (supported: async)");
+    if (strcmp(m, "async") != 0)
+      return ps_seterr(err, PS_EINVAL, "mode '%.40s' is not supported (supported: async)", m);
+    snprintf(job->mode, sizeof job->mode, "%s", m);
+  }
+
+  if ((rc = parse_dataset(root, job, err))) return rc;
+
+  json_t *ev = json_object_get(root, "eval_interval_s");
+  if (ev) {
+    double s = json_is_number(ev) ? json_number_value(ev) : -1.0;
+    if (!json_is_number(ev) || !isfinite(s) || s < 0)
+      return ps_seterr(err, PS_EINVAL, "'eval_interval_s' must be a finite number >= 0");
+    job->eval_interval_s = s;
+  }
+  v = job->heartbeat_timeout_ms;
+  if ((rc = get_int(root, "heartbeat_timeout_ms", "heartbeat_timeout_ms", 1, INT_MAX, &v, err)))
+    return rc;
+  job->heartbeat_timeout_ms = (int)v;
+  return 0;
+}
+
+int ps_job_parse(const char *json_text, ps_job *job, char *err) {
+  set_defaults(job);
+  json_error_t jerr;
+  json_t *root = json_loads(json_text ? json_text : "", JSON_REJECT_DUPLICATES, &jerr);
+  if (!root)
+    return ps_seterr(err, PS_EINVAL, "job: JSON syntax error at line %d, column %d: %s", jerr.line,
+                     jerr.column, jerr.text);
+  int rc = parse_root(root, job, err);
+  json_decref(root);
+  return rc;
+}
+
+int ps_job_load(const char *path, ps_job *job, char **text_out, char *err) {
+  if (text_out) *text_out = NULL;
+  char *text = NULL;
+  char why[PS_ERRLEN];
+  int rc = ps_read_file(path, &text, NULL, why);
+  if (rc) return ps_seterr(err, rc, "job file: %s", why);
+  /* Parsed here rather than through ps_job_parse so that every message,
+   * syntax or validation, starts with the file's name. */
+  set_defaults(job);
+  json_error_t jerr;
+  json_t *root = json_loads(text, JSON_REJECT_DUPLICATES, &jerr);
+  if (!root) {
+    rc = ps_seterr(err, PS_EINVAL, "%s: JSON syntax error at line %d, column %d: %s", path,
+                   jerr.line, jerr.column, jerr.text);
+    free(text);
+    return rc;
+  }
+  rc = parse_root(root, job, why);
+  json_decref(root);
+  if (rc) {
+    free(text);
+    return ps_seterr(err, rc, "%s: %s", path, why);
+  }
+  if (text_out)
+    *text_out = text;
+  else
+    free(text);
+  return 0;
+}

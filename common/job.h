@@ -1,0 +1,58 @@
+/* The job: what to train and how. Read by ps-server from a JSON job file;
+ * shard 0 hands the same text to every worker at Register.
+ *
+ * {
+ *   "job_id": "fmnist-cnn",             (required)
+ *   "model": { ...model spec... },       (required, see model_spec.h)
+ *   "optimizer": {"name": "adam", "lr": 0.001, "beta1": 0.9, "beta2": 0.999,
+ *                 "eps": 1e-8, "momentum": 0.9, "nesterov": false,
+ *                 "initial_accumulator": 0.1},
+ *   "seed": 1, "batch_size": 64, "epochs": 2, "max_steps": 0,
+ *   "mode": "async",
+ *   "dataset": {"name": "fashion-mnist", "dir": "/usr/share/datasets/fashion-mnist"},
+ *   "eval_interval_s": 20, "heartbeat_timeout_ms": 10000
+ * }
+ * dataset.name is "fashion-mnist", "mnist" (IDX files in dir) or "synthetic"
+ * (with "train_size", "test_size"). */
+#ifndef PS_COMMON_JOB_H
+#define PS_COMMON_JOB_H
+
+#include <stdint.h>
+
+#include "model_spec.h"
+
+typedef struct {
+  char name[16]; /* sgd | momentum | adagrad | adam */
+  float lr;
+  float momentum;            /* momentum */
+  int nesterov;              /* momentum */
+  float beta1, beta2, eps;   /* adam; eps also adagrad */
+  float initial_accumulator; /* adagrad */
+} ps_optim_config;
+
+typedef struct {
+  char job_id[64];
+  ps_model_spec model;
+  ps_optim_config optim;
+  uint64_t seed;
+  int batch_size;
+  int epochs;          /* passes over the training set per worker shard */
+  int64_t max_steps;   /* per worker; 0 = no limit */
+  char mode[16];       /* "async" */
+  char dataset[32];    /* fashion-mnist | mnist | synthetic */
+  char data_dir[256];
+  int synthetic_train, synthetic_test;
+  double eval_interval_s;
+  int heartbeat_timeout_ms;
+} ps_job;
+
+/* Parses a job from JSON text, filling defaults for absent optional fields.
+ * On error returns PS_EINVAL with a message that names the field. */
+int ps_job_parse(const char *json_text, ps_job *job, char *err);
+
+/* Reads and parses a job file; the message names the file and the line and
+ * column of a JSON syntax error. If text_out is not NULL it receives the
+ * file's text (malloc'd). */
+int ps_job_load(const char *path, ps_job *job, char **text_out, char *err);
+
+#endif

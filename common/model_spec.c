@@ -1,0 +1,426 @@
+/* Model spec: JSON layer list -> shapes -> flat parameter layout.
+ *
+ * Every process (servers and workers) derives P, the offsets and the initial
+ * values from the same JSON, so this file is the single place where those
+ * rules live. Parsing is strict: an unknown key is much more likely a typo
+ * ("filter" for "filters") than an extension, and silently ignoring it would
+ * train a different model from the one the user wrote. */
+#include "model_spec.h"
+
+#include <jansson.h>
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "rng.h"
+#include "util.h"
+
+/* P must fit a signed 32-bit count: the wire and the kernels index tensors
+ * with int in places, and 2^31 floats (8 GiB) is far beyond what this system
+ * is meant to shard anyway. Activations per example use the same bound. */
+#define MAX_PARAMS ((size_t)INT32_MAX)
+#define MAX_ACT ((size_t)INT32_MAX)
+
+/* Labels travel as uint8, so at most 256 classes. */
+#define MAX_CLASSES 256
+
+typedef struct {
+  ps_layer_type type;
+  const char *name;
+  const char *keys; /* allowed keys, comma-separated, for lookup and messages */
+} layer_kind;
+
+static const layer_kind kinds[] = {
+    {PS_LAYER_CONV2D, "conv2d", "type, filters, kernel, stride, padding"},
+    {PS_LAYER_MAXPOOL, "maxpool", "type, size, stride"},
+    {PS_LAYER_DENSE, "dense", "type, units"},
+    {PS_LAYER_RELU, "relu", "type"},
+    {PS_LAYER_DROPOUT, "dropout", "type, rate"},
+    {PS_LAYER_FLATTEN, "flatten", "type"},
+    {PS_LAYER_SOFTMAX_XENT, "softmax_xent", "type"},
+};
+#define N_KINDS (sizeof kinds / sizeof kinds[0])
+
+static const char *kind_name(ps_layer_type t) {
+  for (size_t i = 0; i < N_KINDS; i++)
+    if (kinds[i].type == t) return kinds[i].name;
+  return "?";
+}
+
+/* Is `key` one of the comma-and-space separated names in `list`? */
+static int key_in_list(const char *key, const char *list) {
+  size_t klen = strlen(key);
+  const char *p = list;
+  while (*p) {
+    const char *e = strchr(p, ',');
+    size_t n = e ? (size_t)(e - p) : strlen(p);
+    if (n == klen && memcmp(p, key, n) == 0) return 1;
+    if (!e) break;
+    p = e + 1;
+    while (*p == ' ') p++;
+  }
+  return 0;
+}
+
+/* a*b into *out if it does not exceed limit; 0 on success, -1 on overflow. */
+static int mul_within(size_t a, size_t b, size_t limit, size_t *out) {
+  if (a != 0 && b > limit / a) return -1;
+  *out = a * b;
+  return 0;
+}
+
+/* Reads a required or optional positive integer field (1..INT_MAX).
+ * Returns 1 if present and valid, 0 if absent, PS_EINVAL (with message) if
+ * present but not a positive integer. `where` prefixes the message. */
+static int get_pos_int(json_t *obj, const char *key, const char *where, int *out, char *err) {
+  json_t *v = json_object_get(obj, key);
+  if (!v) return 0;
+  if (!json_is_integer(v) || json_integer_value(v) < 1 || json_integer_value(v) > INT_MAX)
+    return ps_seterr(err, PS_EINVAL, "%s: '%s' must be a positive integer", where, key);
+  *out = (int)json_integer_value(v);
+  return 1;
+}
+
+static int require_pos_int(json_t *obj, const char *key, const char *where, int *out, char *err) {
+  int rc = get_pos_int(obj, key, where, out, err);
+  if (rc == 0)
+    return ps_seterr(err, PS_EINVAL, "%s: '%s' is required (a positive integer)", where, key);
+  return rc < 0 ? rc : 0;
+}
+
+static int check_keys(json_t *obj, const char *allowed, const char *where, char *err) {
+  const char *key;
+  json_t *v;
+  json_object_foreach(obj, key, v) {
+    if (!key_in_list(key, allowed))
+      return ps_seterr(err, PS_EINVAL, "%s: unknown field '%s' (known: %s)", where, key, allowed);
+  }
+  return 0;
+}
+
+/* Each infer_* reads its layer's fields and sets the output shape and the
+ * parameter counts; L->in_* is already set. PS_EINVAL with a message. */
+static int infer_conv2d(ps_layer *L, json_t *obj, const char *where, char *err) {
+  int rc;
+  if ((rc = require_pos_int(obj, "filters", where, &L->filters, err))) return rc;
+  if ((rc = require_pos_int(obj, "kernel", where, &L->kernel, err))) return rc;
+  L->stride = 1;
+  if ((rc = get_pos_int(obj, "stride", where, &L->stride, err)) < 0) return rc;
+  L->pad = 0;
+  json_t *pv = json_object_get(obj, "padding");
+  if (pv) {
+    const char *p = json_string_value(pv);
+    if (!p || (strcmp(p, "same") != 0 && strcmp(p, "valid") != 0))
+      return ps_seterr(err, PS_EINVAL, "%s: 'padding' must be \"same\" or \"valid\"", where);
+    if (strcmp(p, "same") == 0) {
+      /* Symmetric padding k/2 only reproduces the input size for odd k;
+       * even k would need asymmetric padding, which the kernels lack. */
+      if (L->kernel % 2 == 0)
+        return ps_seterr(err, PS_EINVAL, "%s: 'padding' \"same\" needs an odd 'kernel' (got %d)",
+                         where, L->kernel);
+      L->pad = L->kernel / 2;
+    }
+  }
+  /* In 64 bits: in_h + 2*pad may exceed INT_MAX; the output never does,
+   * since 2*pad <= kernel-1. */
+  long long ph = (long long)L->in_h + 2LL * L->pad, pw = (long long)L->in_w + 2LL * L->pad;
+  if (L->kernel > ph || L->kernel > pw)
+    return ps_seterr(err, PS_EINVAL,
+                     "%s: 'kernel' %d is larger than the padded input %lldx%lld (input %dx%d, "
+                     "pad %d)",
+                     where, L->kernel, ph, pw, L->in_h, L->in_w, L->pad);
+  L->out_c = L->filters;
+  L->out_h = (int)((ph - L->kernel) / L->stride + 1);
+  L->out_w = (int)((pw - L->kernel) / L->stride + 1);
+  size_t kk, fan_in;
+  if (mul_within((size_t)L->kernel, (size_t)L->kernel, MAX_PARAMS, &kk) ||
+      mul_within((size_t)L->in_c, kk, MAX_PARAMS, &fan_in) ||
+      mul_within(fan_in, (size_t)L->filters, MAX_PARAMS, &L->w_count))
+    return ps_seterr(err, PS_EINVAL, "%s: too many weights (more than %zu)", where, MAX_PARAMS);
+  L->b_count = (size_t)L->filters;
+  return 0;
+}
+
+static int infer_maxpool(ps_layer *L, json_t *obj, const char *where, char *err) {
+  int rc;
+  if ((rc = require_pos_int(obj, "size", where, &L->pool, err))) return rc;
+  L->pool_stride = L->pool;
+  if ((rc = get_pos_int(obj, "stride", where, &L->pool_stride, err)) < 0) return rc;
+  if (L->pool > L->in_h || L->pool > L->in_w)
+    return ps_seterr(err, PS_EINVAL, "%s: 'size' %d is larger than the input %dx%d", where, L->pool,
+                     L->in_h, L->in_w);
+  L->out_c = L->in_c;
+  L->out_h = (L->in_h - L->pool) / L->pool_stride + 1;
+  L->out_w = (L->in_w - L->pool) / L->pool_stride + 1;
+  return 0;
+}
+
+static int infer_dense(ps_layer *L, json_t *obj, const char *where, char *err) {
+  int rc;
+  if ((rc = require_pos_int(obj, "units", where, &L->units, err))) return rc;
+  /* A dense layer reads its input as a flat vector whatever its shape; NCHW
+   * activations are contiguous per example, so no copy is implied. */
+  L->in_c = L->in_c * L->in_h * L->in_w; /* fits: activations checked <= MAX_ACT */
+  L->in_h = L->in_w = 1;
+  L->out_c = L->units;
+  L->out_h = L->out_w = 1;
+  if (mul_within((size_t)L->in_c, (size_t)L->units, MAX_PARAMS, &L->w_count))
+    return ps_seterr(err, PS_EINVAL, "%s: too many weights (more than %zu)", where, MAX_PARAMS);
+  L->b_count = (size_t)L->units;
+  return 0;
+}
+
+static int infer_dropout(ps_layer *L, json_t *obj, const char *where, char *err) {
+  json_t *v = json_object_get(obj, "rate");
+  if (!v) return ps_seterr(err, PS_EINVAL, "%s: 'rate' is required (a number in [0, 1))", where);
+  double r = json_is_number(v) ? json_number_value(v) : -1.0;
+  if (!json_is_number(v) || !(r >= 0.0 && r < 1.0))
+    return ps_seterr(err, PS_EINVAL, "%s: 'rate' must be a number in [0, 1)", where);
+  L->rate = (float)r;
+  L->out_c = L->in_c, L->out_h = L->in_h, L->out_w = L->in_w;
+  return 0;
+}
+
+static int parse_input(json_t *root, ps_model_spec *out, char *err) {
+  json_t *in = json_object_get(root, "input");
+  if (!in) return ps_seterr(err, PS_EINVAL, "model: 'input' is required ([C, H, W])");
+  int dims[3];
+  if (!json_is_array(in) || json_array_size(in) != 3)
+    return ps_seterr(err, PS_EINVAL, "model: 'input' must be an array [C, H, W]");
+  for (size_t i = 0; i < 3; i++) {
+    json_t *d = json_array_get(in, i);
+    if (!json_is_integer(d) || json_integer_value(d) < 1 || json_integer_value(d) > INT_MAX)
+      return ps_seterr(err, PS_EINVAL, "model: 'input'[%zu] must be a positive integer ([C, H, W])",
+                       i);
+    dims[i] = (int)json_integer_value(d);
+  }
+  size_t hw, chw;
+  if (mul_within((size_t)dims[1], (size_t)dims[2], MAX_ACT, &hw) ||
+      mul_within((size_t)dims[0], hw, MAX_ACT, &chw))
+    return ps_seterr(err, PS_EINVAL, "model: 'input' has more than %zu values per example",
+                     MAX_ACT);
+  out->in_c = dims[0], out->in_h = dims[1], out->in_w = dims[2];
+  return 0;
+}
+
+int ps_model_spec_from_json(const void *json_obj, ps_model_spec *out, char *err) {
+  json_t *root = (json_t *)json_obj;
+  memset(out, 0, sizeof *out);
+  if (!json_is_object(root)) return ps_seterr(err, PS_EINVAL, "model: must be a JSON object");
+  int rc;
+  if ((rc = check_keys(root, "input, classes, layers", "model", err))) return rc;
+  if ((rc = parse_input(root, out, err))) return rc;
+  json_t *cl = json_object_get(root, "classes");
+  if (!cl)
+    return ps_seterr(err, PS_EINVAL, "model: 'classes' is required (an integer in 2..%d)",
+                     MAX_CLASSES);
+  if (!json_is_integer(cl) || json_integer_value(cl) < 2 || json_integer_value(cl) > MAX_CLASSES)
+    return ps_seterr(err, PS_EINVAL,
+                     "model: 'classes' must be an integer in 2..%d (labels are 8-bit)",
+                     MAX_CLASSES);
+  out->classes = (int)json_integer_value(cl);
+
+  json_t *layers = json_object_get(root, "layers");
+  if (!json_is_array(layers) || json_array_size(layers) == 0)
+    return ps_seterr(err, PS_EINVAL, "model: 'layers' must be a non-empty array");
+  if (json_array_size(layers) > PS_MAX_LAYERS)
+    return ps_seterr(err, PS_EINVAL, "model: %zu layers, at most %d are supported",
+                     json_array_size(layers), PS_MAX_LAYERS);
+
+  int c = out->in_c, h = out->in_h, w = out->in_w;
+  int count_of_type[N_KINDS] = {0};
+  size_t off = 0;
+  size_t n = json_array_size(layers);
+  for (size_t i = 0; i < n; i++) {
+    json_t *obj = json_array_get(layers, i);
+    ps_layer *L = &out->layers[i];
+    char where[64];
+    if (!json_is_object(obj))
+      return ps_seterr(err, PS_EINVAL, "layer %zu: must be a JSON object", i);
+    const char *type = json_string_value(json_object_get(obj, "type"));
+    if (!type) return ps_seterr(err, PS_EINVAL, "layer %zu: 'type' is required (a string)", i);
+    size_t k = 0;
+    while (k < N_KINDS && strcmp(kinds[k].name, type) != 0) k++;
+    if (k == N_KINDS)
+      return ps_seterr(err, PS_EINVAL,
+                       "layer %zu: unknown type '%.40s' (known: conv2d, maxpool, dense, relu, "
+                       "dropout, flatten, softmax_xent)",
+                       i, type);
+    snprintf(where, sizeof where, "layer %zu (%s)", i, kinds[k].name);
+    if ((rc = check_keys(obj, kinds[k].keys, where, err))) return rc;
+
+    L->type = kinds[k].type;
+    snprintf(L->name, sizeof L->name, "%s_%d", kinds[k].name, count_of_type[k]++);
+    L->in_c = c, L->in_h = h, L->in_w = w;
+    switch (L->type) {
+      case PS_LAYER_CONV2D:
+        rc = infer_conv2d(L, obj, where, err);
+        break;
+      case PS_LAYER_MAXPOOL:
+        rc = infer_maxpool(L, obj, where, err);
+        break;
+      case PS_LAYER_DENSE:
+        rc = infer_dense(L, obj, where, err);
+        break;
+      case PS_LAYER_DROPOUT:
+        rc = infer_dropout(L, obj, where, err);
+        break;
+      case PS_LAYER_RELU:
+        L->out_c = c, L->out_h = h, L->out_w = w;
+        break;
+      case PS_LAYER_FLATTEN:
+        L->out_c = c * h * w; /* fits: activations checked <= MAX_ACT */
+        L->out_h = L->out_w = 1;
+        break;
+      case PS_LAYER_SOFTMAX_XENT:
+        if (i + 1 != n) return ps_seterr(err, PS_EINVAL, "%s: must be the last layer", where);
+        if ((size_t)c * h * w != (size_t)out->classes)
+          return ps_seterr(err, PS_EINVAL, "%s: input has %zu features but 'classes' is %d", where,
+                           (size_t)c * h * w, out->classes);
+        L->out_c = c, L->out_h = h, L->out_w = w;
+        break;
+    }
+    if (rc) return rc;
+
+    size_t act;
+    if (mul_within((size_t)L->out_c, (size_t)L->out_h, MAX_ACT, &act) ||
+        mul_within(act, (size_t)L->out_w, MAX_ACT, &act))
+      return ps_seterr(err, PS_EINVAL, "%s: output has more than %zu values per example", where,
+                       MAX_ACT);
+    if (L->w_count) {
+      /* Both counts are <= MAX_PARAMS, so the sums below cannot wrap. */
+      if (L->w_count + L->b_count > MAX_PARAMS - off)
+        return ps_seterr(err, PS_EINVAL, "%s: the model has more than %zu parameters", where,
+                         MAX_PARAMS);
+      L->w_off = off;
+      L->b_off = off + L->w_count;
+      off += L->w_count + L->b_count;
+    }
+    c = L->out_c, h = L->out_h, w = L->out_w;
+  }
+  if (out->layers[n - 1].type != PS_LAYER_SOFTMAX_XENT)
+    return ps_seterr(err, PS_EINVAL, "model: the last layer must be softmax_xent (layer %zu is %s)",
+                     n - 1, kind_name(out->layers[n - 1].type));
+  if (off == 0)
+    return ps_seterr(err, PS_EINVAL, "model: no layer has parameters (add conv2d or dense)");
+  out->n_layers = (int)n;
+  out->n_params = off;
+  return 0;
+}
+
+int ps_model_spec_parse(const char *json_text, ps_model_spec *out, char *err) {
+  json_error_t jerr;
+  json_t *root = json_loads(json_text ? json_text : "", JSON_REJECT_DUPLICATES, &jerr);
+  if (!root)
+    return ps_seterr(err, PS_EINVAL, "model: JSON syntax error at line %d, column %d: %s",
+                     jerr.line, jerr.column, jerr.text);
+  int rc = ps_model_spec_from_json(root, out, err);
+  json_decref(root);
+  return rc;
+}
+
+/* Weight init limit of layer i: He-uniform when a relu follows (keeps the
+ * activation variance through the rectifier), Glorot-uniform otherwise. */
+static float init_limit(const ps_model_spec *spec, int i) {
+  const ps_layer *L = &spec->layers[i];
+  double fan_in, fan_out;
+  if (L->type == PS_LAYER_CONV2D) {
+    double kk = (double)L->kernel * L->kernel;
+    fan_in = L->in_c * kk;
+    fan_out = L->filters * kk;
+  } else {
+    fan_in = (double)L->in_c * L->in_h * L->in_w;
+    fan_out = L->units;
+  }
+  int relu_next = i + 1 < spec->n_layers && spec->layers[i + 1].type == PS_LAYER_RELU;
+  return (float)(relu_next ? sqrt(6.0 / fan_in) : sqrt(6.0 / (fan_in + fan_out)));
+}
+
+void ps_model_init_params(const ps_model_spec *spec, uint64_t seed, size_t begin, size_t end,
+                          float *out) {
+  if (end <= begin) return;
+  /* Walk the tensors in layout order, skipping those before the window in
+   * O(layers), then fill each overlap with one tight loop. Tensors tile
+   * [0, P) exactly; anything past P (a caller bug) is zero. */
+  size_t pos = begin;
+  for (int i = 0; i < spec->n_layers && pos < end; i++) {
+    const ps_layer *L = &spec->layers[i];
+    if (L->w_count == 0) continue;
+    size_t w_end = L->w_off + L->w_count, b_end = L->b_off + L->b_count;
+    if (b_end <= pos) continue;
+    if (pos < w_end) {
+      float limit = init_limit(spec, i);
+      size_t stop = w_end < end ? w_end : end;
+      for (size_t g = pos; g < stop; g++)
+        out[g - begin] = (2.0f * ps_rng_uniform(seed, 0, g) - 1.0f) * limit;
+      pos = stop;
+    }
+    if (pos < end && pos < b_end) {
+      size_t stop = b_end < end ? b_end : end;
+      memset(out + (pos - begin), 0, (stop - pos) * sizeof *out);
+      pos = stop;
+    }
+  }
+  if (pos < end) memset(out + (pos - begin), 0, (end - pos) * sizeof *out);
+}
+
+void ps_shard_range(size_t P, int S, int s, size_t *begin, size_t *end) {
+  if (S <= 0 || s < 0 || s >= S) {
+    *begin = *end = 0;
+    return;
+  }
+  /* floor(P*s/S) without forming P*s, which could wrap for huge P. */
+  size_t q = P / (size_t)S, r = P % (size_t)S;
+  size_t b = q * (size_t)s + r * (size_t)s / (size_t)S;
+  size_t e = q * (size_t)(s + 1) + r * (size_t)(s + 1) / (size_t)S;
+  /* 16 floats = 64 bytes: shard boundaries fall on cache lines. */
+  *begin = b & ~(size_t)15;
+  *end = s == S - 1 ? P : e & ~(size_t)15;
+}
+
+void ps_model_spec_describe(const ps_model_spec *spec, char *buf, size_t len) {
+  if (!buf || len == 0) return;
+  size_t used = 0;
+  buf[0] = '\0';
+#define APPEND(...)                                                          \
+  do {                                                                       \
+    if (used < len) {                                                        \
+      int n_ = snprintf(buf + used, len - used, __VA_ARGS__);                \
+      if (n_ > 0) used += (size_t)n_ < len - used ? (size_t)n_ : len - used; \
+    }                                                                        \
+  } while (0)
+  for (int i = 0; i < spec->n_layers; i++) {
+    const ps_layer *L = &spec->layers[i];
+    switch (L->type) {
+      case PS_LAYER_CONV2D:
+        APPEND("conv2d(%d,%dx%d", L->filters, L->kernel, L->kernel);
+        if (L->stride != 1) APPEND(",s%d", L->stride);
+        /* The quickstart's "same" convolutions print bare, as in the
+         * header's example; a padding-free one is marked. */
+        if (L->pad == 0 && L->kernel > 1) APPEND(",valid");
+        APPEND(") ");
+        break;
+      case PS_LAYER_MAXPOOL:
+        if (L->pool_stride != L->pool)
+          APPEND("maxpool(%d,s%d) ", L->pool, L->pool_stride);
+        else
+          APPEND("maxpool(%d) ", L->pool);
+        break;
+      case PS_LAYER_DENSE:
+        APPEND("dense(%d) ", L->units);
+        break;
+      case PS_LAYER_DROPOUT:
+        APPEND("dropout(%g) ", (double)L->rate);
+        break;
+      case PS_LAYER_SOFTMAX_XENT:
+        APPEND("softmax_xent(%d) ", spec->classes);
+        break;
+      default:
+        APPEND("%s ", kind_name(L->type));
+        break;
+    }
+  }
+  APPEND("P=%zu", spec->n_params);
+#undef APPEND
+}

@@ -1,0 +1,84 @@
+/* Model spec (a Keras-like JSON layer list), shape inference, the layout of
+ * the flat parameter vector, its initial values, and the sharding of it.
+ *
+ * Shared by ps-server and ps-worker so that both agree on P, on every
+ * tensor's offset and on the initial values.
+ *
+ * JSON form:
+ *   {"input": [C, H, W], "classes": 10,
+ *    "layers": [
+ *      {"type": "conv2d", "filters": 32, "kernel": 3, "stride": 1, "padding": "same"},
+ *      {"type": "relu"}, {"type": "maxpool", "size": 2, "stride": 2},
+ *      {"type": "flatten"}, {"type": "dense", "units": 128},
+ *      {"type": "dropout", "rate": 0.25}, {"type": "dense", "units": 10},
+ *      {"type": "softmax_xent"}]}
+ * The last layer must be softmax_xent over `classes` values.
+ */
+#ifndef PS_COMMON_MODEL_SPEC_H
+#define PS_COMMON_MODEL_SPEC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define PS_MAX_LAYERS 64
+
+typedef enum {
+  PS_LAYER_CONV2D,
+  PS_LAYER_MAXPOOL,
+  PS_LAYER_DENSE,
+  PS_LAYER_RELU,
+  PS_LAYER_DROPOUT,
+  PS_LAYER_FLATTEN,
+  PS_LAYER_SOFTMAX_XENT,
+} ps_layer_type;
+
+typedef struct {
+  ps_layer_type type;
+  char name[32];         /* "conv2d_0", "dense_1", ... */
+  int in_c, in_h, in_w;  /* input shape per example (dense: in_c features, h=w=1) */
+  int out_c, out_h, out_w;
+  /* conv2d */
+  int filters, kernel, stride, pad; /* pad = kernel/2 for "same", 0 for "valid" */
+  /* maxpool */
+  int pool, pool_stride;
+  /* dense */
+  int units;
+  /* dropout */
+  float rate;
+  /* parameters in the flat vector; count 0 when the layer has none.
+   * conv2d: w (filters, in_c*kernel*kernel), b (filters)
+   * dense:  w (units, in_c*in_h*in_w),        b (units) */
+  size_t w_off, w_count;
+  size_t b_off, b_count;
+} ps_layer;
+
+typedef struct {
+  int in_c, in_h, in_w;
+  int classes;
+  int n_layers;
+  ps_layer layers[PS_MAX_LAYERS];
+  size_t n_params; /* P */
+} ps_model_spec;
+
+/* Parses the spec from JSON text. On error returns PS_EINVAL with a message
+ * naming the layer and the field; *out is then unspecified. */
+int ps_model_spec_parse(const char *json_text, ps_model_spec *out, char *err);
+
+/* Same, from a jansson object (json_t *), to parse a spec inside a job. */
+int ps_model_spec_from_json(const void *json_obj, ps_model_spec *out, char *err);
+
+/* Initial values of the global parameter indices [begin, end) into
+ * out[0 .. end-begin). Weights: He-uniform for layers followed by relu,
+ * Glorot-uniform otherwise, drawn from ps_rng_uniform(seed, 0, index);
+ * biases: zero. The result depends only on (spec, seed, index). */
+void ps_model_init_params(const ps_model_spec *spec, uint64_t seed, size_t begin, size_t end,
+                          float *out);
+
+/* The range of shard s of S over P values: [P*s/S, P*(s+1)/S) with both
+ * ends rounded down to a multiple of 16 values (64 bytes), the last end P. */
+void ps_shard_range(size_t P, int S, int s, size_t *begin, size_t *end);
+
+/* One-line description, e.g. "conv2d(32,3x3) relu maxpool(2) ... P=421642". */
+void ps_model_spec_describe(const ps_model_spec *spec, char *buf, size_t len);
+
+#endif

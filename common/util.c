@@ -1,0 +1,221 @@
+#include "util.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+const char *ps_strerror(int code) {
+  switch (code) {
+    case PS_OK: return "ok";
+    case PS_EINVAL: return "invalid argument or input";
+    case PS_ENOMEM: return "out of memory";
+    case PS_EIO: return "input/output error";
+    case PS_ERANGE: return "out of range";
+    case PS_ENOTFOUND: return "not found";
+    case PS_EPROTO: return "protocol mismatch";
+    case PS_ESTATE: return "invalid state";
+    case PS_ETIMEDOUT: return "timed out";
+    case PS_EUNAVAIL: return "unavailable";
+    default: return "unknown error";
+  }
+}
+
+int ps_seterr(char *err, int code, const char *fmt, ...) {
+  if (err) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, PS_ERRLEN, fmt, ap);
+    va_end(ap);
+  }
+  return code;
+}
+
+int64_t ps_now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+double ps_now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+double ps_wall_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+void ps_sleep_ms(int64_t ms) {
+  if (ms <= 0) return;
+  struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000L};
+  while (nanosleep(&ts, &ts) == -1 && errno == EINTR) {
+  }
+}
+
+void *ps_alloc(size_t bytes) {
+  void *p = NULL;
+  if (bytes == 0) bytes = 1;
+  size_t rounded = (bytes + 63) & ~(size_t)63;
+  if (rounded < bytes) return NULL;
+  if (posix_memalign(&p, 64, rounded) != 0) return NULL;
+  memset(p, 0, rounded);
+  return p;
+}
+
+void ps_free(void *p) { free(p); }
+
+int ps_read_file(const char *path, char **out, size_t *len, char *err) {
+  *out = NULL;
+  if (len) *len = 0;
+  FILE *f = fopen(path, "rb");
+  if (!f) return ps_seterr(err, PS_EIO, "cannot open '%s': %s", path, strerror(errno));
+  size_t cap = 4096, n = 0;
+  char *buf = malloc(cap);
+  if (!buf) {
+    fclose(f);
+    return ps_seterr(err, PS_ENOMEM, "out of memory reading '%s'", path);
+  }
+  for (;;) {
+    if (n + 1 >= cap) {
+      char *nb = realloc(buf, cap * 2);
+      if (!nb) {
+        free(buf);
+        fclose(f);
+        return ps_seterr(err, PS_ENOMEM, "out of memory reading '%s'", path);
+      }
+      buf = nb;
+      cap *= 2;
+    }
+    size_t got = fread(buf + n, 1, cap - n - 1, f);
+    n += got;
+    if (got == 0) break;
+  }
+  int bad = ferror(f);
+  fclose(f);
+  if (bad) {
+    free(buf);
+    return ps_seterr(err, PS_EIO, "error reading '%s'", path);
+  }
+  buf[n] = '\0';
+  *out = buf;
+  if (len) *len = n;
+  return PS_OK;
+}
+
+int ps_parse_hostport(const char *s, char *host, size_t hostlen, int *port) {
+  if (!s || !*s) return PS_EINVAL;
+  const char *colon = strrchr(s, ':');
+  if (!colon || colon == s) return PS_EINVAL;
+  size_t hl = (size_t)(colon - s);
+  if (hl + 1 > hostlen) return PS_EINVAL;
+  char *end = NULL;
+  errno = 0;
+  long p = strtol(colon + 1, &end, 10);
+  if (errno || !end || *end != '\0' || end == colon + 1 || p < 0 || p > 65535) return PS_EINVAL;
+  memcpy(host, s, hl);
+  host[hl] = '\0';
+  *port = (int)p;
+  return PS_OK;
+}
+
+/* ---- logging ---- */
+static char log_prog[32] = "ps";
+static int log_level = PS_LOG_INFO;
+static pthread_mutex_t log_mu = PTHREAD_MUTEX_INITIALIZER;
+
+void ps_log_init(const char *prog, int level) {
+  snprintf(log_prog, sizeof log_prog, "%s", prog);
+  log_level = level;
+}
+
+void ps_log(int level, const char *fmt, ...) {
+  if (level < log_level) return;
+  static const char *names[] = {"debug", "info", "warn", "error"};
+  char msg[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  struct tm tm;
+  localtime_r(&ts.tv_sec, &tm);
+  pthread_mutex_lock(&log_mu);
+  fprintf(stderr, "%02d:%02d:%02d.%03ld %s %s: %s\n", tm.tm_hour, tm.tm_min, tm.tm_sec,
+          ts.tv_nsec / 1000000, log_prog, names[level < 0 ? 0 : level > 3 ? 3 : level], msg);
+  pthread_mutex_unlock(&log_mu);
+}
+
+/* ---- scattered bytes ---- */
+int ps_segview_copy(const ps_segview *v, size_t pos, void *dst, size_t len) {
+  if (pos > v->total || len > v->total - pos) return PS_ERANGE;
+  uint8_t *out = dst;
+  for (int i = 0; i < v->nsegs && len > 0; i++) {
+    size_t sl = v->segs[i].len;
+    if (pos >= sl) {
+      pos -= sl;
+      continue;
+    }
+    size_t take = sl - pos < len ? sl - pos : len;
+    memcpy(out, v->segs[i].ptr + pos, take);
+    out += take;
+    len -= take;
+    pos = 0;
+  }
+  return PS_OK;
+}
+
+int ps_segview_each_float(const ps_segview *v, ps_float_fn fn, void *user) {
+  /* Staging buffer for floats that straddle segments or sit misaligned. */
+  enum { STAGE = 4096 };
+  float stage[STAGE];
+  size_t first = 0;     /* index of the next float to hand out */
+  uint8_t carry[4];     /* bytes of a float split across segments */
+  size_t ncarry = 0;
+  for (int i = 0; i < v->nsegs; i++) {
+    const uint8_t *p = v->segs[i].ptr;
+    size_t len = v->segs[i].len;
+    if (len == 0) continue; /* an empty segment may have a NULL pointer */
+    if (ncarry) {
+      size_t need = 4 - ncarry, take = need < len ? need : len;
+      memcpy(carry + ncarry, p, take);
+      ncarry += take;
+      p += take;
+      len -= take;
+      if (ncarry < 4) continue;
+      memcpy(stage, carry, 4);
+      int rc = fn(stage, 1, first, user);
+      if (rc) return rc;
+      first++;
+      ncarry = 0;
+    }
+    size_t nf = len / 4;
+    if (((uintptr_t)p & 3) == 0) {
+      if (nf) {
+        int rc = fn((const float *)(const void *)p, nf, first, user);
+        if (rc) return rc;
+        first += nf;
+      }
+    } else {
+      for (size_t done = 0; done < nf;) {
+        size_t k = nf - done < STAGE ? nf - done : STAGE;
+        memcpy(stage, p + done * 4, k * 4);
+        int rc = fn(stage, k, first, user);
+        if (rc) return rc;
+        first += k;
+        done += k;
+      }
+    }
+    size_t rest = len - nf * 4;
+    memcpy(carry, p + nf * 4, rest);
+    ncarry = rest;
+  }
+  return PS_OK;
+}

@@ -1,0 +1,84 @@
+/* Small shared helpers: error codes, time, logging, allocation. */
+#ifndef PS_COMMON_UTIL_H
+#define PS_COMMON_UTIL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the wire format is little-endian float32; big-endian hosts are not supported"
+#endif
+
+/* Functions return 0 or one of these negative codes. Where a function takes
+ * `char *err`, it is either NULL or a buffer of PS_ERRLEN bytes that receives
+ * a message saying what went wrong. */
+enum {
+  PS_OK = 0,
+  PS_EINVAL = -1,    /* bad argument or malformed input */
+  PS_ENOMEM = -2,    /* allocation failed */
+  PS_EIO = -3,       /* file or system call failed */
+  PS_ERANGE = -4,    /* offset/count/shape out of range */
+  PS_ENOTFOUND = -5, /* unknown worker, method, key */
+  PS_EPROTO = -6,    /* protocol or version mismatch */
+  PS_ESTATE = -7,    /* operation not valid in the current state */
+  PS_ETIMEDOUT = -8, /* deadline passed */
+  PS_EUNAVAIL = -9,  /* peer unreachable */
+};
+#define PS_ERRLEN 256
+
+const char *ps_strerror(int code);
+
+/* Writes a formatted message to err (if not NULL) and returns code. */
+int ps_seterr(char *err, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* Monotonic clock in milliseconds / seconds; wall clock in seconds. */
+int64_t ps_now_ms(void);
+double ps_now_s(void);
+double ps_wall_s(void);
+void ps_sleep_ms(int64_t ms);
+
+/* 64-byte aligned allocation, zeroed; NULL on failure. Free with ps_free. */
+void *ps_alloc(size_t bytes);
+void ps_free(void *p);
+
+/* Reads a whole file into a NUL-terminated buffer (malloc'd). */
+int ps_read_file(const char *path, char **out, size_t *len, char *err);
+
+/* Parses "host:port"; writes host (at most hostlen-1 chars) and port. */
+int ps_parse_hostport(const char *s, char *host, size_t hostlen, int *port);
+
+/* Logging to stderr with a timestamp and the program name. */
+enum { PS_LOG_DEBUG = 0, PS_LOG_INFO = 1, PS_LOG_WARN = 2, PS_LOG_ERROR = 3 };
+void ps_log_init(const char *prog, int level);
+void ps_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+#define PS_DEBUG(...) ps_log(PS_LOG_DEBUG, __VA_ARGS__)
+#define PS_INFO(...) ps_log(PS_LOG_INFO, __VA_ARGS__)
+#define PS_WARN(...) ps_log(PS_LOG_WARN, __VA_ARGS__)
+#define PS_ERROR(...) ps_log(PS_LOG_ERROR, __VA_ARGS__)
+
+/* A read-only view of bytes scattered over several segments (gRPC slices). */
+typedef struct {
+  const uint8_t *ptr;
+  size_t len;
+} ps_seg;
+
+typedef struct {
+  const ps_seg *segs;
+  int nsegs;
+  size_t total; /* sum of segs[i].len */
+} ps_segview;
+
+/* Copies `len` bytes starting at byte `pos` of the view into dst.
+ * Returns PS_ERANGE (dst untouched) if pos+len exceeds the view. */
+int ps_segview_copy(const ps_segview *v, size_t pos, void *dst, size_t len);
+
+/* Calls fn(values, n, first_index, user) over the view read as float32
+ * values, in order, in pieces of contiguous aligned floats (values that
+ * straddle a segment boundary or sit misaligned are staged through a small
+ * aligned buffer). Stops and returns fn's value when it is non-zero.
+ * The view's total must be a multiple of 4. */
+typedef int (*ps_float_fn)(const float *values, size_t n, size_t first, void *user);
+int ps_segview_each_float(const ps_segview *v, ps_float_fn fn, void *user);
+
+#endif

@@ -1,0 +1,34 @@
+/* Encoding and decoding of protocol messages with the tensor field (number
+ * 15, bytes) kept out of protobuf-c: the header fields are packed/unpacked
+ * by protobuf-c, and the tensor bytes go straight between the caller's
+ * buffer and gRPC's slices. */
+#ifndef PS_COMMON_WIRE_H
+#define PS_COMMON_WIRE_H
+
+#include <protobuf-c/protobuf-c.h>
+
+#include "rpc.h"
+#include "util.h"
+
+#define WIRE_TENSOR_FIELD 15
+#define PS_PROTOCOL_VERSION 1
+
+/* Builds an outgoing message: `hdr` (whose tensor field must be empty) is
+ * packed into a fresh buffer, followed by the tag and length of field 15 and
+ * then `tensor` as its own segment, sent without a copy (release(user) is
+ * called when gRPC is done with it; release NULL means the tensor is copied).
+ * tensor may be NULL with tensor_bytes 0 for messages without one. */
+int wire_encode(const ProtobufCMessage *hdr, const void *tensor, size_t tensor_bytes,
+                void (*release)(void *user), void *user, rpc_msg *out);
+
+/* Decodes `msg`: every field but 15 is unpacked by protobuf-c with `desc`
+ * (the returned message, free with protobuf_c_message_free_unpacked(m, NULL));
+ * the bytes of field 15 (the last occurrence, as protobuf specifies) are
+ * returned as a view into msg, using tsegs[0 .. max_tsegs) for storage
+ * (max_tsegs >= msg->nsegs is always enough). A message with no field 15
+ * gives an empty view. NULL with a message in err for malformed input
+ * (bad varint, truncated field, bad wire type, protobuf-c refusal). */
+ProtobufCMessage *wire_decode(const ProtobufCMessageDescriptor *desc, const ps_segview *msg,
+                              ps_seg *tsegs, int max_tsegs, ps_segview *tensor, char *err);
+
+#endif

@@ -1,0 +1,85 @@
+/* The compute backend interface: one table of functions per device.
+ *
+ * Layouts: activations NCHW (N examples, C channels, H rows, W columns),
+ * float32, contiguous. conv2d weights (OC, IC*KH*KW) in (ic, kh, kw) order,
+ * dense weights (OUT, IN): y = x W^T + b. Backward functions overwrite
+ * (never accumulate into) their outputs; a NULL dx means "not needed" (the
+ * first layer). The cpu backend is the reference; the cuda backend has the
+ * same signatures with device pointers and its own stream in ctx. */
+#ifndef PS_KERNELS_OPS_H
+#define PS_KERNELS_OPS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct {
+  int n, c, h, w;     /* input */
+  int oc, kh, kw;     /* filters and kernel size */
+  int stride, pad;    /* same in both dimensions */
+  int oh, ow;         /* output: (h + 2*pad - kh)/stride + 1 */
+} ps_conv_shape;
+
+typedef struct {
+  int n, c, h, w; /* input */
+  int size, stride;
+  int oh, ow; /* (h - size)/stride + 1 */
+} ps_pool_shape;
+
+typedef struct ps_ops ps_ops;
+struct ps_ops {
+  const char *name; /* "cpu", "cuda" */
+  void *ctx;        /* backend state (threads, handles, stream) */
+
+  /* Scratch floats conv2d_forward/backward need for this shape. */
+  size_t (*conv2d_workspace)(void *ctx, const ps_conv_shape *s);
+  /* y (n, oc, oh, ow) = conv(x (n, c, h, w), w) + b */
+  void (*conv2d_forward)(void *ctx, const ps_conv_shape *s, const float *x, const float *w,
+                         const float *b, float *y, float *work);
+  /* dw, db from x and dy; dx (may be NULL) from w and dy. */
+  void (*conv2d_backward)(void *ctx, const ps_conv_shape *s, const float *x, const float *w,
+                          const float *dy, float *dx, float *dw, float *db, float *work);
+
+  /* y (n, c, oh, ow); argmax (same size) records the flat input index of
+   * each maximum within its (n, c) plane. */
+  void (*maxpool_forward)(void *ctx, const ps_pool_shape *s, const float *x, float *y,
+                          int32_t *argmax);
+  void (*maxpool_backward)(void *ctx, const ps_pool_shape *s, const float *dy,
+                           const int32_t *argmax, float *dx);
+
+  /* y (n, out) = x (n, in) W^T + b */
+  void (*dense_forward)(void *ctx, int n, int in, int out, const float *x, const float *w,
+                        const float *b, float *y);
+  void (*dense_backward)(void *ctx, int n, int in, int out, const float *x, const float *w,
+                         const float *dy, float *dx, float *dw, float *db);
+
+  void (*relu_forward)(void *ctx, size_t n, const float *x, float *y);
+  /* dx = dy where y > 0, else 0 (y is the forward output). */
+  void (*relu_backward)(void *ctx, size_t n, const float *y, const float *dy, float *dx);
+
+  /* Inverted dropout: keep with probability 1-rate, scale kept by
+   * 1/(1-rate). mask[i] = scale or 0, drawn from
+   * ps_rng_uniform(seed, stream, i) so a step can be replayed. */
+  void (*dropout_forward)(void *ctx, size_t n, float rate, uint64_t seed, uint64_t stream,
+                          const float *x, float *y, float *mask);
+  void (*dropout_backward)(void *ctx, size_t n, const float *mask, const float *dy, float *dx);
+
+  /* probs (n, k) = softmax(logits); returns mean cross-entropy over the n
+   * examples of labels (values in [0, k)). */
+  float (*softmax_xent_forward)(void *ctx, int n, int k, const float *logits,
+                                const uint8_t *labels, float *probs);
+  /* dlogits = (probs - onehot(labels)) / n: gradient of the mean loss. */
+  void (*softmax_xent_backward)(void *ctx, int n, int k, const float *probs,
+                                const uint8_t *labels, float *dlogits);
+
+  void (*destroy)(ps_ops *ops);
+};
+
+/* The CPU backend. threads: BLAS threads for this backend (0 = leave
+ * OpenBLAS's default). NULL on allocation failure. */
+ps_ops *ps_ops_cpu_create(int threads);
+
+/* Fills conv output size from the other fields. */
+void ps_conv_shape_finish(ps_conv_shape *s);
+void ps_pool_shape_finish(ps_pool_shape *s);
+
+#endif

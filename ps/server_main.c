@@ -1,0 +1,667 @@
+/* ps-server: one shard of the model's parameters.
+ *
+ * Threads: gRPC's completion queue is served by a pool of threads (the
+ * handlers below run there, against the thread-safe shard and membership);
+ * the main thread runs a libuv loop that owns the timers (dropping silent
+ * workers, progress lines and metrics) and the signals (SIGINT/SIGTERM stop
+ * the server cleanly). */
+#include <getopt.h>
+#include <inttypes.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <uv.h>
+
+#include "../common/cluster.h"
+#include "../common/job.h"
+#include "../common/metrics.h"
+#include "../common/rpc.h"
+#include "../common/util.h"
+#include "../common/wire.h"
+#include "membership.h"
+#include "proto/ps.pb-c.h"
+#include "shard.h"
+
+typedef struct {
+  ps_job job;
+  char *job_text;
+  ps_cluster cluster;
+  int index;
+  ps_shard *shard;
+  ps_membership *members;
+  rpc_server *rpc;
+  ps_metrics *metrics;
+  double start_s;
+  double log_interval_s;
+  uv_loop_t loop;
+  uv_timer_t sweep_timer, report_timer;
+  uv_signal_t sigint, sigterm;
+  /* for rates in progress lines */
+  uint64_t last_pushes, last_pulls;
+  double last_report_s;
+} server;
+
+/* ---------------- request handling (server threads) ---------------- */
+
+/* Decodes a request; on failure answers INVALID_ARGUMENT and returns NULL.
+ * *tensor views field 15 (empty when absent); *tsegs must be freed. */
+static ProtobufCMessage *decode_request(rpc_call *call, const ps_segview *req,
+                                        const ProtobufCMessageDescriptor *desc, ps_seg **tsegs,
+                                        ps_segview *tensor) {
+  int max = req->nsegs > 0 ? req->nsegs : 1;
+  *tsegs = malloc((size_t)max * sizeof(ps_seg));
+  if (!*tsegs) {
+    rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
+    return NULL;
+  }
+  char err[PS_ERRLEN];
+  ProtobufCMessage *m = wire_decode(desc, req, *tsegs, max, tensor, err);
+  if (!m) {
+    rpc_call_fail(call, RPC_INVALID_ARGUMENT, "malformed %s: %s", desc->short_name, err);
+    free(*tsegs);
+    *tsegs = NULL;
+  }
+  return m;
+}
+
+/* Checks protocol version and job id. need_worker: the worker must be
+ * registered here (it is marked seen). Answers the call and returns -1 on
+ * failure. */
+static int check_header(server *sv, rpc_call *call, const Ps__RequestHeader *h,
+                        const char *method, int need_worker, uint64_t step) {
+  if (!h) {
+    rpc_call_fail(call, RPC_INVALID_ARGUMENT, "%s request has no header", method);
+    return -1;
+  }
+  if (h->protocol_version != PS_PROTOCOL_VERSION) {
+    rpc_call_fail(call, RPC_FAILED_PRECONDITION,
+                  "protocol version mismatch: client speaks version %u, shard %d speaks %u",
+                  h->protocol_version, sv->index, PS_PROTOCOL_VERSION);
+    return -1;
+  }
+  const char *jid = h->job_id ? h->job_id : "";
+  if (need_worker && strcmp(jid, sv->job.job_id) != 0) {
+    rpc_call_fail(call, RPC_FAILED_PRECONDITION,
+                  "job id mismatch: client is in job '%s', shard %d serves job '%s'", jid,
+                  sv->index, sv->job.job_id);
+    return -1;
+  }
+  if (need_worker &&
+      ps_membership_touch(sv->members, h->worker_id, step, ps_now_ms()) == PS_ENOTFOUND) {
+    rpc_call_fail(call, RPC_NOT_FOUND,
+                  "worker %016" PRIx64
+                  " is not registered with shard %d (never registered, left, or silent for "
+                  "more than %d ms): register again",
+                  h->worker_id, sv->index, sv->job.heartbeat_timeout_ms);
+    return -1;
+  }
+  return 0;
+}
+
+static void reply_small(rpc_call *call, const ProtobufCMessage *m) {
+  rpc_msg out;
+  if (wire_encode(m, NULL, 0, NULL, NULL, &out) != 0) {
+    rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory encoding the reply");
+    return;
+  }
+  rpc_call_reply(call, &out);
+}
+
+static void handle_register(rpc_call *call, const ps_segview *req, void *user) {
+  server *sv = user;
+  ps_seg *tsegs;
+  ps_segview tensor;
+  Ps__RegisterRequest *r = (Ps__RegisterRequest *)decode_request(
+      call, req, &ps__register_request__descriptor, &tsegs, &tensor);
+  if (!r) return;
+  if (check_header(sv, call, r->header, "Register", 0, 0) != 0) goto done;
+  uint64_t id = r->header->worker_id;
+  const char *jid = r->header->job_id ? r->header->job_id : "";
+  if (id != 0 && strcmp(jid, sv->job.job_id) != 0) {
+    rpc_call_fail(call, RPC_FAILED_PRECONDITION,
+                  "job id mismatch: worker %016" PRIx64 " is in job '%s', shard %d serves job '%s'",
+                  id, jid, sv->index, sv->job.job_id);
+    goto done;
+  }
+  Ps__RegisterResponse resp = PS__REGISTER_RESPONSE__INIT;
+  char *shards[PS_MAX_TASKS];
+  for (int i = 0; i < sv->cluster.n_ps; i++) shards[i] = sv->cluster.ps[i];
+  resp.n_shards = (size_t)sv->cluster.n_ps;
+  resp.shards = shards;
+  resp.shard_index = (uint32_t)sv->index;
+  resp.param_count = sv->job.model.n_params;
+  resp.range_offset = ps_shard_begin(sv->shard);
+  resp.range_count = ps_shard_end(sv->shard) - ps_shard_begin(sv->shard);
+  resp.heartbeat_timeout_ms = (uint32_t)sv->job.heartbeat_timeout_ms;
+  resp.job_id = sv->job.job_id;
+  if (id == 0 && sv->index != 0) {
+    /* Ids come from shard 0: send the worker there. */
+    reply_small(call, &resp.base);
+    goto done;
+  }
+  uint64_t new_id = 0;
+  int rank = 0;
+  int rc = ps_membership_add(sv->members, id, r->host ? r->host : "", r->role ? r->role : "",
+                             r->task_index, ps_now_ms(), &new_id, &rank);
+  if (rc != 0) {
+    rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "cannot register worker: %s", ps_strerror(rc));
+    goto done;
+  }
+  PS_INFO("worker %016" PRIx64 " registered (host %s, role %s, task %d, rank %d); %d live",
+          new_id, r->host ? r->host : "?", r->role ? r->role : "?", r->task_index, rank,
+          ps_membership_count(sv->members));
+  resp.worker_id = new_id;
+  resp.worker_rank = (uint32_t)rank;
+  resp.job_json = sv->job_text;
+  reply_small(call, &resp.base);
+done:
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  free(tsegs);
+}
+
+static void handle_heartbeat(rpc_call *call, const ps_segview *req, void *user) {
+  server *sv = user;
+  ps_seg *tsegs;
+  ps_segview tensor;
+  Ps__HeartbeatRequest *r = (Ps__HeartbeatRequest *)decode_request(
+      call, req, &ps__heartbeat_request__descriptor, &tsegs, &tensor);
+  if (!r) return;
+  if (check_header(sv, call, r->header, "Heartbeat", 1, r->step) == 0) {
+    ps_shard_stats st;
+    ps_shard_stats_get(sv->shard, &st);
+    Ps__HeartbeatResponse resp = PS__HEARTBEAT_RESPONSE__INIT;
+    resp.version = st.version;
+    reply_small(call, &resp.base);
+  }
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  free(tsegs);
+}
+
+static void handle_leave(rpc_call *call, const ps_segview *req, void *user) {
+  server *sv = user;
+  ps_seg *tsegs;
+  ps_segview tensor;
+  Ps__LeaveRequest *r = (Ps__LeaveRequest *)decode_request(
+      call, req, &ps__leave_request__descriptor, &tsegs, &tensor);
+  if (!r) return;
+  if (check_header(sv, call, r->header, "Leave", 1, UINT64_MAX) == 0) {
+    ps_membership_remove(sv->members, r->header->worker_id);
+    PS_INFO("worker %016" PRIx64 " left; %d live", r->header->worker_id,
+            ps_membership_count(sv->members));
+    Ps__LeaveResponse resp = PS__LEAVE_RESPONSE__INIT;
+    reply_small(call, &resp.base);
+  }
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  free(tsegs);
+}
+
+static void release_snapshot(void *user) { ps_snapshot_unref(user); }
+
+static void handle_pull(rpc_call *call, const ps_segview *req, void *user) {
+  server *sv = user;
+  ps_seg *tsegs;
+  ps_segview tensor;
+  Ps__PullRequest *r = (Ps__PullRequest *)decode_request(call, req, &ps__pull_request__descriptor,
+                                                         &tsegs, &tensor);
+  if (!r) return;
+  if (check_header(sv, call, r->header, "Pull", 1, UINT64_MAX) == 0) {
+    char err[PS_ERRLEN];
+    ps_snapshot *snap = ps_shard_pull(sv->shard, r->offset, r->count, err);
+    if (!snap) {
+      rpc_call_fail(call, RPC_OUT_OF_RANGE, "%s", err);
+    } else {
+      Ps__PullResponse resp = PS__PULL_RESPONSE__INIT;
+      resp.version = snap->version;
+      resp.offset = snap->begin;
+      resp.count = snap->count;
+      rpc_msg out;
+      /* The values go out straight from the snapshot; gRPC drops the
+       * reference when it has sent them. */
+      if (wire_encode(&resp.base, snap->values, snap->count * sizeof(float), release_snapshot,
+                      snap, &out) != 0) {
+        ps_snapshot_unref(snap);
+        rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory encoding the reply");
+      } else {
+        rpc_call_reply(call, &out);
+      }
+    }
+  }
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  free(tsegs);
+}
+
+static void handle_push(rpc_call *call, const ps_segview *req, void *user) {
+  server *sv = user;
+  ps_seg *tsegs;
+  ps_segview tensor;
+  Ps__PushRequest *r = (Ps__PushRequest *)decode_request(call, req, &ps__push_request__descriptor,
+                                                         &tsegs, &tensor);
+  if (!r) return;
+  if (check_header(sv, call, r->header, "Push", 1, UINT64_MAX) == 0) {
+    char err[PS_ERRLEN];
+    uint64_t version = 0, staleness = 0;
+    int rc = ps_shard_push(sv->shard, r->base_version, r->offset, r->count, &tensor, &version,
+                           &staleness, err);
+    if (rc != 0) {
+      PS_WARN("push from worker %016" PRIx64 " refused: %s", r->header->worker_id, err);
+      rpc_call_fail(call, rc == PS_ERANGE ? RPC_OUT_OF_RANGE : RPC_INVALID_ARGUMENT, "%s", err);
+    } else {
+      ps_membership_note_push(sv->members, r->header->worker_id, r->step, ps_now_ms());
+      Ps__PushResponse resp = PS__PUSH_RESPONSE__INIT;
+      resp.version = version;
+      resp.staleness = staleness;
+      reply_small(call, &resp.base);
+    }
+  }
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  free(tsegs);
+}
+
+static void handle_status(rpc_call *call, const ps_segview *req, void *user) {
+  server *sv = user;
+  ps_seg *tsegs;
+  ps_segview tensor;
+  Ps__StatusRequest *r = (Ps__StatusRequest *)decode_request(
+      call, req, &ps__status_request__descriptor, &tsegs, &tensor);
+  if (!r) return;
+  if (check_header(sv, call, r->header, "Status", 0, 0) == 0) {
+    ps_shard_stats st;
+    ps_shard_stats_get(sv->shard, &st);
+    Ps__StatusResponse resp = PS__STATUS_RESPONSE__INIT;
+    resp.shard_index = (uint32_t)sv->index;
+    resp.num_shards = (uint32_t)sv->cluster.n_ps;
+    resp.range_offset = ps_shard_begin(sv->shard);
+    resp.range_count = ps_shard_end(sv->shard) - ps_shard_begin(sv->shard);
+    resp.version = st.version;
+    resp.pushes = st.pushes;
+    resp.pulls = st.pulls;
+    resp.rejected = st.rejected;
+    resp.staleness_mean = st.staleness_mean;
+    resp.staleness_max = st.staleness_max;
+    resp.n_staleness_hist = PS_STALENESS_BUCKETS;
+    resp.staleness_hist = st.staleness_hist;
+    resp.workers_dropped = ps_membership_dropped_total(sv->members);
+    resp.job_id = sv->job.job_id;
+    resp.mode = sv->job.mode;
+    resp.uptime_s = ps_now_s() - sv->start_s;
+    enum { MAXW = 1024 };
+    ps_member *mem = calloc(MAXW, sizeof *mem);
+    Ps__WorkerInfo *wi = calloc(MAXW, sizeof *wi);
+    Ps__WorkerInfo **wp = calloc(MAXW, sizeof *wp);
+    if (!mem || !wi || !wp) {
+      rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
+    } else {
+      int n = ps_membership_list(sv->members, mem, MAXW);
+      int64_t now = ps_now_ms();
+      for (int i = 0; i < n; i++) {
+        ps__worker_info__init(&wi[i]);
+        wi[i].worker_id = mem[i].id;
+        wi[i].host = mem[i].host;
+        wi[i].role = mem[i].role;
+        wi[i].task_index = mem[i].task_index;
+        wi[i].step = mem[i].step;
+        wi[i].pushes = mem[i].pushes;
+        wi[i].ms_since_seen = (uint64_t)(now - mem[i].last_seen_ms);
+        wp[i] = &wi[i];
+      }
+      resp.n_workers = (size_t)n;
+      resp.workers = wp;
+      reply_small(call, &resp.base);
+    }
+    free(mem);
+    free(wi);
+    free(wp);
+  }
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  free(tsegs);
+}
+
+/* ---------------- the loop (main thread) ---------------- */
+
+static void on_sweep(uv_timer_t *t) {
+  server *sv = t->data;
+  uint64_t dropped[64];
+  int n = ps_membership_sweep(sv->members, ps_now_ms(), sv->job.heartbeat_timeout_ms, dropped, 64);
+  for (int i = 0; i < n && i < 64; i++)
+    PS_WARN("worker %016" PRIx64 " silent for more than %d ms: dropped; %d live", dropped[i],
+            sv->job.heartbeat_timeout_ms, ps_membership_count(sv->members));
+}
+
+static void on_report(uv_timer_t *t) {
+  server *sv = t->data;
+  ps_shard_stats st;
+  ps_shard_stats_get(sv->shard, &st);
+  double now = ps_now_s(), dt = now - sv->last_report_s;
+  if (dt <= 0) dt = 1e-9;
+  double push_rate = (double)(st.pushes - sv->last_pushes) / dt;
+  double pull_rate = (double)(st.pulls - sv->last_pulls) / dt;
+  int live = ps_membership_count(sv->members);
+  if (st.pushes != sv->last_pushes || st.pulls != sv->last_pulls)
+    PS_INFO("version %" PRIu64 " | %.1f pushes/s %.1f pulls/s | staleness mean %.2f max %" PRIu64
+            " | %d workers | %" PRIu64 " refused",
+            st.version, push_rate, pull_rate, st.staleness_mean, st.staleness_max, live,
+            st.rejected);
+  if (sv->metrics) {
+    json_t *rec = json_object();
+    json_object_set_new(rec, "shard", json_integer(sv->index));
+    json_object_set_new(rec, "version", json_integer((json_int_t)st.version));
+    json_object_set_new(rec, "pushes", json_integer((json_int_t)st.pushes));
+    json_object_set_new(rec, "pulls", json_integer((json_int_t)st.pulls));
+    json_object_set_new(rec, "rejected", json_integer((json_int_t)st.rejected));
+    json_object_set_new(rec, "pushes_per_sec", json_real(push_rate));
+    json_object_set_new(rec, "staleness_mean", json_real(st.staleness_mean));
+    json_object_set_new(rec, "staleness_max", json_integer((json_int_t)st.staleness_max));
+    json_t *hist = json_array();
+    int last = PS_STALENESS_BUCKETS - 1;
+    while (last > 0 && st.staleness_hist[last] == 0) last--;
+    for (int i = 0; i <= last; i++)
+      json_array_append_new(hist, json_integer((json_int_t)st.staleness_hist[i]));
+    json_object_set_new(rec, "staleness_hist", hist);
+    json_object_set_new(rec, "workers", json_integer(live));
+    ps_metrics_write(sv->metrics, rec);
+    json_decref(rec);
+  }
+  sv->last_pushes = st.pushes;
+  sv->last_pulls = st.pulls;
+  sv->last_report_s = now;
+}
+
+static void on_signal(uv_signal_t *s, int signum) {
+  server *sv = s->data;
+  PS_INFO("%s: stopping", signum == SIGINT ? "SIGINT" : "SIGTERM");
+  uv_stop(&sv->loop);
+}
+
+/* ---------------- status client ---------------- */
+
+static int print_status(const char *addr, int timeout_ms) {
+  char err[PS_ERRLEN];
+  rpc_global_init();
+  rpc_channel *ch = rpc_channel_create(addr, NULL, err);
+  rpc_queue *q = rpc_queue_create();
+  int rc = 1;
+  if (!ch || !q) {
+    fprintf(stderr, "ps-server: %s\n", ch ? "cannot create a queue" : err);
+    goto out;
+  }
+  Ps__RequestHeader h = PS__REQUEST_HEADER__INIT;
+  h.protocol_version = PS_PROTOCOL_VERSION;
+  h.job_id = "";
+  Ps__StatusRequest req = PS__STATUS_REQUEST__INIT;
+  req.header = &h;
+  rpc_msg msg;
+  if (wire_encode(&req.base, NULL, 0, NULL, NULL, &msg) != 0) goto out;
+  uint8_t *buf = NULL;
+  size_t len = 0;
+  int st = rpc_call_sync(q, ch, "/ps.ParameterServer/Status", &msg, timeout_ms, 1, &buf, &len, err);
+  if (st != RPC_OK) {
+    fprintf(stderr, "ps-server: Status from %s: %s: %s\n", addr, rpc_status_name(st), err);
+    goto out;
+  }
+  Ps__StatusResponse *r = ps__status_response__unpack(NULL, len, buf);
+  free(buf);
+  if (!r) {
+    fprintf(stderr, "ps-server: malformed Status reply from %s\n", addr);
+    goto out;
+  }
+  json_t *o = json_object();
+  json_object_set_new(o, "shard", json_integer(r->shard_index));
+  json_object_set_new(o, "num_shards", json_integer(r->num_shards));
+  json_object_set_new(o, "job_id", json_string(r->job_id ? r->job_id : ""));
+  json_object_set_new(o, "mode", json_string(r->mode ? r->mode : ""));
+  json_object_set_new(o, "range", json_pack("[I,I]", (json_int_t)r->range_offset,
+                                            (json_int_t)(r->range_offset + r->range_count)));
+  json_object_set_new(o, "version", json_integer((json_int_t)r->version));
+  json_object_set_new(o, "pushes", json_integer((json_int_t)r->pushes));
+  json_object_set_new(o, "pulls", json_integer((json_int_t)r->pulls));
+  json_object_set_new(o, "rejected", json_integer((json_int_t)r->rejected));
+  json_object_set_new(o, "staleness_mean", json_real(r->staleness_mean));
+  json_object_set_new(o, "staleness_max", json_integer((json_int_t)r->staleness_max));
+  json_t *hist = json_array();
+  for (size_t i = 0; i < r->n_staleness_hist; i++)
+    json_array_append_new(hist, json_integer((json_int_t)r->staleness_hist[i]));
+  json_object_set_new(o, "staleness_hist", hist);
+  json_object_set_new(o, "workers_dropped", json_integer((json_int_t)r->workers_dropped));
+  json_object_set_new(o, "uptime_s", json_real(r->uptime_s));
+  json_t *ws = json_array();
+  for (size_t i = 0; i < r->n_workers; i++) {
+    Ps__WorkerInfo *w = r->workers[i];
+    char id[32];
+    snprintf(id, sizeof id, "%016" PRIx64, w->worker_id);
+    json_array_append_new(
+        ws, json_pack("{s:s,s:s,s:s,s:i,s:I,s:I,s:I}", "id", id, "host", w->host ? w->host : "",
+                      "role", w->role ? w->role : "", "task_index", w->task_index, "step",
+                      (json_int_t)w->step, "pushes", (json_int_t)w->pushes, "ms_since_seen",
+                      (json_int_t)w->ms_since_seen));
+  }
+  json_object_set_new(o, "workers", ws);
+  char *text = json_dumps(o, JSON_INDENT(2) | JSON_REAL_PRECISION(6));
+  printf("%s\n", text);
+  free(text);
+  json_decref(o);
+  ps__status_response__free_unpacked(r, NULL);
+  rc = 0;
+out:
+  if (q) rpc_queue_destroy(q);
+  if (ch) rpc_channel_destroy(ch);
+  rpc_global_shutdown();
+  return rc;
+}
+
+/* ---------------- main ---------------- */
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "Usage: ps-server --job FILE (--ps HOST:PORT,... --index N | TF_CONFIG) [options]\n"
+          "       ps-server --status HOST:PORT\n"
+          "\n"
+          "Serves shard N of the model's parameters to ps-worker processes.\n"
+          "\n"
+          "  --job FILE           job file (JSON: model, optimizer, data set, ...)\n"
+          "  --ps LIST            addresses of all shards, comma-separated, in shard order\n"
+          "  --index N            which shard this process is (0-based)\n"
+          "                       (without --ps/--index: TF_CONFIG, task type \"ps\")\n"
+          "  --listen ADDR        address to bind (default: this shard's entry in the list;\n"
+          "                       use 0.0.0.0:PORT to accept connections on every interface)\n"
+          "  --threads N          threads serving requests (default 2)\n"
+          "  --metrics FILE       append JSON Lines metrics (version, pushes, staleness)\n"
+          "  --log-interval SEC   seconds between progress lines and metrics (default 5)\n"
+          "  --log-level LEVEL    debug, info, warn or error (default info)\n"
+          "  --status ADDR        print the Status of the shard at ADDR as JSON and exit\n"
+          "  --help               this text\n");
+}
+
+static int parse_level(const char *s) {
+  if (!strcmp(s, "debug")) return PS_LOG_DEBUG;
+  if (!strcmp(s, "info")) return PS_LOG_INFO;
+  if (!strcmp(s, "warn")) return PS_LOG_WARN;
+  if (!strcmp(s, "error")) return PS_LOG_ERROR;
+  return -1;
+}
+
+int main(int argc, char **argv) {
+  const char *job_path = NULL, *ps_list = NULL, *listen_addr = NULL, *metrics_path = NULL;
+  const char *status_addr = NULL;
+  int index = -1, threads = 2, level = PS_LOG_INFO;
+  double log_interval = 5.0;
+  static const struct option opts[] = {
+      {"job", required_argument, 0, 'j'},       {"ps", required_argument, 0, 'p'},
+      {"index", required_argument, 0, 'i'},     {"listen", required_argument, 0, 'l'},
+      {"threads", required_argument, 0, 't'},   {"metrics", required_argument, 0, 'm'},
+      {"log-interval", required_argument, 0, 'L'}, {"log-level", required_argument, 0, 'v'},
+      {"status", required_argument, 0, 's'},    {"help", no_argument, 0, 'h'},
+      {0, 0, 0, 0}};
+  int c;
+  while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+    char *end = NULL;
+    switch (c) {
+      case 'j': job_path = optarg; break;
+      case 'p': ps_list = optarg; break;
+      case 'i':
+        index = (int)strtol(optarg, &end, 10);
+        if (*end || index < 0) {
+          fprintf(stderr, "ps-server: --index wants a shard number >= 0, not '%s'\n", optarg);
+          return 2;
+        }
+        break;
+      case 'l': listen_addr = optarg; break;
+      case 't':
+        threads = (int)strtol(optarg, &end, 10);
+        if (*end || threads < 1 || threads > 64) {
+          fprintf(stderr, "ps-server: --threads wants 1..64, not '%s'\n", optarg);
+          return 2;
+        }
+        break;
+      case 'm': metrics_path = optarg; break;
+      case 'L':
+        log_interval = strtod(optarg, &end);
+        if (*end || !(log_interval > 0)) {
+          fprintf(stderr, "ps-server: --log-interval wants seconds > 0, not '%s'\n", optarg);
+          return 2;
+        }
+        break;
+      case 'v':
+        level = parse_level(optarg);
+        if (level < 0) {
+          fprintf(stderr, "ps-server: --log-level wants debug, info, warn or error\n");
+          return 2;
+        }
+        break;
+      case 's': status_addr = optarg; break;
+      case 'h': usage(stdout); return 0;
+      default: usage(stderr); return 2;
+    }
+  }
+  if (optind < argc) {
+    fprintf(stderr, "ps-server: unexpected argument '%s' (see --help)\n", argv[optind]);
+    return 2;
+  }
+  if (status_addr) return print_status(status_addr, 10000);
+
+  static server sv;
+  char err[PS_ERRLEN];
+  if (!job_path) {
+    fprintf(stderr, "ps-server: --job FILE is required (see --help)\n");
+    return 2;
+  }
+  if (ps_list) {
+    if (ps_cluster_parse_ps_list(ps_list, &sv.cluster, err) != 0) {
+      fprintf(stderr, "ps-server: --ps: %s\n", err);
+      return 2;
+    }
+    if (index < 0) {
+      fprintf(stderr, "ps-server: --index is required with --ps\n");
+      return 2;
+    }
+  } else if (getenv("TF_CONFIG")) {
+    if (ps_cluster_from_tf_config(getenv("TF_CONFIG"), &sv.cluster, err) != 0) {
+      fprintf(stderr, "ps-server: TF_CONFIG: %s\n", err);
+      return 2;
+    }
+    if (strcmp(sv.cluster.task_type, "ps") != 0) {
+      fprintf(stderr, "ps-server: TF_CONFIG names task type '%s'; ps-server runs task type 'ps'\n",
+              sv.cluster.task_type);
+      return 2;
+    }
+    if (index < 0) index = sv.cluster.task_index;
+  } else {
+    fprintf(stderr, "ps-server: give --ps LIST --index N, or set TF_CONFIG (see --help)\n");
+    return 2;
+  }
+  if (index >= sv.cluster.n_ps) {
+    fprintf(stderr, "ps-server: index %d is outside the %d shards given\n", index,
+            sv.cluster.n_ps);
+    return 2;
+  }
+  sv.index = index;
+  char prog[32];
+  snprintf(prog, sizeof prog, "ps-server[%d]", index);
+  ps_log_init(prog, level);
+
+  if (ps_job_load(job_path, &sv.job, &sv.job_text, err) != 0) {
+    fprintf(stderr, "ps-server: %s\n", err);
+    return 2;
+  }
+  sv.shard = ps_shard_create(&sv.job, index, sv.cluster.n_ps, err);
+  if (!sv.shard) {
+    fprintf(stderr, "ps-server: %s\n", err);
+    return 1;
+  }
+  sv.members = ps_membership_create();
+  if (metrics_path) {
+    sv.metrics = ps_metrics_open(metrics_path, err);
+    if (!sv.metrics) {
+      fprintf(stderr, "ps-server: %s\n", err);
+      return 2;
+    }
+  }
+  char desc[512];
+  ps_model_spec_describe(&sv.job.model, desc, sizeof desc);
+  PS_INFO("job '%s': %s", sv.job.job_id, desc);
+  PS_INFO("shard %d of %d holds [%zu, %zu) (%zu values, %.1f MB), optimizer %s lr %g, mode %s",
+          index, sv.cluster.n_ps, ps_shard_begin(sv.shard), ps_shard_end(sv.shard),
+          ps_shard_end(sv.shard) - ps_shard_begin(sv.shard),
+          (ps_shard_end(sv.shard) - ps_shard_begin(sv.shard)) * 4.0 / 1e6, sv.job.optim.name,
+          (double)sv.job.optim.lr, sv.job.mode);
+
+  /* libuv first: its loop and signal handlers do not use gRPC. */
+  uv_loop_init(&sv.loop);
+  rpc_global_init();
+  const char *addr = listen_addr ? listen_addr : sv.cluster.ps[index];
+  rpc_server_opts so = {.threads = threads};
+  int port = 0;
+  sv.rpc = rpc_server_create(addr, &so, &port, err);
+  if (!sv.rpc) {
+    fprintf(stderr, "ps-server: %s\n", err);
+    return 1;
+  }
+  rpc_server_add_method(sv.rpc, "/ps.ParameterServer/Register", handle_register, &sv);
+  rpc_server_add_method(sv.rpc, "/ps.ParameterServer/Heartbeat", handle_heartbeat, &sv);
+  rpc_server_add_method(sv.rpc, "/ps.ParameterServer/Leave", handle_leave, &sv);
+  rpc_server_add_method(sv.rpc, "/ps.ParameterServer/Pull", handle_pull, &sv);
+  rpc_server_add_method(sv.rpc, "/ps.ParameterServer/Push", handle_push, &sv);
+  rpc_server_add_method(sv.rpc, "/ps.ParameterServer/Status", handle_status, &sv);
+  if (rpc_server_start(sv.rpc, err) != 0) {
+    fprintf(stderr, "ps-server: %s\n", err);
+    return 1;
+  }
+  sv.start_s = sv.last_report_s = ps_now_s();
+  sv.log_interval_s = log_interval;
+  PS_INFO("listening on %s (port %d), %d threads", addr, port, threads);
+
+  uv_timer_init(&sv.loop, &sv.sweep_timer);
+  sv.sweep_timer.data = &sv;
+  int sweep_ms = sv.job.heartbeat_timeout_ms / 4 > 0 ? sv.job.heartbeat_timeout_ms / 4 : 1;
+  uv_timer_start(&sv.sweep_timer, on_sweep, (uint64_t)sweep_ms, (uint64_t)sweep_ms);
+  uv_timer_init(&sv.loop, &sv.report_timer);
+  sv.report_timer.data = &sv;
+  uint64_t rep_ms = (uint64_t)(log_interval * 1000);
+  uv_timer_start(&sv.report_timer, on_report, rep_ms, rep_ms);
+  uv_signal_init(&sv.loop, &sv.sigint);
+  sv.sigint.data = &sv;
+  uv_signal_start(&sv.sigint, on_signal, SIGINT);
+  uv_signal_init(&sv.loop, &sv.sigterm);
+  sv.sigterm.data = &sv;
+  uv_signal_start(&sv.sigterm, on_signal, SIGTERM);
+
+  uv_run(&sv.loop, UV_RUN_DEFAULT);
+
+  on_report(&sv.report_timer);
+  rpc_server_shutdown(sv.rpc);
+  rpc_server_destroy(sv.rpc);
+  uv_close((uv_handle_t *)&sv.sweep_timer, NULL);
+  uv_close((uv_handle_t *)&sv.report_timer, NULL);
+  uv_close((uv_handle_t *)&sv.sigint, NULL);
+  uv_close((uv_handle_t *)&sv.sigterm, NULL);
+  uv_run(&sv.loop, UV_RUN_DEFAULT);
+  uv_loop_close(&sv.loop);
+  ps_shard_destroy(sv.shard);
+  ps_membership_destroy(sv.members);
+  ps_metrics_close(sv.metrics);
+  free(sv.job_text);
+  rpc_global_shutdown();
+  PS_INFO("stopped");
+  return 0;
+}

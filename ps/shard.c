@@ -1,0 +1,380 @@
+/* A shard's state: parameters, optimizer slots, version, push statistics,
+ * and the snapshots handed to pulls.
+ *
+ * Locking: one mutex guards everything that changes (params, slots,
+ * version, stats, the cached snapshot). The checks of a push (range,
+ * length, every value finite) read only the request and the shard's fixed
+ * range, so they run before the lock is taken; the lock is held only to
+ * apply, to copy, and to update counters.
+ *
+ * Snapshots: a pull returns a reference-counted copy so that the caller can
+ * stream it out (gRPC) without holding the lock while a push changes the
+ * parameters. The whole-range copy of the current version is kept in
+ * `cached` (the shard holds one reference to it) and shared by every pull
+ * of that version: with W workers pulling after each push, the shard copies
+ * once, not W times. A partial range gets a private copy. */
+#include "shard.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../common/model_spec.h"
+#include "../common/optim.h"
+
+/* Enough for every optimizer of optim.c (adam has 2). */
+#define SHARD_MAX_SLOTS 4
+
+/* ps_snapshot.refs is a plain int in the public header; it is only ever
+ * accessed through these atomic views, which requires the two types to be
+ * laid out alike. */
+_Static_assert(sizeof(_Atomic int) == sizeof(int) && _Alignof(_Atomic int) == _Alignof(int),
+               "ps_snapshot.refs must be usable as an atomic int");
+#define SNAP_REFS(snap) ((_Atomic int *)(void *)&(snap)->refs)
+
+/* The snapshot header is padded so that values start 64-byte aligned in the
+ * same allocation. */
+#define SNAP_HEADER_BYTES (((sizeof(ps_snapshot) + 63) / 64) * 64)
+
+struct ps_shard {
+  int index, num_shards;
+  size_t begin, end; /* global range owned; n = end - begin */
+  const ps_optimizer *opt;
+  ps_optim_config cfg;
+  float *params;                 /* (n) */
+  float *slots[SHARD_MAX_SLOTS]; /* opt->n_slots arrays of (n) */
+
+  pthread_mutex_t mu;
+  uint64_t version; /* updates applied */
+  ps_shard_stats stats;  /* .version unused here: filled from version on read */
+  ps_snapshot *cached;   /* whole range at some version, or NULL; one ref held */
+};
+
+/* ---------------------------------------------------------------- snapshots */
+
+/* A snapshot of count values with one reference, values uninitialized (the
+ * caller copies into them at once, so zeroing would be a wasted pass). */
+static ps_snapshot *snapshot_alloc(size_t begin, size_t count) {
+  if (count > (SIZE_MAX - SNAP_HEADER_BYTES) / sizeof(float)) return NULL;
+  void *mem = NULL;
+  if (posix_memalign(&mem, 64, SNAP_HEADER_BYTES + count * sizeof(float)) != 0) return NULL;
+  ps_snapshot *snap = mem;
+  snap->version = 0;
+  snap->begin = begin;
+  snap->count = count;
+  snap->values = (float *)(void *)((char *)mem + SNAP_HEADER_BYTES);
+  atomic_init(SNAP_REFS(snap), 1);
+  return snap;
+}
+
+static ps_snapshot *snapshot_ref(ps_snapshot *snap) {
+  /* Relaxed suffices to take a reference from one already held. */
+  atomic_fetch_add_explicit(SNAP_REFS(snap), 1, memory_order_relaxed);
+  return snap;
+}
+
+void ps_snapshot_unref(ps_snapshot *snap) {
+  if (!snap) return;
+  /* acq_rel: the last owner must see every other owner's reads finished
+   * before it frees. */
+  if (atomic_fetch_sub_explicit(SNAP_REFS(snap), 1, memory_order_acq_rel) == 1) free(snap);
+}
+
+/* ---------------------------------------------------------------- creation */
+
+/* Rejects settings that would turn the first update into NaN or Inf, with
+ * the field named; 0 if the configuration is usable. */
+static int check_optim_config(const ps_optim_config *c, char *err) {
+  if (!(c->lr >= 0.0f) || !isfinite(c->lr))
+    return ps_seterr(err, PS_EINVAL, "optimizer %s: lr %g must be finite and >= 0", c->name,
+                     (double)c->lr);
+  if (strcmp(c->name, "momentum") == 0 && !isfinite(c->momentum))
+    return ps_seterr(err, PS_EINVAL, "optimizer momentum: momentum %g must be finite",
+                     (double)c->momentum);
+  if (strcmp(c->name, "adagrad") == 0) {
+    if (!(c->initial_accumulator >= 0.0f) || !isfinite(c->initial_accumulator))
+      return ps_seterr(err, PS_EINVAL,
+                       "optimizer adagrad: initial_accumulator %g must be finite and >= 0",
+                       (double)c->initial_accumulator);
+    /* With both zero, a zero gradient gives 0/0. */
+    if (!(c->eps >= 0.0f) || !isfinite(c->eps) ||
+        (c->eps == 0.0f && c->initial_accumulator == 0.0f))
+      return ps_seterr(err, PS_EINVAL,
+                       "optimizer adagrad: eps %g must be finite and >= 0, and not 0 when "
+                       "initial_accumulator is 0",
+                       (double)c->eps);
+  }
+  if (strcmp(c->name, "adam") == 0) {
+    if (!(c->beta1 >= 0.0f && c->beta1 < 1.0f) || !(c->beta2 >= 0.0f && c->beta2 < 1.0f))
+      return ps_seterr(err, PS_EINVAL, "optimizer adam: beta1 %g and beta2 %g must be in [0, 1)",
+                       (double)c->beta1, (double)c->beta2);
+    /* v starts at 0, so eps is the only thing between m/0 and the step. */
+    if (!(c->eps > 0.0f) || !isfinite(c->eps))
+      return ps_seterr(err, PS_EINVAL, "optimizer adam: eps %g must be finite and > 0",
+                       (double)c->eps);
+  }
+  return PS_OK;
+}
+
+ps_shard *ps_shard_create(const ps_job *job, int index, int num_shards, char *err) {
+  if (!job) {
+    ps_seterr(err, PS_EINVAL, "no job given");
+    return NULL;
+  }
+  if (num_shards < 1 || index < 0 || index >= num_shards) {
+    ps_seterr(err, PS_EINVAL, "shard index %d invalid for %d shards", index, num_shards);
+    return NULL;
+  }
+  const ps_optimizer *opt = ps_optimizer_find(job->optim.name);
+  if (!opt) {
+    ps_seterr(err, PS_EINVAL, "unknown optimizer '%.16s' (known: sgd, momentum, adagrad, adam)",
+              job->optim.name);
+    return NULL;
+  }
+  if (opt->n_slots > SHARD_MAX_SLOTS) {
+    ps_seterr(err, PS_EINVAL, "optimizer %s needs %d slots, the shard holds at most %d",
+              opt->name, opt->n_slots, SHARD_MAX_SLOTS);
+    return NULL;
+  }
+  if (check_optim_config(&job->optim, err) != PS_OK) return NULL;
+
+  ps_shard *s = calloc(1, sizeof *s);
+  if (!s) {
+    ps_seterr(err, PS_ENOMEM, "out of memory creating shard %d", index);
+    return NULL;
+  }
+  s->index = index;
+  s->num_shards = num_shards;
+  s->opt = opt;
+  s->cfg = job->optim;
+  ps_shard_range(job->model.n_params, num_shards, index, &s->begin, &s->end);
+  size_t n = s->end - s->begin;
+  if (pthread_mutex_init(&s->mu, NULL) != 0) {
+    free(s);
+    ps_seterr(err, PS_ENOMEM, "cannot create the mutex of shard %d", index);
+    return NULL;
+  }
+  if (n > SIZE_MAX / sizeof(float)) goto oom;
+  s->params = ps_alloc(n * sizeof(float));
+  if (!s->params) goto oom;
+  ps_model_init_params(&job->model, job->seed, s->begin, s->end, s->params);
+  for (int k = 0; k < opt->n_slots; k++) {
+    s->slots[k] = ps_alloc(n * sizeof(float));
+    if (!s->slots[k]) goto oom;
+    /* ps_alloc zeroes; only a non-zero start needs a pass. */
+    float init = opt->slot_init(&s->cfg, k);
+    if (init != 0.0f)
+      for (size_t i = 0; i < n; i++) s->slots[k][i] = init;
+  }
+  return s;
+
+oom:
+  ps_seterr(err, PS_ENOMEM, "out of memory for shard %d: %zu parameters and %d slots", index, n,
+            opt->n_slots);
+  ps_shard_destroy(s);
+  return NULL;
+}
+
+void ps_shard_destroy(ps_shard *s) {
+  if (!s) return;
+  ps_snapshot_unref(s->cached);
+  for (int k = 0; k < SHARD_MAX_SLOTS; k++) ps_free(s->slots[k]);
+  ps_free(s->params);
+  pthread_mutex_destroy(&s->mu);
+  free(s);
+}
+
+size_t ps_shard_begin(const ps_shard *s) { return s->begin; }
+size_t ps_shard_end(const ps_shard *s) { return s->end; }
+int ps_shard_index(const ps_shard *s) { return s->index; }
+
+/* ---------------------------------------------------------------- push */
+
+/* PS_ERANGE unless [offset, offset+count) lies inside the shard's range. */
+static int check_range(const ps_shard *s, const char *what, size_t offset, size_t count,
+                       char *err) {
+  if (count > SIZE_MAX - offset)
+    return ps_seterr(err, PS_ERANGE, "%s range at offset %zu with %zu values overflows", what,
+                     offset, count);
+  if (offset < s->begin || offset + count > s->end)
+    return ps_seterr(err, PS_ERANGE, "%s range [%zu, %zu) outside shard range [%zu, %zu)", what,
+                     offset, offset + count, s->begin, s->end);
+  return PS_OK;
+}
+
+typedef struct {
+  size_t bad_index; /* index within the push of the first non-finite value */
+  float bad_value;
+} finite_scan;
+
+/* Stops at the first NaN or Inf. The common case (all finite) is an OR over
+ * exponent bits in fixed-size blocks, which the compiler vectorizes; only a
+ * block that fails is searched value by value. */
+static int scan_finite_piece(const float *values, size_t n, size_t first, void *user) {
+  enum { BLOCK = 16 };
+  const uint32_t EXP = 0x7f800000u; /* all exponent bits set: Inf or NaN */
+  size_t i = 0;
+  for (;;) {
+    size_t len = n - i < BLOCK ? n - i : BLOCK;
+    if (len == 0) return 0;
+    uint32_t any = 0;
+    if (len == BLOCK) {
+      for (int j = 0; j < BLOCK; j++) {
+        uint32_t u;
+        memcpy(&u, &values[i + j], 4);
+        any |= (u & EXP) == EXP;
+      }
+    } else {
+      any = 1; /* short tail: let the exact search below decide */
+    }
+    if (any) {
+      for (size_t j = i; j < i + len; j++) {
+        if (!isfinite(values[j])) {
+          finite_scan *fs = user;
+          fs->bad_index = first + j;
+          fs->bad_value = values[j];
+          return 1;
+        }
+      }
+    }
+    i += len;
+  }
+}
+
+typedef struct {
+  ps_shard *s;
+  size_t local; /* offset of the push's first value in s->params */
+  uint64_t t;
+} apply_ctx;
+
+/* Applies one piece: `first` counts values from the start of the push, so
+ * the piece updates params[local + first ..]. */
+static int apply_piece(const float *values, size_t n, size_t first, void *user) {
+  apply_ctx *c = user;
+  ps_shard *s = c->s;
+  size_t at = c->local + first;
+  float *slots[SHARD_MAX_SLOTS];
+  for (int k = 0; k < s->opt->n_slots; k++) slots[k] = s->slots[k] + at;
+  s->opt->apply(&s->cfg, c->t, s->cfg.lr, s->params + at, slots, values, n);
+  return 0;
+}
+
+static int reject_push(ps_shard *s, int code) {
+  pthread_mutex_lock(&s->mu);
+  s->stats.rejected++;
+  pthread_mutex_unlock(&s->mu);
+  return code;
+}
+
+int ps_shard_push(ps_shard *s, uint64_t base_version, size_t offset, size_t count,
+                  const ps_segview *grad, uint64_t *new_version, uint64_t *staleness, char *err) {
+  int rc = check_range(s, "push", offset, count, err);
+  if (rc) return reject_push(s, rc);
+  size_t total = grad ? grad->total : 0;
+  if (total != count * sizeof(float))
+    return reject_push(s, ps_seterr(err, PS_EINVAL,
+                                    "gradient has %zu bytes, expected %zu for %zu values", total,
+                                    count * sizeof(float), count));
+  if (grad) {
+    /* The walks below follow the segments, not total: segments holding
+     * more bytes than total would be applied past the end of the range. */
+    size_t sum = 0;
+    for (int i = 0; i < grad->nsegs; i++) sum += grad->segs[i].len;
+    if (grad->nsegs < 0 || sum != total)
+      return reject_push(s, ps_seterr(err, PS_EINVAL,
+                                      "gradient view says %zu bytes but its %d segments hold %zu",
+                                      total, grad->nsegs, sum));
+  }
+  if (count > 0) {
+    finite_scan fs = {0, 0.0f};
+    if (ps_segview_each_float(grad, scan_finite_piece, &fs) != 0) {
+      const char *what = isnan(fs.bad_value) ? "NaN" : fs.bad_value > 0 ? "+Inf" : "-Inf";
+      return reject_push(s, ps_seterr(err, PS_EINVAL,
+                                      "gradient value %zu (global index %zu) is %s", fs.bad_index,
+                                      offset + fs.bad_index, what));
+    }
+  }
+
+  pthread_mutex_lock(&s->mu);
+  uint64_t before = s->version;
+  if (count > 0) {
+    apply_ctx c = {s, offset - s->begin, before + 1};
+    ps_segview_each_float(grad, apply_piece, &c);
+  }
+  s->version = before + 1;
+  uint64_t stale = base_version < before ? before - base_version : 0;
+  ps_shard_stats *st = &s->stats;
+  st->pushes++;
+  st->staleness_mean += ((double)stale - st->staleness_mean) / (double)st->pushes;
+  if (stale > st->staleness_max) st->staleness_max = stale;
+  st->staleness_hist[stale < PS_STALENESS_BUCKETS - 1 ? stale : PS_STALENESS_BUCKETS - 1]++;
+  pthread_mutex_unlock(&s->mu);
+
+  if (new_version) *new_version = before + 1;
+  if (staleness) *staleness = stale;
+  return PS_OK;
+}
+
+/* ---------------------------------------------------------------- pull */
+
+ps_snapshot *ps_shard_pull(ps_shard *s, size_t offset, size_t count, char *err) {
+  if (check_range(s, "pull", offset, count, err) != PS_OK) return NULL;
+  size_t local = offset - s->begin;
+  int whole = offset == s->begin && count == s->end - s->begin;
+
+  if (whole) {
+    pthread_mutex_lock(&s->mu);
+    if (s->cached && s->cached->version == s->version) {
+      ps_snapshot *hit = snapshot_ref(s->cached);
+      s->stats.pulls++;
+      pthread_mutex_unlock(&s->mu);
+      return hit;
+    }
+    pthread_mutex_unlock(&s->mu);
+  }
+
+  /* Allocated outside the lock: it can be tens of megabytes. */
+  ps_snapshot *snap = snapshot_alloc(offset, count);
+  if (!snap) {
+    ps_seterr(err, PS_ENOMEM, "out of memory for a snapshot of %zu values", count);
+    return NULL;
+  }
+  ps_snapshot *old = NULL;
+  pthread_mutex_lock(&s->mu);
+  s->stats.pulls++;
+  if (whole && s->cached && s->cached->version == s->version) {
+    /* Another pull cached this version while we allocated. */
+    old = snap;
+    snap = snapshot_ref(s->cached);
+  } else {
+    snap->version = s->version;
+    memcpy(snap->values, s->params + local, count * sizeof(float));
+    if (whole) {
+      old = s->cached;
+      s->cached = snapshot_ref(snap);
+    }
+  }
+  pthread_mutex_unlock(&s->mu);
+  /* Freeing a large block is kept out of the lock too. */
+  ps_snapshot_unref(old);
+  return snap;
+}
+
+/* ---------------------------------------------------------------- reading */
+
+void ps_shard_stats_get(ps_shard *s, ps_shard_stats *out) {
+  pthread_mutex_lock(&s->mu);
+  *out = s->stats;
+  out->version = s->version;
+  pthread_mutex_unlock(&s->mu);
+}
+
+void ps_shard_copy_params(ps_shard *s, float *out) {
+  size_t n = s->end - s->begin;
+  if (n == 0) return;
+  pthread_mutex_lock(&s->mu);
+  memcpy(out, s->params, n * sizeof(float));
+  pthread_mutex_unlock(&s->mu);
+}

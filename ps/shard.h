@@ -1,0 +1,68 @@
+/* The state a shard owns: its range [begin, end) of the flat parameter
+ * vector, the optimizer slots, the version (updates applied), and the
+ * statistics of pushes. Thread-safe: every function may be called from any
+ * server thread. */
+#ifndef PS_PS_SHARD_H
+#define PS_PS_SHARD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../common/job.h"
+#include "../common/util.h"
+
+#define PS_STALENESS_BUCKETS 32
+
+typedef struct ps_shard ps_shard;
+
+typedef struct {
+  uint64_t version;
+  uint64_t pushes, pulls, rejected;
+  double staleness_mean;
+  uint64_t staleness_max;
+  uint64_t staleness_hist[PS_STALENESS_BUCKETS]; /* last bucket: >= BUCKETS-1 */
+} ps_shard_stats;
+
+/* A read-only, reference-counted copy of the parameters at one version. */
+typedef struct ps_snapshot {
+  uint64_t version;
+  size_t begin, count; /* global range held */
+  float *values;       /* count values */
+  int refs;            /* atomic */
+} ps_snapshot;
+
+/* Creates shard `index` of `num_shards` for the job: computes the range,
+ * initializes the parameters from the job's seed (ps_model_init_params)
+ * and the optimizer slots. NULL with a message on failure (unknown
+ * optimizer, allocation). */
+ps_shard *ps_shard_create(const ps_job *job, int index, int num_shards, char *err);
+void ps_shard_destroy(ps_shard *s);
+
+size_t ps_shard_begin(const ps_shard *s);
+size_t ps_shard_end(const ps_shard *s);
+int ps_shard_index(const ps_shard *s);
+
+/* Applies a pushed gradient for the global range [offset, offset+count),
+ * which must lie inside the shard's range. grad views count*4 bytes of
+ * little-endian float32. Checks first, then applies: on any error (range,
+ * length, a NaN or Inf value) it returns PS_ERANGE/PS_EINVAL with a message,
+ * counts the push as rejected, and leaves parameters, slots and version
+ * unchanged. On success writes the new version and the staleness
+ * (version before apply - base_version, 0 if base_version is ahead). */
+int ps_shard_push(ps_shard *s, uint64_t base_version, size_t offset, size_t count,
+                  const ps_segview *grad, uint64_t *new_version, uint64_t *staleness, char *err);
+
+/* A snapshot of the range [offset, offset+count) (inside the shard's range)
+ * at the current version. Snapshots of the whole range are shared between
+ * pulls of the same version. Release with ps_snapshot_unref. NULL with a
+ * message on a bad range. */
+ps_snapshot *ps_shard_pull(ps_shard *s, size_t offset, size_t count, char *err);
+void ps_snapshot_unref(ps_snapshot *snap);
+
+void ps_shard_stats_get(ps_shard *s, ps_shard_stats *out);
+
+/* Copies the parameters of the whole range into out (end-begin values),
+ * for tests and checkpoints. */
+void ps_shard_copy_params(ps_shard *s, float *out);
+
+#endif

@@ -1,0 +1,222 @@
+/* Job file: every field, defaults, validation messages, file errors. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/job.h"
+#include "common/util.h"
+#include "tests/unit/check.h"
+
+#define MODEL                                                                       \
+  "{\"input\": [1, 28, 28], \"classes\": 10, \"layers\": [{\"type\": \"flatten\"}," \
+  "{\"type\": \"dense\", \"units\": 10}, {\"type\": \"softmax_xent\"}]}"
+
+static void test_full_job(void) {
+  const char *text =
+      "{\"job_id\": \"fmnist-cnn.v2_a\", \"model\": " MODEL
+      ","
+      " \"optimizer\": {\"name\": \"momentum\", \"lr\": 0.05, \"beta1\": 0.8, \"beta2\": 0.99,"
+      "   \"eps\": 1e-6, \"momentum\": 0.95, \"nesterov\": true, \"initial_accumulator\": 0.2},"
+      " \"seed\": 1234567890123, \"batch_size\": 128, \"epochs\": 3, \"max_steps\": 500,"
+      " \"mode\": \"async\","
+      " \"dataset\": {\"name\": \"synthetic\", \"dir\": \"/tmp/x\", \"train_size\": 100,"
+      "   \"test_size\": 20},"
+      " \"eval_interval_s\": 2.5, \"heartbeat_timeout_ms\": 1500}";
+  ps_job job;
+  char err[PS_ERRLEN] = "";
+  int rc = ps_job_parse(text, &job, err);
+  CHECK_MSG(rc == 0, "%s", err);
+  if (rc) return;
+  CHECK(strcmp(job.job_id, "fmnist-cnn.v2_a") == 0);
+  CHECK(job.model.n_params == 7850 && job.model.classes == 10);
+  CHECK(strcmp(job.optim.name, "momentum") == 0);
+  CHECK(job.optim.lr == 0.05f && job.optim.beta1 == 0.8f && job.optim.beta2 == 0.99f);
+  CHECK(job.optim.eps == 1e-6f && job.optim.momentum == 0.95f && job.optim.nesterov == 1);
+  CHECK(job.optim.initial_accumulator == 0.2f);
+  CHECK(job.seed == 1234567890123ULL);
+  CHECK(job.batch_size == 128 && job.epochs == 3 && job.max_steps == 500);
+  CHECK(strcmp(job.mode, "async") == 0);
+  CHECK(strcmp(job.dataset, "synthetic") == 0 && strcmp(job.data_dir, "/tmp/x") == 0);
+  CHECK(job.synthetic_train == 100 && job.synthetic_test == 20);
+  CHECK(job.eval_interval_s == 2.5 && job.heartbeat_timeout_ms == 1500);
+}
+
+static void test_defaults(void) {
+  ps_job job;
+  char err[PS_ERRLEN] = "";
+  int rc = ps_job_parse("{\"job_id\": \"j\", \"model\": " MODEL "}", &job, err);
+  CHECK_MSG(rc == 0, "%s", err);
+  if (rc) return;
+  CHECK(strcmp(job.job_id, "j") == 0);
+  CHECK(strcmp(job.optim.name, "adam") == 0);
+  CHECK(job.optim.lr == 0.001f && job.optim.beta1 == 0.9f && job.optim.beta2 == 0.999f);
+  CHECK(job.optim.eps == 1e-8f && job.optim.momentum == 0.9f && job.optim.nesterov == 0);
+  CHECK(job.optim.initial_accumulator == 0.1f);
+  CHECK(job.seed == 1 && job.batch_size == 64 && job.epochs == 1 && job.max_steps == 0);
+  CHECK(strcmp(job.mode, "async") == 0);
+  CHECK(strcmp(job.dataset, "fashion-mnist") == 0);
+  CHECK(strcmp(job.data_dir, "/usr/share/datasets/fashion-mnist") == 0);
+  CHECK(job.synthetic_train == 2048 && job.synthetic_test == 512);
+  CHECK(job.eval_interval_s == 30.0 && job.heartbeat_timeout_ms == 10000);
+
+  /* A partial optimizer keeps the other defaults; each data set has its
+   * own default directory. */
+  rc = ps_job_parse("{\"job_id\": \"j\", \"model\": " MODEL
+                    ", \"optimizer\": {\"name\": "
+                    "\"sgd\"}, \"dataset\": {\"name\": \"mnist\"}}",
+                    &job, err);
+  CHECK_MSG(rc == 0, "%s", err);
+  CHECK(strcmp(job.optim.name, "sgd") == 0 && job.optim.lr == 0.001f);
+  CHECK(strcmp(job.data_dir, "/usr/share/datasets/mnist") == 0);
+  rc = ps_job_parse("{\"job_id\": \"j\", \"model\": " MODEL
+                    ", \"dataset\": {\"name\": \"synthetic\"}}",
+                    &job, err);
+  CHECK_MSG(rc == 0, "%s", err);
+  CHECK(job.data_dir[0] == '\0' && job.synthetic_train == 2048 && job.synthetic_test == 512);
+}
+
+/* The job made of `fields` (text after the required ones) must fail with a
+ * message containing want. */
+static void expect_error(const char *fields, const char *want) {
+  char text[2048];
+  snprintf(text, sizeof text, "{\"job_id\": \"j\", \"model\": " MODEL "%s}", fields);
+  ps_job job;
+  char err[PS_ERRLEN] = "";
+  int rc = ps_job_parse(text, &job, err);
+  CHECK_MSG(rc == PS_EINVAL, "rc %d for %s", rc, fields);
+  CHECK_MSG(strstr(err, want) != NULL, "message '%s' lacks '%s'", err, want);
+}
+
+static void expect_error_text(const char *text, const char *want) {
+  ps_job job;
+  char err[PS_ERRLEN] = "";
+  int rc = ps_job_parse(text, &job, err);
+  CHECK_MSG(rc == PS_EINVAL, "rc %d for %s", rc, text);
+  CHECK_MSG(strstr(err, want) != NULL, "message '%s' lacks '%s'", err, want);
+}
+
+static void test_invalid(void) {
+  expect_error_text("{\"model\": " MODEL "}", "'job_id' is required");
+  expect_error_text("{\"job_id\": \"\", \"model\": " MODEL "}", "'job_id' must be");
+  expect_error_text("{\"job_id\": \"a b\", \"model\": " MODEL "}", "[A-Za-z0-9._-]");
+  expect_error_text("{\"job_id\": \"a/b\", \"model\": " MODEL "}", "'job_id'");
+  expect_error_text("{\"job_id\": 7, \"model\": " MODEL "}", "'job_id'");
+  char id64[400];
+  snprintf(id64, sizeof id64, "{\"job_id\": \"%064d\", \"model\": " MODEL "}", 0);
+  expect_error_text(id64, "1..63 characters");
+  expect_error_text("{\"job_id\": \"j\"}", "'model' is required");
+  expect_error_text(
+      "{\"job_id\": \"j\", \"model\": {\"input\": [1, 2, 2], \"classes\": 3, "
+      "\"layers\": [{\"type\": \"dense\", \"units\": 0}]}}",
+      "layer 0 (dense): 'units' must be a positive integer");
+  expect_error_text("[1, 2]", "the job must be a JSON object");
+  expect_error_text("{\"job_id\": \"j\", \"job_id\": \"k\", \"model\": " MODEL "}", "duplicate");
+  expect_error_text("{\"job_id\": \"j\", ", "JSON syntax error at line 1, column");
+
+  expect_error(", \"learning_rate\": 0.1", "unknown field 'learning_rate'");
+  expect_error(", \"optimizer\": {\"name\": \"rmsprop\"}",
+               "'optimizer.name' 'rmsprop' is not known");
+  expect_error(", \"optimizer\": {\"name\": 3}", "'optimizer.name'");
+  expect_error(", \"optimizer\": \"adam\"", "'optimizer' must be an object");
+  expect_error(", \"optimizer\": {\"lr\": 0}", "'optimizer.lr' must be a finite number > 0");
+  expect_error(", \"optimizer\": {\"lr\": -0.1}", "'optimizer.lr'");
+  expect_error(", \"optimizer\": {\"lr\": \"0.1\"}", "'optimizer.lr'");
+  expect_error(", \"optimizer\": {\"lr\": 1e300}", "'optimizer.lr'");
+  expect_error(", \"optimizer\": {\"lr\": 1e-60}", "'optimizer.lr'");
+  expect_error(", \"optimizer\": {\"beta1\": 1.0}",
+               "'optimizer.beta1' must be a finite number in [0, 1)");
+  expect_error(", \"optimizer\": {\"beta2\": -0.5}", "'optimizer.beta2'");
+  expect_error(", \"optimizer\": {\"eps\": 0}", "'optimizer.eps'");
+  expect_error(", \"optimizer\": {\"momentum\": 1.5}", "'optimizer.momentum'");
+  expect_error(", \"optimizer\": {\"initial_accumulator\": -1}", "'optimizer.initial_accumulator'");
+  expect_error(", \"optimizer\": {\"nesterov\": \"yes\"}",
+               "'optimizer.nesterov' must be true or false");
+  expect_error(", \"optimizer\": {\"learning_rate\": 0.1}",
+               "unknown field 'optimizer.learning_rate'");
+  expect_error(", \"seed\": -1", "'seed' must be an integer");
+  expect_error(", \"seed\": 1.5", "'seed'");
+  expect_error(", \"batch_size\": 0", "'batch_size' must be an integer in 1..65536");
+  expect_error(", \"batch_size\": 65537", "'batch_size' must be an integer in 1..65536");
+  expect_error(", \"epochs\": 0", "'epochs'");
+  expect_error(", \"max_steps\": -1", "'max_steps'");
+  expect_error(", \"mode\": \"sync\"", "mode 'sync' is not supported (supported: async)");
+  expect_error(", \"mode\": \"ssp:3\"", "mode 'ssp:3' is not supported (supported: async)");
+  expect_error(", \"mode\": 1", "'mode' must be a string");
+  expect_error(", \"dataset\": {\"name\": \"cifar10\"}", "'dataset.name' 'cifar10' is not known");
+  expect_error(", \"dataset\": \"mnist\"", "'dataset' must be an object");
+  expect_error(", \"dataset\": {\"name\": \"mnist\", \"path\": \"/x\"}",
+               "unknown field 'dataset.path'");
+  expect_error(", \"dataset\": {\"train_size\": 10}", "apply only to the synthetic dataset");
+  expect_error(", \"dataset\": {\"name\": \"synthetic\", \"train_size\": 0}",
+               "'dataset.train_size'");
+  expect_error(", \"dataset\": {\"name\": \"synthetic\", \"test_size\": \"5\"}",
+               "'dataset.test_size'");
+  expect_error(", \"dataset\": {\"dir\": 5}", "'dataset.dir' must be a string");
+  char longdir[600];
+  snprintf(longdir, sizeof longdir, ", \"dataset\": {\"dir\": \"/%0300d\"}", 0);
+  expect_error(longdir, "'dataset.dir' is too long");
+  expect_error(", \"eval_interval_s\": -1", "'eval_interval_s' must be a finite number >= 0");
+  expect_error(", \"heartbeat_timeout_ms\": 0", "'heartbeat_timeout_ms'");
+}
+
+/* Writes text to a fresh temporary file; its path into path (64 bytes). */
+static int write_temp(const char *text, char *path) {
+  snprintf(path, 64, "/tmp/test_job_XXXXXX");
+  int fd = mkstemp(path);
+  if (fd < 0) return -1;
+  size_t n = strlen(text);
+  int ok = write(fd, text, n) == (ssize_t)n;
+  close(fd);
+  return ok ? 0 : -1;
+}
+
+static void test_load(void) {
+  char path[64], err[PS_ERRLEN] = "";
+  ps_job job;
+  char *text = NULL;
+
+  const char *good = "{\n  \"job_id\": \"from-file\",\n  \"model\": " MODEL "\n}\n";
+  CHECK(write_temp(good, path) == 0);
+  int rc = ps_job_load(path, &job, &text, err);
+  CHECK_MSG(rc == 0, "%s", err);
+  CHECK(text != NULL && strcmp(text, good) == 0);
+  CHECK(strcmp(job.job_id, "from-file") == 0);
+  free(text);
+  rc = ps_job_load(path, &job, NULL, err); /* text_out is optional */
+  CHECK(rc == 0);
+  unlink(path);
+
+  /* Syntax error: the missing comma is found at the start of line 3. */
+  const char *bad = "{\n  \"job_id\": \"x\"\n  \"model\": {}\n}\n";
+  CHECK(write_temp(bad, path) == 0);
+  text = (char *)1;
+  rc = ps_job_load(path, &job, &text, err);
+  CHECK(rc == PS_EINVAL);
+  CHECK(text == NULL);
+  CHECK_MSG(strstr(err, path) != NULL, "%s", err);
+  CHECK_MSG(strstr(err, "line 3, column 9") != NULL, "%s", err);
+  unlink(path);
+
+  /* A validation error names the file too. */
+  CHECK(write_temp("{\"job_id\": \"x\", \"model\": " MODEL ", \"batch_size\": 0}", path) == 0);
+  rc = ps_job_load(path, &job, NULL, err);
+  CHECK(rc == PS_EINVAL);
+  CHECK_MSG(strstr(err, path) == err && strstr(err, "'batch_size'") != NULL, "%s", err);
+  unlink(path);
+
+  /* A missing file says so, with its name. */
+  rc = ps_job_load("/nonexistent/job.json", &job, &text, err);
+  CHECK(rc != 0);
+  CHECK(text == NULL);
+  CHECK_MSG(strstr(err, "/nonexistent/job.json") != NULL, "%s", err);
+  CHECK_MSG(strstr(err, "No such file") != NULL, "%s", err);
+}
+
+int main(void) {
+  RUN(test_full_job);
+  RUN(test_defaults);
+  RUN(test_invalid);
+  RUN(test_load);
+  return check_summary();
+}

@@ -1,0 +1,174 @@
+/* The table of workers (ps/membership.c): add, touch, push counts, remove,
+ * time-outs, listing, and the ids it hands out. */
+#include <string.h>
+
+#include "check.h"
+#include "common/util.h"
+#include "ps/membership.h"
+
+static void test_add_list(void) {
+  ps_membership *m = ps_membership_create();
+  CHECK(m != NULL);
+  if (!m) return;
+  uint64_t id[3];
+  int rank[3];
+  CHECK(ps_membership_add(m, 0, "gpu-a", "worker", 0, 1000, &id[0], &rank[0]) == PS_OK);
+  CHECK(ps_membership_add(m, 0, "gpu-b", "worker", 1, 1001, &id[1], &rank[1]) == PS_OK);
+  CHECK(ps_membership_add(m, 0, "cpu-c", "chief", 0, 1002, &id[2], &rank[2]) == PS_OK);
+  CHECK(id[0] != 0 && id[1] != 0 && id[2] != 0);
+  CHECK(id[0] != id[1] && id[1] != id[2] && id[0] != id[2]);
+  CHECK(rank[0] == 0 && rank[1] == 1 && rank[2] == 2);
+  CHECK(ps_membership_count(m) == 3);
+
+  ps_member out[4];
+  CHECK(ps_membership_list(m, out, 4) == 3);
+  CHECK(out[0].id == id[0] && strcmp(out[0].host, "gpu-a") == 0 &&
+        strcmp(out[0].role, "worker") == 0 && out[0].task_index == 0);
+  CHECK(out[1].id == id[1] && out[1].task_index == 1 && out[1].last_seen_ms == 1001);
+  CHECK(out[2].id == id[2] && strcmp(out[2].role, "chief") == 0 && out[2].rank == 2);
+  CHECK(out[0].step == 0 && out[0].pushes == 0);
+  /* max bounds the copy. */
+  CHECK(ps_membership_list(m, out, 2) == 2);
+  CHECK(ps_membership_list(m, out, 0) == 0);
+
+  /* A host name longer than the field is cut, not overrun. */
+  char longhost[200];
+  memset(longhost, 'h', sizeof longhost - 1);
+  longhost[sizeof longhost - 1] = '\0';
+  uint64_t lid;
+  CHECK(ps_membership_add(m, 0, longhost, "worker", 3, 1003, &lid, NULL) == PS_OK);
+  CHECK(ps_membership_list(m, out, 4) == 4);
+  CHECK(strlen(out[3].host) == sizeof out[3].host - 1);
+  ps_membership_destroy(m);
+}
+
+static void test_given_id(void) {
+  ps_membership *m = ps_membership_create();
+  if (!m) return;
+  uint64_t id = 0;
+  int rank = -1;
+  /* An id that shard 0 handed out, registering here. */
+  CHECK(ps_membership_add(m, 0xabcdef, "gpu-a", "worker", 0, 10, &id, &rank) == PS_OK);
+  CHECK(id == 0xabcdef && rank == 0);
+  CHECK(ps_membership_add(m, 0, "gpu-b", "worker", 1, 11, &id, &rank) == PS_OK);
+  CHECK(rank == 1);
+  /* Registering the known id again refreshes it: same rank, no new entry. */
+  CHECK(ps_membership_add(m, 0xabcdef, "gpu-a2", "worker", 5, 50, &id, &rank) == PS_OK);
+  CHECK(id == 0xabcdef && rank == 0);
+  CHECK(ps_membership_count(m) == 2);
+  ps_member out[2];
+  CHECK(ps_membership_list(m, out, 2) == 2);
+  CHECK(strcmp(out[0].host, "gpu-a2") == 0 && out[0].task_index == 5 &&
+        out[0].last_seen_ms == 50);
+  ps_membership_destroy(m);
+}
+
+static void test_touch_push_remove(void) {
+  ps_membership *m = ps_membership_create();
+  if (!m) return;
+  uint64_t a, b;
+  CHECK(ps_membership_add(m, 0, "a", "worker", 0, 100, &a, NULL) == PS_OK);
+  CHECK(ps_membership_add(m, 0, "b", "worker", 1, 100, &b, NULL) == PS_OK);
+
+  CHECK(ps_membership_touch(m, a, 7, 200) == PS_OK);
+  CHECK(ps_membership_touch(m, a, UINT64_MAX, 250) == PS_OK); /* keeps the step */
+  CHECK(ps_membership_note_push(m, b, 3, 300) == PS_OK);
+  CHECK(ps_membership_note_push(m, b, UINT64_MAX, 310) == PS_OK);
+  ps_member out[2];
+  CHECK(ps_membership_list(m, out, 2) == 2);
+  CHECK(out[0].step == 7 && out[0].last_seen_ms == 250 && out[0].pushes == 0);
+  CHECK(out[1].step == 3 && out[1].last_seen_ms == 310 && out[1].pushes == 2);
+
+  /* Unknown ids: never registered, or gone. */
+  uint64_t unknown = a ^ b ^ 1;
+  if (unknown == a || unknown == b || unknown == 0) unknown = 12345;
+  CHECK(ps_membership_touch(m, unknown, 1, 400) == PS_ENOTFOUND);
+  CHECK(ps_membership_note_push(m, unknown, 1, 400) == PS_ENOTFOUND);
+  CHECK(ps_membership_remove(m, unknown) == PS_ENOTFOUND);
+  CHECK(ps_membership_remove(m, a) == PS_OK);
+  CHECK(ps_membership_remove(m, a) == PS_ENOTFOUND);
+  CHECK(ps_membership_touch(m, a, 1, 400) == PS_ENOTFOUND);
+  CHECK(ps_membership_count(m) == 1);
+  CHECK(ps_membership_list(m, out, 2) == 1 && out[0].id == b);
+  /* Leaving is not a time-out. */
+  CHECK(ps_membership_dropped_total(m) == 0);
+
+  /* A worker coming back after leaving is a new member with a new rank. */
+  int rank = -1;
+  CHECK(ps_membership_add(m, a, "a", "worker", 0, 500, NULL, &rank) == PS_OK);
+  CHECK(rank == 2);
+  ps_membership_destroy(m);
+}
+
+static void test_sweep(void) {
+  ps_membership *m = ps_membership_create();
+  if (!m) return;
+  uint64_t id[4];
+  const int64_t seen[4] = {1000, 5000, 2000, 6000};
+  for (int i = 0; i < 4; i++)
+    CHECK(ps_membership_add(m, 0, "h", "worker", i, seen[i], &id[i], NULL) == PS_OK);
+
+  /* At 7000 with a 4000 ms time-out: those seen at 1000 and 2000 (6000 and
+   * 5000 ms ago) are stale; 5000 and 6000 are not. */
+  uint64_t dropped[4] = {0, 0, 0, 0};
+  CHECK(ps_membership_sweep(m, 7000, 4000, dropped, 4) == 2);
+  CHECK(dropped[0] == id[0] && dropped[1] == id[2]);
+  CHECK(ps_membership_count(m) == 2);
+  CHECK(ps_membership_dropped_total(m) == 2);
+  ps_member out[4];
+  CHECK(ps_membership_list(m, out, 4) == 2);
+  CHECK(out[0].id == id[1] && out[1].id == id[3]); /* order kept */
+  CHECK(ps_membership_touch(m, id[0], 1, 7000) == PS_ENOTFOUND);
+
+  /* 9000 - 5000 == 4000, exactly the time-out, is not "more than": kept;
+   * a touch keeps id[3] alive. */
+  CHECK(ps_membership_touch(m, id[3], 1, 8500) == PS_OK);
+  CHECK(ps_membership_sweep(m, 9000, 4000, dropped, 4) == 0);
+  /* More dropped than room: all are dropped and counted, max ids written. */
+  uint64_t one[1] = {0};
+  CHECK(ps_membership_sweep(m, 100000, 4000, one, 1) == 2);
+  CHECK(one[0] == id[1]);
+  CHECK(ps_membership_count(m) == 0);
+  CHECK(ps_membership_dropped_total(m) == 4);
+  CHECK(ps_membership_sweep(m, 200000, 4000, NULL, 0) == 0);
+  ps_membership_destroy(m);
+}
+
+/* Ids are unique and non-zero across many registrations, and across two
+ * tables of one process. */
+static void test_ids_unique(void) {
+  enum { N = 2000 };
+  ps_membership *m1 = ps_membership_create(), *m2 = ps_membership_create();
+  if (!m1 || !m2) goto done;
+  static uint64_t ids[2 * N];
+  int ok = 1;
+  for (int i = 0; i < N; i++) {
+    ok &= ps_membership_add(m1, 0, "x", "worker", i, 0, &ids[i], NULL) == PS_OK;
+    ok &= ps_membership_add(m2, 0, "y", "worker", i, 0, &ids[N + i], NULL) == PS_OK;
+  }
+  CHECK(ok);
+  int zero = 0, dup = 0;
+  for (int i = 0; i < 2 * N; i++) {
+    zero += ids[i] == 0;
+    for (int j = 0; j < i; j++) dup += ids[i] == ids[j];
+  }
+  CHECK(zero == 0);
+  CHECK(dup == 0);
+  /* Neighbouring registrations give unrelated ids (not a plain counter):
+   * about half the bits differ. */
+  int bits = __builtin_popcountll(ids[0] ^ ids[1]);
+  CHECK(bits > 8 && bits < 56);
+  CHECK(ps_membership_count(m1) == N);
+done:
+  ps_membership_destroy(m1);
+  ps_membership_destroy(m2);
+}
+
+int main(void) {
+  RUN(test_add_list);
+  RUN(test_given_id);
+  RUN(test_touch_push_remove);
+  RUN(test_sweep);
+  RUN(test_ids_unique);
+  return check_summary();
+}

@@ -1,0 +1,316 @@
+/* Model spec: shapes, layout, errors, initial values and sharding. */
+#include <jansson.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/model_spec.h"
+#include "common/util.h"
+#include "tests/unit/check.h"
+
+static const char *QUICKSTART =
+    "{\"input\": [1, 28, 28], \"classes\": 10, \"layers\": ["
+    "{\"type\": \"conv2d\", \"filters\": 32, \"kernel\": 3, \"padding\": \"same\"},"
+    "{\"type\": \"relu\"},"
+    "{\"type\": \"maxpool\", \"size\": 2},"
+    "{\"type\": \"conv2d\", \"filters\": 64, \"kernel\": 3, \"padding\": \"same\"},"
+    "{\"type\": \"relu\"},"
+    "{\"type\": \"maxpool\", \"size\": 2},"
+    "{\"type\": \"flatten\"},"
+    "{\"type\": \"dense\", \"units\": 128},"
+    "{\"type\": \"relu\"},"
+    "{\"type\": \"dense\", \"units\": 10},"
+    "{\"type\": \"softmax_xent\"}]}";
+
+static void test_quickstart_layout(void) {
+  ps_model_spec m;
+  char err[PS_ERRLEN] = "";
+  int rc = ps_model_spec_parse(QUICKSTART, &m, err);
+  CHECK_MSG(rc == 0, "%s", err);
+  if (rc) return;
+  CHECK(m.in_c == 1 && m.in_h == 28 && m.in_w == 28 && m.classes == 10);
+  CHECK(m.n_layers == 11);
+  /* By hand: conv 32*1*9+32, conv 64*32*9+64, dense 128*(64*7*7)+128,
+   * dense 10*128+10. */
+  CHECK(m.n_params == 320 + 18496 + 401536 + 1290);
+  CHECK(m.n_params == 421642);
+
+  const ps_layer *L = m.layers;
+  CHECK(strcmp(L[0].name, "conv2d_0") == 0);
+  CHECK(strcmp(L[1].name, "relu_0") == 0);
+  CHECK(strcmp(L[2].name, "maxpool_0") == 0);
+  CHECK(strcmp(L[3].name, "conv2d_1") == 0);
+  CHECK(strcmp(L[6].name, "flatten_0") == 0);
+  CHECK(strcmp(L[7].name, "dense_0") == 0);
+  CHECK(strcmp(L[8].name, "relu_2") == 0);
+  CHECK(strcmp(L[9].name, "dense_1") == 0);
+  CHECK(strcmp(L[10].name, "softmax_xent_0") == 0);
+
+  CHECK(L[0].pad == 1 && L[0].stride == 1 && L[0].out_c == 32 && L[0].out_h == 28 &&
+        L[0].out_w == 28);
+  CHECK(L[0].w_off == 0 && L[0].w_count == 288 && L[0].b_off == 288 && L[0].b_count == 32);
+  CHECK(L[2].pool == 2 && L[2].pool_stride == 2 && L[2].out_h == 14 && L[2].out_c == 32);
+  CHECK(L[3].in_c == 32 && L[3].in_h == 14);
+  CHECK(L[3].w_off == 320 && L[3].w_count == 18432 && L[3].b_off == 18752 && L[3].b_count == 64);
+  CHECK(L[5].out_c == 64 && L[5].out_h == 7 && L[5].out_w == 7);
+  CHECK(L[6].out_c == 3136 && L[6].out_h == 1 && L[6].out_w == 1);
+  CHECK(L[7].in_c == 3136 && L[7].in_h == 1 && L[7].units == 128);
+  CHECK(L[7].w_off == 18816 && L[7].w_count == 401408 && L[7].b_off == 420224 &&
+        L[7].b_count == 128);
+  CHECK(L[9].w_off == 420352 && L[9].w_count == 1280 && L[9].b_off == 421632 && L[9].b_count == 10);
+  CHECK(L[9].b_off + L[9].b_count == m.n_params);
+  for (int i = 0; i < m.n_layers; i++)
+    if (L[i].type != PS_LAYER_CONV2D && L[i].type != PS_LAYER_DENSE)
+      CHECK(L[i].w_count == 0 && L[i].b_count == 0);
+
+  char desc[256];
+  ps_model_spec_describe(&m, desc, sizeof desc);
+  CHECK_MSG(strstr(desc, "conv2d(32,3x3) relu maxpool(2)") == desc, "%s", desc);
+  CHECK_MSG(strstr(desc, "dense(128)") != NULL, "%s", desc);
+  CHECK_MSG(strstr(desc, "P=421642") != NULL, "%s", desc);
+  /* A short buffer is truncated, never overrun. */
+  char tiny[12];
+  memset(tiny, 'x', sizeof tiny);
+  ps_model_spec_describe(&m, tiny, 8);
+  CHECK(strlen(tiny) == 7 && tiny[8] == 'x');
+}
+
+static void test_shapes(void) {
+  ps_model_spec m;
+  char err[PS_ERRLEN] = "";
+  /* Default padding is valid; stride 2 "same" halves (rounding up);
+   * maxpool with its own stride; dense straight after a conv reads it flat;
+   * dropout keeps the shape. */
+  int rc = ps_model_spec_parse(
+      "{\"input\": [3, 15, 15], \"classes\": 5, \"layers\": ["
+      "{\"type\": \"conv2d\", \"filters\": 4, \"kernel\": 3},"
+      "{\"type\": \"conv2d\", \"filters\": 6, \"kernel\": 5, \"stride\": 2, \"padding\": "
+      "\"same\"},"
+      "{\"type\": \"maxpool\", \"size\": 3, \"stride\": 2},"
+      "{\"type\": \"dropout\", \"rate\": 0.25},"
+      "{\"type\": \"dense\", \"units\": 5},"
+      "{\"type\": \"softmax_xent\"}]}",
+      &m, err);
+  CHECK_MSG(rc == 0, "%s", err);
+  if (rc) return;
+  CHECK(m.layers[0].pad == 0 && m.layers[0].out_h == 13 && m.layers[0].w_count == 4 * 3 * 9);
+  CHECK(m.layers[1].pad == 2 && m.layers[1].out_h == 7 && m.layers[1].out_w == 7);
+  CHECK(m.layers[2].out_h == 3 && m.layers[2].out_c == 6);
+  CHECK(m.layers[3].out_c == 6 && m.layers[3].out_h == 3 && m.layers[3].rate == 0.25f);
+  CHECK(m.layers[4].in_c == 54 && m.layers[4].in_h == 1 && m.layers[4].w_count == 5 * 54);
+  CHECK(m.n_params == 4 * 27 + 4 + 6 * 4 * 25 + 6 + 5 * 54 + 5);
+
+  /* The same through a jansson object, as the job parser does. */
+  json_t *root = json_loads(
+      "{\"input\": [2, 1, 1], \"classes\": 3, \"layers\": ["
+      "{\"type\": \"dense\", \"units\": 3},"
+      "{\"type\": \"softmax_xent\"}]}",
+      0, NULL);
+  CHECK(root != NULL);
+  rc = ps_model_spec_from_json(root, &m, err);
+  CHECK_MSG(rc == 0, "%s", err);
+  CHECK(m.n_params == 9 && m.n_layers == 2);
+  json_decref(root);
+}
+
+/* Parses text, expects PS_EINVAL and a message containing want. */
+static void expect_error(const char *text, const char *want) {
+  ps_model_spec m;
+  char err[PS_ERRLEN] = "";
+  int rc = ps_model_spec_parse(text, &m, err);
+  CHECK_MSG(rc == PS_EINVAL, "rc %d for %s", rc, text);
+  CHECK_MSG(strstr(err, want) != NULL, "message '%s' lacks '%s'", err, want);
+}
+
+#define HEAD "{\"input\": [1, 8, 8], \"classes\": 10, \"layers\": ["
+#define TAIL \
+  "{\"type\": \"flatten\"}, {\"type\": \"dense\", \"units\": 10}, {\"type\": \"softmax_xent\"}]}"
+
+static void test_errors(void) {
+  /* Each shape rule, with the message that names layer and field. */
+  expect_error(HEAD "{\"type\": \"conv2d\", \"filters\": 4, \"kernel\": 9}," TAIL,
+               "layer 0 (conv2d): 'kernel' 9 is larger than");
+  expect_error(HEAD
+               "{\"type\": \"conv2d\", \"filters\": 4, \"kernel\": 4, \"padding\": "
+               "\"same\"}," TAIL,
+               "layer 0 (conv2d): 'padding' \"same\" needs an odd 'kernel'");
+  expect_error(HEAD
+               "{\"type\": \"conv2d\", \"filters\": 4, \"kernel\": 3, \"padding\": "
+               "\"full\"}," TAIL,
+               "'padding' must be");
+  expect_error(HEAD "{\"type\": \"flatten\"}, {\"type\": \"dense\", \"units\": 10}]}",
+               "the last layer must be softmax_xent (layer 1 is dense)");
+  expect_error(HEAD
+               "{\"type\": \"flatten\"}, {\"type\": \"dense\", \"units\": 12},"
+               "{\"type\": \"softmax_xent\"}]}",
+               "layer 2 (softmax_xent): input has 12 features but 'classes' is 10");
+  expect_error(HEAD "{\"type\": \"conv3d\", \"filters\": 4}," TAIL,
+               "layer 0: unknown type 'conv3d'");
+  expect_error(HEAD "{\"type\": \"conv2d\", \"filter\": 4, \"kernel\": 3}," TAIL,
+               "layer 0 (conv2d): unknown field 'filter'");
+  expect_error(HEAD
+               "{\"type\": \"relu\"}, {\"type\": \"relu\"}, {\"type\": \"flatten\"},"
+               "{\"type\": \"dense\", \"units\": -5}, {\"type\": \"softmax_xent\"}]}",
+               "layer 3 (dense): 'units' must be a positive integer");
+  expect_error(HEAD
+               "{\"type\": \"flatten\"}, {\"type\": \"dense\", \"units\": 2.5},"
+               "{\"type\": \"softmax_xent\"}]}",
+               "layer 1 (dense): 'units' must be a positive integer");
+  expect_error(HEAD
+               "{\"type\": \"flatten\"}, {\"type\": \"dense\"}, {\"type\": \"softmax_xent\"}]}",
+               "layer 1 (dense): 'units' is required");
+  expect_error(HEAD "{\"type\": \"conv2d\", \"filters\": 4, \"kernel\": 3, \"stride\": 0}," TAIL,
+               "layer 0 (conv2d): 'stride' must be a positive integer");
+  expect_error(HEAD "{\"type\": \"maxpool\", \"size\": 9}," TAIL,
+               "layer 0 (maxpool): 'size' 9 is larger than the input 8x8");
+  expect_error(HEAD "{\"type\": \"dropout\", \"rate\": 1.0}," TAIL,
+               "layer 0 (dropout): 'rate' must be a number in [0, 1)");
+  expect_error(HEAD "{\"type\": \"dropout\"}," TAIL, "layer 0 (dropout): 'rate' is required");
+  expect_error(HEAD "{\"type\": \"softmax_xent\"}," TAIL,
+               "layer 0 (softmax_xent): must be the last layer");
+  expect_error(HEAD "{\"units\": 3}," TAIL, "layer 0: 'type' is required");
+  expect_error(HEAD "3," TAIL, "layer 0: must be a JSON object");
+  expect_error("{\"classes\": 10, \"layers\": [" TAIL, "'input' is required");
+  expect_error("{\"input\": [1, 8], \"classes\": 10, \"layers\": [" TAIL,
+               "'input' must be an array [C, H, W]");
+  expect_error("{\"input\": [1, 0, 8], \"classes\": 10, \"layers\": [" TAIL, "'input'[1]");
+  expect_error("{\"input\": [1, 8, 8], \"layers\": [" TAIL, "'classes' is required");
+  expect_error("{\"input\": [1, 8, 8], \"classes\": 1000, \"layers\": [" TAIL,
+               "'classes' must be an integer in 2..256");
+  expect_error("{\"input\": [1, 8, 8], \"classes\": 10, \"layers\": []}",
+               "'layers' must be a non-empty array");
+  expect_error("{\"input\": [1, 8, 8], \"classes\": 10, \"layer\": []}",
+               "model: unknown field 'layer'");
+  expect_error(
+      "{\"input\": [10, 1, 1], \"classes\": 10, \"layers\": [{\"type\": "
+      "\"softmax_xent\"}]}",
+      "no layer has parameters");
+  expect_error(HEAD "{\"type\": \"flatten\"}, {\"type\": \"flatten\", \"type\": \"relu\"}]}",
+               "JSON syntax error at line 1");
+  expect_error("{\"input\": [1, 8, 8], ", "JSON syntax error at line 1, column");
+
+  /* Absurd sizes: P beyond 2^31 values, a huge activation, too many layers. */
+  expect_error(
+      "{\"input\": [1, 1000, 1000], \"classes\": 10, \"layers\": ["
+      "{\"type\": \"dense\", \"units\": 100000}, {\"type\": \"dense\", \"units\": 10},"
+      "{\"type\": \"softmax_xent\"}]}",
+      "layer 0 (dense): too many weights");
+  expect_error(
+      "{\"input\": [1, 1000, 1000], \"classes\": 10, \"layers\": ["
+      "{\"type\": \"dense\", \"units\": 2000}, {\"type\": \"dense\", \"units\": 100000},"
+      "{\"type\": \"dense\", \"units\": 10}, {\"type\": \"softmax_xent\"}]}",
+      "layer 1 (dense): the model has more than 2147483647 parameters");
+  expect_error("{\"input\": [65536, 65536, 65536], \"classes\": 10, \"layers\": [" TAIL,
+               "'input' has more than");
+  expect_error(
+      "{\"input\": [1, 40000, 40000], \"classes\": 10, \"layers\": ["
+      "{\"type\": \"conv2d\", \"filters\": 1000, \"kernel\": 1}," TAIL,
+      "layer 0 (conv2d): output has more than");
+  char big[4096] = HEAD;
+  for (int i = 0; i < PS_MAX_LAYERS; i++) strcat(big, "{\"type\": \"relu\"},");
+  strcat(big, TAIL);
+  expect_error(big, "at most 64 are supported");
+}
+
+static void test_init_params(void) {
+  ps_model_spec m;
+  char err[PS_ERRLEN] = "";
+  CHECK(ps_model_spec_parse(QUICKSTART, &m, err) == 0);
+  size_t P = m.n_params;
+  float *full = malloc(P * sizeof *full), *part = malloc(P * sizeof *part);
+  CHECK(full && part);
+  if (!full || !part) return;
+  ps_model_init_params(&m, 42, 0, P, full);
+
+  /* Sharded initialization is bit-identical to the whole vector. */
+  const int shard_counts[] = {1, 2, 3, 7};
+  for (int k = 0; k < 4; k++) {
+    int S = shard_counts[k];
+    memset(part, 0xff, P * sizeof *part);
+    for (int s = 0; s < S; s++) {
+      size_t b, e;
+      ps_shard_range(P, S, s, &b, &e);
+      ps_model_init_params(&m, 42, b, e, part + b);
+    }
+    CHECK_MSG(memcmp(full, part, P * sizeof *full) == 0, "S=%d", S);
+  }
+  /* Windows that start and end inside tensors and cross several. */
+  const size_t windows[][2] = {{280, 330},       {287, 289},       {300, 18900},
+                               {420200, 421642}, {421641, 421642}, {5, 5}};
+  for (int k = 0; k < 6; k++) {
+    size_t b = windows[k][0], e = windows[k][1];
+    ps_model_init_params(&m, 42, b, e, part);
+    CHECK_MSG(memcmp(full + b, part, (e - b) * sizeof *full) == 0, "[%zu, %zu)", b, e);
+  }
+
+  /* Biases zero; weights within their limit and spread over it: He
+   * (followed by relu) for the first three, Glorot for the logits layer. */
+  const int wl[] = {0, 3, 7, 9};
+  const double limits[] = {sqrt(6.0 / 9), sqrt(6.0 / 288), sqrt(6.0 / 3136),
+                           sqrt(6.0 / (128 + 10))};
+  for (int k = 0; k < 4; k++) {
+    const ps_layer *L = &m.layers[wl[k]];
+    double sum = 0, maxabs = 0;
+    for (size_t i = L->w_off; i < L->w_off + L->w_count; i++) {
+      sum += full[i];
+      if (fabs(full[i]) > maxabs) maxabs = fabs(full[i]);
+    }
+    CHECK_MSG(maxabs <= limits[k] * (1 + 1e-6), "%s max %g limit %g", L->name, maxabs, limits[k]);
+    CHECK_MSG(maxabs >= limits[k] * 0.9, "%s max %g limit %g", L->name, maxabs, limits[k]);
+    /* Uniform on [-1, 1] has sd 0.577: 6 standard errors of the mean, and
+     * at least 0.05 for the small layers. */
+    double mean = sum / (double)L->w_count / limits[k];
+    double tol = fmax(0.05, 6 * 0.577 / sqrt((double)L->w_count));
+    CHECK_MSG(fabs(mean) <= tol, "%s mean/limit %g", L->name, mean);
+    int zeros = 0;
+    for (size_t i = L->b_off; i < L->b_off + L->b_count; i++) zeros += full[i] == 0.0f;
+    CHECK((size_t)zeros == L->b_count);
+  }
+
+  /* The values depend on the seed. */
+  ps_model_init_params(&m, 43, 0, 1000, part);
+  CHECK(memcmp(full, part, 1000 * sizeof *full) != 0);
+  free(full);
+  free(part);
+}
+
+static void test_shard_range(void) {
+  const size_t Ps[] = {0, 1, 15, 16, 17, 100, 421642, 1000003};
+  const int Ss[] = {1, 2, 3, 5, 7, 8, 16, 64, 100};
+  for (size_t pi = 0; pi < sizeof Ps / sizeof *Ps; pi++) {
+    for (size_t si = 0; si < sizeof Ss / sizeof *Ss; si++) {
+      size_t P = Ps[pi];
+      int S = Ss[si];
+      size_t prev_end = 0, b, e;
+      int ok = 1;
+      for (int s = 0; s < S; s++) {
+        ps_shard_range(P, S, s, &b, &e);
+        ok &= b == prev_end && b <= e;
+        if (s < S - 1) ok &= e % 16 == 0;
+        /* Balanced: at most one alignment unit more than an even split. */
+        ok &= e - b <= P / (size_t)S + 1 + 16;
+        prev_end = e;
+      }
+      ok &= prev_end == P;
+      CHECK_MSG(ok, "P=%zu S=%d", P, S);
+    }
+  }
+  size_t b, e;
+  ps_shard_range(421642, 2, 0, &b, &e);
+  CHECK(b == 0 && e == 210816);
+  ps_shard_range(421642, 2, 1, &b, &e);
+  CHECK(b == 210816 && e == 421642);
+  /* Out-of-range arguments give an empty range. */
+  ps_shard_range(100, 2, 2, &b, &e);
+  CHECK(b == 0 && e == 0);
+  ps_shard_range(100, 0, 0, &b, &e);
+  CHECK(b == 0 && e == 0);
+}
+
+int main(void) {
+  RUN(test_quickstart_layout);
+  RUN(test_shapes);
+  RUN(test_errors);
+  RUN(test_init_params);
+  RUN(test_shard_range);
+  return check_summary();
+}

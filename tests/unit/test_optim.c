@@ -1,0 +1,224 @@
+/* The optimizers of ps/optim.c against steps worked out by hand.
+ *
+ * Tolerances: the optimizers compute in float32, so a value near 1 carries
+ * about 6e-8 of rounding per operation; a few steps of a few operations
+ * stay well below the 2e-6 used here, while any mistake in a formula (a
+ * missing bias correction, eps in the wrong place, nesterov's extra term)
+ * moves the result by 1e-3 or more. */
+#include <math.h>
+#include <string.h>
+
+#include "check.h"
+#include "common/optim.h"
+
+#define TOL 2e-6
+
+static ps_optim_config config(const char *name) {
+  ps_optim_config c;
+  memset(&c, 0, sizeof c);
+  strcpy(c.name, name);
+  c.lr = 0.1f;
+  c.momentum = 0.9f;
+  c.beta1 = 0.9f;
+  c.beta2 = 0.999f;
+  c.eps = 1e-8f;
+  c.initial_accumulator = 0.1f;
+  return c;
+}
+
+/* One update of a single parameter with its slots. */
+static void step1(const ps_optimizer *o, const ps_optim_config *c, uint64_t t, float *p,
+                  float *slot_vals, float g) {
+  float *slots[2] = {&slot_vals[0], &slot_vals[1]};
+  o->apply(c, t, c->lr, p, slots, &g, 1);
+}
+
+static void test_table(void) {
+  const char *names[] = {"sgd", "momentum", "adagrad", "adam"};
+  int slots[] = {0, 1, 1, 2};
+  for (int i = 0; i < 4; i++) {
+    const ps_optimizer *o = ps_optimizer_find(names[i]);
+    CHECK(o != NULL);
+    if (!o) continue;
+    CHECK(strcmp(o->name, names[i]) == 0);
+    CHECK(o->n_slots == slots[i]);
+  }
+  CHECK(ps_optimizer_find("rmsprop") == NULL);
+  CHECK(ps_optimizer_find("") == NULL);
+  CHECK(ps_optimizer_find(NULL) == NULL);
+}
+
+static void test_sgd(void) {
+  const ps_optimizer *o = ps_optimizer_find("sgd");
+  ps_optim_config c = config("sgd");
+  float p = 1.0f, s[2] = {0, 0};
+  step1(o, &c, 1, &p, s, 0.5f); /* 1 - 0.1*0.5 = 0.95 */
+  CHECK_NEAR(p, 0.95, TOL, 0);
+  step1(o, &c, 2, &p, s, -1.0f); /* 0.95 + 0.1 = 1.05 */
+  CHECK_NEAR(p, 1.05, TOL, 0);
+  step1(o, &c, 3, &p, s, 0.25f); /* 1.05 - 0.025 = 1.025 */
+  CHECK_NEAR(p, 1.025, TOL, 0);
+  /* The lr argument is the one used, not cfg->lr (a caller may scale it). */
+  float q = 1.0f, g = 2.0f;
+  o->apply(&c, 1, 0.5f, &q, NULL, &g, 1); /* 1 - 0.5*2 = 0 */
+  CHECK_NEAR(q, 0.0, TOL, 0);
+}
+
+static void test_momentum(void) {
+  const ps_optimizer *o = ps_optimizer_find("momentum");
+  ps_optim_config c = config("momentum"); /* lr 0.1, mu 0.9 */
+  CHECK(o->slot_init(&c, 0) == 0.0f);
+  float p = 1.0f, v[2] = {0, 0};
+  /* g=1:  v = 0.9*0 + 1 = 1;         p = 1 - 0.1*1 = 0.9 */
+  step1(o, &c, 1, &p, v, 1.0f);
+  CHECK_NEAR(v[0], 1.0, TOL, 0);
+  CHECK_NEAR(p, 0.9, TOL, 0);
+  /* g=1:  v = 0.9*1 + 1 = 1.9;       p = 0.9 - 0.19 = 0.71 */
+  step1(o, &c, 2, &p, v, 1.0f);
+  CHECK_NEAR(v[0], 1.9, TOL, 0);
+  CHECK_NEAR(p, 0.71, TOL, 0);
+  /* g=-2: v = 1.71 - 2 = -0.29;      p = 0.71 + 0.029 = 0.739 */
+  step1(o, &c, 3, &p, v, -2.0f);
+  CHECK_NEAR(v[0], -0.29, TOL, 0);
+  CHECK_NEAR(p, 0.739, TOL, 0);
+}
+
+static void test_nesterov(void) {
+  const ps_optimizer *o = ps_optimizer_find("momentum");
+  ps_optim_config c = config("momentum");
+  c.nesterov = 1;
+  float p = 1.0f, v[2] = {0, 0};
+  /* g=1:  v = 1;     p -= 0.1*(1 + 0.9*1)     = 0.19    -> 0.81 */
+  step1(o, &c, 1, &p, v, 1.0f);
+  CHECK_NEAR(v[0], 1.0, TOL, 0);
+  CHECK_NEAR(p, 0.81, TOL, 0);
+  /* g=1:  v = 1.9;   p -= 0.1*(1 + 0.9*1.9)   = 0.271   -> 0.539 */
+  step1(o, &c, 2, &p, v, 1.0f);
+  CHECK_NEAR(v[0], 1.9, TOL, 0);
+  CHECK_NEAR(p, 0.539, TOL, 0);
+  /* g=-2: v = -0.29; p -= 0.1*(-2 + 0.9*-0.29) = -0.2261 -> 0.7651 */
+  step1(o, &c, 3, &p, v, -2.0f);
+  CHECK_NEAR(v[0], -0.29, TOL, 0);
+  CHECK_NEAR(p, 0.7651, TOL, 0);
+}
+
+static void test_adagrad(void) {
+  const ps_optimizer *o = ps_optimizer_find("adagrad");
+  ps_optim_config c = config("adagrad");
+  c.initial_accumulator = 0.25f;
+  c.eps = 0.1f; /* large on purpose, so that its place in the formula shows */
+  CHECK(o->slot_init(&c, 0) == 0.25f);
+  float p = 1.0f, a[2] = {o->slot_init(&c, 0), 0};
+  /* g=1.2:  a = 0.25 + 1.44 = 1.69, sqrt 1.3;   p -= 0.1*1.2/(1.3+0.1) = 0.0857142857
+   *         -> 0.9142857143 */
+  step1(o, &c, 1, &p, a, 1.2f);
+  CHECK_NEAR(a[0], 1.69, TOL, 0);
+  CHECK_NEAR(p, 0.9142857143, TOL, 0);
+  /* g=-0.9: a = 1.69 + 0.81 = 2.5, sqrt 1.5811388301;
+   *         p += 0.09/1.6811388301 = 0.0535351384  -> 0.9678208527 */
+  step1(o, &c, 2, &p, a, -0.9f);
+  CHECK_NEAR(a[0], 2.5, TOL, 0);
+  CHECK_NEAR(p, 0.9678208527, TOL, 0);
+  /* g=0.4:  a = 2.5 + 0.16 = 2.66, sqrt 1.6309506430;
+   *         p -= 0.04/1.7309506430 = 0.0231086890   -> 0.9447121638 */
+  step1(o, &c, 3, &p, a, 0.4f);
+  CHECK_NEAR(a[0], 2.66, TOL, 0);
+  CHECK_NEAR(p, 0.9447121638, TOL, 0);
+}
+
+static void test_adam(void) {
+  const ps_optimizer *o = ps_optimizer_find("adam");
+  ps_optim_config c = config("adam"); /* lr 0.1, b1 0.9, b2 0.999, eps 1e-8 */
+  CHECK(o->slot_init(&c, 0) == 0.0f && o->slot_init(&c, 1) == 0.0f);
+  float p = 1.0f, mv[2] = {0, 0};
+  /* The slots are compared with a relative 2e-5: 0.999f is 0.99900001, so
+   * 1 - beta2 in float is 0.000999987, 1.3e-5 below 0.001. The step itself
+   * does not see this, as the bias correction uses the same beta2. */
+  const double SLOT_RTOL = 2e-5;
+  /* t=1, g=0.5: m = 0.1*0.5 = 0.05, v = 0.001*0.25 = 0.00025;
+   *   m^ = 0.05/(1-0.9) = 0.5, v^ = 0.00025/(1-0.999) = 0.25, sqrt 0.5;
+   *   p -= 0.1*0.5/(0.5+1e-8) = 0.1 (less 2e-9) -> 0.9 */
+  step1(o, &c, 1, &p, mv, 0.5f);
+  CHECK_NEAR(mv[0], 0.05, 0, SLOT_RTOL);
+  CHECK_NEAR(mv[1], 0.00025, 0, SLOT_RTOL);
+  CHECK_NEAR(p, 0.9, TOL, 0);
+  /* t=2, g=0.5: m = 0.045 + 0.05 = 0.095, v = 0.00024975 + 0.00025 = 0.00049975;
+   *   m^ = 0.095/0.19 = 0.5, v^ = 0.00049975/0.001999 = 0.25;
+   *   p -= 0.1 -> 0.8 (a constant gradient moves by lr per step) */
+  step1(o, &c, 2, &p, mv, 0.5f);
+  CHECK_NEAR(mv[0], 0.095, 0, SLOT_RTOL);
+  CHECK_NEAR(mv[1], 0.00049975, 0, SLOT_RTOL);
+  CHECK_NEAR(p, 0.8, TOL, 0);
+  /* t=3, g=-1: m = 0.0855 - 0.1 = -0.0145, v = 0.00049925025 + 0.001 = 0.00149925025;
+   *   m^ = -0.0145/0.271 = -0.0535055351, v^ = 0.00149925025/0.002997001 = 0.5002501668,
+   *   sqrt 0.7072836537; p += 0.1*0.0535055351/0.7072836537 = 0.0075649370
+   *   -> 0.8075649370 */
+  step1(o, &c, 3, &p, mv, -1.0f);
+  CHECK_NEAR(mv[0], -0.0145, 0, SLOT_RTOL);
+  CHECK_NEAR(mv[1], 0.00149925025, 0, SLOT_RTOL);
+  CHECK_NEAR(p, 0.8075649370, TOL, 0);
+}
+
+/* t enters through the bias corrections: the same first gradient at t=1000
+ * (slots fresh, as for a parameter first pushed late) takes a smaller step.
+ * m = 0.05, v = 0.00025; 1-0.9^1000 = 1, 1-0.999^1000 = 0.6323045752;
+ * v^ = 0.000395378, sqrt 0.0198841; p -= 0.1*0.05/0.0198841 = 0.2514565
+ * -> 0.7485434552. */
+static void test_adam_late_t(void) {
+  const ps_optimizer *o = ps_optimizer_find("adam");
+  ps_optim_config c = config("adam");
+  float p = 1.0f, mv[2] = {0, 0};
+  step1(o, &c, 1000, &p, mv, 0.5f);
+  CHECK_NEAR(p, 0.7485434552, TOL, 0);
+}
+
+/* The vector loops run in blocks with a scalar tail: a run of 37 values
+ * (two blocks and a tail of 5) must equal 37 single-value updates, for
+ * every optimizer, over three steps. */
+static void test_blocks_equal_scalar(void) {
+  enum { N = 37 };
+  const char *names[] = {"sgd", "momentum", "adagrad", "adam"};
+  for (int nesterov = 0; nesterov < 2; nesterov++) {
+    for (int k = 0; k < 4; k++) {
+      const ps_optimizer *o = ps_optimizer_find(names[k]);
+      ps_optim_config c = config(names[k]);
+      c.nesterov = nesterov;
+      float pv[N], pg[N], s0v[N], s1v[N];   /* vector run */
+      float ps[N], s0s[N], s1s[N];          /* one at a time */
+      for (int i = 0; i < N; i++) {
+        pv[i] = ps[i] = 0.5f - 0.03f * (float)i;
+        s0v[i] = s0s[i] = o->n_slots > 0 ? o->slot_init(&c, 0) : 0.0f;
+        s1v[i] = s1s[i] = o->n_slots > 1 ? o->slot_init(&c, 1) : 0.0f;
+      }
+      int same = 1;
+      for (uint64_t t = 1; t <= 3; t++) {
+        for (int i = 0; i < N; i++) pg[i] = sinf((float)(i + 7 * t));
+        float *sv[2] = {s0v, s1v};
+        o->apply(&c, t, c.lr, pv, sv, pg, N);
+        for (int i = 0; i < N; i++) {
+          float *ss[2] = {&s0s[i], &s1s[i]};
+          o->apply(&c, t, c.lr, &ps[i], ss, &pg[i], 1);
+        }
+      }
+      /* Same operations in the same order: allow only the last-bit
+       * differences a fused multiply-add in one path could make. */
+      for (int i = 0; i < N; i++)
+        if (fabsf(pv[i] - ps[i]) > 1e-6f || fabsf(s0v[i] - s0s[i]) > 1e-6f ||
+            fabsf(s1v[i] - s1s[i]) > 1e-6f)
+          same = 0;
+      CHECK_MSG(same, "%s nesterov=%d: block loop differs from scalar", names[k], nesterov);
+    }
+  }
+}
+
+int main(void) {
+  RUN(test_table);
+  RUN(test_sgd);
+  RUN(test_momentum);
+  RUN(test_nesterov);
+  RUN(test_adagrad);
+  RUN(test_adam);
+  RUN(test_adam_late_t);
+  RUN(test_blocks_equal_scalar);
+  return check_summary();
+}

@@ -1,0 +1,466 @@
+/* The shard's state (ps/shard.c): creation, pushes given as scattered
+ * segments, versions and staleness, statistics, shared snapshots, and the
+ * refusal of bad input without any change of state. */
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "common/model_spec.h"
+#include "ps/shard.h"
+
+/* 8x8 inputs, one dense layer of 16: P = 64*16 + 16 = 1040. With S = 2 the
+ * boundary P/2 = 520 is rounded down to 512, so shard 1 owns [512, 1040). */
+static const char *SPEC =
+    "{\"input\": [1, 8, 8], \"classes\": 16, \"layers\": ["
+    "{\"type\": \"flatten\"}, {\"type\": \"dense\", \"units\": 16},"
+    "{\"type\": \"softmax_xent\"}]}";
+
+static ps_job make_job(const char *optimizer) {
+  ps_job job;
+  memset(&job, 0, sizeof job);
+  strcpy(job.job_id, "test-shard");
+  char err[PS_ERRLEN] = "";
+  int rc = ps_model_spec_parse(SPEC, &job.model, err);
+  CHECK_MSG(rc == PS_OK, "spec: %s", err);
+  strcpy(job.optim.name, optimizer);
+  job.optim.lr = 0.05f;
+  job.optim.momentum = 0.9f;
+  job.optim.beta1 = 0.9f;
+  job.optim.beta2 = 0.999f;
+  job.optim.eps = 1e-8f;
+  job.optim.initial_accumulator = 0.1f;
+  job.seed = 7;
+  strcpy(job.mode, "async");
+  return job;
+}
+
+static ps_shard *make_shard(const ps_job *job, int index) {
+  char err[PS_ERRLEN] = "";
+  ps_shard *s = ps_shard_create(job, index, 2, err);
+  CHECK_MSG(s != NULL, "create: %s", err);
+  return s;
+}
+
+static size_t shard_len(const ps_shard *s) { return ps_shard_end(s) - ps_shard_begin(s); }
+
+/* Pushes count floats as one aligned segment. */
+static int push_floats(ps_shard *s, uint64_t base, size_t offset, const float *g, size_t count,
+                       uint64_t *version, uint64_t *stale, char *err) {
+  ps_seg seg = {(const uint8_t *)g, count * sizeof(float)};
+  ps_segview v = {&seg, 1, seg.len};
+  return ps_shard_push(s, base, offset, count, &v, version, stale, err);
+}
+
+static void test_create(void) {
+  ps_job job = make_job("adam");
+  CHECK(job.model.n_params == 1040);
+  ps_shard *s0 = make_shard(&job, 0), *s1 = make_shard(&job, 1);
+  if (!s0 || !s1) goto done;
+  /* The two ranges tile [0, P). */
+  CHECK(ps_shard_begin(s0) == 0 && ps_shard_end(s0) == 512);
+  CHECK(ps_shard_begin(s1) == 512 && ps_shard_end(s1) == 1040);
+  CHECK(ps_shard_index(s0) == 0 && ps_shard_index(s1) == 1);
+  /* Initial values do not depend on the sharding. */
+  float all[1040], got[528];
+  ps_model_init_params(&job.model, job.seed, 0, 1040, all);
+  ps_shard_copy_params(s1, got);
+  CHECK(memcmp(got, all + 512, 528 * sizeof(float)) == 0);
+  ps_shard_stats st;
+  ps_shard_stats_get(s1, &st);
+  CHECK(st.version == 0 && st.pushes == 0 && st.pulls == 0 && st.rejected == 0);
+
+  char err[PS_ERRLEN] = "";
+  ps_job bad = make_job("rmsprop");
+  CHECK(ps_shard_create(&bad, 0, 2, err) == NULL);
+  CHECK_MSG(strstr(err, "unknown optimizer 'rmsprop'") != NULL, "%s", err);
+  CHECK(ps_shard_create(&job, 2, 2, err) == NULL);
+  CHECK_MSG(strstr(err, "shard index 2 invalid for 2 shards") != NULL, "%s", err);
+  bad = make_job("adam");
+  bad.optim.eps = 0.0f;
+  CHECK(ps_shard_create(&bad, 0, 2, err) == NULL);
+  CHECK_MSG(strstr(err, "eps") != NULL, "%s", err);
+done:
+  ps_shard_destroy(s0);
+  ps_shard_destroy(s1);
+}
+
+/* Splits the bytes of g into segments at the given byte cuts, each segment
+ * copied to an odd address so that no float in it is aligned. */
+typedef struct {
+  ps_seg segs[16];
+  uint8_t *bufs[16];
+  ps_segview view;
+} scattered;
+
+static void scatter(scattered *sc, const float *g, size_t count, const size_t *cuts, int ncuts) {
+  const uint8_t *bytes = (const uint8_t *)g;
+  size_t total = count * sizeof(float), at = 0;
+  int n = 0;
+  for (int i = 0; i <= ncuts; i++) {
+    size_t to = i < ncuts ? cuts[i] : total;
+    size_t len = to - at;
+    sc->bufs[n] = malloc(len + 1);
+    memcpy(sc->bufs[n] + 1, bytes + at, len);
+    sc->segs[n].ptr = sc->bufs[n] + 1;
+    sc->segs[n].len = len;
+    n++;
+    at = to;
+  }
+  sc->view.segs = sc->segs;
+  sc->view.nsegs = n;
+  sc->view.total = total;
+}
+
+static void unscatter(scattered *sc) {
+  for (int i = 0; i < sc->view.nsegs; i++) free(sc->bufs[i]);
+}
+
+/* A gradient in odd pieces gives the same state as the same gradient in one
+ * piece: for adam (two slots, bias corrections from the version), over
+ * three pushes, each with a different split. */
+static void test_push_segments(void) {
+  ps_job job = make_job("adam");
+  ps_shard *a = make_shard(&job, 1), *b = make_shard(&job, 1);
+  if (!a || !b) goto done;
+  enum { COUNT = 301 };
+  size_t begin = ps_shard_begin(a), offset = begin + 3; /* not on a block boundary */
+  float before[528], pa[528], pb[528], g[COUNT];
+  ps_shard_copy_params(a, before);
+  /* Cuts inside floats (1, 6, 13, 1203), a zero-length segment (6, 6),
+   * whole-float cuts (40), and long runs that the staging buffer handles. */
+  const size_t cuts[3][6] = {{1, 6, 6, 13, 40, 1203},
+                             {2, 3, 400, 401, 402, 1199},
+                             {4, 8, 12, 600, 1000, 1201}};
+  for (int step = 0; step < 3; step++) {
+    for (int i = 0; i < COUNT; i++) g[i] = sinf(0.37f * (float)i + (float)step) * 0.1f;
+    char err[PS_ERRLEN] = "";
+    uint64_t va = 0, vb = 0, sa = 9, sb = 9;
+    CHECK(push_floats(a, (uint64_t)step, offset, g, COUNT, &va, &sa, err) == PS_OK);
+    scattered sc;
+    scatter(&sc, g, COUNT, cuts[step], 6);
+    int rc = ps_shard_push(b, (uint64_t)step, offset, COUNT, &sc.view, &vb, &sb, err);
+    CHECK_MSG(rc == PS_OK, "%s", err);
+    unscatter(&sc);
+    CHECK(va == (uint64_t)step + 1 && vb == va);
+    CHECK(sa == 0 && sb == 0);
+  }
+  ps_shard_copy_params(a, pa);
+  ps_shard_copy_params(b, pb);
+  CHECK(memcmp(pa, pb, sizeof pa) == 0);
+  /* Only [offset, offset+COUNT) moved. */
+  size_t lo = offset - begin, hi = lo + COUNT, changed_outside = 0, unchanged_inside = 0;
+  for (size_t i = 0; i < 528; i++) {
+    int same = memcmp(&pa[i], &before[i], sizeof(float)) == 0;
+    if (i < lo || i >= hi) changed_outside += !same;
+    else unchanged_inside += same;
+  }
+  CHECK(changed_outside == 0);
+  CHECK(unchanged_inside == 0);
+done:
+  ps_shard_destroy(a);
+  ps_shard_destroy(b);
+}
+
+/* A push of the whole range to shard 0, which starts at 0. */
+static void test_version_staleness_stats(void) {
+  ps_job job = make_job("sgd");
+  ps_shard *s = make_shard(&job, 0);
+  if (!s) return;
+  size_t n = shard_len(s);
+  float *g = calloc(n, sizeof(float));
+  char err[PS_ERRLEN] = "";
+  uint64_t v = 0, st = 0;
+  /* (base, expected staleness) at versions 0, 1, 2, 3 */
+  const uint64_t base[4] = {0, 0, 5, 1}, want[4] = {0, 1, 0, 2};
+  for (int i = 0; i < 4; i++) {
+    CHECK(push_floats(s, base[i], 0, g, n, &v, &st, err) == PS_OK);
+    CHECK(v == (uint64_t)i + 1);
+    CHECK_MSG(st == want[i], "push %d: staleness %llu, expected %llu", i,
+              (unsigned long long)st, (unsigned long long)want[i]);
+  }
+  ps_shard_stats stats;
+  ps_shard_stats_get(s, &stats);
+  CHECK(stats.version == 4 && stats.pushes == 4 && stats.rejected == 0);
+  CHECK_NEAR(stats.staleness_mean, 0.75, 1e-12, 0); /* (0+1+0+2)/4 */
+  CHECK(stats.staleness_max == 2);
+  CHECK(stats.staleness_hist[0] == 2 && stats.staleness_hist[1] == 1 &&
+        stats.staleness_hist[2] == 1);
+
+  /* 40 more pushes from base 0 at versions 4..43: staleness 4..43; those of
+   * 31 and more (13 of them) share the last bucket. */
+  for (int i = 0; i < 40; i++) CHECK(push_floats(s, 0, 0, g, n, &v, &st, err) == PS_OK);
+  ps_shard_stats_get(s, &stats);
+  CHECK(stats.version == 44 && stats.pushes == 44);
+  CHECK(stats.staleness_max == 43);
+  CHECK(stats.staleness_hist[PS_STALENESS_BUCKETS - 1] == 13);
+  CHECK(stats.staleness_hist[4] == 1 && stats.staleness_hist[30] == 1);
+  uint64_t sum = 0;
+  for (int i = 0; i < PS_STALENESS_BUCKETS; i++) sum += stats.staleness_hist[i];
+  CHECK(sum == 44);
+  /* mean of 0,1,0,2 and 4..43 = (3 + 940) / 44 */
+  CHECK_NEAR(stats.staleness_mean, 943.0 / 44.0, 1e-9, 0);
+  free(g);
+  ps_shard_destroy(s);
+}
+
+static void test_snapshots(void) {
+  ps_job job = make_job("momentum");
+  ps_shard *s = make_shard(&job, 1);
+  if (!s) return;
+  size_t begin = ps_shard_begin(s), n = shard_len(s);
+  float params[528];
+  char err[PS_ERRLEN] = "";
+
+  ps_snapshot *a = ps_shard_pull(s, begin, n, err);
+  ps_snapshot *b = ps_shard_pull(s, begin, n, err);
+  CHECK(a != NULL && b != NULL);
+  if (!a || !b) goto done;
+  CHECK(a == b);        /* same version: shared */
+  CHECK(a->refs == 3);  /* two pulls and the shard's cache */
+  CHECK(a->version == 0 && a->begin == begin && a->count == n);
+  ps_shard_copy_params(s, params);
+  CHECK(memcmp(a->values, params, n * sizeof(float)) == 0);
+
+  /* A partial range is a private copy. */
+  ps_snapshot *p = ps_shard_pull(s, begin + 5, 20, err);
+  CHECK(p != NULL && p != a);
+  if (p) {
+    CHECK(p->refs == 1 && p->begin == begin + 5 && p->count == 20 && p->version == 0);
+    CHECK(memcmp(p->values, params + 5, 20 * sizeof(float)) == 0);
+  }
+
+  /* After a push the next pull is a new snapshot; the old one still holds
+   * the old values for whoever is sending it. */
+  float g[528];
+  for (size_t i = 0; i < n; i++) g[i] = 1.0f;
+  CHECK(push_floats(s, 0, begin, g, n, NULL, NULL, err) == PS_OK);
+  ps_snapshot *c = ps_shard_pull(s, begin, n, err);
+  CHECK(c != NULL && c != a);
+  if (c) {
+    CHECK(c->version == 1);
+    CHECK(c->refs == 2);
+    CHECK(a->refs == 2); /* the cache let go of it */
+    CHECK(memcmp(a->values, params, n * sizeof(float)) == 0);
+    /* momentum, first step: p -= lr * g = 0.05 */
+    CHECK_NEAR(c->values[0], params[0] - 0.05f, 1e-6, 0);
+  }
+  ps_shard_stats st;
+  ps_shard_stats_get(s, &st);
+  CHECK(st.pulls == 4);
+
+  /* Bad ranges. */
+  CHECK(ps_shard_pull(s, begin - 1, 10, err) == NULL);
+  CHECK_MSG(strstr(err, "pull range [511, 521) outside shard range [512, 1040)") != NULL, "%s",
+            err);
+  CHECK(ps_shard_pull(s, begin, n + 1, err) == NULL);
+  CHECK_MSG(strstr(err, "pull range [512, 1041) outside") != NULL, "%s", err);
+  CHECK(ps_shard_pull(s, (size_t)-4, 8, err) == NULL);
+  CHECK_MSG(strstr(err, "overflows") != NULL, "%s", err);
+
+  ps_snapshot_unref(a);
+  ps_snapshot_unref(b);
+  ps_snapshot_unref(p);
+  ps_snapshot_unref(c);
+  ps_snapshot_unref(NULL);
+done:
+  /* The cache's reference is dropped here; ASan reports any snapshot left. */
+  ps_shard_destroy(s);
+}
+
+/* Each bad push: the code, the message, and nothing changed. */
+typedef struct {
+  const char *what;
+  size_t offset, count;
+  size_t bytes;     /* bytes handed in */
+  int bad_at;       /* index to poison, or -1 */
+  float bad_value;
+  int want_rc;
+  char want_msg[128];
+} bad_case;
+
+static void test_bad_input(void) {
+  ps_job job = make_job("adam");
+  ps_shard *s = make_shard(&job, 1), *ref = make_shard(&job, 1);
+  if (!s || !ref) goto done;
+  size_t begin = ps_shard_begin(s);
+  float g[528], before[528], after[528];
+  for (int i = 0; i < 528; i++) g[i] = 0.01f * (float)(i % 13) - 0.05f;
+
+  /* One good push first, so that slots and version are not at their
+   * initial values when the bad ones come. */
+  char err[PS_ERRLEN] = "";
+  CHECK(push_floats(s, 0, begin, g, 528, NULL, NULL, err) == PS_OK);
+  CHECK(push_floats(ref, 0, begin, g, 528, NULL, NULL, err) == PS_OK);
+
+  bad_case cases[] = {
+      {"before range", 412, 100, 400, -1, 0, PS_ERANGE, ""},
+      {"past range", 1000, 100, 400, -1, 0, PS_ERANGE, ""},
+      {"short", 612, 100, 396, -1, 0, PS_EINVAL,
+       "gradient has 396 bytes, expected 400 for 100 values"},
+      {"long", 612, 100, 404, -1, 0, PS_EINVAL,
+       "gradient has 404 bytes, expected 400 for 100 values"},
+      {"NaN", 612, 100, 400, 17, NAN, PS_EINVAL, "gradient value 17 (global index 629) is NaN"},
+      {"+Inf", 612, 100, 400, 99, INFINITY, PS_EINVAL,
+       "gradient value 99 (global index 711) is +Inf"},
+      {"-Inf", 612, 100, 400, 0, -INFINITY, PS_EINVAL,
+       "gradient value 0 (global index 612) is -Inf"},
+  };
+  snprintf(cases[0].want_msg, sizeof cases[0].want_msg,
+           "push range [412, 512) outside shard range [512, 1040)");
+  snprintf(cases[1].want_msg, sizeof cases[1].want_msg,
+           "push range [1000, 1100) outside shard range [512, 1040)");
+  int ncases = (int)(sizeof cases / sizeof cases[0]);
+
+  uint64_t rejected = 0;
+  for (int k = 0; k < ncases; k++) {
+    bad_case *c = &cases[k];
+    float buf[128];
+    for (int i = 0; i < 128; i++) buf[i] = g[i];
+    if (c->bad_at >= 0) buf[c->bad_at] = c->bad_value;
+    /* Twice: once in one segment, once split inside the bad float and at
+     * odd addresses, so that the staged path is checked as well. */
+    for (int split = 0; split < 2; split++) {
+      ps_shard_copy_params(s, before);
+      ps_shard_stats st0, st1;
+      ps_shard_stats_get(s, &st0);
+      ps_seg one = {(const uint8_t *)buf, c->bytes};
+      ps_segview v1 = {&one, 1, c->bytes};
+      scattered sc;
+      size_t at = c->bad_at >= 0 ? (size_t)c->bad_at * 4 + 2 : 7;
+      const size_t cuts[2] = {3, at > 3 ? at : 5};
+      scatter(&sc, buf, 128, cuts, 2);
+      sc.segs[sc.view.nsegs - 1].len -= 128 * 4 - c->bytes;
+      sc.view.total = c->bytes;
+      memset(err, 0, sizeof err);
+      uint64_t v = 77, stale = 77;
+      int rc = ps_shard_push(s, 1, c->offset, c->count, split ? &sc.view : &v1, &v, &stale, err);
+      unscatter(&sc);
+      rejected++;
+      CHECK_MSG(rc == c->want_rc, "%s: rc %d", c->what, rc);
+      CHECK_MSG(strstr(err, c->want_msg) != NULL, "%s: message '%s', expected '%s'", c->what,
+                err, c->want_msg);
+      CHECK_MSG(v == 77 && stale == 77, "%s: outputs written on error", c->what);
+      ps_shard_copy_params(s, after);
+      CHECK_MSG(memcmp(before, after, sizeof before) == 0, "%s: params changed", c->what);
+      ps_shard_stats_get(s, &st1);
+      CHECK_MSG(st1.version == st0.version && st1.pushes == st0.pushes, "%s: version moved",
+                c->what);
+      CHECK_MSG(st1.rejected == rejected, "%s: rejected %llu, expected %llu", c->what,
+                (unsigned long long)st1.rejected, (unsigned long long)rejected);
+    }
+  }
+  /* Overflowing range. */
+  CHECK(push_floats(s, 1, (size_t)-8, g, 16, NULL, NULL, err) == PS_ERANGE);
+  CHECK_MSG(strstr(err, "overflows") != NULL, "%s", err);
+  rejected++;
+  /* A view whose segments hold more than its total: applying it would run
+   * past the pushed range. */
+  ps_seg wide = {(const uint8_t *)g, 404};
+  ps_segview lying = {&wide, 1, 400};
+  CHECK(ps_shard_push(s, 1, 612, 100, &lying, NULL, NULL, err) == PS_EINVAL);
+  CHECK_MSG(strstr(err, "gradient view says 400 bytes but its 1 segments hold 404") != NULL, "%s",
+            err);
+  rejected++;
+
+  /* Slots and version untouched: the same good push now gives the shard
+   * that saw the rejections exactly the state of one that never did (adam
+   * reads both slots and t = version + 1). */
+  CHECK(push_floats(s, 1, begin, g, 528, NULL, NULL, err) == PS_OK);
+  CHECK(push_floats(ref, 1, begin, g, 528, NULL, NULL, err) == PS_OK);
+  ps_shard_copy_params(s, after);
+  ps_shard_copy_params(ref, before);
+  CHECK(memcmp(before, after, sizeof before) == 0);
+  ps_shard_stats st;
+  ps_shard_stats_get(s, &st);
+  CHECK(st.version == 2 && st.pushes == 2 && st.rejected == rejected);
+done:
+  ps_shard_destroy(s);
+  ps_shard_destroy(ref);
+}
+
+/* A push of no values is a push: the version moves, nothing else. */
+static void test_empty_push(void) {
+  ps_job job = make_job("sgd");
+  ps_shard *s = make_shard(&job, 0);
+  if (!s) return;
+  ps_segview empty = {NULL, 0, 0};
+  char err[PS_ERRLEN] = "";
+  uint64_t v = 0;
+  CHECK(ps_shard_push(s, 0, 16, 0, &empty, &v, NULL, err) == PS_OK);
+  CHECK(v == 1);
+  ps_shard_destroy(s);
+}
+
+/* Pushes and pulls from several threads: every push is applied exactly
+ * once. With sgd and a gradient of 1 everywhere every push is the same
+ * `p -= 0.25`, so whatever the interleaving the result is that operation
+ * repeated, bit for bit. */
+typedef struct {
+  ps_shard *s;
+  int pushes;
+  int failures;
+} worker_arg;
+
+static void *worker(void *p) {
+  worker_arg *w = p;
+  size_t begin = ps_shard_begin(w->s), n = shard_len(w->s);
+  float *g = malloc(n * sizeof(float));
+  for (size_t i = 0; i < n; i++) g[i] = 1.0f;
+  char err[PS_ERRLEN];
+  for (int i = 0; i < w->pushes; i++) {
+    if (push_floats(w->s, 0, begin, g, n, NULL, NULL, err) != PS_OK) w->failures++;
+    ps_snapshot *snap = ps_shard_pull(w->s, begin, n, err);
+    if (!snap) w->failures++;
+    ps_snapshot_unref(snap);
+  }
+  free(g);
+  return NULL;
+}
+
+static void test_threads(void) {
+  ps_job job = make_job("sgd");
+  job.optim.lr = 0.25f;
+  ps_shard *s = make_shard(&job, 0);
+  if (!s) return;
+  size_t n = shard_len(s);
+  float init[512], got[512];
+  ps_shard_copy_params(s, init);
+  enum { T = 4, PUSHES = 50 };
+  pthread_t th[T];
+  worker_arg args[T];
+  for (int i = 0; i < T; i++) {
+    args[i] = (worker_arg){s, PUSHES, 0};
+    pthread_create(&th[i], NULL, worker, &args[i]);
+  }
+  int failures = 0;
+  for (int i = 0; i < T; i++) {
+    pthread_join(th[i], NULL);
+    failures += args[i].failures;
+  }
+  CHECK(failures == 0);
+  ps_shard_stats st;
+  ps_shard_stats_get(s, &st);
+  CHECK(st.version == T * PUSHES && st.pushes == T * PUSHES && st.pulls == T * PUSHES);
+  ps_shard_copy_params(s, got);
+  int exact = 1;
+  for (size_t i = 0; i < n; i++) {
+    float want = init[i];
+    for (int k = 0; k < T * PUSHES; k++) want -= 0.25f;
+    if (got[i] != want) exact = 0;
+  }
+  CHECK(exact);
+  ps_shard_destroy(s);
+}
+
+int main(void) {
+  RUN(test_create);
+  RUN(test_push_segments);
+  RUN(test_version_staleness_stats);
+  RUN(test_snapshots);
+  RUN(test_bad_input);
+  RUN(test_empty_push);
+  RUN(test_threads);
+  return check_summary();
+}

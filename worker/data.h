@@ -1,0 +1,63 @@
+/* Data sets and the input pipeline of a worker.
+ *
+ * Images are held as float32 (n, c*h*w) scaled to [0, 1]; labels as bytes.
+ * A batcher walks this worker's shard of the training set (examples i with
+ * i % num_workers == rank), reshuffled every epoch from (seed, epoch, rank),
+ * and fills batches on its own thread so compute never waits for input. */
+#ifndef PS_WORKER_DATA_H
+#define PS_WORKER_DATA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct {
+  int n;          /* examples */
+  int c, h, w;    /* shape of one example */
+  int classes;
+  float *images;  /* (n, c*h*w) in [0, 1] */
+  uint8_t *labels;
+} ps_dataset;
+
+/* Reads an IDX image file (magic 0x00000803) and its label file
+ * (0x00000801), gzip-compressed or plain (detected from the content).
+ * Errors name the file and the problem: bad magic, truncated data,
+ * counts that differ, labels >= classes. */
+int ps_dataset_load_idx(const char *images_path, const char *labels_path, int classes,
+                        ps_dataset *out, char *err);
+
+/* The train (train=1) or test split of a named set in dir: "fashion-mnist"
+ * and "mnist" read train-images-idx3-ubyte(.gz) etc. */
+int ps_dataset_load_named(const char *name, const char *dir, int train, ps_dataset *out,
+                          char *err);
+
+/* A deterministic synthetic set that a small CNN learns in seconds: each
+ * class is a fixed random template (from seed) plus per-example noise;
+ * split 0 = train, 1 = test (different examples, same templates). */
+int ps_dataset_synthetic(int n, int c, int h, int w, int classes, uint64_t seed, int split,
+                         ps_dataset *out);
+
+void ps_dataset_free(ps_dataset *d);
+
+typedef struct {
+  float *x;        /* (n, c*h*w) */
+  uint8_t *y;      /* (n) */
+  int n;
+  int epoch;       /* 0-based epoch these examples come from */
+  int64_t index;   /* sequence number of the batch from this batcher */
+} ps_batch;
+
+typedef struct ps_batcher ps_batcher;
+
+/* Starts the prefetch thread: batches of batch_size (the last batch of an
+ * epoch may be smaller) from the examples with i % num_workers == rank,
+ * shuffled per epoch, `depth` batches ahead. NULL on failure. */
+ps_batcher *ps_batcher_create(const ps_dataset *ds, int batch_size, int rank, int num_workers,
+                              uint64_t seed, int depth);
+/* Blocks until a batch is ready; it stays valid until ps_batcher_release. */
+int ps_batcher_next(ps_batcher *b, ps_batch **out);
+void ps_batcher_release(ps_batcher *b, ps_batch *batch);
+/* Number of examples in this worker's shard (one epoch). */
+int ps_batcher_epoch_size(const ps_batcher *b);
+void ps_batcher_destroy(ps_batcher *b);
+
+#endif

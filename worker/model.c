@@ -1,0 +1,248 @@
+#include "model.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "../common/util.h"
+
+/* Per-layer buffers. Every layer has its own output so that backward can
+ * read what forward produced (relu reads its output, conv reads its
+ * input, which is the previous layer's output). */
+typedef struct {
+  ps_conv_shape conv;
+  ps_pool_shape pool;
+  float *out;      /* (max_batch, out_c*out_h*out_w) */
+  int32_t *argmax; /* maxpool: same size as out */
+  float *mask;     /* dropout: same size as out */
+  size_t in_size, out_size; /* per example */
+} layer_state;
+
+struct ps_model {
+  ps_model_spec spec;
+  ps_ops *ops;
+  int max_batch;
+  layer_state *ls;
+  float *work;       /* conv scratch, the largest any conv layer needs */
+  float *grad_a;     /* gradient ping-pong buffers, largest activation */
+  float *grad_b;
+  float *probs;      /* (max_batch, classes) */
+};
+
+static size_t layer_size(int c, int h, int w) { return (size_t)c * h * w; }
+
+ps_model *ps_model_create(const ps_model_spec *spec, ps_ops *ops, int max_batch, char *err) {
+  ps_model *m = calloc(1, sizeof *m);
+  if (!m) {
+    ps_seterr(err, PS_ENOMEM, "out of memory creating the model");
+    return NULL;
+  }
+  m->spec = *spec;
+  m->ops = ops;
+  m->max_batch = max_batch;
+  m->ls = calloc((size_t)spec->n_layers, sizeof *m->ls);
+  if (!m->ls) goto oom;
+  size_t work = 0, largest = layer_size(spec->in_c, spec->in_h, spec->in_w);
+  for (int i = 0; i < spec->n_layers; i++) {
+    const ps_layer *L = &spec->layers[i];
+    layer_state *s = &m->ls[i];
+    s->in_size = layer_size(L->in_c, L->in_h, L->in_w);
+    s->out_size = layer_size(L->out_c, L->out_h, L->out_w);
+    if (s->out_size > largest) largest = s->out_size;
+    size_t n_out = s->out_size * (size_t)max_batch;
+    if (L->type == PS_LAYER_CONV2D) {
+      s->conv = (ps_conv_shape){.n = max_batch, .c = L->in_c, .h = L->in_h, .w = L->in_w,
+                                .oc = L->filters, .kh = L->kernel, .kw = L->kernel,
+                                .stride = L->stride, .pad = L->pad};
+      ps_conv_shape_finish(&s->conv);
+      size_t ws = ops->conv2d_workspace(ops->ctx, &s->conv);
+      if (ws > work) work = ws;
+    } else if (L->type == PS_LAYER_MAXPOOL) {
+      s->pool = (ps_pool_shape){.n = max_batch, .c = L->in_c, .h = L->in_h, .w = L->in_w,
+                                .size = L->pool, .stride = L->pool_stride};
+      ps_pool_shape_finish(&s->pool);
+      s->argmax = ps_alloc(n_out * sizeof(int32_t));
+      if (!s->argmax) goto oom;
+    } else if (L->type == PS_LAYER_DROPOUT) {
+      s->mask = ps_alloc(n_out * sizeof(float));
+      if (!s->mask) goto oom;
+    }
+    if (L->type != PS_LAYER_FLATTEN && L->type != PS_LAYER_SOFTMAX_XENT) {
+      s->out = ps_alloc(n_out * sizeof(float));
+      if (!s->out) goto oom;
+    }
+  }
+  m->work = ps_alloc((work ? work : 1) * sizeof(float));
+  m->grad_a = ps_alloc(largest * (size_t)max_batch * sizeof(float));
+  m->grad_b = ps_alloc(largest * (size_t)max_batch * sizeof(float));
+  m->probs = ps_alloc((size_t)spec->classes * (size_t)max_batch * sizeof(float));
+  if (!m->work || !m->grad_a || !m->grad_b || !m->probs) goto oom;
+  return m;
+oom:
+  ps_model_destroy(m);
+  ps_seterr(err, PS_ENOMEM, "out of memory allocating activations for batch %d", max_batch);
+  return NULL;
+}
+
+void ps_model_destroy(ps_model *m) {
+  if (!m) return;
+  if (m->ls) {
+    for (int i = 0; i < m->spec.n_layers; i++) {
+      ps_free(m->ls[i].out);
+      ps_free(m->ls[i].argmax);
+      ps_free(m->ls[i].mask);
+    }
+    free(m->ls);
+  }
+  ps_free(m->work);
+  ps_free(m->grad_a);
+  ps_free(m->grad_b);
+  ps_free(m->probs);
+  free(m);
+}
+
+/* Runs the layers before the loss on n examples; returns the logits.
+ * training: dropout active with masks from (seed, step, layer). */
+static const float *forward(ps_model *m, const float *params, const float *x, int n,
+                            int training, uint64_t seed, uint64_t step) {
+  ps_ops *o = m->ops;
+  const float *in = x;
+  for (int i = 0; i < m->spec.n_layers; i++) {
+    const ps_layer *L = &m->spec.layers[i];
+    layer_state *s = &m->ls[i];
+    size_t n_out = s->out_size * (size_t)n;
+    switch (L->type) {
+      case PS_LAYER_CONV2D: {
+        ps_conv_shape cs = s->conv;
+        cs.n = n;
+        o->conv2d_forward(o->ctx, &cs, in, params + L->w_off, params + L->b_off, s->out, m->work);
+        in = s->out;
+        break;
+      }
+      case PS_LAYER_MAXPOOL: {
+        ps_pool_shape ps = s->pool;
+        ps.n = n;
+        o->maxpool_forward(o->ctx, &ps, in, s->out, s->argmax);
+        in = s->out;
+        break;
+      }
+      case PS_LAYER_DENSE:
+        o->dense_forward(o->ctx, n, (int)s->in_size, L->units, in, params + L->w_off,
+                         params + L->b_off, s->out);
+        in = s->out;
+        break;
+      case PS_LAYER_RELU:
+        o->relu_forward(o->ctx, n_out, in, s->out);
+        in = s->out;
+        break;
+      case PS_LAYER_DROPOUT:
+        if (training && L->rate > 0.0f) {
+          /* One stream per (step, layer): a step can be replayed exactly. */
+          o->dropout_forward(o->ctx, n_out, L->rate, seed, step * PS_MAX_LAYERS + (uint64_t)i, in,
+                             s->out, s->mask);
+        } else {
+          memcpy(s->out, in, n_out * sizeof(float));
+        }
+        in = s->out;
+        break;
+      case PS_LAYER_FLATTEN:
+        break; /* NCHW is already (N, C*H*W) in memory */
+      case PS_LAYER_SOFTMAX_XENT:
+        return in;
+    }
+  }
+  return in;
+}
+
+static int count_correct(const float *probs, const uint8_t *y, int n, int k) {
+  int correct = 0;
+  for (int i = 0; i < n; i++) {
+    const float *p = probs + (size_t)i * k;
+    int best = 0;
+    for (int j = 1; j < k; j++)
+      if (p[j] > p[best]) best = j;
+    correct += best == y[i];
+  }
+  return correct;
+}
+
+float ps_model_train_step(ps_model *m, const float *params, const float *x, const uint8_t *y,
+                          int n, uint64_t seed, uint64_t step, float *grads, int *correct) {
+  ps_ops *o = m->ops;
+  const int k = m->spec.classes;
+  const float *logits = forward(m, params, x, n, 1, seed, step);
+  float loss = o->softmax_xent_forward(o->ctx, n, k, logits, y, m->probs);
+  if (correct) *correct = count_correct(m->probs, y, n, k);
+
+  float *dy = m->grad_a, *dx = m->grad_b;
+  o->softmax_xent_backward(o->ctx, n, k, m->probs, y, dy);
+  for (int i = m->spec.n_layers - 1; i >= 0; i--) {
+    const ps_layer *L = &m->spec.layers[i];
+    layer_state *s = &m->ls[i];
+    if (L->type == PS_LAYER_SOFTMAX_XENT || L->type == PS_LAYER_FLATTEN) continue;
+    /* The input of layer i: the output of the nearest earlier layer that
+     * has one (flatten has none), or the batch itself. */
+    const float *in = x;
+    for (int j = i - 1; j >= 0; j--)
+      if (m->ls[j].out) {
+        in = m->ls[j].out;
+        break;
+      }
+    int first = in == x; /* no gradient needed for the input itself */
+    float *dxp = first ? NULL : dx;
+    size_t n_out = s->out_size * (size_t)n;
+    switch (L->type) {
+      case PS_LAYER_CONV2D: {
+        ps_conv_shape cs = s->conv;
+        cs.n = n;
+        o->conv2d_backward(o->ctx, &cs, in, params + L->w_off, dy, dxp, grads + L->w_off,
+                           grads + L->b_off, m->work);
+        break;
+      }
+      case PS_LAYER_MAXPOOL: {
+        ps_pool_shape ps = s->pool;
+        ps.n = n;
+        if (dxp) o->maxpool_backward(o->ctx, &ps, dy, s->argmax, dxp);
+        break;
+      }
+      case PS_LAYER_DENSE:
+        o->dense_backward(o->ctx, n, (int)s->in_size, L->units, in, params + L->w_off, dy, dxp,
+                          grads + L->w_off, grads + L->b_off);
+        break;
+      case PS_LAYER_RELU:
+        if (dxp) o->relu_backward(o->ctx, n_out, s->out, dy, dxp);
+        break;
+      case PS_LAYER_DROPOUT:
+        if (dxp) {
+          if (L->rate > 0.0f)
+            o->dropout_backward(o->ctx, n_out, s->mask, dy, dxp);
+          else
+            memcpy(dxp, dy, n_out * sizeof(float));
+        }
+        break;
+      default:
+        break;
+    }
+    if (first) break;
+    float *t = dy;
+    dy = dx;
+    dx = t;
+  }
+  return loss;
+}
+
+float ps_model_evaluate(ps_model *m, const float *params, const float *x, const uint8_t *y,
+                        int n, int *correct) {
+  ps_ops *o = m->ops;
+  const int k = m->spec.classes;
+  const size_t in_size = layer_size(m->spec.in_c, m->spec.in_h, m->spec.in_w);
+  double loss_sum = 0.0;
+  int right = 0;
+  for (int start = 0; start < n; start += m->max_batch) {
+    int b = n - start < m->max_batch ? n - start : m->max_batch;
+    const float *logits = forward(m, params, x + (size_t)start * in_size, b, 0, 0, 0);
+    loss_sum += (double)o->softmax_xent_forward(o->ctx, b, k, logits, y + start, m->probs) * b;
+    right += count_correct(m->probs, y + start, b, k);
+  }
+  if (correct) *correct = right;
+  return n > 0 ? (float)(loss_sum / n) : 0.0f;
+}

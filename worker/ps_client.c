@@ -1,0 +1,447 @@
+#include "ps_client.h"
+
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../common/rpc.h"
+#include "../common/util.h"
+#include "../common/wire.h"
+#include "proto/ps.pb-c.h"
+
+#define M_REGISTER "/ps.ParameterServer/Register"
+#define M_HEARTBEAT "/ps.ParameterServer/Heartbeat"
+#define M_LEAVE "/ps.ParameterServer/Leave"
+#define M_PULL "/ps.ParameterServer/Pull"
+#define M_PUSH "/ps.ParameterServer/Push"
+
+typedef struct {
+  char addr[128];
+  rpc_channel *ch;
+  size_t off, cnt; /* the shard's range of the flat vector */
+} shard_conn;
+
+struct ps_client {
+  ps_client_opts opts;
+  char host[64], role[16];
+  uint64_t worker_id;
+  int rank;
+  char job_id[64];
+  char *job_json;
+  size_t P;
+  int hb_timeout_ms;
+  int nshards;
+  shard_conn *shards;
+  rpc_queue *q;    /* training thread */
+  rpc_queue *hb_q; /* heartbeat thread */
+  pthread_mutex_t reg_mu; /* serializes re-registration */
+  atomic_int tensors_in_flight; /* zero-copy push buffers gRPC still holds */
+  rpc_request **reqs;
+};
+
+static void fill_header(const ps_client *c, Ps__RequestHeader *h) {
+  ps__request_header__init(h);
+  h->protocol_version = PS_PROTOCOL_VERSION;
+  h->job_id = (char *)c->job_id;
+  h->worker_id = c->worker_id;
+}
+
+/* Packs a small message (no tensor) into an rpc_msg that rpc copies. */
+static int pack_small(const ProtobufCMessage *m, rpc_msg *out) {
+  return wire_encode(m, NULL, 0, NULL, NULL, out);
+}
+
+/* One small unary call, with its reply unpacked. Returns the gRPC status. */
+static int small_call(rpc_queue *q, rpc_channel *ch, const char *method,
+                      const ProtobufCMessage *req, const ProtobufCMessageDescriptor *resp_desc,
+                      ProtobufCMessage **resp, int timeout_ms, int wait_ready, char *detail) {
+  rpc_msg msg;
+  *resp = NULL;
+  if (pack_small(req, &msg) != 0) {
+    ps_seterr(detail, PS_ENOMEM, "cannot encode request");
+    return RPC_INTERNAL;
+  }
+  uint8_t *buf = NULL;
+  size_t len = 0;
+  int st = rpc_call_sync(q, ch, method, &msg, timeout_ms, wait_ready, &buf, &len, detail);
+  if (st != RPC_OK) return st;
+  *resp = protobuf_c_message_unpack(resp_desc, NULL, len, buf);
+  free(buf);
+  if (!*resp) {
+    ps_seterr(detail, PS_EPROTO, "malformed reply to %s", method);
+    return RPC_INTERNAL;
+  }
+  return RPC_OK;
+}
+
+/* Registers with shard s using the known worker id; fills its range. */
+static int register_with(ps_client *c, rpc_queue *q, int s, int timeout_ms, int wait_ready,
+                         char *err) {
+  Ps__RequestHeader h;
+  fill_header(c, &h);
+  Ps__RegisterRequest req = PS__REGISTER_REQUEST__INIT;
+  req.header = &h;
+  req.host = c->host;
+  req.role = c->role;
+  req.task_index = c->opts.task_index;
+  ProtobufCMessage *resp_m = NULL;
+  char detail[PS_ERRLEN] = "";
+  int st = small_call(q, c->shards[s].ch, M_REGISTER, &req.base, &ps__register_response__descriptor,
+                      &resp_m, timeout_ms, wait_ready, detail);
+  if (st != RPC_OK)
+    return ps_seterr(err, st == RPC_UNAVAILABLE || st == RPC_DEADLINE_EXCEEDED ? PS_EUNAVAIL
+                                                                               : PS_EPROTO,
+                     "Register with shard %d (%s): %s: %s", s, c->shards[s].addr,
+                     rpc_status_name(st), detail);
+  Ps__RegisterResponse *r = (Ps__RegisterResponse *)resp_m;
+  int rc = PS_OK;
+  if ((int)r->shard_index != s || r->param_count != c->P) {
+    rc = ps_seterr(err, PS_EPROTO,
+                   "shard at %s says it is shard %u of a model of %" PRIu64
+                   " values; expected shard %d of %zu",
+                   c->shards[s].addr, r->shard_index, r->param_count, s, c->P);
+  } else {
+    c->shards[s].off = r->range_offset;
+    c->shards[s].cnt = r->range_count;
+  }
+  protobuf_c_message_free_unpacked(resp_m, NULL);
+  return rc;
+}
+
+ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char *err) {
+  ps_client *c = calloc(1, sizeof *c);
+  if (!c) {
+    ps_seterr(err, PS_ENOMEM, "out of memory");
+    return NULL;
+  }
+  c->opts = *opts;
+  if (c->opts.timeout_ms <= 0) c->opts.timeout_ms = 30000;
+  if (c->opts.connect_timeout_ms <= 0) c->opts.connect_timeout_ms = 60000;
+  snprintf(c->host, sizeof c->host, "%s", opts->host ? opts->host : "");
+  snprintf(c->role, sizeof c->role, "%s", opts->role ? opts->role : "worker");
+  pthread_mutex_init(&c->reg_mu, NULL);
+  atomic_init(&c->tensors_in_flight, 0);
+  c->q = rpc_queue_create();
+  c->hb_q = rpc_queue_create();
+  if (!c->q || !c->hb_q) {
+    ps_seterr(err, PS_ENOMEM, "cannot create completion queues");
+    goto fail;
+  }
+
+  /* First contact: any shard; one that is not shard 0 names shard 0. */
+  char target[128];
+  snprintf(target, sizeof target, "%s", addr);
+  Ps__RegisterResponse *r = NULL;
+  for (int hop = 0; hop < 2; hop++) {
+    rpc_channel *ch = rpc_channel_create(target, NULL, err);
+    if (!ch) goto fail;
+    Ps__RequestHeader h;
+    ps__request_header__init(&h);
+    h.protocol_version = PS_PROTOCOL_VERSION;
+    h.job_id = "";
+    Ps__RegisterRequest req = PS__REGISTER_REQUEST__INIT;
+    req.header = &h;
+    req.host = c->host;
+    req.role = c->role;
+    req.task_index = opts->task_index;
+    ProtobufCMessage *m = NULL;
+    char detail[PS_ERRLEN] = "";
+    int st = small_call(c->q, ch, M_REGISTER, &req.base, &ps__register_response__descriptor, &m,
+                        c->opts.connect_timeout_ms, 1, detail);
+    rpc_channel_destroy(ch);
+    if (st != RPC_OK) {
+      ps_seterr(err, st == RPC_DEADLINE_EXCEEDED ? PS_EUNAVAIL : PS_EPROTO,
+                "Register with %s: %s: %s", target, rpc_status_name(st), detail);
+      goto fail;
+    }
+    r = (Ps__RegisterResponse *)m;
+    if (r->worker_id != 0 || r->n_shards == 0) break;
+    /* Not shard 0: go there. */
+    snprintf(target, sizeof target, "%s", r->shards[0]);
+    protobuf_c_message_free_unpacked(m, NULL);
+    r = NULL;
+  }
+  if (!r || r->worker_id == 0 || r->n_shards == 0 || !r->job_json) {
+    ps_seterr(err, PS_EPROTO, "server at %s did not register this worker", target);
+    if (r) protobuf_c_message_free_unpacked(&r->base, NULL);
+    goto fail;
+  }
+  c->worker_id = r->worker_id;
+  c->rank = (int)r->worker_rank;
+  c->P = r->param_count;
+  c->hb_timeout_ms = r->heartbeat_timeout_ms ? (int)r->heartbeat_timeout_ms : 10000;
+  snprintf(c->job_id, sizeof c->job_id, "%s", r->job_id ? r->job_id : "");
+  c->job_json = strdup(r->job_json);
+  c->nshards = (int)r->n_shards;
+  c->shards = calloc((size_t)c->nshards, sizeof *c->shards);
+  c->reqs = calloc((size_t)c->nshards, sizeof *c->reqs);
+  if (!c->job_json || !c->shards || !c->reqs) {
+    protobuf_c_message_free_unpacked(&r->base, NULL);
+    ps_seterr(err, PS_ENOMEM, "out of memory");
+    goto fail;
+  }
+  for (int s = 0; s < c->nshards; s++)
+    snprintf(c->shards[s].addr, sizeof c->shards[s].addr, "%s", r->shards[s]);
+  c->shards[0].off = r->range_offset;
+  c->shards[0].cnt = r->range_count;
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+
+  for (int s = 0; s < c->nshards; s++) {
+    c->shards[s].ch = rpc_channel_create(c->shards[s].addr, NULL, err);
+    if (!c->shards[s].ch) goto fail;
+  }
+  for (int s = 1; s < c->nshards; s++)
+    if (register_with(c, c->q, s, c->opts.connect_timeout_ms, 1, err) != 0) goto fail;
+  /* The ranges must tile [0, P) in shard order. */
+  size_t next = 0;
+  for (int s = 0; s < c->nshards; s++) {
+    if (c->shards[s].off != next) {
+      ps_seterr(err, PS_EPROTO, "shard %d (%s) holds [%zu, %zu), expected it to start at %zu", s,
+                c->shards[s].addr, c->shards[s].off, c->shards[s].off + c->shards[s].cnt, next);
+      goto fail;
+    }
+    next += c->shards[s].cnt;
+  }
+  if (next != c->P) {
+    ps_seterr(err, PS_EPROTO, "shards hold %zu values, the model has %zu", next, c->P);
+    goto fail;
+  }
+  return c;
+fail:
+  ps_client_destroy(c);
+  return NULL;
+}
+
+void ps_client_destroy(ps_client *c) {
+  if (!c) return;
+  for (int s = 0; s < c->nshards && c->shards; s++) rpc_channel_destroy(c->shards[s].ch);
+  free(c->shards);
+  free(c->reqs);
+  free(c->job_json);
+  if (c->q) rpc_queue_destroy(c->q);
+  if (c->hb_q) rpc_queue_destroy(c->hb_q);
+  pthread_mutex_destroy(&c->reg_mu);
+  free(c);
+}
+
+const char *ps_client_job_json(const ps_client *c) { return c->job_json; }
+uint64_t ps_client_worker_id(const ps_client *c) { return c->worker_id; }
+int ps_client_rank(const ps_client *c) { return c->rank; }
+int ps_client_num_shards(const ps_client *c) { return c->nshards; }
+size_t ps_client_param_count(const ps_client *c) { return c->P; }
+int ps_client_heartbeat_timeout_ms(const ps_client *c) { return c->hb_timeout_ms; }
+
+/* A shard that answers NOT_FOUND no longer knows this worker (it timed the
+ * worker out, or restarted): register again and let the caller retry. */
+static int reregister(ps_client *c, rpc_queue *q, int s, char *err) {
+  pthread_mutex_lock(&c->reg_mu);
+  int rc = register_with(c, q, s, c->opts.timeout_ms, 1, err);
+  pthread_mutex_unlock(&c->reg_mu);
+  if (rc == 0) PS_WARN("shard %d (%s) had forgotten this worker; registered again", s,
+                       c->shards[s].addr);
+  return rc;
+}
+
+int ps_client_pull(ps_client *c, float *params, uint64_t *versions, char *err) {
+  int rc = PS_OK;
+  for (int attempt = 0; attempt < 2; attempt++) {
+    int retry_shard = -1;
+    for (int s = 0; s < c->nshards; s++) {
+      Ps__RequestHeader h;
+      fill_header(c, &h);
+      Ps__PullRequest req = PS__PULL_REQUEST__INIT;
+      req.header = &h;
+      req.offset = c->shards[s].off;
+      req.count = c->shards[s].cnt;
+      rpc_msg msg;
+      c->reqs[s] = NULL;
+      if (pack_small(&req.base, &msg) == 0)
+        c->reqs[s] = rpc_start(c->q, c->shards[s].ch, M_PULL, &msg, c->opts.timeout_ms, 1, err);
+    }
+    rc = PS_OK;
+    for (int s = 0; s < c->nshards; s++) {
+      if (!c->reqs[s]) {
+        if (rc == PS_OK) rc = ps_seterr(err, PS_EUNAVAIL, "cannot start Pull on shard %d", s);
+        continue;
+      }
+      char detail[PS_ERRLEN] = "";
+      ps_segview view;
+      int st = rpc_wait(c->reqs[s], detail, &view);
+      if (st != RPC_OK) {
+        if (st == RPC_NOT_FOUND && retry_shard < 0) retry_shard = s;
+        if (rc == PS_OK)
+          rc = ps_seterr(err, st == RPC_UNAVAILABLE || st == RPC_DEADLINE_EXCEEDED ? PS_EUNAVAIL
+                                                                                   : PS_EPROTO,
+                         "Pull from shard %d (%s): %s: %s", s, c->shards[s].addr,
+                         rpc_status_name(st), detail);
+        rpc_request_free(c->reqs[s]);
+        continue;
+      }
+      ps_seg tsegs[64];
+      ps_segview tensor;
+      char derr[PS_ERRLEN];
+      ProtobufCMessage *m = wire_decode(&ps__pull_response__descriptor, &view, tsegs, 64,
+                                        &tensor, derr);
+      if (!m) {
+        if (rc == PS_OK)
+          rc = ps_seterr(err, PS_EPROTO, "Pull from shard %d: malformed reply: %s", s, derr);
+      } else {
+        Ps__PullResponse *r = (Ps__PullResponse *)m;
+        if (r->offset != c->shards[s].off || r->count != c->shards[s].cnt ||
+            tensor.total != c->shards[s].cnt * sizeof(float)) {
+          if (rc == PS_OK)
+            rc = ps_seterr(err, PS_EPROTO,
+                           "Pull from shard %d: reply holds [%" PRIu64 ", +%" PRIu64
+                           ") in %zu bytes, asked for [%zu, +%zu)",
+                           s, r->offset, r->count, tensor.total, c->shards[s].off,
+                           c->shards[s].cnt);
+        } else {
+          ps_segview_copy(&tensor, 0, params + c->shards[s].off, tensor.total);
+          versions[s] = r->version;
+        }
+        protobuf_c_message_free_unpacked(m, NULL);
+      }
+      rpc_request_free(c->reqs[s]);
+    }
+    if (rc == PS_OK || retry_shard < 0 || attempt == 1) break;
+    if (reregister(c, c->q, retry_shard, err) != 0) break;
+  }
+  return rc;
+}
+
+static void tensor_released(void *user) {
+  ps_client *c = user;
+  atomic_fetch_sub(&c->tensors_in_flight, 1);
+}
+
+/* Pushes to the shards with todo[s] set; sets again[s] for the shards that
+ * answered NOT_FOUND (they applied nothing). */
+static int push_shards(ps_client *c, const float *grads, const uint64_t *versions, uint64_t step,
+                       int batch_size, const char *todo, char *again, uint64_t *staleness_sum,
+                       uint64_t *staleness_max, char *err) {
+  for (int s = 0; s < c->nshards; s++) {
+    c->reqs[s] = NULL;
+    again[s] = 0;
+    if (!todo[s]) continue;
+    Ps__RequestHeader h;
+    fill_header(c, &h);
+    Ps__PushRequest req = PS__PUSH_REQUEST__INIT;
+    req.header = &h;
+    req.base_version = versions[s];
+    req.offset = c->shards[s].off;
+    req.count = c->shards[s].cnt;
+    req.step = step;
+    req.batch_size = (uint32_t)batch_size;
+    rpc_msg msg;
+    atomic_fetch_add(&c->tensors_in_flight, 1);
+    /* The gradient goes out without a copy; tensor_released counts it
+     * back, and the caller's buffer is not reused before that. */
+    if (wire_encode(&req.base, grads + c->shards[s].off, c->shards[s].cnt * sizeof(float),
+                    tensor_released, c, &msg) == 0)
+      c->reqs[s] = rpc_start(c->q, c->shards[s].ch, M_PUSH, &msg, c->opts.timeout_ms, 1, err);
+    else
+      atomic_fetch_sub(&c->tensors_in_flight, 1);
+    if (!c->reqs[s]) return ps_seterr(err, PS_EUNAVAIL, "cannot start Push on shard %d", s);
+  }
+  int rc = PS_OK;
+  for (int s = 0; s < c->nshards; s++) {
+    if (!c->reqs[s]) continue;
+    char detail[PS_ERRLEN] = "";
+    ps_segview view;
+    int st = rpc_wait(c->reqs[s], detail, &view);
+    if (st == RPC_OK) {
+      uint8_t small[256];
+      if (view.total <= sizeof small && ps_segview_copy(&view, 0, small, view.total) == 0) {
+        Ps__PushResponse *r = ps__push_response__unpack(NULL, view.total, small);
+        if (r) {
+          if (staleness_sum) *staleness_sum += r->staleness;
+          if (staleness_max && r->staleness > *staleness_max) *staleness_max = r->staleness;
+          ps__push_response__free_unpacked(r, NULL);
+        }
+      }
+    } else if (st == RPC_NOT_FOUND) {
+      again[s] = 1;
+    } else if (rc == PS_OK) {
+      rc = ps_seterr(err, st == RPC_UNAVAILABLE || st == RPC_DEADLINE_EXCEEDED ? PS_EUNAVAIL
+                                                                               : PS_EPROTO,
+                     "Push to shard %d (%s): %s: %s", s, c->shards[s].addr, rpc_status_name(st),
+                     detail);
+    }
+    rpc_request_free(c->reqs[s]);
+    c->reqs[s] = NULL;
+  }
+  /* Wait (bounded) until gRPC has let go of every gradient buffer. */
+  for (int i = 0; i < 10000 && atomic_load(&c->tensors_in_flight) > 0; i++) ps_sleep_ms(1);
+  if (atomic_load(&c->tensors_in_flight) > 0)
+    PS_WARN("gRPC still holds %d gradient buffers after the push completed",
+            atomic_load(&c->tensors_in_flight));
+  return rc;
+}
+
+int ps_client_push(ps_client *c, const float *grads, const uint64_t *versions, uint64_t step,
+                   int batch_size, uint64_t *staleness_sum, uint64_t *staleness_max, char *err) {
+  char todo[c->nshards], again[c->nshards];
+  memset(todo, 1, sizeof todo);
+  int rc = push_shards(c, grads, versions, step, batch_size, todo, again, staleness_sum,
+                       staleness_max, err);
+  /* A shard that had forgotten this worker applied nothing from it:
+   * register again and push that shard's slice once more. */
+  int any = 0;
+  for (int s = 0; s < c->nshards; s++) {
+    if (!again[s]) continue;
+    int r = reregister(c, c->q, s, err);
+    if (r != 0) return r;
+    any = 1;
+  }
+  if (any && rc == PS_OK) {
+    memcpy(todo, again, sizeof todo);
+    rc = push_shards(c, grads, versions, step, batch_size, todo, again, staleness_sum,
+                     staleness_max, err);
+    for (int s = 0; s < c->nshards; s++)
+      if (again[s] && rc == PS_OK)
+        rc = ps_seterr(err, PS_ENOTFOUND, "shard %d refused this worker after it registered again",
+                       s);
+  }
+  return rc;
+}
+
+int ps_client_heartbeat(ps_client *c, uint64_t step, char *err) {
+  int rc = PS_OK;
+  for (int s = 0; s < c->nshards; s++) {
+    Ps__RequestHeader h;
+    fill_header(c, &h);
+    Ps__HeartbeatRequest req = PS__HEARTBEAT_REQUEST__INIT;
+    req.header = &h;
+    req.step = step;
+    ProtobufCMessage *m = NULL;
+    char detail[PS_ERRLEN] = "";
+    int st = small_call(c->hb_q, c->shards[s].ch, M_HEARTBEAT, &req.base,
+                        &ps__heartbeat_response__descriptor, &m, c->hb_timeout_ms / 2 + 1, 0,
+                        detail);
+    if (m) protobuf_c_message_free_unpacked(m, NULL);
+    if (st == RPC_NOT_FOUND) {
+      if (reregister(c, c->hb_q, s, err) != 0 && rc == PS_OK) rc = PS_ENOTFOUND;
+    } else if (st != RPC_OK && rc == PS_OK) {
+      rc = ps_seterr(err, PS_EUNAVAIL, "Heartbeat to shard %d (%s): %s: %s", s, c->shards[s].addr,
+                     rpc_status_name(st), detail);
+    }
+  }
+  return rc;
+}
+
+void ps_client_leave(ps_client *c) {
+  for (int s = 0; s < c->nshards; s++) {
+    Ps__RequestHeader h;
+    fill_header(c, &h);
+    Ps__LeaveRequest req = PS__LEAVE_REQUEST__INIT;
+    req.header = &h;
+    ProtobufCMessage *m = NULL;
+    char detail[PS_ERRLEN] = "";
+    small_call(c->q, c->shards[s].ch, M_LEAVE, &req.base, &ps__leave_response__descriptor, &m,
+               2000, 0, detail);
+    if (m) protobuf_c_message_free_unpacked(m, NULL);
+  }
+}

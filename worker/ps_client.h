@@ -1,0 +1,55 @@
+/* A worker's connection to the shards: registration, parallel sharded pull
+ * and push, heartbeats, leave.
+ *
+ * Pull and push talk to every shard at once (one call in flight per shard)
+ * and wait for all. They are called from one thread (the training loop);
+ * heartbeat may be called from another thread at the same time. */
+#ifndef PS_WORKER_PS_CLIENT_H
+#define PS_WORKER_PS_CLIENT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct ps_client ps_client;
+
+typedef struct {
+  const char *host;  /* this worker's host name, for the servers' logs */
+  const char *role;  /* "worker" or "chief" */
+  int task_index;    /* -1 when unknown */
+  int timeout_ms;    /* deadline of each call; default 30000 */
+  int connect_timeout_ms; /* how long to wait for the first server; default 60000 */
+} ps_client_opts;
+
+/* Registers with the server at addr (any shard: one that is not shard 0
+ * sends the worker on to shard 0), receives the job and the shard list,
+ * then registers with every shard. NULL with a message on failure. */
+ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char *err);
+void ps_client_destroy(ps_client *c);
+
+const char *ps_client_job_json(const ps_client *c);
+uint64_t ps_client_worker_id(const ps_client *c);
+int ps_client_rank(const ps_client *c);
+int ps_client_num_shards(const ps_client *c);
+size_t ps_client_param_count(const ps_client *c);
+int ps_client_heartbeat_timeout_ms(const ps_client *c);
+
+/* Pulls every shard's range into params (P floats) and its version into
+ * versions[shard]. On error returns a negative code with a message naming
+ * the shard; params may then hold a mix of old and new ranges. */
+int ps_client_pull(ps_client *c, float *params, uint64_t *versions, char *err);
+
+/* Pushes each shard its slice of grads (P floats) with the version it was
+ * computed from. grads must not change until the call returns. Adds the
+ * staleness each shard reported to *staleness_sum and the largest to
+ * *staleness_max (either may be NULL). */
+int ps_client_push(ps_client *c, const float *grads, const uint64_t *versions, uint64_t step,
+                   int batch_size, uint64_t *staleness_sum, uint64_t *staleness_max, char *err);
+
+/* Heartbeat to every shard; a shard that no longer knows this worker is
+ * registered with again. */
+int ps_client_heartbeat(ps_client *c, uint64_t step, char *err);
+
+/* Leaves every shard (best effort). */
+void ps_client_leave(ps_client *c);
+
+#endif

@@ -1,0 +1,655 @@
+/* ps-worker: pulls the parameters, computes gradients on its share of the
+ * data, pushes them to the shards; the chief also evaluates the test split.
+ *
+ * Threads: the main thread runs the training loop (pull, compute, push);
+ * a second thread runs a libuv loop that owns the heartbeat timer (the
+ * blocking heartbeat calls run on libuv's work queue), SIGINT/SIGTERM (the
+ * loop stops after the current step and the worker leaves cleanly); the
+ * batcher fills batches on a third. */
+#include <getopt.h>
+#include <inttypes.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <uv.h>
+
+#include "../common/cluster.h"
+#include "../common/job.h"
+#include "../common/metrics.h"
+#include "../common/optim.h"
+#include "../common/rng.h"
+#include "../common/rpc.h"
+#include "../common/util.h"
+#include "../kernels/ops.h"
+#include "data.h"
+#include "model.h"
+#include "ps_client.h"
+#ifdef PS_WITH_CUDA
+#include "../kernels/cuda/cuda_device.h"
+#endif
+
+typedef struct {
+  /* options */
+  const char *ps_addr, *job_path, *metrics_path, *data_dir, *host;
+  int index, num_workers, chief, local, threads, timeout_ms, epochs;
+  int64_t max_steps;
+  double log_interval, eval_interval, retry_s;
+  /* state */
+  ps_job job;
+  ps_client *client;
+  ps_ops *ops;
+  ps_model *model, *eval_model;
+  ps_dataset train, test;
+  ps_batcher *batcher;
+  ps_metrics *metrics;
+  float *params, *grads;
+  uint64_t *versions;
+  int rank;
+  /* local mode: the optimizer runs here */
+  const ps_optimizer *opt;
+  float **slots;
+  /* shared with the loop thread */
+  atomic_int stop;
+  atomic_uint_fast64_t step;
+  uv_loop_t loop;
+  uv_thread_t loop_thread;
+  uv_timer_t hb_timer;
+  uv_signal_t sigint, sigterm;
+  uv_async_t quit;
+  uv_work_t hb_work;
+  int hb_busy;
+} worker;
+
+/* ---------------- loop thread: heartbeats and signals ---------------- */
+
+static void hb_run(uv_work_t *req) {
+  worker *w = req->data;
+  char err[PS_ERRLEN];
+  if (ps_client_heartbeat(w->client, atomic_load(&w->step), err) != 0)
+    PS_WARN("heartbeat: %s", err);
+}
+
+static void hb_done(uv_work_t *req, int status) {
+  worker *w = req->data;
+  w->hb_busy = 0;
+}
+
+static void on_hb_timer(uv_timer_t *t) {
+  worker *w = t->data;
+  if (w->hb_busy || !w->client) return; /* the previous one is still out */
+  w->hb_busy = 1;
+  w->hb_work.data = w;
+  uv_queue_work(&w->loop, &w->hb_work, hb_run, hb_done);
+}
+
+static void on_signal(uv_signal_t *s, int signum) {
+  worker *w = s->data;
+  if (atomic_exchange(&w->stop, 1) == 0)
+    PS_INFO("%s: finishing the current step, then leaving", signum == SIGINT ? "SIGINT" : "SIGTERM");
+  else
+    PS_INFO("second signal: still finishing the current step");
+}
+
+static void on_quit(uv_async_t *a) {
+  worker *w = a->data;
+  uv_timer_stop(&w->hb_timer);
+  uv_close((uv_handle_t *)&w->hb_timer, NULL);
+  uv_close((uv_handle_t *)&w->sigint, NULL);
+  uv_close((uv_handle_t *)&w->sigterm, NULL);
+  uv_close((uv_handle_t *)&w->quit, NULL);
+}
+
+static void loop_main(void *arg) {
+  worker *w = arg;
+  uv_run(&w->loop, UV_RUN_DEFAULT);
+}
+
+static int start_loop(worker *w) {
+  uv_loop_init(&w->loop);
+  uv_timer_init(&w->loop, &w->hb_timer);
+  w->hb_timer.data = w;
+  uv_signal_init(&w->loop, &w->sigint);
+  w->sigint.data = w;
+  uv_signal_start(&w->sigint, on_signal, SIGINT);
+  uv_signal_init(&w->loop, &w->sigterm);
+  w->sigterm.data = w;
+  uv_signal_start(&w->sigterm, on_signal, SIGTERM);
+  uv_async_init(&w->loop, &w->quit, on_quit);
+  w->quit.data = w;
+  if (!w->local) {
+    int period = ps_client_heartbeat_timeout_ms(w->client) / 3;
+    if (period < 50) period = 50;
+    uv_timer_start(&w->hb_timer, on_hb_timer, (uint64_t)period, (uint64_t)period);
+  }
+  return uv_thread_create(&w->loop_thread, loop_main, w);
+}
+
+static void stop_loop(worker *w) {
+  uv_async_send(&w->quit);
+  uv_thread_join(&w->loop_thread);
+  uv_loop_close(&w->loop);
+}
+
+/* ---------------- training ---------------- */
+
+/* Retries op() with exponential backoff and jitter while the servers are
+ * unreachable, for at most retry_s seconds. */
+static int with_retry(worker *w, const char *what, int (*op)(worker *, char *), char *err) {
+  double deadline = ps_now_s() + w->retry_s;
+  int64_t backoff = 100;
+  ps_rand r;
+  ps_rand_seed(&r, (uint64_t)getpid() ^ (uint64_t)ps_now_ms());
+  for (int attempt = 0;; attempt++) {
+    int rc = op(w, err);
+    if (rc == 0 || rc != PS_EUNAVAIL || atomic_load(&w->stop)) return rc;
+    if (ps_now_s() + backoff / 1000.0 > deadline) return rc;
+    int64_t sleep = backoff / 2 + (int64_t)ps_rand_below(&r, (uint64_t)backoff / 2 + 1);
+    PS_WARN("%s failed (%s); retrying in %" PRId64 " ms", what, err, sleep);
+    ps_sleep_ms(sleep);
+    if (backoff < 5000) backoff *= 2;
+  }
+}
+
+static int op_pull(worker *w, char *err) {
+  return ps_client_pull(w->client, w->params, w->versions, err);
+}
+
+static uint64_t push_stale_sum, push_stale_max;
+static int push_batch, push_step_no;
+static int op_push(worker *w, char *err) {
+  return ps_client_push(w->client, w->grads, w->versions, (uint64_t)push_step_no, push_batch,
+                        &push_stale_sum, &push_stale_max, err);
+}
+
+static double evaluate(worker *w, int64_t step, double t0, float *loss_out) {
+  int correct = 0;
+  float loss = ps_model_evaluate(w->eval_model, w->params, w->test.images, w->test.labels,
+                                 w->test.n, &correct);
+  double acc = w->test.n ? (double)correct / w->test.n : 0.0;
+  if (loss_out) *loss_out = loss;
+  if (w->metrics) {
+    json_t *rec = json_pack("{s:i,s:I,s:f,s:f,s:f,s:i}", "worker", w->rank, "step",
+                            (json_int_t)step, "test_accuracy", acc, "test_loss", (double)loss,
+                            "elapsed_s", ps_now_s() - t0, "test_examples", w->test.n);
+    ps_metrics_write(w->metrics, rec);
+    json_decref(rec);
+  }
+  return acc;
+}
+
+static int train(worker *w) {
+  char err[PS_ERRLEN];
+  const size_t P = w->job.model.n_params;
+  const int batch = w->job.batch_size;
+  int epoch_size = ps_batcher_epoch_size(w->batcher);
+  int64_t steps_per_epoch = (epoch_size + batch - 1) / batch;
+  int64_t total = steps_per_epoch * w->epochs;
+  if (w->max_steps > 0 && w->max_steps < total) total = w->max_steps;
+  PS_INFO("training: %d examples in this worker's share, %" PRId64 " steps per epoch, %" PRId64
+          " steps, batch %d",
+          epoch_size, steps_per_epoch, total, batch);
+
+  double t0 = ps_now_s(), last_log = t0, last_eval = t0;
+  double sum_loss = 0, t_pull = 0, t_push = 0, t_comp = 0;
+  int64_t n_ex = 0, n_correct = 0, n_steps = 0, total_ex = 0;
+  uint64_t stale_sum = 0, stale_n = 0, stale_max = 0;
+  int rc = 0;
+  int64_t step = 0;
+  for (; step < total && !atomic_load(&w->stop); step++) {
+    ps_batch *b = NULL;
+    if (ps_batcher_next(w->batcher, &b) != 0) {
+      PS_ERROR("the input pipeline failed");
+      rc = 1;
+      break;
+    }
+    double ta = ps_now_s();
+    if (!w->local && with_retry(w, "Pull", op_pull, err) != 0) {
+      PS_ERROR("%s", err);
+      ps_batcher_release(w->batcher, b);
+      rc = 1;
+      break;
+    }
+    double tb = ps_now_s();
+    int correct = 0;
+    float loss = ps_model_train_step(w->model, w->params, b->x, b->y, b->n, w->job.seed ^ 0xd0d0,
+                                     (uint64_t)step * 1024 + (uint64_t)w->rank, w->grads,
+                                     &correct);
+    double tc = ps_now_s();
+    if (!isfinite(loss)) {
+      PS_ERROR("step %" PRId64 ": the loss is %f; the gradient is not pushed. Lower the "
+               "learning rate.", step, (double)loss);
+      ps_batcher_release(w->batcher, b);
+      rc = 1;
+      break;
+    }
+    if (w->local) {
+      w->opt->apply(&w->job.optim, (uint64_t)step + 1, w->job.optim.lr, w->params, w->slots,
+                    w->grads, P);
+    } else {
+      push_stale_sum = 0;
+      push_stale_max = 0;
+      push_batch = b->n;
+      push_step_no = (int)step;
+      if (with_retry(w, "Push", op_push, err) != 0) {
+        PS_ERROR("%s", err);
+        ps_batcher_release(w->batcher, b);
+        rc = 1;
+        break;
+      }
+      stale_sum += push_stale_sum;
+      stale_n += (uint64_t)ps_client_num_shards(w->client);
+      if (push_stale_max > stale_max) stale_max = push_stale_max;
+    }
+    double td = ps_now_s();
+    t_pull += tb - ta;
+    t_comp += tc - tb;
+    t_push += td - tc;
+    sum_loss += (double)loss * b->n;
+    n_ex += b->n;
+    total_ex += b->n;
+    n_correct += correct;
+    n_steps++;
+    int epoch = b->epoch;
+    ps_batcher_release(w->batcher, b);
+    atomic_store(&w->step, (uint64_t)step + 1);
+
+    double now = ps_now_s();
+    if (now - last_log >= w->log_interval || step + 1 == total) {
+      double dt = now - last_log;
+      double eps = n_ex / (dt > 0 ? dt : 1e-9);
+      double smean = stale_n ? (double)stale_sum / stale_n : 0.0;
+      PS_INFO("step %" PRId64 "/%" PRId64 " epoch %d | loss %.4f acc %.3f | %.0f ex/s | "
+              "staleness %.2f max %" PRIu64 " | pull %.1f compute %.1f push %.1f ms/step",
+              step + 1, total, epoch, sum_loss / n_ex, (double)n_correct / n_ex, eps, smean,
+              stale_max, 1e3 * t_pull / n_steps, 1e3 * t_comp / n_steps, 1e3 * t_push / n_steps);
+      if (w->metrics) {
+        json_t *rec = json_pack(
+            "{s:i,s:I,s:i,s:f,s:f,s:f,s:f,s:I,s:f,s:f,s:f}", "worker", w->rank, "step",
+            (json_int_t)(step + 1), "epoch", epoch, "loss", sum_loss / n_ex, "train_accuracy",
+            (double)n_correct / n_ex, "examples_per_sec", eps, "staleness_mean", smean,
+            "staleness_max", (json_int_t)stale_max, "pull_ms", 1e3 * t_pull / n_steps,
+            "compute_ms", 1e3 * t_comp / n_steps, "push_ms", 1e3 * t_push / n_steps);
+        ps_metrics_write(w->metrics, rec);
+        json_decref(rec);
+      }
+      last_log = now;
+      sum_loss = t_pull = t_push = t_comp = 0;
+      n_ex = n_correct = n_steps = 0;
+      stale_sum = stale_n = stale_max = 0;
+    }
+    if (w->chief && w->eval_interval > 0 && now - last_eval >= w->eval_interval &&
+        step + 1 < total) {
+      float tl;
+      double acc = evaluate(w, step + 1, t0, &tl);
+      PS_INFO("step %" PRId64 ": test accuracy %.4f, test loss %.4f (%d examples)", step + 1, acc,
+              (double)tl, w->test.n);
+      last_eval = ps_now_s();
+    }
+  }
+  double elapsed = ps_now_s() - t0;
+  if (rc == 0) {
+    printf("trained %" PRId64 " steps, %" PRId64 " examples in %.1f s: %.0f examples/s\n", step,
+           total_ex, elapsed, total_ex / (elapsed > 0 ? elapsed : 1e-9));
+    if (w->chief) {
+      if (!w->local && with_retry(w, "Pull", op_pull, err) != 0) {
+        PS_ERROR("final pull: %s", err);
+        return 1;
+      }
+      float tl;
+      double acc = evaluate(w, step, t0, &tl);
+      printf("final test accuracy %.4f (test loss %.4f, %d examples)\n", acc, (double)tl,
+             w->test.n);
+    }
+    fflush(stdout);
+  }
+  return rc;
+}
+
+/* ---------------- set-up ---------------- */
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "Usage: ps-worker --ps HOST:PORT[,...] [options]\n"
+          "       ps-worker (with TF_CONFIG set, task type worker or chief) [options]\n"
+          "       ps-worker --local --job FILE [options]\n"
+          "\n"
+          "Trains the job served by the ps-server processes: pulls the parameters,\n"
+          "computes gradients on this worker's share of the data, pushes them.\n"
+          "\n"
+          "  --ps LIST            a server address (the first of the list is contacted;\n"
+          "                       the job and all shard addresses come from shard 0)\n"
+          "  --index N            this worker's task index: its share of the data is\n"
+          "                       every example i with i %% num_workers == N\n"
+          "                       (default: the order in which it registered)\n"
+          "  --num-workers N      how many workers share the data (default: from\n"
+          "                       TF_CONFIG's worker and chief lists, else 1)\n"
+          "  --chief              evaluate the test split (default: TF_CONFIG type chief,\n"
+          "                       or index 0 without TF_CONFIG)\n"
+          "  --local              train in this process, no servers (needs --job)\n"
+          "  --job FILE           job file, for --local\n"
+          "  --epochs N           passes over this worker's share (default: the job's)\n"
+          "  --max-steps N        stop after N steps (default: the job's, 0 = no limit)\n"
+          "  --data-dir DIR       where the IDX files are (default: the job's)\n"
+          "  --threads N          BLAS threads for compute (default: OpenBLAS's choice)\n"
+          "  --eval-interval SEC  seconds between evaluations by the chief (default: the\n"
+          "                       job's eval_interval_s; 0 = only at the end)\n"
+          "  --log-interval SEC   seconds between progress lines (default 5)\n"
+          "  --metrics FILE       append JSON Lines records (loss, examples/s, staleness,\n"
+          "                       test accuracy)\n"
+          "  --timeout-ms MS      deadline of each call to a server (default 30000)\n"
+          "  --retry-s SEC        how long to retry unreachable servers (default 60)\n"
+          "  --host NAME          name reported to the servers (default: hostname)\n"
+          "  --log-level LEVEL    debug, info, warn or error (default info)\n"
+          "  --help               this text\n");
+}
+
+static int parse_int(const char *flag, const char *s, long lo, long hi, long *out) {
+  char *end = NULL;
+  long v = strtol(s, &end, 10);
+  if (!*s || *end || v < lo || v > hi) {
+    fprintf(stderr, "ps-worker: %s wants an integer in [%ld, %ld], not '%s'\n", flag, lo, hi, s);
+    return -1;
+  }
+  *out = v;
+  return 0;
+}
+
+static int parse_secs(const char *flag, const char *s, double *out) {
+  char *end = NULL;
+  double v = strtod(s, &end);
+  if (!*s || *end || !(v >= 0) || !isfinite(v)) {
+    fprintf(stderr, "ps-worker: %s wants seconds >= 0, not '%s'\n", flag, s);
+    return -1;
+  }
+  *out = v;
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  static worker w;
+  w.index = -1;
+  w.num_workers = 0;
+  w.chief = -1;
+  w.epochs = -1;
+  w.max_steps = -1;
+  w.log_interval = 5.0;
+  w.eval_interval = -1;
+  w.timeout_ms = 30000;
+  w.retry_s = 60;
+  int level = PS_LOG_INFO;
+  static const struct option opts[] = {
+      {"ps", required_argument, 0, 'p'},          {"index", required_argument, 0, 'i'},
+      {"num-workers", required_argument, 0, 'n'}, {"chief", no_argument, 0, 'c'},
+      {"local", no_argument, 0, 'L'},             {"job", required_argument, 0, 'j'},
+      {"epochs", required_argument, 0, 'e'},      {"max-steps", required_argument, 0, 's'},
+      {"data-dir", required_argument, 0, 'd'},    {"threads", required_argument, 0, 't'},
+      {"eval-interval", required_argument, 0, 'E'}, {"log-interval", required_argument, 0, 'l'},
+      {"metrics", required_argument, 0, 'm'},     {"timeout-ms", required_argument, 0, 'T'},
+      {"retry-s", required_argument, 0, 'r'},     {"host", required_argument, 0, 'H'},
+      {"log-level", required_argument, 0, 'v'},   {"help", no_argument, 0, 'h'},
+      {0, 0, 0, 0}};
+  int c;
+  long v;
+  while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+    switch (c) {
+      case 'p': w.ps_addr = optarg; break;
+      case 'i': if (parse_int("--index", optarg, 0, 100000, &v)) return 2; w.index = (int)v; break;
+      case 'n':
+        if (parse_int("--num-workers", optarg, 1, 100000, &v)) return 2;
+        w.num_workers = (int)v;
+        break;
+      case 'c': w.chief = 1; break;
+      case 'L': w.local = 1; break;
+      case 'j': w.job_path = optarg; break;
+      case 'e': if (parse_int("--epochs", optarg, 1, 1000000, &v)) return 2; w.epochs = (int)v; break;
+      case 's': if (parse_int("--max-steps", optarg, 0, 1L << 40, &v)) return 2; w.max_steps = v; break;
+      case 'd': w.data_dir = optarg; break;
+      case 't': if (parse_int("--threads", optarg, 0, 256, &v)) return 2; w.threads = (int)v; break;
+      case 'E': if (parse_secs("--eval-interval", optarg, &w.eval_interval)) return 2; break;
+      case 'l':
+        if (parse_secs("--log-interval", optarg, &w.log_interval)) return 2;
+        break;
+      case 'm': w.metrics_path = optarg; break;
+      case 'T':
+        if (parse_int("--timeout-ms", optarg, 1, 3600000, &v)) return 2;
+        w.timeout_ms = (int)v;
+        break;
+      case 'r': if (parse_secs("--retry-s", optarg, &w.retry_s)) return 2; break;
+      case 'H': w.host = optarg; break;
+      case 'v':
+        level = !strcmp(optarg, "debug") ? PS_LOG_DEBUG
+                : !strcmp(optarg, "info") ? PS_LOG_INFO
+                : !strcmp(optarg, "warn") ? PS_LOG_WARN
+                : !strcmp(optarg, "error") ? PS_LOG_ERROR : -1;
+        if (level < 0) {
+          fprintf(stderr, "ps-worker: --log-level wants debug, info, warn or error\n");
+          return 2;
+        }
+        break;
+      case 'h': usage(stdout); return 0;
+      default: usage(stderr); return 2;
+    }
+  }
+  if (optind < argc) {
+    fprintf(stderr, "ps-worker: unexpected argument '%s' (see --help)\n", argv[optind]);
+    return 2;
+  }
+
+  char err[PS_ERRLEN];
+  static ps_cluster cluster;
+  int have_tf = 0;
+  if (!w.local && !w.ps_addr) {
+    const char *tf = getenv("TF_CONFIG");
+    if (!tf) {
+      fprintf(stderr, "ps-worker: give --ps HOST:PORT, set TF_CONFIG, or use --local --job FILE "
+                      "(see --help)\n");
+      return 2;
+    }
+    if (ps_cluster_from_tf_config(tf, &cluster, err) != 0) {
+      fprintf(stderr, "ps-worker: TF_CONFIG: %s\n", err);
+      return 2;
+    }
+    if (strcmp(cluster.task_type, "worker") != 0 && strcmp(cluster.task_type, "chief") != 0) {
+      fprintf(stderr, "ps-worker: TF_CONFIG names task type '%s'; ps-worker runs 'worker' or "
+                      "'chief'\n", cluster.task_type);
+      return 2;
+    }
+    if (cluster.n_ps == 0) {
+      fprintf(stderr, "ps-worker: TF_CONFIG has no ps addresses\n");
+      return 2;
+    }
+    have_tf = 1;
+    w.ps_addr = cluster.ps[0];
+    /* The chief counts as task 0 and the workers follow it, as in TF. */
+    int is_chief = !strcmp(cluster.task_type, "chief");
+    if (w.index < 0) w.index = is_chief ? 0 : cluster.task_index + cluster.n_chief;
+    if (w.num_workers == 0) w.num_workers = cluster.n_workers + cluster.n_chief;
+    if (w.chief < 0) w.chief = is_chief || (cluster.n_chief == 0 && cluster.task_index == 0);
+  }
+  if (w.local && !w.job_path) {
+    fprintf(stderr, "ps-worker: --local needs --job FILE\n");
+    return 2;
+  }
+  if (w.ps_addr) {
+    /* Only the first address of a list is needed. */
+    static char first[PS_ADDR_LEN];
+    snprintf(first, sizeof first, "%s", w.ps_addr);
+    char *comma = strchr(first, ',');
+    if (comma) *comma = '\0';
+    char host[PS_ADDR_LEN];
+    int port;
+    if (ps_parse_hostport(first, host, sizeof host, &port) != 0 || port == 0) {
+      fprintf(stderr, "ps-worker: '%s' is not a server address HOST:PORT\n", first);
+      return 2;
+    }
+    w.ps_addr = first;
+  }
+  char hostname[64] = "localhost";
+  gethostname(hostname, sizeof hostname - 1);
+  if (!w.host) w.host = hostname;
+  ps_log_init("ps-worker", level);
+
+  char *job_text = NULL;
+  rpc_global_init();
+  if (w.local) {
+    if (ps_job_load(w.job_path, &w.job, &job_text, err) != 0) {
+      fprintf(stderr, "ps-worker: %s\n", err);
+      return 2;
+    }
+    w.rank = w.index >= 0 ? w.index : 0;
+    if (w.chief < 0) w.chief = 1;
+  } else {
+    ps_client_opts co = {.host = w.host,
+                         .role = w.chief == 1 ? "chief" : "worker",
+                         .task_index = w.index,
+                         .timeout_ms = w.timeout_ms,
+                         .connect_timeout_ms = (int)(w.retry_s * 1000)};
+    w.client = ps_client_connect(w.ps_addr, &co, err);
+    if (!w.client) {
+      fprintf(stderr, "ps-worker: %s\n", err);
+      return 1;
+    }
+    if (ps_job_parse(ps_client_job_json(w.client), &w.job, err) != 0) {
+      fprintf(stderr, "ps-worker: the job from %s does not parse: %s\n", w.ps_addr, err);
+      return 1;
+    }
+    if (ps_client_param_count(w.client) != w.job.model.n_params) {
+      fprintf(stderr, "ps-worker: the servers hold %zu values, the job's model has %zu\n",
+              ps_client_param_count(w.client), w.job.model.n_params);
+      return 1;
+    }
+    w.rank = w.index >= 0 ? w.index : ps_client_rank(w.client);
+    if (w.chief < 0) w.chief = !have_tf && w.rank == 0;
+    PS_INFO("registered as worker %016" PRIx64 " (rank %d) with %d shards of job '%s'",
+            ps_client_worker_id(w.client), w.rank, ps_client_num_shards(w.client), w.job.job_id);
+  }
+  if (w.num_workers == 0) w.num_workers = 1;
+  if (w.rank >= w.num_workers) {
+    fprintf(stderr, "ps-worker: index %d but only %d workers share the data (--num-workers)\n",
+            w.rank, w.num_workers);
+    return 2;
+  }
+  if (w.epochs < 0) w.epochs = w.job.epochs;
+  if (w.max_steps < 0) w.max_steps = w.job.max_steps;
+  if (w.eval_interval < 0) w.eval_interval = w.job.eval_interval_s;
+
+  /* Data */
+  const ps_model_spec *spec = &w.job.model;
+  double tl = ps_now_s();
+  int rc;
+  if (!strcmp(w.job.dataset, "synthetic")) {
+    rc = ps_dataset_synthetic(w.job.synthetic_train, spec->in_c, spec->in_h, spec->in_w,
+                              spec->classes, w.job.seed, 0, &w.train);
+    if (rc == 0)
+      rc = ps_dataset_synthetic(w.job.synthetic_test, spec->in_c, spec->in_h, spec->in_w,
+                                spec->classes, w.job.seed, 1, &w.test);
+    if (rc != 0) snprintf(err, sizeof err, "cannot make the synthetic data set");
+  } else {
+    const char *dir = w.data_dir ? w.data_dir : w.job.data_dir;
+    rc = ps_dataset_load_named(w.job.dataset, dir, 1, &w.train, err);
+    if (rc == 0 && w.chief) rc = ps_dataset_load_named(w.job.dataset, dir, 0, &w.test, err);
+  }
+  if (rc != 0) {
+    fprintf(stderr, "ps-worker: %s\n", err);
+    return 1;
+  }
+  if (w.train.c != spec->in_c || w.train.h != spec->in_h || w.train.w != spec->in_w ||
+      w.train.classes != spec->classes) {
+    fprintf(stderr, "ps-worker: the data set has examples %dx%dx%d in %d classes; the model wants "
+                    "%dx%dx%d in %d\n",
+            w.train.c, w.train.h, w.train.w, w.train.classes, spec->in_c, spec->in_h, spec->in_w,
+            spec->classes);
+    return 1;
+  }
+  PS_INFO("data: %s, %d train / %d test examples (%.1f s to load)", w.job.dataset, w.train.n,
+          w.test.n, ps_now_s() - tl);
+
+  /* Compute */
+  w.ops = ps_ops_cpu_create(w.threads);
+  if (!w.ops) {
+    fprintf(stderr, "ps-worker: cannot create the cpu backend\n");
+    return 1;
+  }
+  w.model = ps_model_create(spec, w.ops, w.job.batch_size, err);
+  w.eval_model = w.chief ? ps_model_create(spec, w.ops, 500, err) : NULL;
+  const size_t P = spec->n_params;
+  w.params = ps_alloc(P * sizeof(float));
+  w.grads = ps_alloc(P * sizeof(float));
+  w.versions = calloc(w.client ? (size_t)ps_client_num_shards(w.client) : 1, sizeof(uint64_t));
+  if (!w.model || (w.chief && !w.eval_model) || !w.params || !w.grads || !w.versions) {
+    fprintf(stderr, "ps-worker: %s\n", err[0] ? err : "out of memory");
+    return 1;
+  }
+#ifdef PS_WITH_CUDA
+  char why[128] = "";
+  int ndev = ps_cuda_device_count(why);
+  PS_INFO("built with CUDA: %d device(s) visible%s%s; computing on the cpu backend", ndev,
+          ndev ? "" : ": ", ndev ? "" : why);
+#endif
+  char desc[512];
+  ps_model_spec_describe(spec, desc, sizeof desc);
+  PS_INFO("model: %s; device cpu (%s threads)%s", desc,
+          w.threads ? "" : "default", w.chief ? "; chief: evaluates the test split" : "");
+  if (w.local) {
+    w.opt = ps_optimizer_find(w.job.optim.name);
+    w.slots = calloc((size_t)(w.opt->n_slots + 1), sizeof(float *));
+    for (int k = 0; k < w.opt->n_slots; k++) {
+      w.slots[k] = ps_alloc(P * sizeof(float));
+      if (!w.slots[k]) {
+        fprintf(stderr, "ps-worker: out of memory\n");
+        return 1;
+      }
+      float init = w.opt->slot_init(&w.job.optim, k);
+      for (size_t i = 0; i < P; i++) w.slots[k][i] = init;
+    }
+    ps_model_init_params(spec, w.job.seed, 0, P, w.params);
+    PS_INFO("local mode: no servers; optimizer %s lr %g in this process", w.job.optim.name,
+            (double)w.job.optim.lr);
+  }
+  if (w.metrics_path) {
+    w.metrics = ps_metrics_open(w.metrics_path, err);
+    if (!w.metrics) {
+      fprintf(stderr, "ps-worker: %s\n", err);
+      return 2;
+    }
+  }
+  w.batcher = ps_batcher_create(&w.train, w.job.batch_size, w.rank, w.num_workers,
+                                w.job.seed, 4);
+  if (!w.batcher) {
+    fprintf(stderr, "ps-worker: cannot start the input pipeline\n");
+    return 1;
+  }
+  if (start_loop(&w) != 0) {
+    fprintf(stderr, "ps-worker: cannot start the event loop thread\n");
+    return 1;
+  }
+
+  int result = train(&w);
+
+  stop_loop(&w);
+  if (w.client) {
+    ps_client_leave(w.client);
+    ps_client_destroy(w.client);
+  }
+  ps_batcher_destroy(w.batcher);
+  ps_model_destroy(w.model);
+  ps_model_destroy(w.eval_model);
+  if (w.ops) w.ops->destroy(w.ops);
+  if (w.slots) {
+    for (int k = 0; k < w.opt->n_slots; k++) ps_free(w.slots[k]);
+    free(w.slots);
+  }
+  ps_free(w.params);
+  ps_free(w.grads);
+  free(w.versions);
+  ps_dataset_free(&w.train);
+  ps_dataset_free(&w.test);
+  ps_metrics_close(w.metrics);
+  free(job_text);
+  rpc_global_shutdown();
+  return result;
+}
