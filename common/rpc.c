@@ -38,10 +38,23 @@
 #define STATUS_DETAIL_MAX 1024
 
 static const char *const status_names[] = {
-    "OK",          "CANCELLED",         "UNKNOWN",        "INVALID_ARGUMENT",  "DEADLINE_EXCEEDED",
-    "NOT_FOUND",   "ALREADY_EXISTS",    "PERMISSION_DENIED", "RESOURCE_EXHAUSTED",
-    "FAILED_PRECONDITION", "ABORTED",   "OUT_OF_RANGE",   "UNIMPLEMENTED",     "INTERNAL",
-    "UNAVAILABLE", "DATA_LOSS",         "UNAUTHENTICATED",
+    [RPC_OK] = "OK",
+    [RPC_CANCELLED] = "CANCELLED",
+    [RPC_UNKNOWN] = "UNKNOWN",
+    [RPC_INVALID_ARGUMENT] = "INVALID_ARGUMENT",
+    [RPC_DEADLINE_EXCEEDED] = "DEADLINE_EXCEEDED",
+    [RPC_NOT_FOUND] = "NOT_FOUND",
+    [RPC_ALREADY_EXISTS] = "ALREADY_EXISTS",
+    [RPC_PERMISSION_DENIED] = "PERMISSION_DENIED",
+    [RPC_RESOURCE_EXHAUSTED] = "RESOURCE_EXHAUSTED",
+    [RPC_FAILED_PRECONDITION] = "FAILED_PRECONDITION",
+    [RPC_ABORTED] = "ABORTED",
+    [RPC_OUT_OF_RANGE] = "OUT_OF_RANGE",
+    [RPC_UNIMPLEMENTED] = "UNIMPLEMENTED",
+    [RPC_INTERNAL] = "INTERNAL",
+    [RPC_UNAVAILABLE] = "UNAVAILABLE",
+    [RPC_DATA_LOSS] = "DATA_LOSS",
+    [RPC_UNAUTHENTICATED] = "UNAUTHENTICATED",
 };
 
 const char *rpc_status_name(int code) {
@@ -242,11 +255,11 @@ struct rpc_server {
   int nthreads;
   int started, stopped;
   pthread_mutex_t mu;
-  pthread_cond_t cv;        /* active emptied, shutdown tag seen */
-  int shutting_down;        /* under mu */
-  int shutdown_seen;        /* under mu */
-  rpc_call *active;         /* matched calls whose gRPC side lives; under mu */
-  char shutdown_tag;        /* its address is the tag */
+  pthread_cond_t cv; /* active emptied, shutdown tag seen */
+  int shutting_down; /* under mu */
+  int shutdown_seen; /* under mu */
+  rpc_call *active;  /* matched calls whose gRPC side lives; under mu */
+  char shutdown_tag; /* its address is the tag */
 };
 
 /* Frees the struct once both the handler and gRPC are done with it. Touches
@@ -549,8 +562,8 @@ int rpc_server_start(rpc_server *s, char *err) {
     return ps_seterr(err, PS_ENOMEM, "rpc: out of memory for threads");
   for (int i = 0; i < s->opts.threads; i++) {
     if (pthread_create(&s->threads[i], NULL, serve, s) != 0)
-      return ps_seterr(err, PS_ENOMEM, "rpc: could only start %d of %d server threads",
-                       s->nthreads, s->opts.threads);
+      return ps_seterr(err, PS_ENOMEM, "rpc: could only start %d of %d server threads", s->nthreads,
+                       s->opts.threads);
     s->nthreads++;
   }
   return PS_OK;
@@ -740,9 +753,9 @@ rpc_channel *rpc_channel_create(const char *target, const rpc_channel_opts *opts
   args[n++] = int_arg(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, max_msg);
   if (keepalive > 0) {
     args[n++] = int_arg(GRPC_ARG_KEEPALIVE_TIME_MS, keepalive);
-    args[n++] = int_arg(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
-                        keepalive < CLIENT_KEEPALIVE_TIMEOUT_MS ? keepalive
-                                                                : CLIENT_KEEPALIVE_TIMEOUT_MS);
+    args[n++] =
+        int_arg(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+                keepalive < CLIENT_KEEPALIVE_TIMEOUT_MS ? keepalive : CLIENT_KEEPALIVE_TIMEOUT_MS);
     args[n++] = int_arg(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
     /* Else the pings stop after two without data, and a dead idle peer
      * goes unnoticed. */
@@ -811,7 +824,8 @@ void rpc_queue_destroy(rpc_queue *q) {
     return;
   grpc_completion_queue_shutdown(q->cq);
   for (;;) {
-    grpc_event ev = grpc_completion_queue_pluck(q->cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    grpc_event ev =
+        grpc_completion_queue_pluck(q->cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
     if (ev.type == GRPC_QUEUE_SHUTDOWN)
       break;
   }
@@ -861,8 +875,8 @@ rpc_request *rpc_start(rpc_queue *q, rpc_channel *ch, const char *path, rpc_msg 
   grpc_metadata_array_init(&r->trail_md);
   r->details = grpc_empty_slice();
   r->send = msg_to_buffer(req);
-  gpr_timespec deadline = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
-                                       gpr_time_from_millis(timeout_ms, GPR_TIMESPAN));
+  gpr_timespec deadline =
+      gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_millis(timeout_ms, GPR_TIMESPAN));
   r->call = grpc_channel_create_registered_call(ch->ch, NULL, GRPC_PROPAGATE_DEFAULTS, q->cq,
                                                 handle, deadline, NULL);
   if (r->call == NULL) {
@@ -875,8 +889,8 @@ rpc_request *rpc_start(rpc_queue *q, rpc_channel *ch, const char *path, rpc_msg 
   memset(ops, 0, sizeof(ops));
   ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
   if (wait_for_ready)
-    ops[0].flags = GRPC_INITIAL_METADATA_WAIT_FOR_READY |
-                   GRPC_INITIAL_METADATA_WAIT_FOR_READY_EXPLICITLY_SET;
+    ops[0].flags =
+        GRPC_INITIAL_METADATA_WAIT_FOR_READY | GRPC_INITIAL_METADATA_WAIT_FOR_READY_EXPLICITLY_SET;
   ops[1].op = GRPC_OP_SEND_MESSAGE;
   ops[1].data.send_message.send_message = r->send;
   ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;

@@ -30,8 +30,10 @@ static size_t varint_put(uint8_t *p, uint64_t v) {
  * an ordinary header field and must go through protobuf-c. */
 static const ProtobufCFieldDescriptor *tensor_field(const ProtobufCMessageDescriptor *desc,
                                                     int *is_tensor) {
-  const ProtobufCFieldDescriptor *fd = protobuf_c_message_descriptor_get_field(desc, WIRE_TENSOR_FIELD);
-  *is_tensor = fd == NULL || (fd->type == PROTOBUF_C_TYPE_BYTES && fd->label != PROTOBUF_C_LABEL_REPEATED);
+  const ProtobufCFieldDescriptor *fd =
+      protobuf_c_message_descriptor_get_field(desc, WIRE_TENSOR_FIELD);
+  *is_tensor =
+      fd == NULL || (fd->type == PROTOBUF_C_TYPE_BYTES && fd->label != PROTOBUF_C_LABEL_REPEATED);
   return fd;
 }
 
@@ -203,8 +205,10 @@ static int next_field(cursor *c, field *f, char *err) {
     return 0;
   case WT_SGROUP:
   case WT_EGROUP:
-    return ps_seterr(err, PS_EINVAL, "wire: field %u at byte %zu uses groups (wire type %d), "
-                     "which this protocol never does", f->number, f->start, f->wtype);
+    return ps_seterr(err, PS_EINVAL,
+                     "wire: field %u at byte %zu uses groups (wire type %d), "
+                     "which this protocol never does",
+                     f->number, f->start, f->wtype);
   default:
     return ps_seterr(err, PS_EINVAL, "wire: field %u at byte %zu has invalid wire type %d",
                      f->number, f->start, f->wtype);
@@ -254,8 +258,10 @@ ProtobufCMessage *wire_decode(const ProtobufCMessageDescriptor *desc, const ps_s
       return NULL;
     if (is_tensor && f.number == WIRE_TENSOR_FIELD) {
       if (f.wtype != WT_LEN) {
-        ps_seterr(err, PS_EINVAL, "wire: field %d (tensor) at byte %zu has wire type %d, "
-                  "expected 2 (length-delimited)", WIRE_TENSOR_FIELD, f.start, f.wtype);
+        ps_seterr(err, PS_EINVAL,
+                  "wire: field %d (tensor) at byte %zu has wire type %d, "
+                  "expected 2 (length-delimited)",
+                  WIRE_TENSOR_FIELD, f.start, f.wtype);
         return NULL;
       }
       tf = f;

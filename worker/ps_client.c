@@ -280,11 +280,15 @@ int ps_client_pull(ps_client *c, float *params, uint64_t *versions, char *err) {
         rpc_request_free(c->reqs[s]);
         continue;
       }
-      ps_seg tsegs[64];
+      /* A large reply arrives in many slices; the tensor view needs one
+       * entry per slice at most. */
+      int max_tsegs = view.nsegs > 0 ? view.nsegs : 1;
+      ps_seg *tsegs = malloc((size_t)max_tsegs * sizeof(ps_seg));
       ps_segview tensor;
-      char derr[PS_ERRLEN];
-      ProtobufCMessage *m = wire_decode(&ps__pull_response__descriptor, &view, tsegs, 64,
-                                        &tensor, derr);
+      char derr[PS_ERRLEN] = "out of memory";
+      ProtobufCMessage *m = tsegs ? wire_decode(&ps__pull_response__descriptor, &view, tsegs,
+                                                max_tsegs, &tensor, derr)
+                                  : NULL;
       if (!m) {
         if (rc == PS_OK)
           rc = ps_seterr(err, PS_EPROTO, "Pull from shard %d: malformed reply: %s", s, derr);
@@ -304,6 +308,7 @@ int ps_client_pull(ps_client *c, float *params, uint64_t *versions, char *err) {
         }
         protobuf_c_message_free_unpacked(m, NULL);
       }
+      free(tsegs);
       rpc_request_free(c->reqs[s]);
     }
     if (rc == PS_OK || retry_shard < 0 || attempt == 1) break;

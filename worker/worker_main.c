@@ -592,8 +592,10 @@ int main(int argc, char **argv) {
 #endif
   char desc[512];
   ps_model_spec_describe(spec, desc, sizeof desc);
-  PS_INFO("model: %s; device cpu (%s threads)%s", desc,
-          w.threads ? "" : "default", w.chief ? "; chief: evaluates the test split" : "");
+  char thr[32] = "OpenBLAS default threads";
+  if (w.threads) snprintf(thr, sizeof thr, "%d BLAS thread%s", w.threads, w.threads > 1 ? "s" : "");
+  PS_INFO("model: %s; device cpu (%s)%s", desc, thr,
+          w.chief ? "; chief: evaluates the test split" : "");
   if (w.local) {
     w.opt = ps_optimizer_find(w.job.optim.name);
     w.slots = calloc((size_t)(w.opt->n_slots + 1), sizeof(float *));

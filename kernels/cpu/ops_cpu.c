@@ -18,7 +18,7 @@
  * CNN at batch 64 (4.4M floats for its second conv) still runs as one sgemm
  * per pass. */
 #ifndef CONV_CHUNK_FLOATS
-#define CONV_CHUNK_FLOATS ((size_t)8 << 20)
+#define CONV_CHUNK_FLOATS ((size_t)256 << 10)
 #endif
 
 typedef struct {

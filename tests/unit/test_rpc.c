@@ -65,8 +65,8 @@ static void h_echo(rpc_call *c, const ps_segview *req, void *user) {
   rpc_msg m = {.nseg = 2};
   size_t head = req->total < 5 ? req->total : 5;
   m.seg[0] = (rpc_seg){.ptr = buf, .len = head};
-  m.seg[1] = (rpc_seg){.ptr = buf + head, .len = req->total - head, .release = server_release,
-                       .user = buf};
+  m.seg[1] = (rpc_seg){
+      .ptr = buf + head, .len = req->total - head, .release = server_release, .user = buf};
   rpc_call_reply(c, &m);
 }
 
@@ -105,7 +105,8 @@ typedef struct {
   pthread_t thread;
 } deferred;
 
-static deferred deferreds[8];
+#define MAX_DEFERRED 256
+static deferred deferreds[MAX_DEFERRED];
 static atomic_int ndeferred;
 
 static void *deferred_answer(void *arg) {
@@ -122,7 +123,7 @@ static void *deferred_answer(void *arg) {
 
 static void h_deferred(rpc_call *c, const ps_segview *req, void *user) {
   int i = atomic_fetch_add(&ndeferred, 1);
-  if (i >= 8) {
+  if (i >= MAX_DEFERRED) {
     rpc_call_fail(c, RPC_RESOURCE_EXHAUSTED, "too many deferred calls");
     return;
   }
@@ -287,7 +288,8 @@ static void test_deferred(void) {
   /* The server thread is free meanwhile: an echo gets through first. */
   double ms;
   echo_roundtrip(1000, 3, &ms);
-  CHECK_MSG(ms < 250, "echo took %.1f ms behind a deferred call", ms);
+  /* before the deferred answer was due */
+  CHECK_MSG(ms < 290, "echo took %.1f ms behind a deferred call", ms);
   ps_segview v;
   int code = rpc_wait(slow, detail, &v);
   double waited = (ps_now_s() - t0) * 1e3;
@@ -324,7 +326,8 @@ static void test_deadline(void) {
   int code = rpc_call_sync(q, ch, "/test.Svc/Slow", &m, 150, 1, NULL, NULL, detail);
   double ms = (ps_now_s() - t0) * 1e3;
   CHECK_MSG(code == RPC_DEADLINE_EXCEEDED, "%s: %s", rpc_status_name(code), detail);
-  CHECK_MSG(ms >= 140 && ms < 700, "deadline of 150 ms hit after %.1f ms", ms);
+  /* well before the handler's 800 ms were up */
+  CHECK_MSG(ms >= 140 && ms < 750, "deadline of 150 ms hit after %.1f ms", ms);
   /* A deadline is required. */
   char err[PS_ERRLEN] = "";
   int c0 = atomic_load(&client_releases);
@@ -484,6 +487,51 @@ static void test_shutdown_with_pending_call(void) {
   rpc_channel_destroy(c2);
 }
 
+/* Shutdown while calls of every kind are in flight: each call ends (OK or
+ * not), each buffer is released once, nothing leaks or crashes. */
+static void test_shutdown_under_load(void) {
+  for (int round = 0; round < 5; round++) {
+    int p = 0;
+    rpc_server *s = start_server(0, &p);
+    rpc_channel *c2 = connect_to(p, 10000);
+    /* Connected first: a call waiting for readiness would otherwise wait,
+     * rightly, for a server that is gone, until its deadline. */
+    rpc_msg warm = pattern_msg(10, 1);
+    char detail0[PS_ERRLEN];
+    CHECK(rpc_call_sync(q, c2, "/test.Svc/Echo", &warm, 5000, 1, NULL, NULL, detail0) == RPC_OK);
+    int n0 = atomic_load(&ndeferred);
+    enum { N = 24 };
+    rpc_request *r[N];
+    char err[PS_ERRLEN];
+    for (int i = 0; i < N; i++) {
+      rpc_msg m = i % 3 == 0 ? pattern_msg(100000 + (size_t)i, 1) : int_msg(5 + 10 * (i % 4));
+      const char *path = i % 3 == 0   ? "/test.Svc/Echo"
+                         : i % 3 == 1 ? "/test.Svc/Deferred"
+                                      : "/test.Svc/Slow";
+      r[i] = rpc_start(q, c2, path, &m, 5000, 0, err);
+      CHECK(r[i] != NULL);
+    }
+    ps_sleep_ms(round * 7); /* shut down at different moments */
+    rpc_server_shutdown(s);
+    int ok = 0;
+    for (int i = 0; i < N; i++) {
+      ps_segview v;
+      char detail[PS_ERRLEN];
+      int code = rpc_wait(r[i], detail, &v);
+      CHECK_MSG(code == RPC_OK || code == RPC_CANCELLED || code == RPC_UNAVAILABLE, "%s: %s",
+                rpc_status_name(code), detail);
+      ok += code == RPC_OK;
+      rpc_request_free(r[i]);
+    }
+    for (int i = n0; i < atomic_load(&ndeferred) && i < MAX_DEFERRED; i++)
+      pthread_join(deferreds[i].thread, NULL);
+    rpc_server_destroy(s);
+    rpc_channel_destroy(c2);
+    if (round == 4)
+      fprintf(stderr, "  last round: %d of %d calls answered OK before shutdown\n", ok, N);
+  }
+}
+
 int main(void) {
   ps_log_init("test_rpc", PS_LOG_WARN);
   rpc_global_init();
@@ -506,6 +554,7 @@ int main(void) {
   RUN(test_free_without_wait);
   RUN(test_keepalive_idle);
   RUN(test_shutdown_with_pending_call);
+  RUN(test_shutdown_under_load);
 
   rpc_channel_destroy(ch);
   rpc_server_destroy(srv);

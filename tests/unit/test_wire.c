@@ -190,7 +190,8 @@ static void test_push_roundtrip_sizes(void) {
       size_t cuts[6];
       int nc = 0;
       for (int k = 0; k < 6; k++)
-        if (cut_sets[ci][k] > 0 && cut_sets[ci][k] < b.len && (nc == 0 || cut_sets[ci][k] > cuts[nc - 1]))
+        if (cut_sets[ci][k] > 0 && cut_sets[ci][k] < b.len &&
+            (nc == 0 || cut_sets[ci][k] > cuts[nc - 1]))
           cuts[nc++] = cut_sets[ci][k];
       split *s = split_at(b.bytes, b.len, cuts, nc);
       ps_seg tsegs[8];
@@ -329,14 +330,14 @@ static void test_fields_in_any_order(void) {
   size_t cuts_a[] = {unknown_at + 1, second + 3};
   size_t cuts_b[] = {1, 5, 9};
   for (int pass = 0; pass < 3; pass++) {
-    split *s = pass == 0 ? split_at(buf, n, NULL, 0)
+    split *s = pass == 0   ? split_at(buf, n, NULL, 0)
                : pass == 1 ? split_at(buf, n, cuts_a, 2)
                            : split_at(buf, n, cuts_b, 3);
     ps_seg tsegs[8];
     ps_segview tv;
     char err[PS_ERRLEN];
-    Ps__PullResponse *got =
-        (Ps__PullResponse *)wire_decode(&ps__pull_response__descriptor, &s->view, tsegs, 8, &tv, err);
+    Ps__PullResponse *got = (Ps__PullResponse *)wire_decode(&ps__pull_response__descriptor,
+                                                            &s->view, tsegs, 8, &tv, err);
     CHECK_MSG(got != NULL, "pass %d: %s", pass, err);
     if (got != NULL) {
       CHECK(got->version == 17 && got->offset == 4 && got->count == 1000);
@@ -406,7 +407,8 @@ static void expect_refused(const char *what, const uint8_t *bytes, size_t len, c
     ps_seg tsegs[64];
     ps_segview tv;
     char err[PS_ERRLEN] = "";
-    ProtobufCMessage *got = wire_decode(&ps__push_request__descriptor, &s->view, tsegs, 64, &tv, err);
+    ProtobufCMessage *got =
+        wire_decode(&ps__push_request__descriptor, &s->view, tsegs, 64, &tv, err);
     CHECK_MSG(got == NULL, "%s was accepted", what);
     CHECK_MSG(err[0] != '\0' && (needle == NULL || strstr(err, needle) != NULL),
               "%s: message '%s', wanted '%s'", what, err, needle ? needle : "");
@@ -421,7 +423,8 @@ static void test_malformed(void) {
   expect_refused("truncated varint", trunc_varint, sizeof(trunc_varint), "truncated varint");
   const uint8_t trunc_tag[] = {0x80};
   expect_refused("truncated tag", trunc_tag, sizeof(trunc_tag), "truncated varint");
-  const uint8_t long_varint[] = {0x10, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01};
+  const uint8_t long_varint[] = {0x10, 0xff, 0xff, 0xff, 0xff, 0xff,
+                                 0xff, 0xff, 0xff, 0xff, 0xff, 0x01};
   expect_refused("11-byte varint", long_varint, sizeof(long_varint), "varint");
   const uint8_t beyond[] = {0x10, 0x01, 0x7a, 0x05, 0x01, 0x02};
   expect_refused("length beyond end", beyond, sizeof(beyond), "only 2 bytes follow");
@@ -504,7 +507,8 @@ static void test_garbage(void) {
     ps_seg tsegs[4];
     ps_segview tv;
     char err[PS_ERRLEN] = "";
-    ProtobufCMessage *got = wire_decode(&ps__push_request__descriptor, &s->view, tsegs, 4, &tv, err);
+    ProtobufCMessage *got =
+        wire_decode(&ps__push_request__descriptor, &s->view, tsegs, 4, &tv, err);
     if (got != NULL) {
       accepted++;
       CHECK(tv.total <= len);

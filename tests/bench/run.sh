@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Benchmarks, measured as ratios within one run (the machine is shared):
+#   transport: one worker pulls and pushes a 10M-float32 shard to one
+#              ps-server on loopback, against iperf3's single-stream TCP rate
+#   training:  examples/s of the quickstart CNN with 1 server + 1 worker,
+#              against the same model trained in-process (ps-worker --local)
+#   tests/bench/run.sh [transport|training|all] [BUILD_DIR]
+set -euo pipefail
+what=${1:-all}
+root=$(cd "$(dirname "$0")/../.." && pwd)
+build=$(cd "${2:-$root/build}" && pwd)
+out=$(mktemp -d /tmp/ps-bench.XXXXXX)
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done; }
+trap cleanup EXIT
+port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+transport() {
+  command -v iperf3 >/dev/null || { echo "iperf3 is missing (deploy/install-deps.sh)"; exit 1; }
+  local p; p=$(port)
+  "$build/ps-server" --job "$root/tests/bench/jobs_transport.json" --ps "127.0.0.1:$p" --index 0 \
+    >"$out/server.log" 2>&1 &
+  pids+=($!); local spid=$!
+  "$build/bench_transport" "127.0.0.1:$p" 20 | tee "$out/transport.txt"
+  kill -TERM "$spid"; wait "$spid" || true
+  local ip; ip=$(port)
+  iperf3 -s -1 -B 127.0.0.1 -p "$ip" >/dev/null 2>&1 &
+  pids+=($!)
+  sleep 0.5
+  iperf3 -c 127.0.0.1 -p "$ip" -t 5 -P 1 -J >"$out/iperf.json"
+  python3 - "$out" <<'PY'
+import json, sys
+out = sys.argv[1]
+t = json.loads(open(f"{out}/transport.txt").read().strip().splitlines()[-1])
+ip = json.load(open(f"{out}/iperf.json"))
+gbps = ip["end"]["sum_received"]["bits_per_second"] / 8 / 1e9
+print(f"iperf3 loopback, one stream: {gbps:.2f} GB/s")
+print(f"pull: {t['pull_gbps']:.2f} GB/s = {t['pull_gbps']/gbps:.3f} of iperf3 ({t['pull_ms']:.1f} ms per 10M values)")
+print(f"push: {t['push_gbps']:.2f} GB/s = {t['push_gbps']/gbps:.3f} of iperf3 ({t['push_ms']:.1f} ms per 10M values)")
+PY
+}
+
+# examples/s from a run's summary line
+eps() { sed -n 's/.*: \([0-9]*\) examples\/s$/\1/p' "$1" | tail -1; }
+
+training() {
+  local steps=${BENCH_STEPS:-300}
+  local job="$root/deploy/jobs/fashion_mnist_cnn.json"
+  local l=() c=()
+  # Interleaved pairs: whatever else the machine does hits both alike.
+  for round in 1 2; do
+    "$build/ps-worker" --local --job "$job" --max-steps "$steps" --eval-interval 0 \
+      --log-interval 1000 >"$out/local-$round.log" 2>&1
+    l+=("$(eps "$out/local-$round.log")")
+    local p; p=$(port)
+    "$build/ps-server" --job "$job" --ps "127.0.0.1:$p" --index 0 >"$out/server-$round.log" 2>&1 &
+    pids+=($!); local spid=$!
+    "$build/ps-worker" --ps "127.0.0.1:$p" --max-steps "$steps" --eval-interval 0 \
+      --log-interval 1000 >"$out/cluster-$round.log" 2>&1
+    kill -TERM "$spid"; wait "$spid" || true
+    c+=("$(eps "$out/cluster-$round.log")")
+    echo "round $round: local ${l[-1]} examples/s, 1 server + 1 worker ${c[-1]} examples/s"
+  done
+  python3 - "${l[@]}" "${c[@]}" <<'PY'
+import sys
+v = [float(x) for x in sys.argv[1:]]
+n = len(v) // 2
+loc, clu = sum(v[:n]) / n, sum(v[n:]) / n
+print(f"training: local {loc:.0f} examples/s, 1 server + 1 worker {clu:.0f} examples/s: "
+      f"ratio {clu/loc:.3f} (server overhead {100*(1-clu/loc):.1f}%)")
+PY
+}
+
+case "$what" in
+  transport) transport ;;
+  training) training ;;
+  all) transport; training ;;
+  *) echo "usage: tests/bench/run.sh [transport|training|all] [BUILD_DIR]" >&2; exit 2 ;;
+esac
