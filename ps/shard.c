@@ -1,18 +1,23 @@
-/* A shard's state: parameters, optimizer slots, version, push statistics,
- * and the snapshots handed to pulls.
+/* A shard's state: parameters, optimizer slots, version, push statistics.
  *
- * Locking: one mutex guards everything that changes (params, slots,
- * version, stats, the cached snapshot). The checks of a push (range,
- * length, every value finite) read only the request and the shard's fixed
- * range, so they run before the lock is taken; the lock is held only to
- * apply, to copy, and to update counters.
+ * Parameters live in reference-counted, immutable snapshots. A push never
+ * changes the snapshot that pulls see: it writes the updated values into
+ * another buffer (read the current values, apply, write the new buffer:
+ * the same memory traffic as an update in place) and then publishes it as
+ * the current snapshot. So a pull is O(1): it takes a reference to the
+ * current snapshot and gRPC sends straight from it, with no copy and no
+ * lock held while the bytes go out, and a pull never waits for a push
+ * being applied.
  *
- * Snapshots: a pull returns a reference-counted copy so that the caller can
- * stream it out (gRPC) without holding the lock while a push changes the
- * parameters. The whole-range copy of the current version is kept in
- * `cached` (the shard holds one reference to it) and shared by every pull
- * of that version: with W workers pulling after each push, the shard copies
- * once, not W times. A partial range gets a private copy. */
+ * Locking: `apply_mu` serializes pushes (they own the slots and the spare
+ * buffers); `mu` guards the pointer to the current snapshot, the version
+ * and the statistics, and is only ever held for a few instructions. The
+ * checks of a push (range, length, every value finite) read only the
+ * request and the shard's fixed range, so they run before any lock.
+ *
+ * Buffers: retired snapshots stay with the shard; once no pull holds one
+ * any more (its count is back to the shard's single reference) the next
+ * push reuses it, so the steady state allocates nothing. */
 #include "shard.h"
 
 #include <math.h>
@@ -26,6 +31,11 @@
 
 /* Enough for every optimizer of optim.c (adam has 2). */
 #define SHARD_MAX_SLOTS 4
+/* Retired snapshots kept for reuse: one being sent to each of a couple of
+ * pullers while the next push is applied. */
+#define SHARD_SPARES 3
+/* Values copied and updated per piece while they are in cache. */
+#define APPLY_CHUNK 4096
 
 /* ps_snapshot.refs is a plain int in the public header; it is only ever
  * accessed through these atomic views, which requires the two types to be
@@ -43,13 +53,15 @@ struct ps_shard {
   size_t begin, end; /* global range owned; n = end - begin */
   const ps_optimizer *opt;
   ps_optim_config cfg;
-  float *params;                 /* (n) */
   float *slots[SHARD_MAX_SLOTS]; /* opt->n_slots arrays of (n) */
 
+  pthread_mutex_t apply_mu;         /* serializes pushes */
+  ps_snapshot *retired[SHARD_SPARES]; /* earlier snapshots, one ref each, or NULL */
+
   pthread_mutex_t mu;
-  uint64_t version; /* updates applied */
+  ps_snapshot *current;  /* the whole range at `version`; one ref held */
+  uint64_t version;      /* updates applied */
   ps_shard_stats stats;  /* .version unused here: filled from version on read */
-  ps_snapshot *cached;   /* whole range at some version, or NULL; one ref held */
 };
 
 /* ---------------------------------------------------------------- snapshots */
@@ -156,10 +168,11 @@ ps_shard *ps_shard_create(const ps_job *job, int index, int num_shards, char *er
     ps_seterr(err, PS_ENOMEM, "cannot create the mutex of shard %d", index);
     return NULL;
   }
+  pthread_mutex_init(&s->apply_mu, NULL);
   if (n > SIZE_MAX / sizeof(float)) goto oom;
-  s->params = ps_alloc(n * sizeof(float));
-  if (!s->params) goto oom;
-  ps_model_init_params(&job->model, job->seed, s->begin, s->end, s->params);
+  s->current = snapshot_alloc(s->begin, n);
+  if (!s->current) goto oom;
+  ps_model_init_params(&job->model, job->seed, s->begin, s->end, s->current->values);
   for (int k = 0; k < opt->n_slots; k++) {
     s->slots[k] = ps_alloc(n * sizeof(float));
     if (!s->slots[k]) goto oom;
@@ -179,10 +192,11 @@ oom:
 
 void ps_shard_destroy(ps_shard *s) {
   if (!s) return;
-  ps_snapshot_unref(s->cached);
+  ps_snapshot_unref(s->current);
+  for (int i = 0; i < SHARD_SPARES; i++) ps_snapshot_unref(s->retired[i]);
   for (int k = 0; k < SHARD_MAX_SLOTS; k++) ps_free(s->slots[k]);
-  ps_free(s->params);
   pthread_mutex_destroy(&s->mu);
+  pthread_mutex_destroy(&s->apply_mu);
   free(s);
 }
 
@@ -245,20 +259,52 @@ static int scan_finite_piece(const float *values, size_t n, size_t first, void *
 
 typedef struct {
   ps_shard *s;
-  size_t local; /* offset of the push's first value in s->params */
+  const float *in; /* current values, whole range */
+  float *out;      /* the next snapshot's values, whole range */
+  size_t local;    /* offset of the push's first value in the range */
   uint64_t t;
 } apply_ctx;
 
 /* Applies one piece: `first` counts values from the start of the push, so
- * the piece updates params[local + first ..]. */
+ * the piece updates values [local + first, + n). Each chunk is copied from
+ * the current snapshot into the next one and updated there while it is
+ * still in cache. */
 static int apply_piece(const float *values, size_t n, size_t first, void *user) {
   apply_ctx *c = user;
   ps_shard *s = c->s;
-  size_t at = c->local + first;
-  float *slots[SHARD_MAX_SLOTS];
-  for (int k = 0; k < s->opt->n_slots; k++) slots[k] = s->slots[k] + at;
-  s->opt->apply(&s->cfg, c->t, s->cfg.lr, s->params + at, slots, values, n);
+  for (size_t done = 0; done < n;) {
+    size_t k = n - done < APPLY_CHUNK ? n - done : APPLY_CHUNK;
+    size_t at = c->local + first + done;
+    float *slots[SHARD_MAX_SLOTS];
+    for (int j = 0; j < s->opt->n_slots; j++) slots[j] = s->slots[j] + at;
+    memcpy(c->out + at, c->in + at, k * sizeof(float));
+    s->opt->apply(&s->cfg, c->t, s->cfg.lr, c->out + at, slots, values + done, k);
+    done += k;
+  }
   return 0;
+}
+
+/* A buffer for the next snapshot: a retired one that no pull holds any
+ * more, or a new one. Called with apply_mu held. */
+static ps_snapshot *next_buffer(ps_shard *s) {
+  for (int i = 0; i < SHARD_SPARES; i++) {
+    ps_snapshot *r = s->retired[i];
+    if (r && atomic_load_explicit(SNAP_REFS(r), memory_order_acquire) == 1) {
+      s->retired[i] = NULL;
+      return r;
+    }
+  }
+  return snapshot_alloc(s->begin, s->end - s->begin);
+}
+
+/* Keeps an old snapshot for reuse (the shard's reference moves with it);
+ * when all places are taken, the oldest is let go (freed by its last
+ * puller). Called with apply_mu held. */
+static void retire(ps_shard *s, ps_snapshot *old) {
+  ps_snapshot *drop = s->retired[0];
+  memmove(&s->retired[0], &s->retired[1], (SHARD_SPARES - 1) * sizeof(ps_snapshot *));
+  s->retired[SHARD_SPARES - 1] = old;
+  ps_snapshot_unref(drop);
 }
 
 static int reject_push(ps_shard *s, int code) {
@@ -297,20 +343,40 @@ int ps_shard_push(ps_shard *s, uint64_t base_version, size_t offset, size_t coun
     }
   }
 
+  pthread_mutex_lock(&s->apply_mu);
+  ps_snapshot *cur = s->current; /* only pushes replace it, and we hold apply_mu */
+  ps_snapshot *next = next_buffer(s);
+  if (!next) {
+    pthread_mutex_unlock(&s->apply_mu);
+    return reject_push(s, ps_seterr(err, PS_ENOMEM, "out of memory for the next snapshot of %zu "
+                                                    "values", s->end - s->begin));
+  }
+  size_t local = offset - s->begin, n = s->end - s->begin;
+  /* Values outside the push carry over unchanged. */
+  memcpy(next->values, cur->values, local * sizeof(float));
+  memcpy(next->values + local + count, cur->values + local + count,
+         (n - local - count) * sizeof(float));
   pthread_mutex_lock(&s->mu);
   uint64_t before = s->version;
+  pthread_mutex_unlock(&s->mu);
   if (count > 0) {
-    apply_ctx c = {s, offset - s->begin, before + 1};
+    apply_ctx c = {s, cur->values, next->values, local, before + 1};
     ps_segview_each_float(grad, apply_piece, &c);
   }
-  s->version = before + 1;
+  next->version = before + 1;
   uint64_t stale = base_version < before ? before - base_version : 0;
+
+  pthread_mutex_lock(&s->mu);
+  s->current = next; /* published: pulls from now on see before + 1 */
+  s->version = before + 1;
   ps_shard_stats *st = &s->stats;
   st->pushes++;
   st->staleness_mean += ((double)stale - st->staleness_mean) / (double)st->pushes;
   if (stale > st->staleness_max) st->staleness_max = stale;
   st->staleness_hist[stale < PS_STALENESS_BUCKETS - 1 ? stale : PS_STALENESS_BUCKETS - 1]++;
   pthread_mutex_unlock(&s->mu);
+  retire(s, cur);
+  pthread_mutex_unlock(&s->apply_mu);
 
   if (new_version) *new_version = before + 1;
   if (staleness) *staleness = stale;
@@ -321,45 +387,23 @@ int ps_shard_push(ps_shard *s, uint64_t base_version, size_t offset, size_t coun
 
 ps_snapshot *ps_shard_pull(ps_shard *s, size_t offset, size_t count, char *err) {
   if (check_range(s, "pull", offset, count, err) != PS_OK) return NULL;
-  size_t local = offset - s->begin;
-  int whole = offset == s->begin && count == s->end - s->begin;
-
-  if (whole) {
-    pthread_mutex_lock(&s->mu);
-    if (s->cached && s->cached->version == s->version) {
-      ps_snapshot *hit = snapshot_ref(s->cached);
-      s->stats.pulls++;
-      pthread_mutex_unlock(&s->mu);
-      return hit;
-    }
-    pthread_mutex_unlock(&s->mu);
-  }
-
-  /* Allocated outside the lock: it can be tens of megabytes. */
-  ps_snapshot *snap = snapshot_alloc(offset, count);
-  if (!snap) {
+  pthread_mutex_lock(&s->mu);
+  ps_snapshot *cur = snapshot_ref(s->current);
+  s->stats.pulls++;
+  pthread_mutex_unlock(&s->mu);
+  if (offset == s->begin && count == s->end - s->begin) return cur;
+  /* A part of the range: a private copy, made outside the lock (the
+   * current snapshot cannot change under its reference). */
+  ps_snapshot *part = snapshot_alloc(offset, count);
+  if (!part) {
+    ps_snapshot_unref(cur);
     ps_seterr(err, PS_ENOMEM, "out of memory for a snapshot of %zu values", count);
     return NULL;
   }
-  ps_snapshot *old = NULL;
-  pthread_mutex_lock(&s->mu);
-  s->stats.pulls++;
-  if (whole && s->cached && s->cached->version == s->version) {
-    /* Another pull cached this version while we allocated. */
-    old = snap;
-    snap = snapshot_ref(s->cached);
-  } else {
-    snap->version = s->version;
-    memcpy(snap->values, s->params + local, count * sizeof(float));
-    if (whole) {
-      old = s->cached;
-      s->cached = snapshot_ref(snap);
-    }
-  }
-  pthread_mutex_unlock(&s->mu);
-  /* Freeing a large block is kept out of the lock too. */
-  ps_snapshot_unref(old);
-  return snap;
+  part->version = cur->version;
+  memcpy(part->values, cur->values + (offset - s->begin), count * sizeof(float));
+  ps_snapshot_unref(cur);
+  return part;
 }
 
 /* ---------------------------------------------------------------- reading */
@@ -375,6 +419,8 @@ void ps_shard_copy_params(ps_shard *s, float *out) {
   size_t n = s->end - s->begin;
   if (n == 0) return;
   pthread_mutex_lock(&s->mu);
-  memcpy(out, s->params, n * sizeof(float));
+  ps_snapshot *cur = snapshot_ref(s->current);
   pthread_mutex_unlock(&s->mu);
+  memcpy(out, cur->values, n * sizeof(float));
+  ps_snapshot_unref(cur);
 }

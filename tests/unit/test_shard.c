@@ -241,7 +241,7 @@ static void test_snapshots(void) {
   if (c) {
     CHECK(c->version == 1);
     CHECK(c->refs == 2);
-    CHECK(a->refs == 2); /* the cache let go of it */
+    CHECK(a->refs == 3); /* the two pulls, and the shard keeps it retired for reuse */
     CHECK(memcmp(a->values, params, n * sizeof(float)) == 0);
     /* momentum, first step: p -= lr * g = 0.05 */
     CHECK_NEAR(c->values[0], params[0] - 0.05f, 1e-6, 0);
@@ -264,6 +264,19 @@ static void test_snapshots(void) {
   ps_snapshot_unref(p);
   ps_snapshot_unref(c);
   ps_snapshot_unref(NULL);
+
+  /* Once no pull holds a retired snapshot, the next push writes into it
+   * rather than allocating: a and c's buffers come round again. */
+  ps_snapshot *seen[4];
+  int reused = 0;
+  for (int i = 0; i < 4; i++) {
+    CHECK(push_floats(s, (uint64_t)i, begin, g, n, NULL, NULL, err) == PS_OK);
+    seen[i] = ps_shard_pull(s, begin, n, err);
+    reused += seen[i] == a || seen[i] == c;
+    CHECK(seen[i] && seen[i]->version == (uint64_t)i + 2);
+    ps_snapshot_unref(seen[i]);
+  }
+  CHECK(reused >= 1);
 done:
   /* The cache's reference is dropped here; ASan reports any snapshot left. */
   ps_shard_destroy(s);
