@@ -293,15 +293,11 @@ static void active_remove_locked(rpc_server *s, rpc_call *c) {
   c->prev = c->next = NULL;
 }
 
-/* gRPC is done with the call: give back its resources, so that the server
- * can finish shutting down, and drop gRPC's reference. */
+/* gRPC is done with the call: give back its resources, then leave `active`
+ * (last: shutdown destroys the server once `active` is empty), and drop
+ * gRPC's reference. */
 static void release_grpc_side(rpc_call *c) {
   rpc_server *s = c->s;
-  pthread_mutex_lock(&s->mu);
-  active_remove_locked(s, c);
-  if (s->active == NULL)
-    pthread_cond_broadcast(&s->cv);
-  pthread_mutex_unlock(&s->mu);
   grpc_metadata_array_destroy(&c->md);
   if (c->m == NULL)
     grpc_call_details_destroy(&c->details);
@@ -310,6 +306,11 @@ static void release_grpc_side(rpc_call *c) {
   c->reply = NULL;
   grpc_call_unref(c->call);
   c->call = NULL;
+  pthread_mutex_lock(&s->mu);
+  active_remove_locked(s, c);
+  if (s->active == NULL)
+    pthread_cond_broadcast(&s->cv);
+  pthread_mutex_unlock(&s->mu);
   call_unref(c);
 }
 

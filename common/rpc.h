@@ -87,7 +87,8 @@ rpc_server *rpc_server_create(const char *addr, const rpc_server_opts *opts, int
 /* Registers a method by full path ("/ps.ParameterServer/Push"); before start. */
 int rpc_server_add_method(rpc_server *s, const char *path, rpc_handler fn, void *user);
 int rpc_server_start(rpc_server *s, char *err);
-/* Stops accepting calls, cancels those in flight, joins the threads.
+/* Stops accepting calls, cancels those in flight, joins the threads (never
+ * call it from a handler).
  * Calls not yet answered are answered CANCELLED by the shutdown. */
 void rpc_server_shutdown(rpc_server *s);
 void rpc_server_destroy(rpc_server *s);
@@ -118,7 +119,8 @@ const char *rpc_channel_target(const rpc_channel *ch);
 rpc_queue *rpc_queue_create(void);
 void rpc_queue_destroy(rpc_queue *q);
 
-/* Starts a unary call; ownership of req's segments passes to rpc.
+/* Starts a unary call; ownership of req's segments passes to rpc. Every
+ * call has a deadline: timeout_ms <= 0 is refused (segments released).
  * wait_for_ready: wait for a connection (until the deadline) rather than
  * failing UNAVAILABLE at once. NULL with a message on failure. */
 rpc_request *rpc_start(rpc_queue *q, rpc_channel *ch, const char *path, rpc_msg *req,
@@ -128,6 +130,9 @@ rpc_request *rpc_start(rpc_queue *q, rpc_channel *ch, const char *path, rpc_msg 
  * NULL, else PS_ERRLEN bytes) receives the status message. On RPC_OK,
  * *response views the reply; it stays valid until rpc_request_free. */
 int rpc_wait(rpc_request *r, char *detail, ps_segview *response);
+/* Frees a call; one not yet waited for is cancelled and waited for, so this
+ * runs on the thread that owns the queue. Free every request of a queue
+ * before rpc_queue_destroy. */
 void rpc_request_free(rpc_request *r);
 
 /* Start + wait + copy: convenience for small calls. *resp receives a

@@ -17,14 +17,19 @@
  * packed into a fresh buffer, followed by the tag and length of field 15 and
  * then `tensor` as its own segment, sent without a copy (release(user) is
  * called when gRPC is done with it; release NULL means the tensor is copied).
- * tensor may be NULL with tensor_bytes 0 for messages without one. */
+ * tensor may be NULL with tensor_bytes 0 for messages without one.
+ * Without release the tensor is copied into the header's segment (one
+ * segment); an empty tensor is left out (as protobuf-c does) and its release
+ * called at once. Returns PS_EINVAL (nothing released) when the header
+ * already sets field 15 or declares it as something other than bytes. */
 int wire_encode(const ProtobufCMessage *hdr, const void *tensor, size_t tensor_bytes,
                 void (*release)(void *user), void *user, rpc_msg *out);
 
 /* Decodes `msg`: every field but 15 is unpacked by protobuf-c with `desc`
  * (the returned message, free with protobuf_c_message_free_unpacked(m, NULL));
  * the bytes of field 15 (the last occurrence, as protobuf specifies) are
- * returned as a view into msg, using tsegs[0 .. max_tsegs) for storage
+ * returned as a view into msg (field 15 counts as the tensor when the
+ * message type declares it as bytes or not at all), using tsegs[0 .. max_tsegs) for storage
  * (max_tsegs >= msg->nsegs is always enough). A message with no field 15
  * gives an empty view. NULL with a message in err for malformed input
  * (bad varint, truncated field, bad wire type, protobuf-c refusal). */

@@ -218,6 +218,8 @@ static void test_conv_small(void) {
   check_conv(3, 5, 3, 4, 3, 1, 1, 1, 0, 1e-4);  /* 1x1 */
   check_conv(2, 2, 7, 8, 3, 3, 3, 3, 2, 1e-4);  /* whole rows of padding */
   check_conv(3, 3, 9, 1, 2, 3, 1, 1, 1, 1e-4);  /* a single column */
+  check_conv(2, 2, 6, 7, 3, 5, 5, 1, 2, 1e-4);  /* same padding, wider kernel */
+  check_conv(2, 3, 4, 5, 2, 1, 3, 1, 1, 1e-4);  /* same width, rows of padding */
 }
 
 /* A batch whose columns do not fit in one chunk, so the backend goes
@@ -311,6 +313,8 @@ static void test_maxpool(void) {
   check_maxpool(1, 3, 6, 9, 3, 2); /* overlapping windows */
   check_maxpool(3, 1, 4, 4, 2, 1); /* stride 1: most inputs in 4 windows */
   check_maxpool(1, 1, 2, 2, 2, 2); /* one window */
+  check_maxpool(3, 8, 40, 37, 2, 2); /* 35520 inputs: big enough to be split */
+  check_maxpool(2, 7, 41, 39, 3, 2); /* and overlapping */
 }
 
 /* Equal values: any index in the window is a maximum, but it must be one. */
@@ -380,15 +384,19 @@ static void test_dense(void) {
   check_dense(3, 5, 7);
   check_dense(5, 33, 10);
   check_dense(1, 300, 3);
+  check_dense(64, 300, 71); /* 1.4M multiply-adds: big enough to be split */
 }
 
 /* ---- elementwise ---- */
 
+/* The edge values repeated over 21 elements: the backend's blocked main
+ * loop and its tail both see them. */
 static void test_relu(void) {
-  float x[] = {-2.0f, -0.0f, 0.0f, 1e-30f, 3.5f, -1e-30f, 7.0f};
-  const size_t n = sizeof x / sizeof x[0];
-  float y[7], dy[7], dx[7];
-  for (size_t i = 0; i < n; i++) dy[i] = (float)(i + 1);
+  const float edge[] = {-2.0f, -0.0f, 0.0f, 1e-30f, 3.5f, -1e-30f, 7.0f};
+  enum { N = 21 };
+  const size_t n = N;
+  float x[N], y[N], dy[N], dx[N];
+  for (size_t i = 0; i < n; i++) x[i] = edge[i % 7], dy[i] = (float)(i + 1);
   ops->relu_forward(ops->ctx, n, x, y);
   int ok = 1;
   for (size_t i = 0; i < n; i++) ok &= y[i] == (x[i] > 0 ? x[i] : 0.0f);
@@ -399,8 +407,29 @@ static void test_relu(void) {
   CHECK(ok);
 }
 
+/* Random signs over an array big enough to be split into parts. */
+static void test_relu_large(void) {
+  enum { N = 100003 };
+  float *x = alloc_uniform(N, -1, 1), *y = alloc_nan(N), *dy = alloc_uniform(N, -1, 1);
+  float *dx = alloc_nan(N);
+  ops->relu_forward(ops->ctx, N, x, y);
+  ops->relu_backward(ops->ctx, N, y, dy, dx);
+  int ok = 1;
+  for (size_t i = 0; i < N; i++) {
+    ok &= y[i] == (x[i] > 0 ? x[i] : 0.0f);
+    ok &= dx[i] == (x[i] > 0 ? dy[i] : 0.0f);
+  }
+  CHECK(ok);
+  /* In place, as a model may run it. */
+  ops->relu_forward(ops->ctx, N, x, x);
+  ok = 1;
+  for (size_t i = 0; i < N; i++) ok &= x[i] == y[i];
+  CHECK(ok);
+  free(x), free(y), free(dy), free(dx);
+}
+
 static void test_dropout(void) {
-  enum { N = 20000 };
+  enum { N = 40000 }; /* big enough to be split */
   const float rate = 0.3f, scale = 1.0f / (1.0f - rate);
   float *x = alloc_uniform(N, -1, 1), *y = alloc_nan(N), *mask = alloc_nan(N);
   float *y2 = alloc_nan(N), *mask2 = alloc_nan(N), *dy = alloc_uniform(N, -1, 1);
@@ -483,7 +512,11 @@ static void test_softmax_xent(void) {
  * as the worker runs it, plus an Adam step over all parameters (which the
  * PS does, but PyTorch's reference number includes it). Printed, never
  * asserted: the time depends on the machine and on what else runs. */
-enum { B = 64, NTIMERS = 13 };
+enum { B = 64 };
+enum {
+  T_CONV1_FWD, T_CONV2_FWD, T_POOL_FWD, T_RELU_FWD, T_DENSE_FWD, T_SOFTMAX, T_DENSE_BWD,
+  T_RELU_BWD, T_POOL_BWD, T_CONV2_BWD, T_CONV1_BWD, T_ADAM, T_TOTAL, NTIMERS
+};
 static const char *timer_names[NTIMERS] = {
     "conv1 fwd", "conv2 fwd", "pool fwd", "relu fwd", "dense fwd", "softmax",
     "dense bwd", "relu bwd", "pool bwd", "conv2 bwd", "conv1 bwd", "adam", "total"};
@@ -495,6 +528,11 @@ static double timers[NTIMERS];
     call;                              \
     timers[slot] += now_s() - t0_;     \
   } while (0)
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
 
 static void adam_step(size_t n, float *p, const float *g, float *m, float *v, int t) {
   const float b1 = 0.9f, b2 = 0.999f, lr = 1e-3f, eps = 1e-8f;
@@ -553,6 +591,10 @@ static void test_timing_quickstart_cnn(void) {
   size_t ws1 = ops->conv2d_workspace(ops->ctx, &c1), ws2 = ops->conv2d_workspace(ops->ctx, &c2);
   float *work = malloc((ws1 > ws2 ? ws1 : ws2) * sizeof(float));
 
+  /* Steps until 2 s have passed (at least 3, at most MAX_STEPS) after 2
+   * warm-up steps. */
+  enum { MAX_STEPS = 50 };
+  double step_s[MAX_STEPS], fwdbwd_s[MAX_STEPS];
   memset(timers, 0, sizeof timers);
   int iters = 0, warmup = 2;
   double start = 0;
@@ -563,58 +605,67 @@ static void test_timing_quickstart_cnn(void) {
     }
     if (it >= warmup) {
       iters = it - warmup;
-      if (iters >= 50 || (iters >= 3 && now_s() - start > 2.0)) break;
+      if (iters >= MAX_STEPS || (iters >= 3 && now_s() - start > 2.0)) break;
     }
-    double t_step = now_s();
-    TIMED(0, ops->conv2d_forward(ops->ctx, &c1, x, w1, b1, a1, work));
-    TIMED(3, ops->relu_forward(ops->ctx, n_a1, a1, a1));
-    TIMED(2, ops->maxpool_forward(ops->ctx, &p1, a1, p1o, arg1));
-    TIMED(1, ops->conv2d_forward(ops->ctx, &c2, p1o, w2, b2, a2, work));
-    TIMED(3, ops->relu_forward(ops->ctx, n_a2, a2, a2));
-    TIMED(2, ops->maxpool_forward(ops->ctx, &p2, a2, p2o, arg2));
-    TIMED(4, ops->dense_forward(ops->ctx, B, D1, H, p2o, w3, b3, h1));
-    TIMED(3, ops->relu_forward(ops->ctx, (size_t)B * H, h1, h1));
-    TIMED(4, ops->dense_forward(ops->ctx, B, H, K, h1, w4, b4, logits));
-    TIMED(5, ops->softmax_xent_forward(ops->ctx, B, K, logits, labels, probs));
+    double t_step = now_s(), adam_before = timers[T_ADAM];
+    TIMED(T_CONV1_FWD, ops->conv2d_forward(ops->ctx, &c1, x, w1, b1, a1, work));
+    TIMED(T_RELU_FWD, ops->relu_forward(ops->ctx, n_a1, a1, a1));
+    TIMED(T_POOL_FWD, ops->maxpool_forward(ops->ctx, &p1, a1, p1o, arg1));
+    TIMED(T_CONV2_FWD, ops->conv2d_forward(ops->ctx, &c2, p1o, w2, b2, a2, work));
+    TIMED(T_RELU_FWD, ops->relu_forward(ops->ctx, n_a2, a2, a2));
+    TIMED(T_POOL_FWD, ops->maxpool_forward(ops->ctx, &p2, a2, p2o, arg2));
+    TIMED(T_DENSE_FWD, ops->dense_forward(ops->ctx, B, D1, H, p2o, w3, b3, h1));
+    TIMED(T_RELU_FWD, ops->relu_forward(ops->ctx, (size_t)B * H, h1, h1));
+    TIMED(T_DENSE_FWD, ops->dense_forward(ops->ctx, B, H, K, h1, w4, b4, logits));
+    TIMED(T_SOFTMAX, ops->softmax_xent_forward(ops->ctx, B, K, logits, labels, probs));
 
-    TIMED(5, ops->softmax_xent_backward(ops->ctx, B, K, probs, labels, g_a));
-    TIMED(6, ops->dense_backward(ops->ctx, B, H, K, h1, w4, g_a, g_b, gw4, gb4));
-    TIMED(7, ops->relu_backward(ops->ctx, (size_t)B * H, h1, g_b, g_b));
-    TIMED(6, ops->dense_backward(ops->ctx, B, D1, H, p2o, w3, g_b, g_a, gw3, gb3));
-    TIMED(8, ops->maxpool_backward(ops->ctx, &p2, g_a, arg2, g_b));
-    TIMED(7, ops->relu_backward(ops->ctx, n_a2, a2, g_b, g_b));
-    TIMED(9, ops->conv2d_backward(ops->ctx, &c2, p1o, w2, g_b, g_a, gw2, gb2, work));
-    TIMED(8, ops->maxpool_backward(ops->ctx, &p1, g_a, arg1, g_b));
-    TIMED(7, ops->relu_backward(ops->ctx, n_a1, a1, g_b, g_b));
-    TIMED(10, ops->conv2d_backward(ops->ctx, &c1, x, w1, g_b, NULL, gw1, gb1, work));
-    TIMED(11, adam_step(np, params, grads, adam_m, adam_v, it + 1));
-    timers[12] += now_s() - t_step;
+    TIMED(T_SOFTMAX, ops->softmax_xent_backward(ops->ctx, B, K, probs, labels, g_a));
+    TIMED(T_DENSE_BWD, ops->dense_backward(ops->ctx, B, H, K, h1, w4, g_a, g_b, gw4, gb4));
+    TIMED(T_RELU_BWD, ops->relu_backward(ops->ctx, (size_t)B * H, h1, g_b, g_b));
+    TIMED(T_DENSE_BWD, ops->dense_backward(ops->ctx, B, D1, H, p2o, w3, g_b, g_a, gw3, gb3));
+    TIMED(T_POOL_BWD, ops->maxpool_backward(ops->ctx, &p2, g_a, arg2, g_b));
+    TIMED(T_RELU_BWD, ops->relu_backward(ops->ctx, n_a2, a2, g_b, g_b));
+    TIMED(T_CONV2_BWD, ops->conv2d_backward(ops->ctx, &c2, p1o, w2, g_b, g_a, gw2, gb2, work));
+    TIMED(T_POOL_BWD, ops->maxpool_backward(ops->ctx, &p1, g_a, arg1, g_b));
+    TIMED(T_RELU_BWD, ops->relu_backward(ops->ctx, n_a1, a1, g_b, g_b));
+    TIMED(T_CONV1_BWD, ops->conv2d_backward(ops->ctx, &c1, x, w1, g_b, NULL, gw1, gb1, work));
+    TIMED(T_ADAM, adam_step(np, params, grads, adam_m, adam_v, it + 1));
+    double took = now_s() - t_step;
+    timers[T_TOTAL] += took;
+    if (it >= warmup) {
+      step_s[iters] = took;
+      fwdbwd_s[iters] = took - (timers[T_ADAM] - adam_before);
+    }
   }
 
   int finite = 1;
   for (size_t i = 0; i < np; i++) finite &= isfinite(grads[i]) != 0;
   CHECK_MSG(finite, "gradients of the timed CNN are finite");
 
-  double per_step = timers[12] / iters, adam = timers[11] / iters;
-  printf("quickstart CNN, batch %d, %d steps, OPENBLAS_NUM_THREADS=%s:\n", B, iters,
-         getenv("OPENBLAS_NUM_THREADS") ? getenv("OPENBLAS_NUM_THREADS") : "(default)");
-  for (int t = 0; t < NTIMERS - 1; t++)
+  /* Medians, and the best step: on a shared machine the mean mostly
+   * measures the neighbours. */
+  qsort(step_s, iters, sizeof(double), cmp_double);
+  qsort(fwdbwd_s, iters, sizeof(double), cmp_double);
+  printf("quickstart CNN, batch %d, %d steps, OPENBLAS_NUM_THREADS=%s; mean per op:\n", B,
+         iters, getenv("OPENBLAS_NUM_THREADS") ? getenv("OPENBLAS_NUM_THREADS") : "(unset)");
+  for (int t = 0; t < T_TOTAL; t++)
     printf("  %-10s %7.2f ms\n", timer_names[t], 1e3 * timers[t] / iters);
-  printf("  fwd+bwd:      %7.2f ms/step, %6.0f examples/s\n", 1e3 * (per_step - adam),
-         B / (per_step - adam));
-  printf("  fwd+bwd+adam: %7.2f ms/step, %6.0f examples/s\n", 1e3 * per_step, B / per_step);
+  printf("  fwd+bwd:      median %6.2f ms/step = %5.0f examples/s (best %5.0f)\n",
+         1e3 * fwdbwd_s[iters / 2], B / fwdbwd_s[iters / 2], B / fwdbwd_s[0]);
+  printf("  fwd+bwd+adam: median %6.2f ms/step = %5.0f examples/s (best %5.0f)\n",
+         1e3 * step_s[iters / 2], B / step_s[iters / 2], B / step_s[0]);
 
   free(params), free(grads), free(adam_m), free(adam_v), free(x), free(a1), free(p1o);
   free(arg1), free(a2), free(p2o), free(arg2), free(h1), free(logits), free(probs), free(g_a);
   free(g_b), free(work);
 }
 
-int main(void) {
-  ops = ps_ops_cpu_create(0); /* OpenBLAS threads from OPENBLAS_NUM_THREADS */
-  if (!ops) {
-    fprintf(stderr, "ps_ops_cpu_create failed\n");
-    return 1;
-  }
+/* The correctness tests, on one backend. */
+static void run_tests(int threads) {
+  ops = ps_ops_cpu_create(threads);
+  CHECK_MSG(ops != NULL, "ps_ops_cpu_create(%d)", threads);
+  if (!ops) return;
+  fprintf(stderr, "-- cpu backend, threads = %d\n", threads);
   CHECK(strcmp(ops->name, "cpu") == 0);
   RUN(test_shape_finish);
   RUN(test_conv_small);
@@ -624,9 +675,32 @@ int main(void) {
   RUN(test_maxpool_ties);
   RUN(test_dense);
   RUN(test_relu);
+  RUN(test_relu_large);
   RUN(test_dropout);
   RUN(test_softmax_xent);
+  ops->destroy(ops);
+}
+
+static void run_timing(int threads) {
+  ops = ps_ops_cpu_create(threads);
+  CHECK_MSG(ops != NULL, "ps_ops_cpu_create(%d)", threads);
+  if (!ops) return;
+  printf("cpu backend, threads = %d:\n", threads);
   RUN(test_timing_quickstart_cnn);
   ops->destroy(ops);
+}
+
+/* Backends: threads = 0 (one thread, OpenBLAS's own threading), and 3 (own
+ * threads; 3 splits the odd shapes unevenly and leaves some parts empty
+ * where n = 1). Timing: threads = 0 first, because any threads > 0 backend
+ * sets OpenBLAS to one thread for the rest of the process; then the
+ * backend's own threads, as many as PS_TEST_THREADS says (default 2, the
+ * target machine's cores). */
+int main(void) {
+  run_tests(0);
+  run_tests(3);
+  run_timing(0);
+  const char *env = getenv("PS_TEST_THREADS");
+  run_timing(env ? atoi(env) : 2);
   return check_summary();
 }

@@ -1,0 +1,320 @@
+/* Finite-difference gradient checks: every layer's backward against its
+ * own forward, on the CPU backend (one thread, and the backend's own
+ * threads).
+ *
+ * The loss is L = sum(y * r) for a fixed random r, summed in double, so
+ * dL/dy = r, which is fed to the backward as dy (r is drawn as floats, so
+ * dy is exactly r). Each input, weight and bias in turn is moved by +-eps
+ * and (L+ - L-) / (x+ - x-) is compared with the analytic gradient, using
+ * the perturbation as actually stored in float.
+ *
+ * Tolerance: |numeric - analytic| <= THR * max(|numeric|, |analytic|, 1)
+ * with THR = 1e-3. Conv, dense, pooling, relu and dropout are linear in each
+ * input away from kinks (the inputs are drawn to keep every kink more than
+ * eps away), so central differences are exact there but for float32
+ * rounding of the outputs that the perturbed value touches: about 2^-24 *
+ * |y| * (a few) / (2 eps) ~ 1e-5 with eps = 1e-2, and the rest of L does
+ * not move at all (unchanged outputs are computed bit for bit the same).
+ * For softmax-cross-entropy the truncation error is eps^2 * |L'''| / 6 <
+ * 1e-5. THR is 100x those, while a wrong index or a missing term is an
+ * O(1) error. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../../kernels/ops.h"
+#include "check.h"
+
+#define THR 1e-3
+#define EPS 1e-2f
+
+static ps_ops *ops;
+
+/* ---- helpers ---- */
+
+static uint64_t rand_state = 0x2545F4914F6CDD1DULL;
+
+static double rand_unit(void) { /* [0, 1) */
+  rand_state ^= rand_state << 13;
+  rand_state ^= rand_state >> 7;
+  rand_state ^= rand_state << 17;
+  return (double)(rand_state >> 11) * (1.0 / 9007199254740992.0);
+}
+
+static float *alloc_uniform(size_t n, float lo, float hi) {
+  float *a = malloc((n ? n : 1) * sizeof(float));
+  for (size_t i = 0; i < n; i++) a[i] = lo + (hi - lo) * (float)rand_unit();
+  return a;
+}
+
+/* Values at least 0.1 from 0 with random signs: relu's kink stays more
+ * than EPS away. */
+static float *alloc_off_zero(size_t n) {
+  float *a = alloc_uniform(n, 0.1f, 1.0f);
+  for (size_t i = 0; i < n; i++)
+    if (rand_unit() < 0.5) a[i] = -a[i];
+  return a;
+}
+
+/* Distinct values 0.05 apart, shuffled: no window of a max pool has two
+ * inputs within 2*EPS of each other, so the argmax never flips. */
+static float *alloc_distinct(size_t n) {
+  float *a = malloc((n ? n : 1) * sizeof(float));
+  for (size_t i = 0; i < n; i++) a[i] = 0.05f * (float)i - 0.025f * (float)n;
+  for (size_t i = n; i > 1; i--) {
+    size_t k = (size_t)(rand_unit() * (double)i);
+    float t = a[i - 1];
+    a[i - 1] = a[k];
+    a[k] = t;
+  }
+  return a;
+}
+
+static double dot(const float *y, const float *r, size_t n) {
+  double sum = 0.0;
+  for (size_t i = 0; i < n; i++) sum += (double)y[i] * r[i];
+  return sum;
+}
+
+/* A layer under test: its forward at the current inputs, reduced to L. */
+typedef double (*loss_fn)(void *layer);
+
+/* Compares analytic[i] with the central difference of loss over param[i],
+ * for every i < n; one CHECK naming the worst element. */
+static void gradcheck(const char *what, float *param, size_t n, const float *analytic,
+                      loss_fn loss, void *layer) {
+  size_t bad = 0, worst = 0;
+  double worst_err = -1, worst_num = 0;
+  for (size_t i = 0; i < n; i++) {
+    const float saved = param[i];
+    const float up = saved + EPS, down = saved - EPS;
+    param[i] = up;
+    double l_up = loss(layer);
+    param[i] = down;
+    double l_down = loss(layer);
+    param[i] = saved;
+    double num = (l_up - l_down) / ((double)up - (double)down);
+    double a = analytic[i];
+    double scale = fmax(fmax(fabs(num), fabs(a)), 1.0);
+    double err = fabs(num - a) / scale;
+    if (!(err <= THR)) bad++;
+    if (!(err <= worst_err)) {
+      worst_err = err, worst = i, worst_num = num;
+    }
+  }
+  CHECK_MSG(bad == 0, "%s: %zu of %zu gradients off; worst [%zu]: numeric %.7g, analytic %.7g",
+            what, bad, n, worst, worst_num, n ? (double)analytic[worst] : 0.0);
+}
+
+/* ---- conv2d ---- */
+
+typedef struct {
+  ps_conv_shape s;
+  float *x, *w, *b, *y, *r, *work;
+} conv_layer;
+
+static double conv_loss(void *p) {
+  conv_layer *l = p;
+  ops->conv2d_forward(ops->ctx, &l->s, l->x, l->w, l->b, l->y, l->work);
+  return dot(l->y, l->r, (size_t)l->s.n * l->s.oc * l->s.oh * l->s.ow);
+}
+
+static void check_conv(int n, int c, int h, int w, int oc, int kh, int kw, int stride, int pad) {
+  conv_layer l = {.s = {.n = n, .c = c, .h = h, .w = w, .oc = oc, .kh = kh, .kw = kw,
+                        .stride = stride, .pad = pad}};
+  ps_conv_shape_finish(&l.s);
+  const size_t xn = (size_t)n * c * h * w, wn = (size_t)oc * c * kh * kw;
+  const size_t yn = (size_t)n * oc * l.s.oh * l.s.ow;
+  l.x = alloc_uniform(xn, -1, 1), l.w = alloc_uniform(wn, -1, 1);
+  l.b = alloc_uniform(oc, -1, 1), l.r = alloc_uniform(yn, -1, 1);
+  l.y = malloc(yn * sizeof(float));
+  size_t ws = ops->conv2d_workspace(ops->ctx, &l.s);
+  l.work = malloc((ws ? ws : 1) * sizeof(float));
+  float *dx = malloc(xn * sizeof(float)), *dw = malloc(wn * sizeof(float));
+  float *db = malloc(oc * sizeof(float));
+  ops->conv2d_backward(ops->ctx, &l.s, l.x, l.w, l.r, dx, dw, db, l.work);
+
+  char what[120];
+  int len = snprintf(what, sizeof what, "conv n=%d c=%d %dx%d oc=%d k=%dx%d s=%d p=%d", n, c, h,
+                     w, oc, kh, kw, stride, pad);
+  snprintf(what + len, sizeof what - len, ": dx");
+  gradcheck(what, l.x, xn, dx, conv_loss, &l);
+  snprintf(what + len, sizeof what - len, ": dw");
+  gradcheck(what, l.w, wn, dw, conv_loss, &l);
+  snprintf(what + len, sizeof what - len, ": db");
+  gradcheck(what, l.b, oc, db, conv_loss, &l);
+
+  free(l.x), free(l.w), free(l.b), free(l.r), free(l.y), free(l.work);
+  free(dx), free(dw), free(db);
+}
+
+static void test_conv(void) {
+  check_conv(2, 3, 5, 6, 4, 3, 3, 1, 0); /* stride 1, pad 0 */
+  check_conv(3, 1, 5, 5, 2, 3, 3, 1, 1); /* stride 1, pad 1 */
+  check_conv(1, 3, 6, 7, 2, 2, 3, 2, 0); /* stride 2, pad 0, non-square kernel */
+  check_conv(2, 2, 7, 5, 3, 3, 3, 2, 1); /* stride 2, pad 1 */
+}
+
+/* ---- maxpool ---- */
+
+typedef struct {
+  ps_pool_shape s;
+  float *x, *y, *r;
+  int32_t *argmax;
+} pool_layer;
+
+static double pool_loss(void *p) {
+  pool_layer *l = p;
+  ops->maxpool_forward(ops->ctx, &l->s, l->x, l->y, l->argmax);
+  return dot(l->y, l->r, (size_t)l->s.n * l->s.c * l->s.oh * l->s.ow);
+}
+
+static void check_maxpool(int n, int c, int h, int w, int size, int stride) {
+  pool_layer l = {.s = {.n = n, .c = c, .h = h, .w = w, .size = size, .stride = stride}};
+  ps_pool_shape_finish(&l.s);
+  const size_t xn = (size_t)n * c * h * w, yn = (size_t)n * c * l.s.oh * l.s.ow;
+  l.x = alloc_distinct(xn), l.r = alloc_uniform(yn, -1, 1);
+  l.y = malloc(yn * sizeof(float));
+  l.argmax = malloc(yn * sizeof(int32_t));
+  float *dx = malloc(xn * sizeof(float));
+  pool_loss(&l); /* argmax at the unperturbed input */
+  ops->maxpool_backward(ops->ctx, &l.s, l.r, l.argmax, dx);
+
+  char what[100];
+  snprintf(what, sizeof what, "maxpool n=%d c=%d %dx%d size=%d stride=%d: dx", n, c, h, w, size,
+           stride);
+  gradcheck(what, l.x, xn, dx, pool_loss, &l);
+  free(l.x), free(l.r), free(l.y), free(l.argmax), free(dx);
+}
+
+static void test_maxpool(void) {
+  check_maxpool(2, 3, 6, 5, 2, 2); /* odd width: a column no window reads */
+  check_maxpool(1, 2, 7, 7, 3, 2); /* overlapping windows */
+}
+
+/* ---- dense ---- */
+
+typedef struct {
+  int n, in, out;
+  float *x, *w, *b, *y, *r;
+} dense_layer;
+
+static double dense_loss(void *p) {
+  dense_layer *l = p;
+  ops->dense_forward(ops->ctx, l->n, l->in, l->out, l->x, l->w, l->b, l->y);
+  return dot(l->y, l->r, (size_t)l->n * l->out);
+}
+
+static void check_dense(int n, int in, int out) {
+  dense_layer l = {.n = n, .in = in, .out = out};
+  l.x = alloc_uniform((size_t)n * in, -1, 1), l.w = alloc_uniform((size_t)out * in, -1, 1);
+  l.b = alloc_uniform(out, -1, 1), l.r = alloc_uniform((size_t)n * out, -1, 1);
+  l.y = malloc((size_t)n * out * sizeof(float));
+  float *dx = malloc((size_t)n * in * sizeof(float));
+  float *dw = malloc((size_t)out * in * sizeof(float)), *db = malloc(out * sizeof(float));
+  ops->dense_backward(ops->ctx, n, in, out, l.x, l.w, l.r, dx, dw, db);
+
+  char what[80];
+  int len = snprintf(what, sizeof what, "dense n=%d in=%d out=%d", n, in, out);
+  snprintf(what + len, sizeof what - len, ": dx");
+  gradcheck(what, l.x, (size_t)n * in, dx, dense_loss, &l);
+  snprintf(what + len, sizeof what - len, ": dw");
+  gradcheck(what, l.w, (size_t)out * in, dw, dense_loss, &l);
+  snprintf(what + len, sizeof what - len, ": db");
+  gradcheck(what, l.b, out, db, dense_loss, &l);
+  free(l.x), free(l.w), free(l.b), free(l.r), free(l.y), free(dx), free(dw), free(db);
+}
+
+static void test_dense(void) {
+  check_dense(3, 7, 5);
+  check_dense(1, 4, 1);
+}
+
+/* ---- relu and dropout ---- */
+
+typedef struct {
+  size_t n;
+  float *x, *y, *r, *mask;
+  float rate;
+} map_layer;
+
+static double relu_loss(void *p) {
+  map_layer *l = p;
+  ops->relu_forward(ops->ctx, l->n, l->x, l->y);
+  return dot(l->y, l->r, l->n);
+}
+
+/* The same (seed, stream) every time: the mask is fixed, as in a replayed
+ * step. */
+static double dropout_loss(void *p) {
+  map_layer *l = p;
+  ops->dropout_forward(ops->ctx, l->n, l->rate, 1234, 5, l->x, l->y, l->mask);
+  return dot(l->y, l->r, l->n);
+}
+
+static void test_relu(void) {
+  map_layer l = {.n = 67};
+  l.x = alloc_off_zero(l.n), l.r = alloc_uniform(l.n, -1, 1);
+  l.y = malloc(l.n * sizeof(float));
+  float *dx = malloc(l.n * sizeof(float));
+  relu_loss(&l);
+  ops->relu_backward(ops->ctx, l.n, l.y, l.r, dx);
+  gradcheck("relu: dx", l.x, l.n, dx, relu_loss, &l);
+  free(l.x), free(l.r), free(l.y), free(dx);
+}
+
+static void test_dropout(void) {
+  map_layer l = {.n = 67, .rate = 0.4f};
+  l.x = alloc_uniform(l.n, -1, 1), l.r = alloc_uniform(l.n, -1, 1);
+  l.y = malloc(l.n * sizeof(float)), l.mask = malloc(l.n * sizeof(float));
+  float *dx = malloc(l.n * sizeof(float));
+  dropout_loss(&l);
+  ops->dropout_backward(ops->ctx, l.n, l.mask, l.r, dx);
+  gradcheck("dropout: dx", l.x, l.n, dx, dropout_loss, &l);
+  free(l.x), free(l.r), free(l.y), free(l.mask), free(dx);
+}
+
+/* ---- softmax + cross-entropy ---- */
+
+typedef struct {
+  int n, k;
+  float *logits, *probs;
+  const uint8_t *labels;
+} xent_layer;
+
+/* L is the layer's own loss here (the mean cross-entropy), not sum(y*r). */
+static double xent_loss(void *p) {
+  xent_layer *l = p;
+  return ops->softmax_xent_forward(ops->ctx, l->n, l->k, l->logits, l->labels, l->probs);
+}
+
+static void test_softmax_xent(void) {
+  const uint8_t labels[4] = {2, 0, 4, 2};
+  xent_layer l = {.n = 4, .k = 5, .labels = labels};
+  l.logits = alloc_uniform(20, -2, 2), l.probs = malloc(20 * sizeof(float));
+  float *dl = malloc(20 * sizeof(float));
+  xent_loss(&l);
+  ops->softmax_xent_backward(ops->ctx, l.n, l.k, l.probs, labels, dl);
+  gradcheck("softmax_xent: dlogits", l.logits, 20, dl, xent_loss, &l);
+  free(l.logits), free(l.probs), free(dl);
+}
+
+static void run_all(int threads) {
+  ops = ps_ops_cpu_create(threads);
+  CHECK_MSG(ops != NULL, "ps_ops_cpu_create(%d)", threads);
+  if (!ops) return;
+  fprintf(stderr, "-- cpu backend, threads = %d\n", threads);
+  RUN(test_conv);
+  RUN(test_maxpool);
+  RUN(test_dense);
+  RUN(test_relu);
+  RUN(test_dropout);
+  RUN(test_softmax_xent);
+  ops->destroy(ops);
+}
+
+int main(void) {
+  run_all(0);
+  run_all(2);
+  return check_summary();
+}
