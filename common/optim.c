@@ -32,12 +32,12 @@ static float zero_slot_init(const ps_optim_config *cfg, int slot) {
 
 /* ---- sgd: p -= lr*g ---- */
 
-static inline void sgd_run(float *restrict p, const float *restrict g, size_t n, float lr) {
+static inline void sgd_run(float *restrict p, const ps_ufloat *restrict g, size_t n, float lr) {
   for (size_t j = 0; j < n; j++) p[j] -= lr * g[j];
 }
 
 static void sgd_apply(const ps_optim_config *cfg, uint64_t t, float lr, float *param,
-                      float **slots, const float *grad, size_t n) {
+                      float **slots, const ps_ufloat *grad, size_t n) {
   (void)cfg;
   (void)t;
   (void)slots;
@@ -49,7 +49,7 @@ static void sgd_apply(const ps_optim_config *cfg, uint64_t t, float lr, float *p
 
 /* ---- momentum: v = mu*v + g; p -= lr*v (nesterov: p -= lr*(g + mu*v)) ---- */
 
-static inline void momentum_run(float *restrict p, float *restrict v, const float *restrict g,
+static inline void momentum_run(float *restrict p, float *restrict v, const ps_ufloat *restrict g,
                                 size_t n, float lr, float mu) {
   for (size_t j = 0; j < n; j++) {
     v[j] = mu * v[j] + g[j];
@@ -57,7 +57,7 @@ static inline void momentum_run(float *restrict p, float *restrict v, const floa
   }
 }
 
-static inline void nesterov_run(float *restrict p, float *restrict v, const float *restrict g,
+static inline void nesterov_run(float *restrict p, float *restrict v, const ps_ufloat *restrict g,
                                 size_t n, float lr, float mu) {
   for (size_t j = 0; j < n; j++) {
     v[j] = mu * v[j] + g[j];
@@ -66,7 +66,7 @@ static inline void nesterov_run(float *restrict p, float *restrict v, const floa
 }
 
 static void momentum_apply(const ps_optim_config *cfg, uint64_t t, float lr, float *param,
-                           float **slots, const float *grad, size_t n) {
+                           float **slots, const ps_ufloat *grad, size_t n) {
   (void)t;
   float *vel = slots[0];
   const float mu = cfg->momentum;
@@ -92,7 +92,7 @@ static float adagrad_slot_init(const ps_optim_config *cfg, int slot) {
   return cfg->initial_accumulator;
 }
 
-static inline void adagrad_run(float *restrict p, float *restrict a, const float *restrict g,
+static inline void adagrad_run(float *restrict p, float *restrict a, const ps_ufloat *restrict g,
                                size_t n, float lr, float eps) {
   for (size_t j = 0; j < n; j++) {
     a[j] += g[j] * g[j];
@@ -101,7 +101,7 @@ static inline void adagrad_run(float *restrict p, float *restrict a, const float
 }
 
 static void adagrad_apply(const ps_optim_config *cfg, uint64_t t, float lr, float *param,
-                          float **slots, const float *grad, size_t n) {
+                          float **slots, const ps_ufloat *grad, size_t n) {
   (void)t;
   float *acc = slots[0];
   const float eps = cfg->eps;
@@ -124,7 +124,7 @@ typedef struct {
 } adam_consts;
 
 static inline void adam_run(float *restrict p, float *restrict m, float *restrict v,
-                            const float *restrict g, size_t n, adam_consts k) {
+                            const ps_ufloat *restrict g, size_t n, adam_consts k) {
   for (size_t j = 0; j < n; j++) {
     m[j] = k.b1 * m[j] + k.one_b1 * g[j];
     v[j] = k.b2 * v[j] + k.one_b2 * g[j] * g[j];
@@ -133,7 +133,7 @@ static inline void adam_run(float *restrict p, float *restrict m, float *restric
 }
 
 static void adam_apply(const ps_optim_config *cfg, uint64_t t, float lr, float *param,
-                       float **slots, const float *grad, size_t n) {
+                       float **slots, const ps_ufloat *grad, size_t n) {
   float *mom = slots[0], *var = slots[1];
   /* t counts from 1; a caller passing 0 would divide by zero below. */
   const double td = (double)(t ? t : 1);

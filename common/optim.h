@@ -9,7 +9,8 @@
  *   adagrad:  a += g*g;      p -= lr*g / (sqrt(a) + eps), a starts at initial_accumulator
  *   adam:     m = b1*m + (1-b1)*g;  v = b2*v + (1-b2)*g*g;
  *             p -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)
- * t is the 1-based count of updates applied to the shard (its version+1). */
+ * t is the 1-based count of updates applied to the shard (its version+1).
+ * grad may sit at any address (it is read in place from gRPC's slices). */
 #ifndef PS_COMMON_OPTIM_H
 #define PS_COMMON_OPTIM_H
 
@@ -17,6 +18,7 @@
 #include <stdint.h>
 
 #include "job.h"
+#include "util.h"
 
 typedef struct {
   const char *name;
@@ -25,7 +27,7 @@ typedef struct {
   float (*slot_init)(const ps_optim_config *cfg, int slot);
   /* Applies one update to param[0..n) with slots[k][0..n). */
   void (*apply)(const ps_optim_config *cfg, uint64_t t, float lr, float *param, float **slots,
-                const float *grad, size_t n);
+                const ps_ufloat *grad, size_t n);
 } ps_optimizer;
 
 /* The optimizer of that name, or NULL. */

@@ -173,9 +173,7 @@ int ps_segview_copy(const ps_segview *v, size_t pos, void *dst, size_t len) {
 }
 
 int ps_segview_each_float(const ps_segview *v, ps_float_fn fn, void *user) {
-  /* Staging buffer for floats that straddle segments or sit misaligned. */
-  enum { STAGE = 4096 };
-  float stage[STAGE];
+  float stage[1];
   size_t first = 0;     /* index of the next float to hand out */
   uint8_t carry[4];     /* bytes of a float split across segments */
   size_t ncarry = 0;
@@ -197,21 +195,10 @@ int ps_segview_each_float(const ps_segview *v, ps_float_fn fn, void *user) {
       ncarry = 0;
     }
     size_t nf = len / 4;
-    if (((uintptr_t)p & 3) == 0) {
-      if (nf) {
-        int rc = fn((const float *)(const void *)p, nf, first, user);
-        if (rc) return rc;
-        first += nf;
-      }
-    } else {
-      for (size_t done = 0; done < nf;) {
-        size_t k = nf - done < STAGE ? nf - done : STAGE;
-        memcpy(stage, p + done * 4, k * 4);
-        int rc = fn(stage, k, first, user);
-        if (rc) return rc;
-        first += k;
-        done += k;
-      }
+    if (nf) {
+      int rc = fn((const ps_ufloat *)(const void *)p, nf, first, user);
+      if (rc) return rc;
+      first += nf;
     }
     size_t rest = len - nf * 4;
     memcpy(carry, p + nf * 4, rest);

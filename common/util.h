@@ -73,12 +73,17 @@ typedef struct {
  * Returns PS_ERANGE (dst untouched) if pos+len exceeds the view. */
 int ps_segview_copy(const ps_segview *v, size_t pos, void *dst, size_t len);
 
+/* A float that may sit at any address: gRPC's slices put tensor bytes
+ * wherever the stream put them, and reading them in place (x86 loads do
+ * not care) saves a copy; the type tells the compiler so. */
+typedef float ps_ufloat __attribute__((aligned(1)));
+
 /* Calls fn(values, n, first_index, user) over the view read as float32
- * values, in order, in pieces of contiguous aligned floats (values that
- * straddle a segment boundary or sit misaligned are staged through a small
- * aligned buffer). Stops and returns fn's value when it is non-zero.
+ * values, in order, in pieces of contiguous floats read in place, at any
+ * alignment (a value that straddles two segments is staged through a small
+ * buffer). Stops and returns fn's value when it is non-zero.
  * The view's total must be a multiple of 4. */
-typedef int (*ps_float_fn)(const float *values, size_t n, size_t first, void *user);
+typedef int (*ps_float_fn)(const ps_ufloat *values, size_t n, size_t first, void *user);
 int ps_segview_each_float(const ps_segview *v, ps_float_fn fn, void *user);
 
 #endif

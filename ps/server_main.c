@@ -242,8 +242,11 @@ static void handle_push(rpc_call *call, const ps_segview *req, void *user) {
   if (check_header(sv, call, r->header, "Push", 1, UINT64_MAX) == 0) {
     char err[PS_ERRLEN];
     uint64_t version = 0, staleness = 0;
+    double t0 = ps_now_s();
     int rc = ps_shard_push(sv->shard, r->base_version, r->offset, r->count, &tensor, &version,
                            &staleness, err);
+    PS_DEBUG("push of %" PRIu64 " values in %d slices applied in %.2f ms", r->count, req->nsegs,
+             (ps_now_s() - t0) * 1e3);
     if (rc != 0) {
       PS_WARN("push from worker %016" PRIx64 " refused: %s", r->header->worker_id, err);
       rpc_call_fail(call, rc == PS_ERANGE ? RPC_OUT_OF_RANGE : RPC_INVALID_ARGUMENT, "%s", err);

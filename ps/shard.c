@@ -17,7 +17,11 @@
  *
  * Buffers: retired snapshots stay with the shard; once no pull holds one
  * any more (its count is back to the shard's single reference) the next
- * push reuses it, so the steady state allocates nothing. */
+ * push reuses it, so the steady state allocates nothing.
+ *
+ * Copy on write: when no pull holds the current snapshot at all, a push
+ * updates it in place (a third less memory traffic than writing another
+ * buffer); pulls that arrive meanwhile wait for that one update. */
 #include "shard.h"
 
 #include <math.h>
@@ -59,6 +63,8 @@ struct ps_shard {
   ps_snapshot *retired[SHARD_SPARES]; /* earlier snapshots, one ref each, or NULL */
 
   pthread_mutex_t mu;
+  pthread_cond_t applied; /* signalled when an update in place ends */
+  int in_place;           /* an update in place of `current` is under way */
   ps_snapshot *current;  /* the whole range at `version`; one ref held */
   uint64_t version;      /* updates applied */
   ps_shard_stats stats;  /* .version unused here: filled from version on read */
@@ -169,6 +175,7 @@ ps_shard *ps_shard_create(const ps_job *job, int index, int num_shards, char *er
     return NULL;
   }
   pthread_mutex_init(&s->apply_mu, NULL);
+  pthread_cond_init(&s->applied, NULL);
   if (n > SIZE_MAX / sizeof(float)) goto oom;
   s->current = snapshot_alloc(s->begin, n);
   if (!s->current) goto oom;
@@ -197,6 +204,7 @@ void ps_shard_destroy(ps_shard *s) {
   for (int k = 0; k < SHARD_MAX_SLOTS; k++) ps_free(s->slots[k]);
   pthread_mutex_destroy(&s->mu);
   pthread_mutex_destroy(&s->apply_mu);
+  pthread_cond_destroy(&s->applied);
   free(s);
 }
 
@@ -226,7 +234,7 @@ typedef struct {
 /* Stops at the first NaN or Inf. The common case (all finite) is an OR over
  * exponent bits in fixed-size blocks, which the compiler vectorizes; only a
  * block that fails is searched value by value. */
-static int scan_finite_piece(const float *values, size_t n, size_t first, void *user) {
+static int scan_finite_piece(const ps_ufloat *values, size_t n, size_t first, void *user) {
   enum { BLOCK = 16 };
   const uint32_t EXP = 0x7f800000u; /* all exponent bits set: Inf or NaN */
   size_t i = 0;
@@ -269,7 +277,7 @@ typedef struct {
  * the piece updates values [local + first, + n). Each chunk is copied from
  * the current snapshot into the next one and updated there while it is
  * still in cache. */
-static int apply_piece(const float *values, size_t n, size_t first, void *user) {
+static int apply_piece(const ps_ufloat *values, size_t n, size_t first, void *user) {
   apply_ctx *c = user;
   ps_shard *s = c->s;
   for (size_t done = 0; done < n;) {
@@ -277,7 +285,7 @@ static int apply_piece(const float *values, size_t n, size_t first, void *user) 
     size_t at = c->local + first + done;
     float *slots[SHARD_MAX_SLOTS];
     for (int j = 0; j < s->opt->n_slots; j++) slots[j] = s->slots[j] + at;
-    memcpy(c->out + at, c->in + at, k * sizeof(float));
+    if (c->out != c->in) memcpy(c->out + at, c->in + at, k * sizeof(float));
     s->opt->apply(&s->cfg, c->t, s->cfg.lr, c->out + at, slots, values + done, k);
     done += k;
   }
@@ -345,20 +353,28 @@ int ps_shard_push(ps_shard *s, uint64_t base_version, size_t offset, size_t coun
 
   pthread_mutex_lock(&s->apply_mu);
   ps_snapshot *cur = s->current; /* only pushes replace it, and we hold apply_mu */
-  ps_snapshot *next = next_buffer(s);
-  if (!next) {
-    pthread_mutex_unlock(&s->apply_mu);
-    return reject_push(s, ps_seterr(err, PS_ENOMEM, "out of memory for the next snapshot of %zu "
-                                                    "values", s->end - s->begin));
-  }
   size_t local = offset - s->begin, n = s->end - s->begin;
-  /* Values outside the push carry over unchanged. */
-  memcpy(next->values, cur->values, local * sizeof(float));
-  memcpy(next->values + local + count, cur->values + local + count,
-         (n - local - count) * sizeof(float));
   pthread_mutex_lock(&s->mu);
   uint64_t before = s->version;
+  /* Nobody else holds the current snapshot, and pulls cannot take it
+   * while in_place is set: update it where it is. */
+  int in_place = atomic_load_explicit(SNAP_REFS(cur), memory_order_acquire) == 1;
+  s->in_place = in_place;
   pthread_mutex_unlock(&s->mu);
+
+  ps_snapshot *next = cur;
+  if (!in_place) {
+    next = next_buffer(s);
+    if (!next) {
+      pthread_mutex_unlock(&s->apply_mu);
+      return reject_push(s, ps_seterr(err, PS_ENOMEM,
+                                      "out of memory for the next snapshot of %zu values", n));
+    }
+    /* Values outside the push carry over unchanged. */
+    memcpy(next->values, cur->values, local * sizeof(float));
+    memcpy(next->values + local + count, cur->values + local + count,
+           (n - local - count) * sizeof(float));
+  }
   if (count > 0) {
     apply_ctx c = {s, cur->values, next->values, local, before + 1};
     ps_segview_each_float(grad, apply_piece, &c);
@@ -369,13 +385,17 @@ int ps_shard_push(ps_shard *s, uint64_t base_version, size_t offset, size_t coun
   pthread_mutex_lock(&s->mu);
   s->current = next; /* published: pulls from now on see before + 1 */
   s->version = before + 1;
+  if (in_place) {
+    s->in_place = 0;
+    pthread_cond_broadcast(&s->applied);
+  }
   ps_shard_stats *st = &s->stats;
   st->pushes++;
   st->staleness_mean += ((double)stale - st->staleness_mean) / (double)st->pushes;
   if (stale > st->staleness_max) st->staleness_max = stale;
   st->staleness_hist[stale < PS_STALENESS_BUCKETS - 1 ? stale : PS_STALENESS_BUCKETS - 1]++;
   pthread_mutex_unlock(&s->mu);
-  retire(s, cur);
+  if (!in_place) retire(s, cur);
   pthread_mutex_unlock(&s->apply_mu);
 
   if (new_version) *new_version = before + 1;
@@ -388,6 +408,7 @@ int ps_shard_push(ps_shard *s, uint64_t base_version, size_t offset, size_t coun
 ps_snapshot *ps_shard_pull(ps_shard *s, size_t offset, size_t count, char *err) {
   if (check_range(s, "pull", offset, count, err) != PS_OK) return NULL;
   pthread_mutex_lock(&s->mu);
+  while (s->in_place) pthread_cond_wait(&s->applied, &s->mu);
   ps_snapshot *cur = snapshot_ref(s->current);
   s->stats.pulls++;
   pthread_mutex_unlock(&s->mu);
@@ -419,6 +440,7 @@ void ps_shard_copy_params(ps_shard *s, float *out) {
   size_t n = s->end - s->begin;
   if (n == 0) return;
   pthread_mutex_lock(&s->mu);
+  while (s->in_place) pthread_cond_wait(&s->applied, &s->mu);
   ps_snapshot *cur = snapshot_ref(s->current);
   pthread_mutex_unlock(&s->mu);
   memcpy(out, cur->values, n * sizeof(float));
