@@ -112,6 +112,10 @@ static void set_defaults(ps_job *job) {
   job->epochs = 1;
   job->max_steps = 0;
   snprintf(job->mode, sizeof job->mode, "async");
+  job->mode_kind = PS_MODE_ASYNC;
+  job->wait_timeout_ms = 60000;
+  job->min_workers = 1;
+  job->shuffle = 1;
   snprintf(job->dataset, sizeof job->dataset, "fashion-mnist");
   snprintf(job->data_dir, sizeof job->data_dir, "/usr/share/datasets/fashion-mnist");
   job->synthetic_train = 2048;
@@ -216,11 +220,70 @@ static int parse_dataset(json_t *root, ps_job *job, char *err) {
   return 0;
 }
 
+/* "async", "ssp:K" (K >= 0) or "sync", and the options that go with them. */
+static int parse_mode(json_t *root, ps_job *job, char *err) {
+  json_t *mode = json_object_get(root, "mode");
+  if (mode) {
+    const char *m = json_string_value(mode);
+    if (!m) return ps_seterr(err, PS_EINVAL, "'mode' must be a string: async, ssp:K or sync");
+    if (strcmp(m, "async") == 0) {
+      job->mode_kind = PS_MODE_ASYNC;
+    } else if (strcmp(m, "sync") == 0) {
+      job->mode_kind = PS_MODE_SYNC;
+    } else if (strncmp(m, "ssp:", 4) == 0) {
+      char *end = NULL;
+      long k = strtol(m + 4, &end, 10);
+      if (end == m + 4 || *end || k < 0 || k > 1000000)
+        return ps_seterr(err, PS_EINVAL,
+                         "mode '%.40s': ssp needs a bound K >= 0 on how far a worker may run "
+                         "ahead, as in \"ssp:2\"", m);
+      job->mode_kind = PS_MODE_SSP;
+      job->ssp_k = (int)k;
+    } else {
+      return ps_seterr(err, PS_EINVAL, "mode '%.40s' is not known (async, ssp:K or sync)", m);
+    }
+    snprintf(job->mode, sizeof job->mode, "%s", m);
+  }
+  long long v = 0;
+  int rc;
+  if ((rc = get_int(root, "backup_workers", "backup_workers", 0, 1000000, &v, err))) return rc;
+  if (v > 0 && job->mode_kind != PS_MODE_SYNC)
+    return ps_seterr(err, PS_EINVAL, "'backup_workers' applies only to mode sync (mode is %s)",
+                     job->mode);
+  job->backup_workers = (int)v;
+  v = 1;
+  if ((rc = get_int(root, "min_workers", "min_workers", 1, 1000000, &v, err))) return rc;
+  if (v > 1 && job->mode_kind != PS_MODE_SYNC)
+    return ps_seterr(err, PS_EINVAL, "'min_workers' applies only to mode sync (mode is %s)",
+                     job->mode);
+  job->min_workers = (int)v;
+  json_t *sal = json_object_get(root, "staleness_aware_lr");
+  if (sal) {
+    if (!json_is_boolean(sal))
+      return ps_seterr(err, PS_EINVAL, "'staleness_aware_lr' must be true or false");
+    job->staleness_aware_lr = json_is_true(sal);
+    if (job->staleness_aware_lr && job->mode_kind == PS_MODE_SYNC)
+      return ps_seterr(err, PS_EINVAL,
+                       "'staleness_aware_lr' applies to async and ssp (sync has no staleness)");
+  }
+  v = job->wait_timeout_ms;
+  if ((rc = get_int(root, "wait_timeout_ms", "wait_timeout_ms", 1, INT_MAX, &v, err))) return rc;
+  job->wait_timeout_ms = (int)v;
+  json_t *sh = json_object_get(root, "shuffle");
+  if (sh) {
+    if (!json_is_boolean(sh)) return ps_seterr(err, PS_EINVAL, "'shuffle' must be true or false");
+    job->shuffle = json_is_true(sh);
+  }
+  return 0;
+}
+
 static int parse_root(json_t *root, ps_job *job, char *err) {
   if (!json_is_object(root)) return ps_seterr(err, PS_EINVAL, "the job must be a JSON object");
   static const char *const known =
-      "job_id, model, optimizer, seed, batch_size, epochs, max_steps, mode, dataset, "
-      "eval_interval_s, heartbeat_timeout_ms";
+      "job_id, model, optimizer, seed, batch_size, epochs, max_steps, mode, backup_workers, "
+      "min_workers, "
+      "staleness_aware_lr, wait_timeout_ms, shuffle, dataset, eval_interval_s, "
+      "heartbeat_timeout_ms";
   int rc;
   if ((rc = check_keys(root, known, "", err))) return rc;
   if ((rc = parse_job_id(root, job, err))) return rc;
@@ -245,14 +308,7 @@ static int parse_root(json_t *root, ps_job *job, char *err) {
   if ((rc = get_int(root, "max_steps", "max_steps", 0, LLONG_MAX, &v, err))) return rc;
   job->max_steps = v;
 
-  json_t *mode = json_object_get(root, "mode");
-  if (mode) {
-    const char *m = json_string_value(mode);
-    if (!m) return ps_seterr(err, PS_EINVAL, "'mode' must be a string (supported: async)");
-    if (strcmp(m, "async") != 0)
-      return ps_seterr(err, PS_EINVAL, "mode '%.40s' is not supported (supported: async)", m);
-    snprintf(job->mode, sizeof job->mode, "%s", m);
-  }
+  if ((rc = parse_mode(root, job, err))) return rc;
 
   if ((rc = parse_dataset(root, job, err))) return rc;
 

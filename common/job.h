@@ -8,7 +8,9 @@
  *                 "eps": 1e-8, "momentum": 0.9, "nesterov": false,
  *                 "initial_accumulator": 0.1},
  *   "seed": 1, "batch_size": 64, "epochs": 2, "max_steps": 0,
- *   "mode": "async",
+ *   "mode": "async",                     (or "ssp:K", or "sync")
+ *   "backup_workers": 0, "min_workers": 1, "staleness_aware_lr": false, "wait_timeout_ms": 60000,
+ *   "shuffle": true,
  *   "dataset": {"name": "fashion-mnist", "dir": "/usr/share/datasets/fashion-mnist"},
  *   "eval_interval_s": 20, "heartbeat_timeout_ms": 10000
  * }
@@ -30,6 +32,9 @@ typedef struct {
   float initial_accumulator; /* adagrad */
 } ps_optim_config;
 
+/* Consistency modes, enforced by every shard. */
+enum { PS_MODE_ASYNC = 0, PS_MODE_SSP = 1, PS_MODE_SYNC = 2 };
+
 typedef struct {
   char job_id[64];
   ps_model_spec model;
@@ -38,7 +43,14 @@ typedef struct {
   int batch_size;
   int epochs;          /* passes over the training set per worker shard */
   int64_t max_steps;   /* per worker; 0 = no limit */
-  char mode[16];       /* "async" */
+  char mode[16];       /* "async", "ssp:K" or "sync", as written */
+  int mode_kind;       /* PS_MODE_* */
+  int ssp_k;           /* ssp: how many steps a worker may run ahead */
+  int backup_workers;  /* sync: a step is applied once live - B gradients are in */
+  int min_workers;     /* sync: no step is applied before this many workers registered */
+  int staleness_aware_lr; /* async/ssp: lr / max(1, staleness) */
+  int wait_timeout_ms; /* ssp/sync: how long a pull may wait on the server */
+  int shuffle;         /* reshuffle every epoch (default true) */
   char dataset[32];    /* fashion-mnist | mnist | synthetic */
   char data_dir[256];
   int synthetic_train, synthetic_test;

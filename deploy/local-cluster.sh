@@ -3,7 +3,10 @@
 # processes training one job, then stops the servers.
 #
 #   deploy/local-cluster.sh --job FILE [--servers 2] [--workers 2]
-#       [--bin DIR] [--out DIR] [--timeout SEC] [--threads N] [-- WORKER-ARGS...]
+#       [--bin DIR] [--out DIR] [--timeout SEC] [--threads N] [--straggler-ms N]
+#       [-- WORKER-ARGS...]
+# --straggler-ms N makes the last worker sleep N ms in every step.
+# In WORKER-ARGS, %k stands for the worker's index.
 #
 # Logs go to OUT/server-S.log and OUT/worker-W.log; worker 0 (the chief)
 # is shown on the terminal. Metrics: OUT/worker-W.jsonl, OUT/server-S.jsonl.
@@ -12,7 +15,7 @@
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
-job="" servers=2 workers=2 bin="$here/../build" out="" timeout=900 threads=""
+job="" servers=2 workers=2 bin="$here/../build" out="" timeout=900 threads="" straggler=0
 extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -23,7 +26,8 @@ while [ $# -gt 0 ]; do
     --out) out=$2; shift 2 ;;
     --timeout) timeout=$2; shift 2 ;;
     --threads) threads=$2; shift 2 ;;
-    --help|-h) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --straggler-ms) straggler=$2; shift 2 ;;
+    --help|-h) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --) shift; extra=("$@"); break ;;
     *) echo "local-cluster: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -68,7 +72,10 @@ echo "local-cluster: $servers servers on $ports; $workers workers; logs in $out"
 worker_pids=()
 for ((k = 0; k < workers; k++)); do
   args=(--ps "${ports%%,*}" --index "$k" --num-workers "$workers" --threads "$threads"
-        --metrics "$out/worker-$k.jsonl" "${extra[@]}")
+        --metrics "$out/worker-$k.jsonl" "${extra[@]//%k/$k}")
+  if [ "$straggler" -gt 0 ] && [ "$k" -eq $((workers - 1)) ] && [ "$workers" -gt 1 ]; then
+    args+=(--straggle-ms "$straggler")
+  fi
   "$bin/ps-worker" "${args[@]}" >"$out/worker-$k.log" 2>&1 &
   pids+=($!); worker_pids+=($!)
   # Show the chief's progress on the terminal while it runs.

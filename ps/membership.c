@@ -110,8 +110,15 @@ int ps_membership_add(ps_membership *m, uint64_t id, const char *host, const cha
       m->members = grown;
       m->cap = cap;
     }
+    /* A newcomer's clock starts at the slowest live worker's, so that
+     * under bounded staleness it neither holds the others back nor runs
+     * ahead of them. */
+    uint64_t min_clock = 0;
+    for (int i = 0; i < m->n; i++)
+      if (i == 0 || m->members[i].clock < min_clock) min_clock = m->members[i].clock;
     w = &m->members[m->n++];
     memset(w, 0, sizeof *w);
+    w->clock = min_clock;
     w->id = id ? id : new_id(m);
     w->rank = m->next_rank++;
   }
@@ -136,7 +143,26 @@ static int touch(ps_membership *m, uint64_t id, uint64_t step, int64_t now_ms, i
   ps_member *w = &m->members[at];
   w->last_seen_ms = now_ms;
   if (step != UINT64_MAX) w->step = step;
-  if (push) w->pushes++;
+  if (push) {
+    w->pushes++;
+    w->clock++;
+  }
+  pthread_mutex_unlock(&m->mu);
+  return PS_OK;
+}
+
+int ps_membership_clock(ps_membership *m, uint64_t id, uint64_t *clock, uint64_t *min_clock) {
+  pthread_mutex_lock(&m->mu);
+  int at = find(m, id);
+  if (at < 0) {
+    pthread_mutex_unlock(&m->mu);
+    return PS_ENOTFOUND;
+  }
+  uint64_t lo = m->members[0].clock;
+  for (int i = 1; i < m->n; i++)
+    if (m->members[i].clock < lo) lo = m->members[i].clock;
+  *clock = m->members[at].clock;
+  *min_clock = lo;
   pthread_mutex_unlock(&m->mu);
   return PS_OK;
 }

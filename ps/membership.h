@@ -14,6 +14,7 @@ typedef struct {
   int rank;             /* order of registration on this shard, from 0 */
   uint64_t step;        /* last step the worker reported */
   uint64_t pushes;
+  uint64_t clock;       /* steps pushed, counted from the slowest worker's clock at join */
   int64_t last_seen_ms; /* ps_now_ms() of the last message */
 } ps_member;
 
@@ -39,6 +40,9 @@ int ps_membership_remove(ps_membership *m, uint64_t id);
  * ids into dropped and returns how many were dropped. */
 int ps_membership_sweep(ps_membership *m, int64_t now_ms, int timeout_ms, uint64_t *dropped,
                         int max);
+/* The worker's clock and the smallest clock of all live workers (bounded
+ * staleness compares the two). PS_ENOTFOUND if the id is unknown. */
+int ps_membership_clock(ps_membership *m, uint64_t id, uint64_t *clock, uint64_t *min_clock);
 int ps_membership_count(ps_membership *m);
 /* Copies up to max members into out; returns how many. */
 int ps_membership_list(ps_membership *m, ps_member *out, int max);

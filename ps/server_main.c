@@ -6,6 +6,7 @@
  * workers, progress lines and metrics) and the signals (SIGINT/SIGTERM stop
  * the server cleanly). */
 #include <getopt.h>
+#include <pthread.h>
 #include <inttypes.h>
 #include <jansson.h>
 #include <stdio.h>
@@ -24,6 +25,16 @@
 #include "proto/ps.pb-c.h"
 #include "shard.h"
 
+/* A pull that waits on the server (ssp: for the slowest worker to catch
+ * up; sync: for the step to be applied). */
+typedef struct waiter {
+  rpc_call *call;
+  uint64_t worker, min_version;
+  size_t offset, count;
+  int64_t since_ms, deadline_ms;
+  struct waiter *next;
+} waiter;
+
 typedef struct {
   ps_job job;
   char *job_text;
@@ -38,12 +49,23 @@ typedef struct {
   uv_loop_t loop;
   uv_timer_t sweep_timer, report_timer;
   uv_signal_t sigint, sigterm;
+  /* pulls waiting (ssp, sync) and what they waited */
+  pthread_mutex_t wait_mu;
+  waiter *waiters;
+  int n_waiting;
+  uint64_t waits;
+  double wait_ms_total;
+  uint64_t ssp_max_lead;
+  int sync_started; /* sync: min_workers have registered once */
   /* for rates in progress lines */
   uint64_t last_pushes, last_pulls;
   double last_report_s;
 } server;
 
 /* ---------------- request handling (server threads) ---------------- */
+
+static void recheck_waiters(server *sv);
+static void sync_try_step(server *sv);
 
 /* Decodes a request; on failure answers INVALID_ARGUMENT and returns NULL.
  * *tensor views field 15 (empty when absent); *tsegs must be freed. */
@@ -156,6 +178,7 @@ static void handle_register(rpc_call *call, const ps_segview *req, void *user) {
   resp.worker_rank = (uint32_t)rank;
   resp.job_json = sv->job_text;
   reply_small(call, &resp.base);
+  if (sv->job.mode_kind == PS_MODE_SYNC) sync_try_step(sv);
 done:
   protobuf_c_message_free_unpacked(&r->base, NULL);
   free(tsegs);
@@ -192,12 +215,130 @@ static void handle_leave(rpc_call *call, const ps_segview *req, void *user) {
             ps_membership_count(sv->members));
     Ps__LeaveResponse resp = PS__LEAVE_RESPONSE__INIT;
     reply_small(call, &resp.base);
+    /* One fewer worker: a smaller quorum, or a new slowest clock. */
+    if (sv->job.mode_kind == PS_MODE_SYNC) sync_try_step(sv);
+    recheck_waiters(sv);
   }
   protobuf_c_message_free_unpacked(&r->base, NULL);
   free(tsegs);
 }
 
 static void release_snapshot(void *user) { ps_snapshot_unref(user); }
+
+/* Answers a pull with the current snapshot, sent without a copy. */
+static void serve_pull(server *sv, rpc_call *call, size_t offset, size_t count) {
+  char err[PS_ERRLEN];
+  ps_snapshot *snap = ps_shard_pull(sv->shard, offset, count, err);
+  if (!snap) {
+    rpc_call_fail(call, RPC_OUT_OF_RANGE, "%s", err);
+    return;
+  }
+  Ps__PullResponse resp = PS__PULL_RESPONSE__INIT;
+  resp.version = snap->version;
+  resp.offset = snap->begin;
+  resp.count = snap->count;
+  rpc_msg out;
+  /* gRPC drops the reference when it has sent the values. */
+  if (wire_encode(&resp.base, snap->values, snap->count * sizeof(float), release_snapshot, snap,
+                  &out) != 0) {
+    ps_snapshot_unref(snap);
+    rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory encoding the reply");
+    return;
+  }
+  rpc_call_reply(call, &out);
+}
+
+/* May the worker's pull be answered now? Called with wait_mu held.
+ * *known is 0 when the worker is no longer registered. */
+static int pull_ready(server *sv, uint64_t worker, uint64_t min_version, int *known) {
+  *known = 1;
+  switch (sv->job.mode_kind) {
+    case PS_MODE_SSP: {
+      uint64_t clock = 0, lo = 0;
+      if (ps_membership_clock(sv->members, worker, &clock, &lo) != 0) {
+        *known = 0;
+        return 0;
+      }
+      uint64_t lead = clock - lo;
+      if (lead > (uint64_t)sv->job.ssp_k) return 0;
+      /* The servers' own record that the bound held at every grant. */
+      if (lead > sv->ssp_max_lead) sv->ssp_max_lead = lead;
+      return 1;
+    }
+    case PS_MODE_SYNC: {
+      ps_shard_stats st;
+      ps_shard_stats_get(sv->shard, &st);
+      return st.version >= min_version;
+    }
+    default:
+      return 1;
+  }
+}
+
+/* Answers the waiting pulls that may go now, fails those past their
+ * deadline or whose worker is gone. Called after anything that can
+ * release a pull (an update, a worker leaving or timed out) and by the
+ * timer. */
+static void recheck_waiters(server *sv) {
+  int64_t now = ps_now_ms();
+  waiter *go = NULL, *fail = NULL, *gone = NULL;
+  pthread_mutex_lock(&sv->wait_mu);
+  for (waiter **pp = &sv->waiters; *pp;) {
+    waiter *w = *pp;
+    int known = 1;
+    waiter **dest = NULL;
+    if (pull_ready(sv, w->worker, w->min_version, &known))
+      dest = &go;
+    else if (!known)
+      dest = &gone;
+    else if (now >= w->deadline_ms)
+      dest = &fail;
+    if (dest) {
+      *pp = w->next;
+      w->next = *dest;
+      *dest = w;
+      sv->n_waiting--;
+      sv->wait_ms_total += (double)(now - w->since_ms);
+    } else {
+      pp = &w->next;
+    }
+  }
+  pthread_mutex_unlock(&sv->wait_mu);
+  while (go) {
+    waiter *w = go;
+    go = w->next;
+    serve_pull(sv, w->call, w->offset, w->count);
+    free(w);
+  }
+  while (gone) {
+    waiter *w = gone;
+    gone = w->next;
+    rpc_call_fail(w->call, RPC_NOT_FOUND,
+                  "worker %016" PRIx64 " was dropped by shard %d while its pull waited: register "
+                  "again",
+                  w->worker, sv->index);
+    free(w);
+  }
+  while (fail) {
+    waiter *w = fail;
+    fail = w->next;
+    ps_shard_stats st;
+    ps_shard_stats_get(sv->shard, &st);
+    if (sv->job.mode_kind == PS_MODE_SYNC)
+      rpc_call_fail(w->call, RPC_ABORTED,
+                    "shard %d: waited %" PRId64 " ms for step %" PRIu64
+                    " to be applied; %d of %d gradients are in (live workers %d, backup %d)",
+                    sv->index, now - w->since_ms, w->min_version - 1, st.sync_pending,
+                    ps_membership_count(sv->members) - sv->job.backup_workers,
+                    ps_membership_count(sv->members), sv->job.backup_workers);
+    else
+      rpc_call_fail(w->call, RPC_ABORTED,
+                    "shard %d: waited %" PRId64 " ms for the slowest worker to come within %d "
+                    "steps of worker %016" PRIx64,
+                    sv->index, now - w->since_ms, sv->job.ssp_k, w->worker);
+    free(w);
+  }
+}
 
 static void handle_pull(rpc_call *call, const ps_segview *req, void *user) {
   server *sv = user;
@@ -207,29 +348,61 @@ static void handle_pull(rpc_call *call, const ps_segview *req, void *user) {
                                                          &tsegs, &tensor);
   if (!r) return;
   if (check_header(sv, call, r->header, "Pull", 1, UINT64_MAX) == 0) {
-    char err[PS_ERRLEN];
-    ps_snapshot *snap = ps_shard_pull(sv->shard, r->offset, r->count, err);
-    if (!snap) {
-      rpc_call_fail(call, RPC_OUT_OF_RANGE, "%s", err);
-    } else {
-      Ps__PullResponse resp = PS__PULL_RESPONSE__INIT;
-      resp.version = snap->version;
-      resp.offset = snap->begin;
-      resp.count = snap->count;
-      rpc_msg out;
-      /* The values go out straight from the snapshot; gRPC drops the
-       * reference when it has sent them. */
-      if (wire_encode(&resp.base, snap->values, snap->count * sizeof(float), release_snapshot,
-                      snap, &out) != 0) {
-        ps_snapshot_unref(snap);
-        rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory encoding the reply");
-      } else {
-        rpc_call_reply(call, &out);
+    int known = 1, ready;
+    waiter *w = NULL;
+    pthread_mutex_lock(&sv->wait_mu);
+    ready = pull_ready(sv, r->header->worker_id, r->min_version, &known);
+    if (!ready && known) {
+      w = calloc(1, sizeof *w);
+      if (w) {
+        w->call = call;
+        w->worker = r->header->worker_id;
+        w->min_version = r->min_version;
+        w->offset = r->offset;
+        w->count = r->count;
+        w->since_ms = ps_now_ms();
+        w->deadline_ms = w->since_ms + sv->job.wait_timeout_ms;
+        w->next = sv->waiters;
+        sv->waiters = w;
+        sv->n_waiting++;
+        sv->waits++;
       }
     }
+    pthread_mutex_unlock(&sv->wait_mu);
+    if (ready)
+      serve_pull(sv, call, r->offset, r->count);
+    else if (!known)
+      rpc_call_fail(call, RPC_NOT_FOUND, "worker %016" PRIx64 " is not registered with shard %d",
+                    r->header->worker_id, sv->index);
+    else if (!w)
+      rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
   }
   protobuf_c_message_free_unpacked(&r->base, NULL);
   free(tsegs);
+}
+
+/* sync: applies the current step if enough gradients are in; releases the
+ * pulls waiting for it. */
+static void sync_try_step(server *sv) {
+  int live = ps_membership_count(sv->members);
+  /* Steps start once the job's min_workers are in, so that the first to
+   * register does not run the first steps alone; after that the quorum
+   * follows the live workers (a dead one does not hold the others). */
+  pthread_mutex_lock(&sv->wait_mu);
+  if (!sv->sync_started && live >= sv->job.min_workers) {
+    sv->sync_started = 1;
+    PS_INFO("sync: %d workers registered (min_workers %d): steps begin", live,
+            sv->job.min_workers);
+  }
+  int started = sv->sync_started;
+  pthread_mutex_unlock(&sv->wait_mu);
+  if (!started) return;
+  int quorum = live - sv->job.backup_workers;
+  char err[PS_ERRLEN];
+  uint64_t v = 0;
+  int rc = ps_shard_sync_try_apply(sv->shard, quorum < 1 ? 1 : quorum, &v, err);
+  if (rc < 0) PS_ERROR("cannot apply the step: %s", err);
+  if (rc == 1) recheck_waiters(sv);
 }
 
 static void handle_push(rpc_call *call, const ps_segview *req, void *user) {
@@ -243,8 +416,23 @@ static void handle_push(rpc_call *call, const ps_segview *req, void *user) {
     char err[PS_ERRLEN];
     uint64_t version = 0, staleness = 0;
     double t0 = ps_now_s();
-    int rc = ps_shard_push(sv->shard, r->base_version, r->offset, r->count, &tensor, &version,
-                           &staleness, err);
+    int dropped = 0, have = 0, rc;
+    if (sv->job.mode_kind == PS_MODE_SYNC) {
+      rc = ps_shard_sync_add(sv->shard, r->header->worker_id, r->base_version, r->offset,
+                             r->count, &tensor, &dropped, &have, err);
+      if (rc == 0) {
+        ps_shard_stats st;
+        ps_shard_stats_get(sv->shard, &st);
+        version = st.version;
+        if (dropped)
+          PS_DEBUG("dropped a late gradient of step %" PRIu64 " from worker %016" PRIx64
+                   " (step %" PRIu64 " is under way)",
+                   r->base_version, r->header->worker_id, version);
+      }
+    } else {
+      rc = ps_shard_push(sv->shard, r->base_version, r->offset, r->count, &tensor, &version,
+                         &staleness, err);
+    }
     PS_DEBUG("push of %" PRIu64 " values in %d slices applied in %.2f ms", r->count, req->nsegs,
              (ps_now_s() - t0) * 1e3);
     if (rc != 0) {
@@ -255,7 +443,12 @@ static void handle_push(rpc_call *call, const ps_segview *req, void *user) {
       Ps__PushResponse resp = PS__PUSH_RESPONSE__INIT;
       resp.version = version;
       resp.staleness = staleness;
+      resp.dropped = dropped;
       reply_small(call, &resp.base);
+      if (sv->job.mode_kind == PS_MODE_SYNC)
+        sync_try_step(sv);
+      else if (sv->job.mode_kind == PS_MODE_SSP)
+        recheck_waiters(sv); /* a clock moved */
     }
   }
   protobuf_c_message_free_unpacked(&r->base, NULL);
@@ -289,6 +482,18 @@ static void handle_status(rpc_call *call, const ps_segview *req, void *user) {
     resp.job_id = sv->job.job_id;
     resp.mode = sv->job.mode;
     resp.uptime_s = ps_now_s() - sv->start_s;
+    resp.dropped = st.dropped;
+    resp.step_time_ms = st.step_time_ms;
+    resp.sync_pending = (uint32_t)st.sync_pending;
+    resp.backup_workers = (uint32_t)sv->job.backup_workers;
+    resp.live_workers = (uint32_t)ps_membership_count(sv->members);
+    pthread_mutex_lock(&sv->wait_mu);
+    resp.waits = sv->waits;
+    resp.waiting_now = (uint32_t)sv->n_waiting;
+    resp.ssp_max_lead = sv->ssp_max_lead;
+    uint64_t done = sv->waits - (uint64_t)sv->n_waiting;
+    resp.wait_ms_mean = done ? sv->wait_ms_total / (double)done : 0.0;
+    pthread_mutex_unlock(&sv->wait_mu);
     enum { MAXW = 1024 };
     ps_member *mem = calloc(MAXW, sizeof *mem);
     Ps__WorkerInfo *wi = calloc(MAXW, sizeof *wi);
@@ -307,6 +512,7 @@ static void handle_status(rpc_call *call, const ps_segview *req, void *user) {
         wi[i].step = mem[i].step;
         wi[i].pushes = mem[i].pushes;
         wi[i].ms_since_seen = (uint64_t)(now - mem[i].last_seen_ms);
+        wi[i].clock = mem[i].clock;
         wp[i] = &wi[i];
       }
       resp.n_workers = (size_t)n;
@@ -330,6 +536,8 @@ static void on_sweep(uv_timer_t *t) {
   for (int i = 0; i < n && i < 64; i++)
     PS_WARN("worker %016" PRIx64 " silent for more than %d ms: dropped; %d live", dropped[i],
             sv->job.heartbeat_timeout_ms, ps_membership_count(sv->members));
+  if (n > 0 && sv->job.mode_kind == PS_MODE_SYNC) sync_try_step(sv);
+  recheck_waiters(sv); /* deadlines, and pulls the dropped workers held back */
 }
 
 static void on_report(uv_timer_t *t) {
@@ -343,9 +551,9 @@ static void on_report(uv_timer_t *t) {
   int live = ps_membership_count(sv->members);
   if (st.pushes != sv->last_pushes || st.pulls != sv->last_pulls)
     PS_INFO("version %" PRIu64 " | %.1f pushes/s %.1f pulls/s | staleness mean %.2f max %" PRIu64
-            " | %d workers | %" PRIu64 " refused",
+            " | %d workers | %" PRIu64 " refused | %" PRIu64 " dropped | %.1f ms/step",
             st.version, push_rate, pull_rate, st.staleness_mean, st.staleness_max, live,
-            st.rejected);
+            st.rejected, st.dropped, st.step_time_ms);
   if (sv->metrics) {
     json_t *rec = json_object();
     json_object_set_new(rec, "shard", json_integer(sv->index));
@@ -363,6 +571,14 @@ static void on_report(uv_timer_t *t) {
       json_array_append_new(hist, json_integer((json_int_t)st.staleness_hist[i]));
     json_object_set_new(rec, "staleness_hist", hist);
     json_object_set_new(rec, "workers", json_integer(live));
+    json_object_set_new(rec, "dropped", json_integer((json_int_t)st.dropped));
+    json_object_set_new(rec, "step_time_ms", json_real(st.step_time_ms));
+    pthread_mutex_lock(&sv->wait_mu);
+    uint64_t done = sv->waits - (uint64_t)sv->n_waiting;
+    json_object_set_new(rec, "waits", json_integer((json_int_t)sv->waits));
+    json_object_set_new(rec, "wait_ms_mean", json_real(done ? sv->wait_ms_total / (double)done : 0));
+    json_object_set_new(rec, "ssp_max_lead", json_integer((json_int_t)sv->ssp_max_lead));
+    pthread_mutex_unlock(&sv->wait_mu);
     ps_metrics_write(sv->metrics, rec);
     json_decref(rec);
   }
@@ -427,6 +643,15 @@ static int print_status(const char *addr, int timeout_ms) {
     json_array_append_new(hist, json_integer((json_int_t)r->staleness_hist[i]));
   json_object_set_new(o, "staleness_hist", hist);
   json_object_set_new(o, "workers_dropped", json_integer((json_int_t)r->workers_dropped));
+  json_object_set_new(o, "live_workers", json_integer(r->live_workers));
+  json_object_set_new(o, "dropped", json_integer((json_int_t)r->dropped));
+  json_object_set_new(o, "waits", json_integer((json_int_t)r->waits));
+  json_object_set_new(o, "wait_ms_mean", json_real(r->wait_ms_mean));
+  json_object_set_new(o, "waiting_now", json_integer(r->waiting_now));
+  json_object_set_new(o, "step_time_ms", json_real(r->step_time_ms));
+  json_object_set_new(o, "ssp_max_lead", json_integer((json_int_t)r->ssp_max_lead));
+  json_object_set_new(o, "backup_workers", json_integer(r->backup_workers));
+  json_object_set_new(o, "sync_pending", json_integer(r->sync_pending));
   json_object_set_new(o, "uptime_s", json_real(r->uptime_s));
   json_t *ws = json_array();
   for (size_t i = 0; i < r->n_workers; i++) {
@@ -434,9 +659,10 @@ static int print_status(const char *addr, int timeout_ms) {
     char id[32];
     snprintf(id, sizeof id, "%016" PRIx64, w->worker_id);
     json_array_append_new(
-        ws, json_pack("{s:s,s:s,s:s,s:i,s:I,s:I,s:I}", "id", id, "host", w->host ? w->host : "",
-                      "role", w->role ? w->role : "", "task_index", w->task_index, "step",
-                      (json_int_t)w->step, "pushes", (json_int_t)w->pushes, "ms_since_seen",
+        ws, json_pack("{s:s,s:s,s:s,s:i,s:I,s:I,s:I,s:I}", "id", id, "host",
+                      w->host ? w->host : "", "role", w->role ? w->role : "", "task_index",
+                      w->task_index, "step", (json_int_t)w->step, "pushes", (json_int_t)w->pushes,
+                      "clock", (json_int_t)w->clock, "ms_since_seen",
                       (json_int_t)w->ms_since_seen));
   }
   json_object_set_new(o, "workers", ws);
@@ -593,6 +819,7 @@ int main(int argc, char **argv) {
     return 1;
   }
   sv.members = ps_membership_create();
+  pthread_mutex_init(&sv.wait_mu, NULL);
   if (metrics_path) {
     sv.metrics = ps_metrics_open(metrics_path, err);
     if (!sv.metrics) {
@@ -652,8 +879,13 @@ int main(int argc, char **argv) {
   uv_run(&sv.loop, UV_RUN_DEFAULT);
 
   on_report(&sv.report_timer);
-  rpc_server_shutdown(sv.rpc);
+  rpc_server_shutdown(sv.rpc); /* answers the waiting pulls CANCELLED */
   rpc_server_destroy(sv.rpc);
+  while (sv.waiters) {
+    waiter *w = sv.waiters;
+    sv.waiters = w->next;
+    free(w);
+  }
   uv_close((uv_handle_t *)&sv.sweep_timer, NULL);
   uv_close((uv_handle_t *)&sv.report_timer, NULL);
   uv_close((uv_handle_t *)&sv.sigint, NULL);

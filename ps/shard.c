@@ -59,7 +59,12 @@ struct ps_shard {
   ps_optim_config cfg;
   float *slots[SHARD_MAX_SLOTS]; /* opt->n_slots arrays of (n) */
 
-  pthread_mutex_t apply_mu;         /* serializes pushes */
+  pthread_mutex_t apply_mu;         /* serializes updates */
+  int staleness_aware;              /* lr / max(1, staleness) */
+  /* sync mode: the sum of the current step's gradients and who sent them */
+  float *sync_sum;
+  uint64_t *sync_ids;
+  int sync_n, sync_cap;
   ps_snapshot *retired[SHARD_SPARES]; /* earlier snapshots, one ref each, or NULL */
 
   pthread_mutex_t mu;
@@ -68,6 +73,7 @@ struct ps_shard {
   ps_snapshot *current;  /* the whole range at `version`; one ref held */
   uint64_t version;      /* updates applied */
   ps_shard_stats stats;  /* .version unused here: filled from version on read */
+  double first_update_s, last_update_s; /* for the mean step time */
 };
 
 /* ---------------------------------------------------------------- snapshots */
@@ -167,6 +173,7 @@ ps_shard *ps_shard_create(const ps_job *job, int index, int num_shards, char *er
   s->num_shards = num_shards;
   s->opt = opt;
   s->cfg = job->optim;
+  s->staleness_aware = job->staleness_aware_lr && job->mode_kind != PS_MODE_SYNC;
   ps_shard_range(job->model.n_params, num_shards, index, &s->begin, &s->end);
   size_t n = s->end - s->begin;
   if (pthread_mutex_init(&s->mu, NULL) != 0) {
@@ -202,6 +209,8 @@ void ps_shard_destroy(ps_shard *s) {
   ps_snapshot_unref(s->current);
   for (int i = 0; i < SHARD_SPARES; i++) ps_snapshot_unref(s->retired[i]);
   for (int k = 0; k < SHARD_MAX_SLOTS; k++) ps_free(s->slots[k]);
+  ps_free(s->sync_sum);
+  free(s->sync_ids);
   pthread_mutex_destroy(&s->mu);
   pthread_mutex_destroy(&s->apply_mu);
   pthread_cond_destroy(&s->applied);
@@ -271,6 +280,7 @@ typedef struct {
   float *out;      /* the next snapshot's values, whole range */
   size_t local;    /* offset of the push's first value in the range */
   uint64_t t;
+  float lr;
 } apply_ctx;
 
 /* Applies one piece: `first` counts values from the start of the push, so
@@ -286,7 +296,7 @@ static int apply_piece(const ps_ufloat *values, size_t n, size_t first, void *us
     float *slots[SHARD_MAX_SLOTS];
     for (int j = 0; j < s->opt->n_slots; j++) slots[j] = s->slots[j] + at;
     if (c->out != c->in) memcpy(c->out + at, c->in + at, k * sizeof(float));
-    s->opt->apply(&s->cfg, c->t, s->cfg.lr, c->out + at, slots, values + done, k);
+    s->opt->apply(&s->cfg, c->t, c->lr, c->out + at, slots, values + done, k);
     done += k;
   }
   return 0;
@@ -315,6 +325,21 @@ static void retire(ps_shard *s, ps_snapshot *old) {
   ps_snapshot_unref(drop);
 }
 
+typedef struct {
+  float *sum;
+  int first; /* the step's first gradient: store rather than add */
+} sum_ctx;
+
+static int sum_piece(const ps_ufloat *values, size_t n, size_t first, void *user) {
+  sum_ctx *c = user;
+  float *restrict out = c->sum + first;
+  if (c->first)
+    memcpy(out, (const void *)values, n * sizeof(float));
+  else
+    for (size_t i = 0; i < n; i++) out[i] += values[i];
+  return 0;
+}
+
 static int reject_push(ps_shard *s, int code) {
   pthread_mutex_lock(&s->mu);
   s->stats.rejected++;
@@ -322,40 +347,44 @@ static int reject_push(ps_shard *s, int code) {
   return code;
 }
 
-int ps_shard_push(ps_shard *s, uint64_t base_version, size_t offset, size_t count,
-                  const ps_segview *grad, uint64_t *new_version, uint64_t *staleness, char *err) {
+/* Range, length and finiteness of a gradient: nothing changes on error. */
+static int check_gradient(ps_shard *s, size_t offset, size_t count, const ps_segview *grad,
+                          char *err) {
   int rc = check_range(s, "push", offset, count, err);
-  if (rc) return reject_push(s, rc);
+  if (rc) return rc;
   size_t total = grad ? grad->total : 0;
   if (total != count * sizeof(float))
-    return reject_push(s, ps_seterr(err, PS_EINVAL,
-                                    "gradient has %zu bytes, expected %zu for %zu values", total,
-                                    count * sizeof(float), count));
+    return ps_seterr(err, PS_EINVAL, "gradient has %zu bytes, expected %zu for %zu values", total,
+                     count * sizeof(float), count);
   if (grad) {
     /* The walks below follow the segments, not total: segments holding
      * more bytes than total would be applied past the end of the range. */
     size_t sum = 0;
     for (int i = 0; i < grad->nsegs; i++) sum += grad->segs[i].len;
     if (grad->nsegs < 0 || sum != total)
-      return reject_push(s, ps_seterr(err, PS_EINVAL,
-                                      "gradient view says %zu bytes but its %d segments hold %zu",
-                                      total, grad->nsegs, sum));
+      return ps_seterr(err, PS_EINVAL, "gradient view says %zu bytes but its %d segments hold %zu",
+                       total, grad->nsegs, sum);
   }
   if (count > 0) {
     finite_scan fs = {0, 0.0f};
     if (ps_segview_each_float(grad, scan_finite_piece, &fs) != 0) {
       const char *what = isnan(fs.bad_value) ? "NaN" : fs.bad_value > 0 ? "+Inf" : "-Inf";
-      return reject_push(s, ps_seterr(err, PS_EINVAL,
-                                      "gradient value %zu (global index %zu) is %s", fs.bad_index,
-                                      offset + fs.bad_index, what));
+      return ps_seterr(err, PS_EINVAL, "gradient value %zu (global index %zu) is %s",
+                       fs.bad_index, offset + fs.bad_index, what);
     }
   }
+  return PS_OK;
+}
 
-  pthread_mutex_lock(&s->apply_mu);
-  ps_snapshot *cur = s->current; /* only pushes replace it, and we hold apply_mu */
+/* Applies a checked gradient for [offset, offset+count) with learning rate
+ * lr and publishes the result as version before+1, where `before` is the
+ * version it applied to (written to *before_out). Called with apply_mu held.
+ * PS_ENOMEM (nothing changed) when no buffer for the next snapshot can be had. */
+static int apply_update(ps_shard *s, size_t offset, size_t count, const ps_segview *grad,
+                        float lr, uint64_t before, char *err) {
+  ps_snapshot *cur = s->current; /* only updates replace it, and we hold apply_mu */
   size_t local = offset - s->begin, n = s->end - s->begin;
   pthread_mutex_lock(&s->mu);
-  uint64_t before = s->version;
   /* Nobody else holds the current snapshot, and pulls cannot take it
    * while in_place is set: update it where it is. */
   int in_place = atomic_load_explicit(SNAP_REFS(cur), memory_order_acquire) == 1;
@@ -365,23 +394,19 @@ int ps_shard_push(ps_shard *s, uint64_t base_version, size_t offset, size_t coun
   ps_snapshot *next = cur;
   if (!in_place) {
     next = next_buffer(s);
-    if (!next) {
-      pthread_mutex_unlock(&s->apply_mu);
-      return reject_push(s, ps_seterr(err, PS_ENOMEM,
-                                      "out of memory for the next snapshot of %zu values", n));
-    }
-    /* Values outside the push carry over unchanged. */
+    if (!next)
+      return ps_seterr(err, PS_ENOMEM, "out of memory for the next snapshot of %zu values", n);
+    /* Values outside the update carry over unchanged. */
     memcpy(next->values, cur->values, local * sizeof(float));
     memcpy(next->values + local + count, cur->values + local + count,
            (n - local - count) * sizeof(float));
   }
   if (count > 0) {
-    apply_ctx c = {s, cur->values, next->values, local, before + 1};
+    apply_ctx c = {s, cur->values, next->values, local, before + 1, lr};
     ps_segview_each_float(grad, apply_piece, &c);
   }
   next->version = before + 1;
-  uint64_t stale = base_version < before ? before - base_version : 0;
-
+  double now = ps_now_s();
   pthread_mutex_lock(&s->mu);
   s->current = next; /* published: pulls from now on see before + 1 */
   s->version = before + 1;
@@ -389,18 +414,134 @@ int ps_shard_push(ps_shard *s, uint64_t base_version, size_t offset, size_t coun
     s->in_place = 0;
     pthread_cond_broadcast(&s->applied);
   }
+  if (s->first_update_s == 0) s->first_update_s = now;
+  s->last_update_s = now;
+  pthread_mutex_unlock(&s->mu);
+  if (!in_place) retire(s, cur);
+  return PS_OK;
+}
+
+static uint64_t current_version(ps_shard *s) {
+  pthread_mutex_lock(&s->mu);
+  uint64_t v = s->version;
+  pthread_mutex_unlock(&s->mu);
+  return v;
+}
+
+int ps_shard_push(ps_shard *s, uint64_t base_version, size_t offset, size_t count,
+                  const ps_segview *grad, uint64_t *new_version, uint64_t *staleness, char *err) {
+  int rc = check_gradient(s, offset, count, grad, err);
+  if (rc) return reject_push(s, rc);
+
+  pthread_mutex_lock(&s->apply_mu);
+  uint64_t before = current_version(s); /* only updates change it, and we hold apply_mu */
+  uint64_t stale = base_version < before ? before - base_version : 0;
+  /* Staleness-aware learning rate: a gradient computed k versions ago
+   * moves the parameters k times less. */
+  float lr = s->cfg.lr;
+  if (s->staleness_aware && stale > 1) lr = (float)((double)lr / (double)stale);
+  rc = apply_update(s, offset, count, grad, lr, before, err);
+  if (rc) {
+    pthread_mutex_unlock(&s->apply_mu);
+    return reject_push(s, rc);
+  }
+  pthread_mutex_lock(&s->mu);
   ps_shard_stats *st = &s->stats;
   st->pushes++;
   st->staleness_mean += ((double)stale - st->staleness_mean) / (double)st->pushes;
   if (stale > st->staleness_max) st->staleness_max = stale;
   st->staleness_hist[stale < PS_STALENESS_BUCKETS - 1 ? stale : PS_STALENESS_BUCKETS - 1]++;
   pthread_mutex_unlock(&s->mu);
-  if (!in_place) retire(s, cur);
   pthread_mutex_unlock(&s->apply_mu);
 
   if (new_version) *new_version = before + 1;
   if (staleness) *staleness = stale;
   return PS_OK;
+}
+
+/* ---------------------------------------------------------------- sync steps */
+
+int ps_shard_sync_add(ps_shard *s, uint64_t worker_id, uint64_t base_version, size_t offset,
+                      size_t count, const ps_segview *grad, int *dropped, int *have,
+                      char *err) {
+  *dropped = 0;
+  if (offset != s->begin || count != s->end - s->begin)
+    return reject_push(s, ps_seterr(err, PS_ERANGE,
+                                    "in sync mode a push covers the whole shard range [%zu, %zu), "
+                                    "not [%zu, %zu)",
+                                    s->begin, s->end, offset, offset + count));
+  int rc = check_gradient(s, offset, count, grad, err);
+  if (rc) return reject_push(s, rc);
+  pthread_mutex_lock(&s->apply_mu);
+  uint64_t version = current_version(s);
+  int dup = 0;
+  for (int i = 0; i < s->sync_n; i++) dup |= s->sync_ids[i] == worker_id;
+  if (base_version != version || dup) {
+    /* A late gradient of a step already applied (a backup worker's), or a
+     * second one from the same worker: dropped, as SyncReplicasOptimizer
+     * does, and counted. */
+    *dropped = 1;
+    *have = s->sync_n;
+    pthread_mutex_unlock(&s->apply_mu);
+    pthread_mutex_lock(&s->mu);
+    s->stats.dropped++;
+    pthread_mutex_unlock(&s->mu);
+    return PS_OK;
+  }
+  if (s->sync_n == s->sync_cap) {
+    int cap = s->sync_cap ? 2 * s->sync_cap : 8;
+    uint64_t *ids = realloc(s->sync_ids, (size_t)cap * sizeof *ids);
+    if (!ids) {
+      pthread_mutex_unlock(&s->apply_mu);
+      return reject_push(s, ps_seterr(err, PS_ENOMEM, "out of memory"));
+    }
+    s->sync_ids = ids;
+    s->sync_cap = cap;
+  }
+  size_t n = s->end - s->begin;
+  if (!s->sync_sum && n > 0) {
+    s->sync_sum = ps_alloc(n * sizeof(float));
+    if (!s->sync_sum) {
+      pthread_mutex_unlock(&s->apply_mu);
+      return reject_push(s, ps_seterr(err, PS_ENOMEM, "out of memory for the step's sum"));
+    }
+  }
+  sum_ctx c = {s->sync_sum, s->sync_n == 0};
+  if (n > 0) ps_segview_each_float(grad, sum_piece, &c);
+  s->sync_ids[s->sync_n++] = worker_id;
+  *have = s->sync_n;
+  pthread_mutex_unlock(&s->apply_mu);
+  pthread_mutex_lock(&s->mu);
+  s->stats.pushes++;
+  s->stats.staleness_hist[0]++;
+  pthread_mutex_unlock(&s->mu);
+  return PS_OK;
+}
+
+int ps_shard_sync_try_apply(ps_shard *s, int quorum, uint64_t *new_version, char *err) {
+  if (quorum < 1) quorum = 1;
+  pthread_mutex_lock(&s->apply_mu);
+  if (s->sync_n < quorum) {
+    pthread_mutex_unlock(&s->apply_mu);
+    return 0;
+  }
+  size_t n = s->end - s->begin;
+  /* The mean of the step's gradients, applied once. */
+  float inv = 1.0f / (float)s->sync_n;
+  for (size_t i = 0; i < n; i++) s->sync_sum[i] *= inv;
+  ps_seg seg = {(const uint8_t *)s->sync_sum, n * sizeof(float)};
+  ps_segview v = {&seg, n ? 1 : 0, n * sizeof(float)};
+  uint64_t before = current_version(s);
+  int rc = apply_update(s, s->begin, n, &v, s->cfg.lr, before, err);
+  if (rc == 0) {
+    s->sync_n = 0;
+    if (new_version) *new_version = before + 1;
+  } else {
+    /* Undo the scaling so that the step can still be applied later. */
+    for (size_t i = 0; i < n; i++) s->sync_sum[i] *= (float)s->sync_n;
+  }
+  pthread_mutex_unlock(&s->apply_mu);
+  return rc == 0 ? 1 : rc;
 }
 
 /* ---------------------------------------------------------------- pull */
@@ -433,6 +574,9 @@ void ps_shard_stats_get(ps_shard *s, ps_shard_stats *out) {
   pthread_mutex_lock(&s->mu);
   *out = s->stats;
   out->version = s->version;
+  out->step_time_ms =
+      s->version > 1 ? 1e3 * (s->last_update_s - s->first_update_s) / (double)(s->version - 1) : 0;
+  out->sync_pending = s->sync_n;
   pthread_mutex_unlock(&s->mu);
 }
 

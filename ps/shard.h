@@ -21,6 +21,9 @@ typedef struct {
   double staleness_mean;
   uint64_t staleness_max;
   uint64_t staleness_hist[PS_STALENESS_BUCKETS]; /* last bucket: >= BUCKETS-1 */
+  uint64_t dropped;     /* sync: late or duplicate gradients dropped */
+  double step_time_ms;  /* mean time between two updates */
+  int sync_pending;     /* sync: gradients in for the current step */
 } ps_shard_stats;
 
 /* A read-only, reference-counted copy of the parameters at one version. */
@@ -48,7 +51,9 @@ int ps_shard_index(const ps_shard *s);
  * length, a NaN or Inf value) it returns PS_ERANGE/PS_EINVAL with a message,
  * counts the push as rejected, and leaves parameters, slots and version
  * unchanged. On success writes the new version and the staleness
- * (version before apply - base_version, 0 if base_version is ahead). */
+ * (version before apply - base_version, 0 if base_version is ahead).
+ * With the job's staleness_aware_lr the learning rate of this push is
+ * lr / max(1, staleness). */
 int ps_shard_push(ps_shard *s, uint64_t base_version, size_t offset, size_t count,
                   const ps_segview *grad, uint64_t *new_version, uint64_t *staleness, char *err);
 
@@ -56,6 +61,22 @@ int ps_shard_push(ps_shard *s, uint64_t base_version, size_t offset, size_t coun
  * at the current version. Snapshots of the whole range are shared between
  * pulls of the same version. Release with ps_snapshot_unref. NULL with a
  * message on a bad range. */
+/* sync mode. Adds a gradient for the whole range, computed from version
+ * base_version, to the current step's sum. Checked as ps_shard_push
+ * (nothing changes on error). A gradient of an earlier step (base_version
+ * is not the current version: the step was applied without it) or a second
+ * one from the same worker is dropped: *dropped = 1, counted in stats.
+ * *have receives the number of gradients in for the current step. */
+int ps_shard_sync_add(ps_shard *s, uint64_t worker_id, uint64_t base_version, size_t offset,
+                      size_t count, const ps_segview *grad, int *dropped, int *have,
+                      char *err);
+
+/* sync mode. Applies the current step when at least `quorum` gradients are
+ * in: their mean, with the optimizer, once. Returns 1 if it applied (and
+ * writes the new version), 0 if the quorum is not reached, or a negative
+ * code with a message (nothing changed). */
+int ps_shard_sync_try_apply(ps_shard *s, int quorum, uint64_t *new_version, char *err);
+
 ps_snapshot *ps_shard_pull(ps_shard *s, size_t offset, size_t count, char *err);
 void ps_snapshot_unref(ps_snapshot *snap);
 

@@ -377,6 +377,7 @@ struct ps_batcher {
   int rank;
   uint64_t seed;
   int depth;
+  int shuffle; /* 0: every epoch in index order */
 
   uint32_t *shard; /* (shard_n) this worker's example indices, ascending */
   uint32_t shard_n;
@@ -411,7 +412,7 @@ static void batcher__shuffle(ps_batcher *b) {
   uint64_t key = (uint64_t)(uint32_t)b->rank << 32 | (uint32_t)b->epoch;
   ps_rand_seed(&r, ps_rng_u64(b->seed, STREAM_SHUFFLE, key));
   memcpy(b->order, b->shard, (size_t)b->shard_n * sizeof *b->order);
-  ps_rand_shuffle_u32(&r, b->order, b->shard_n);
+  if (b->shuffle) ps_rand_shuffle_u32(&r, b->order, b->shard_n);
 }
 
 static void batcher__fill(ps_batcher *b, ps_batch *out) {
@@ -479,6 +480,11 @@ static void batcher__free(ps_batcher *b) {
  * (fewer examples than workers). */
 ps_batcher *ps_batcher_create(const ps_dataset *ds, int batch_size, int rank, int num_workers,
                               uint64_t seed, int depth) {
+  return ps_batcher_create_ordered(ds, batch_size, rank, num_workers, seed, depth, 1);
+}
+
+ps_batcher *ps_batcher_create_ordered(const ps_dataset *ds, int batch_size, int rank,
+                                      int num_workers, uint64_t seed, int depth, int shuffle) {
   if (!ds || !ds->images || !ds->labels || ds->n < 1 || ds->c < 1 || ds->h < 1 || ds->w < 1 ||
       batch_size < 1 || num_workers < 1 || rank < 0 || rank >= num_workers || depth < 1)
     return NULL;
@@ -493,6 +499,7 @@ ps_batcher *ps_batcher_create(const ps_dataset *ds, int batch_size, int rank, in
   b->rank = rank;
   b->seed = seed;
   b->depth = depth;
+  b->shuffle = shuffle;
   b->shard_n = shard_n;
   b->shard = malloc((size_t)shard_n * sizeof *b->shard);
   b->order = malloc((size_t)shard_n * sizeof *b->order);

@@ -53,6 +53,11 @@ typedef struct ps_batcher ps_batcher;
  * shuffled per epoch, `depth` batches ahead. NULL on failure. */
 ps_batcher *ps_batcher_create(const ps_dataset *ds, int batch_size, int rank, int num_workers,
                               uint64_t seed, int depth);
+/* As ps_batcher_create; shuffle 0 keeps every epoch in index order (for
+ * runs that must see the same examples in the same order, as the sync
+ * equivalence test does). */
+ps_batcher *ps_batcher_create_ordered(const ps_dataset *ds, int batch_size, int rank,
+                                      int num_workers, uint64_t seed, int depth, int shuffle);
 /* Blocks until a batch is ready; it stays valid until ps_batcher_release. */
 int ps_batcher_next(ps_batcher *b, ps_batch **out);
 void ps_batcher_release(ps_batcher *b, ps_batch *batch);

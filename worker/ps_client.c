@@ -33,6 +33,7 @@ struct ps_client {
   char *job_json;
   size_t P;
   int hb_timeout_ms;
+  int wait_ms; /* extra deadline for pulls the shards may hold back */
   int nshards;
   shard_conn *shards;
   rpc_queue *q;    /* training thread */
@@ -245,7 +246,18 @@ static int reregister(ps_client *c, rpc_queue *q, int s, char *err) {
   return rc;
 }
 
-int ps_client_pull(ps_client *c, float *params, uint64_t *versions, char *err) {
+void ps_client_set_wait_ms(ps_client *c, int wait_ms) { c->wait_ms = wait_ms > 0 ? wait_ms : 0; }
+
+/* gRPC status of a failed call as one of our codes. */
+static int status_code(int st) {
+  if (st == RPC_UNAVAILABLE || st == RPC_DEADLINE_EXCEEDED) return PS_EUNAVAIL;
+  if (st == RPC_ABORTED) return PS_ETIMEDOUT; /* a shard gave up waiting */
+  if (st == RPC_NOT_FOUND) return PS_ENOTFOUND;
+  return PS_EPROTO;
+}
+
+int ps_client_pull(ps_client *c, float *params, uint64_t *versions,
+                   const uint64_t *min_versions, char *err) {
   int rc = PS_OK;
   for (int attempt = 0; attempt < 2; attempt++) {
     int retry_shard = -1;
@@ -256,10 +268,12 @@ int ps_client_pull(ps_client *c, float *params, uint64_t *versions, char *err) {
       req.header = &h;
       req.offset = c->shards[s].off;
       req.count = c->shards[s].cnt;
+      req.min_version = min_versions ? min_versions[s] : 0;
       rpc_msg msg;
       c->reqs[s] = NULL;
       if (pack_small(&req.base, &msg) == 0)
-        c->reqs[s] = rpc_start(c->q, c->shards[s].ch, M_PULL, &msg, c->opts.timeout_ms, 1, err);
+        c->reqs[s] = rpc_start(c->q, c->shards[s].ch, M_PULL, &msg,
+                               c->opts.timeout_ms + c->wait_ms, 1, err);
     }
     rc = PS_OK;
     for (int s = 0; s < c->nshards; s++) {
@@ -273,10 +287,8 @@ int ps_client_pull(ps_client *c, float *params, uint64_t *versions, char *err) {
       if (st != RPC_OK) {
         if (st == RPC_NOT_FOUND && retry_shard < 0) retry_shard = s;
         if (rc == PS_OK)
-          rc = ps_seterr(err, st == RPC_UNAVAILABLE || st == RPC_DEADLINE_EXCEEDED ? PS_EUNAVAIL
-                                                                                   : PS_EPROTO,
-                         "Pull from shard %d (%s): %s: %s", s, c->shards[s].addr,
-                         rpc_status_name(st), detail);
+          rc = ps_seterr(err, status_code(st), "Pull from shard %d (%s): %s: %s", s,
+                         c->shards[s].addr, rpc_status_name(st), detail);
         rpc_request_free(c->reqs[s]);
         continue;
       }
@@ -325,8 +337,8 @@ static void tensor_released(void *user) {
 /* Pushes to the shards with todo[s] set; sets again[s] for the shards that
  * answered NOT_FOUND (they applied nothing). */
 static int push_shards(ps_client *c, const float *grads, const uint64_t *versions, uint64_t step,
-                       int batch_size, const char *todo, char *again, uint64_t *staleness_sum,
-                       uint64_t *staleness_max, char *err) {
+                       int batch_size, const char *todo, char *again, ps_push_result *res,
+                       char *err) {
   for (int s = 0; s < c->nshards; s++) {
     c->reqs[s] = NULL;
     again[s] = 0;
@@ -362,18 +374,19 @@ static int push_shards(ps_client *c, const float *grads, const uint64_t *version
       if (view.total <= sizeof small && ps_segview_copy(&view, 0, small, view.total) == 0) {
         Ps__PushResponse *r = ps__push_response__unpack(NULL, view.total, small);
         if (r) {
-          if (staleness_sum) *staleness_sum += r->staleness;
-          if (staleness_max && r->staleness > *staleness_max) *staleness_max = r->staleness;
+          if (res) {
+            res->staleness_sum += r->staleness;
+            if (r->staleness > res->staleness_max) res->staleness_max = r->staleness;
+            res->dropped += r->dropped;
+          }
           ps__push_response__free_unpacked(r, NULL);
         }
       }
     } else if (st == RPC_NOT_FOUND) {
       again[s] = 1;
     } else if (rc == PS_OK) {
-      rc = ps_seterr(err, st == RPC_UNAVAILABLE || st == RPC_DEADLINE_EXCEEDED ? PS_EUNAVAIL
-                                                                               : PS_EPROTO,
-                     "Push to shard %d (%s): %s: %s", s, c->shards[s].addr, rpc_status_name(st),
-                     detail);
+      rc = ps_seterr(err, status_code(st), "Push to shard %d (%s): %s: %s", s, c->shards[s].addr,
+                     rpc_status_name(st), detail);
     }
     rpc_request_free(c->reqs[s]);
     c->reqs[s] = NULL;
@@ -387,11 +400,11 @@ static int push_shards(ps_client *c, const float *grads, const uint64_t *version
 }
 
 int ps_client_push(ps_client *c, const float *grads, const uint64_t *versions, uint64_t step,
-                   int batch_size, uint64_t *staleness_sum, uint64_t *staleness_max, char *err) {
+                   int batch_size, ps_push_result *res, char *err) {
+  if (res) memset(res, 0, sizeof *res);
   char todo[c->nshards], again[c->nshards];
   memset(todo, 1, sizeof todo);
-  int rc = push_shards(c, grads, versions, step, batch_size, todo, again, staleness_sum,
-                       staleness_max, err);
+  int rc = push_shards(c, grads, versions, step, batch_size, todo, again, res, err);
   /* A shard that had forgotten this worker applied nothing from it:
    * register again and push that shard's slice once more. */
   int any = 0;
@@ -403,8 +416,7 @@ int ps_client_push(ps_client *c, const float *grads, const uint64_t *versions, u
   }
   if (any && rc == PS_OK) {
     memcpy(todo, again, sizeof todo);
-    rc = push_shards(c, grads, versions, step, batch_size, todo, again, staleness_sum,
-                     staleness_max, err);
+    rc = push_shards(c, grads, versions, step, batch_size, todo, again, res, err);
     for (int s = 0; s < c->nshards; s++)
       if (again[s] && rc == PS_OK)
         rc = ps_seterr(err, PS_ENOTFOUND, "shard %d refused this worker after it registered again",

@@ -34,16 +34,28 @@ size_t ps_client_param_count(const ps_client *c);
 int ps_client_heartbeat_timeout_ms(const ps_client *c);
 
 /* Pulls every shard's range into params (P floats) and its version into
- * versions[shard]. On error returns a negative code with a message naming
- * the shard; params may then hold a mix of old and new ranges. */
-int ps_client_pull(ps_client *c, float *params, uint64_t *versions, char *err);
+ * versions[shard]. min_versions (may be NULL): shard s answers only once
+ * its version is at least min_versions[s] (sync mode). On error returns a
+ * negative code with a message naming the shard (PS_ETIMEDOUT when a shard
+ * gave up waiting); params may then hold a mix of old and new ranges. */
+int ps_client_pull(ps_client *c, float *params, uint64_t *versions,
+                   const uint64_t *min_versions, char *err);
+
+/* How long a shard may hold a pull back (the job's wait_timeout_ms in ssp
+ * and sync modes): added to the pull's deadline. */
+void ps_client_set_wait_ms(ps_client *c, int wait_ms);
+
+typedef struct {
+  uint64_t staleness_sum; /* over the shards */
+  uint64_t staleness_max;
+  int dropped;            /* shards that dropped the gradient (sync: late) */
+} ps_push_result;
 
 /* Pushes each shard its slice of grads (P floats) with the version it was
- * computed from. grads must not change until the call returns. Adds the
- * staleness each shard reported to *staleness_sum and the largest to
- * *staleness_max (either may be NULL). */
+ * computed from. grads must not change until the call returns. res (may be
+ * NULL) receives what the shards said: staleness and dropped gradients. */
 int ps_client_push(ps_client *c, const float *grads, const uint64_t *versions, uint64_t step,
-                   int batch_size, uint64_t *staleness_sum, uint64_t *staleness_max, char *err);
+                   int batch_size, ps_push_result *res, char *err);
 
 /* Heartbeat to every shard; a shard that no longer knows this worker is
  * registered with again. */

@@ -6,6 +6,7 @@
  * blocking heartbeat calls run on libuv's work queue), SIGINT/SIGTERM (the
  * loop stops after the current step and the worker leaves cleanly); the
  * batcher fills batches on a third. */
+#include <errno.h>
 #include <getopt.h>
 #include <inttypes.h>
 #include <jansson.h>
@@ -34,8 +35,8 @@
 
 typedef struct {
   /* options */
-  const char *ps_addr, *job_path, *metrics_path, *data_dir, *host;
-  int index, num_workers, chief, local, threads, timeout_ms, epochs;
+  const char *ps_addr, *job_path, *metrics_path, *data_dir, *host, *save_path;
+  int index, num_workers, chief, local, threads, timeout_ms, epochs, straggle_ms;
   int64_t max_steps;
   double log_interval, eval_interval, retry_s;
   /* state */
@@ -47,7 +48,12 @@ typedef struct {
   ps_batcher *batcher;
   ps_metrics *metrics;
   float *params, *grads;
-  uint64_t *versions;
+  uint64_t *versions;     /* per shard: the version pulled */
+  uint64_t *min_versions; /* per shard: sync mode waits for the step pushed */
+  /* the push in progress */
+  int push_batch;
+  uint64_t push_step;
+  ps_push_result push_res;
   int rank;
   /* local mode: the optimizer runs here */
   const ps_optimizer *opt;
@@ -139,13 +145,14 @@ static void stop_loop(worker *w) {
 /* Retries op() with exponential backoff and jitter while the servers are
  * unreachable, for at most retry_s seconds. */
 static int with_retry(worker *w, const char *what, int (*op)(worker *, char *), char *err) {
+  /* Unreachable servers, and shards that gave up holding a pull back. */
   double deadline = ps_now_s() + w->retry_s;
   int64_t backoff = 100;
   ps_rand r;
   ps_rand_seed(&r, (uint64_t)getpid() ^ (uint64_t)ps_now_ms());
   for (int attempt = 0;; attempt++) {
     int rc = op(w, err);
-    if (rc == 0 || rc != PS_EUNAVAIL || atomic_load(&w->stop)) return rc;
+    if (rc == 0 || (rc != PS_EUNAVAIL && rc != PS_ETIMEDOUT) || atomic_load(&w->stop)) return rc;
     if (ps_now_s() + backoff / 1000.0 > deadline) return rc;
     int64_t sleep = backoff / 2 + (int64_t)ps_rand_below(&r, (uint64_t)backoff / 2 + 1);
     PS_WARN("%s failed (%s); retrying in %" PRId64 " ms", what, err, sleep);
@@ -155,14 +162,19 @@ static int with_retry(worker *w, const char *what, int (*op)(worker *, char *), 
 }
 
 static int op_pull(worker *w, char *err) {
-  return ps_client_pull(w->client, w->params, w->versions, err);
+  return ps_client_pull(w->client, w->params, w->versions,
+                        w->job.mode_kind == PS_MODE_SYNC ? w->min_versions : NULL, err);
 }
 
-static uint64_t push_stale_sum, push_stale_max;
-static int push_batch, push_step_no;
 static int op_push(worker *w, char *err) {
-  return ps_client_push(w->client, w->grads, w->versions, (uint64_t)push_step_no, push_batch,
-                        &push_stale_sum, &push_stale_max, err);
+  int rc = ps_client_push(w->client, w->grads, w->versions, w->push_step, w->push_batch,
+                          &w->push_res, err);
+  /* sync: the next pull waits for the step this gradient was for (or, if
+   * it was dropped, for the step that went on without it: already done). */
+  if (rc == 0)
+    for (int s = 0; s < ps_client_num_shards(w->client); s++)
+      w->min_versions[s] = w->versions[s] + 1;
+  return rc;
 }
 
 static double evaluate(worker *w, int64_t step, double t0, float *loss_out) {
@@ -172,13 +184,33 @@ static double evaluate(worker *w, int64_t step, double t0, float *loss_out) {
   double acc = w->test.n ? (double)correct / w->test.n : 0.0;
   if (loss_out) *loss_out = loss;
   if (w->metrics) {
-    json_t *rec = json_pack("{s:i,s:I,s:f,s:f,s:f,s:i}", "worker", w->rank, "step",
-                            (json_int_t)step, "test_accuracy", acc, "test_loss", (double)loss,
+    json_t *rec = json_pack("{s:i,s:I,s:I,s:f,s:f,s:f,s:i}", "worker", w->rank, "step",
+                            (json_int_t)step, "updates", (json_int_t)(w->local ? (uint64_t)step : w->versions[0]),
+                            "test_accuracy", acc, "test_loss", (double)loss,
                             "elapsed_s", ps_now_s() - t0, "test_examples", w->test.n);
     ps_metrics_write(w->metrics, rec);
     json_decref(rec);
   }
   return acc;
+}
+
+/* Writes the parameters as raw little-endian float32, fsynced. */
+static int save_params(worker *w, const char *path) {
+  FILE *f = fopen(path, "wb");
+  if (!f) {
+    PS_ERROR("cannot write '%s': %s", path, strerror(errno));
+    return 1;
+  }
+  size_t P = w->job.model.n_params;
+  int bad = fwrite(w->params, sizeof(float), P, f) != P;
+  bad |= fflush(f) != 0 || fsync(fileno(f)) != 0;
+  bad |= fclose(f) != 0;
+  if (bad) {
+    PS_ERROR("cannot write '%s'", path);
+    return 1;
+  }
+  PS_INFO("wrote the %zu parameters to %s", P, path);
+  return 0;
 }
 
 static int train(worker *w) {
@@ -196,7 +228,7 @@ static int train(worker *w) {
   double t0 = ps_now_s(), last_log = t0, last_eval = t0;
   double sum_loss = 0, t_pull = 0, t_push = 0, t_comp = 0;
   int64_t n_ex = 0, n_correct = 0, n_steps = 0, total_ex = 0;
-  uint64_t stale_sum = 0, stale_n = 0, stale_max = 0;
+  uint64_t stale_sum = 0, stale_n = 0, stale_max = 0, dropped = 0;
   int rc = 0;
   int64_t step = 0;
   for (; step < total && !atomic_load(&w->stop); step++) {
@@ -218,6 +250,7 @@ static int train(worker *w) {
     float loss = ps_model_train_step(w->model, w->params, b->x, b->y, b->n, w->job.seed ^ 0xd0d0,
                                      (uint64_t)step * 1024 + (uint64_t)w->rank, w->grads,
                                      &correct);
+    if (w->straggle_ms > 0) ps_sleep_ms(w->straggle_ms); /* an artificial straggler */
     double tc = ps_now_s();
     if (!isfinite(loss)) {
       PS_ERROR("step %" PRId64 ": the loss is %f; the gradient is not pushed. Lower the "
@@ -230,19 +263,18 @@ static int train(worker *w) {
       w->opt->apply(&w->job.optim, (uint64_t)step + 1, w->job.optim.lr, w->params, w->slots,
                     w->grads, P);
     } else {
-      push_stale_sum = 0;
-      push_stale_max = 0;
-      push_batch = b->n;
-      push_step_no = (int)step;
+      w->push_batch = b->n;
+      w->push_step = (uint64_t)step;
       if (with_retry(w, "Push", op_push, err) != 0) {
         PS_ERROR("%s", err);
         ps_batcher_release(w->batcher, b);
         rc = 1;
         break;
       }
-      stale_sum += push_stale_sum;
+      stale_sum += w->push_res.staleness_sum;
       stale_n += (uint64_t)ps_client_num_shards(w->client);
-      if (push_stale_max > stale_max) stale_max = push_stale_max;
+      if (w->push_res.staleness_max > stale_max) stale_max = w->push_res.staleness_max;
+      dropped += w->push_res.dropped > 0;
     }
     double td = ps_now_s();
     t_pull += tb - ta;
@@ -262,16 +294,21 @@ static int train(worker *w) {
       double dt = now - last_log;
       double eps = n_ex / (dt > 0 ? dt : 1e-9);
       double smean = stale_n ? (double)stale_sum / stale_n : 0.0;
+      char drop_note[48] = "";
+      if (w->job.mode_kind == PS_MODE_SYNC)
+        snprintf(drop_note, sizeof drop_note, " | %" PRIu64 " dropped", dropped);
       PS_INFO("step %" PRId64 "/%" PRId64 " epoch %d | loss %.4f acc %.3f | %.0f ex/s | "
-              "staleness %.2f max %" PRIu64 " | pull %.1f compute %.1f push %.1f ms/step",
+              "staleness %.2f max %" PRIu64 "%s | pull %.1f compute %.1f push %.1f ms/step",
               step + 1, total, epoch, sum_loss / n_ex, (double)n_correct / n_ex, eps, smean,
-              stale_max, 1e3 * t_pull / n_steps, 1e3 * t_comp / n_steps, 1e3 * t_push / n_steps);
+              stale_max, drop_note, 1e3 * t_pull / n_steps, 1e3 * t_comp / n_steps,
+              1e3 * t_push / n_steps);
       if (w->metrics) {
         json_t *rec = json_pack(
-            "{s:i,s:I,s:i,s:f,s:f,s:f,s:f,s:I,s:f,s:f,s:f}", "worker", w->rank, "step",
+            "{s:i,s:I,s:i,s:f,s:f,s:f,s:f,s:I,s:I,s:f,s:f,s:f}", "worker", w->rank, "step",
             (json_int_t)(step + 1), "epoch", epoch, "loss", sum_loss / n_ex, "train_accuracy",
             (double)n_correct / n_ex, "examples_per_sec", eps, "staleness_mean", smean,
-            "staleness_max", (json_int_t)stale_max, "pull_ms", 1e3 * t_pull / n_steps,
+            "staleness_max", (json_int_t)stale_max, "dropped", (json_int_t)dropped,
+            "pull_ms", 1e3 * t_pull / n_steps,
             "compute_ms", 1e3 * t_comp / n_steps, "push_ms", 1e3 * t_push / n_steps);
         ps_metrics_write(w->metrics, rec);
         json_decref(rec);
@@ -279,7 +316,7 @@ static int train(worker *w) {
       last_log = now;
       sum_loss = t_pull = t_push = t_comp = 0;
       n_ex = n_correct = n_steps = 0;
-      stale_sum = stale_n = stale_max = 0;
+      stale_sum = stale_n = stale_max = dropped = 0;
     }
     if (w->chief && w->eval_interval > 0 && now - last_eval >= w->eval_interval &&
         step + 1 < total) {
@@ -294,11 +331,14 @@ static int train(worker *w) {
   if (rc == 0) {
     printf("trained %" PRId64 " steps, %" PRId64 " examples in %.1f s: %.0f examples/s\n", step,
            total_ex, elapsed, total_ex / (elapsed > 0 ? elapsed : 1e-9));
-    if (w->chief) {
+    if (w->chief || w->save_path) {
       if (!w->local && with_retry(w, "Pull", op_pull, err) != 0) {
         PS_ERROR("final pull: %s", err);
         return 1;
       }
+    }
+    if (w->save_path && save_params(w, w->save_path) != 0) return 1;
+    if (w->chief) {
       float tl;
       double acc = evaluate(w, step, t0, &tl);
       printf("final test accuracy %.4f (test loss %.4f, %d examples)\n", acc, (double)tl,
@@ -343,6 +383,9 @@ static void usage(FILE *f) {
           "  --timeout-ms MS      deadline of each call to a server (default 30000)\n"
           "  --retry-s SEC        how long to retry unreachable servers (default 60)\n"
           "  --host NAME          name reported to the servers (default: hostname)\n"
+          "  --save-params FILE   at the end, write the parameters there (raw float32)\n"
+          "  --straggle-ms N      sleep N ms in every step: an artificial straggler, for\n"
+          "                       comparing consistency modes\n"
           "  --log-level LEVEL    debug, info, warn or error (default info)\n"
           "  --help               this text\n");
 }
@@ -390,6 +433,7 @@ int main(int argc, char **argv) {
       {"eval-interval", required_argument, 0, 'E'}, {"log-interval", required_argument, 0, 'l'},
       {"metrics", required_argument, 0, 'm'},     {"timeout-ms", required_argument, 0, 'T'},
       {"retry-s", required_argument, 0, 'r'},     {"host", required_argument, 0, 'H'},
+      {"straggle-ms", required_argument, 0, 'S'}, {"save-params", required_argument, 0, 'P'},
       {"log-level", required_argument, 0, 'v'},   {"help", no_argument, 0, 'h'},
       {0, 0, 0, 0}};
   int c;
@@ -420,6 +464,11 @@ int main(int argc, char **argv) {
         break;
       case 'r': if (parse_secs("--retry-s", optarg, &w.retry_s)) return 2; break;
       case 'H': w.host = optarg; break;
+      case 'P': w.save_path = optarg; break;
+      case 'S':
+        if (parse_int("--straggle-ms", optarg, 0, 3600000, &v)) return 2;
+        w.straggle_ms = (int)v;
+        break;
       case 'v':
         level = !strcmp(optarg, "debug") ? PS_LOG_DEBUG
                 : !strcmp(optarg, "info") ? PS_LOG_INFO
@@ -523,9 +572,11 @@ int main(int argc, char **argv) {
       return 1;
     }
     w.rank = w.index >= 0 ? w.index : ps_client_rank(w.client);
+    if (w.job.mode_kind != PS_MODE_ASYNC) ps_client_set_wait_ms(w.client, w.job.wait_timeout_ms);
     if (w.chief < 0) w.chief = !have_tf && w.rank == 0;
-    PS_INFO("registered as worker %016" PRIx64 " (rank %d) with %d shards of job '%s'",
-            ps_client_worker_id(w.client), w.rank, ps_client_num_shards(w.client), w.job.job_id);
+    PS_INFO("registered as worker %016" PRIx64 " (rank %d) with %d shards of job '%s', mode %s",
+            ps_client_worker_id(w.client), w.rank, ps_client_num_shards(w.client), w.job.job_id,
+            w.job.mode);
   }
   if (w.num_workers == 0) w.num_workers = 1;
   if (w.rank >= w.num_workers) {
@@ -580,7 +631,9 @@ int main(int argc, char **argv) {
   w.params = ps_alloc(P * sizeof(float));
   w.grads = ps_alloc(P * sizeof(float));
   w.versions = calloc(w.client ? (size_t)ps_client_num_shards(w.client) : 1, sizeof(uint64_t));
-  if (!w.model || (w.chief && !w.eval_model) || !w.params || !w.grads || !w.versions) {
+  w.min_versions = calloc(w.client ? (size_t)ps_client_num_shards(w.client) : 1, sizeof(uint64_t));
+  if (!w.model || (w.chief && !w.eval_model) || !w.params || !w.grads || !w.versions ||
+      !w.min_versions) {
     fprintf(stderr, "ps-worker: %s\n", err[0] ? err : "out of memory");
     return 1;
   }
@@ -619,8 +672,8 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
-  w.batcher = ps_batcher_create(&w.train, w.job.batch_size, w.rank, w.num_workers,
-                                w.job.seed, 4);
+  w.batcher = ps_batcher_create_ordered(&w.train, w.job.batch_size, w.rank, w.num_workers,
+                                        w.job.seed, 4, w.job.shuffle);
   if (!w.batcher) {
     fprintf(stderr, "ps-worker: cannot start the input pipeline\n");
     return 1;
@@ -648,6 +701,7 @@ int main(int argc, char **argv) {
   ps_free(w.params);
   ps_free(w.grads);
   free(w.versions);
+  free(w.min_versions);
   ps_dataset_free(&w.train);
   ps_dataset_free(&w.test);
   ps_metrics_close(w.metrics);

@@ -40,16 +40,16 @@ int main(int argc, char **argv) {
   if (!params || !grads || !versions || !tpull || !tpush) return 1;
   for (size_t i = 0; i < P; i++) grads[i] = 1e-6f * (float)(i % 7);
   /* one warm-up round: connections, first snapshot */
-  if (ps_client_pull(c, params, versions, err) != 0 ||
-      ps_client_push(c, grads, versions, 0, 1, NULL, NULL, err) != 0) {
+  if (ps_client_pull(c, params, versions, NULL, err) != 0 ||
+      ps_client_push(c, grads, versions, 0, 1, NULL, err) != 0) {
     fprintf(stderr, "bench_transport: %s\n", err);
     return 1;
   }
   for (int r = 0; r < rounds; r++) {
     double t0 = ps_now_s();
-    if (ps_client_pull(c, params, versions, err) != 0) break;
+    if (ps_client_pull(c, params, versions, NULL, err) != 0) break;
     double t1 = ps_now_s();
-    if (ps_client_push(c, grads, versions, (uint64_t)r + 1, 1, NULL, NULL, err) != 0) break;
+    if (ps_client_push(c, grads, versions, (uint64_t)r + 1, 1, NULL, err) != 0) break;
     double t2 = ps_now_s();
     tpull[r] = t1 - t0;
     tpush[r] = t2 - t1;

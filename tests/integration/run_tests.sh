@@ -28,6 +28,12 @@ PY
 # final_accuracy LOG: the chief's final test accuracy.
 final_accuracy() { sed -n 's/^final test accuracy \([0-9.]*\).*/\1/p' "$1" | tail -1; }
 
+# status FILE KEY: a value from a Status JSON file
+status() { python3 -c "import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])" "$1" "$2"; }
+
+# trained_s LOG: seconds the worker took to train
+trained_s() { sed -n 's/^trained .* in \([0-9.]*\) s:.*/\1/p' "$1" | tail -1; }
+
 # at_least A B: A >= B
 at_least() { python3 -c "import sys; sys.exit(0 if float('$1') >= float('$2') else 1)"; }
 
@@ -98,6 +104,95 @@ fashion_mnist)
   acc=$(final_accuracy "$out/worker-0.log")
   echo "fashion_mnist: final test accuracy $acc after one epoch in $(( $(date +%s) - start )) s"
   at_least "$acc" 0.85 || fail "accuracy $acc below 0.85"
+  ;;
+sync_equivalence)
+  # sync with 2 workers, batch b each == 1 worker, batch 2b, same number of
+  # updates, same examples in the same order (no shuffle, no dropout).
+  "$root/deploy/local-cluster.sh" --job "$here/jobs/sync_equiv.json" --bin "$build" \
+    --out "$out/sync" --timeout 120 --threads 1 -- --save-params "$out/sync-%k.bin" \
+    >"$out/sync.out" 2>&1 || { tail -20 "$out/sync.out"; fail "the sync run failed"; }
+  "$root/deploy/local-cluster.sh" --job "$here/jobs/sync_equiv_1w.json" --bin "$build" \
+    --workers 1 --out "$out/one" --timeout 120 --threads 1 -- --save-params "$out/one.bin" \
+    >"$out/one.out" 2>&1 || { tail -20 "$out/one.out"; fail "the one-worker run failed"; }
+  v=$(status "$out/sync/status-0.json" version)
+  [ "$v" = 40 ] || fail "sync applied $v steps, expected 40"
+  python3 - "$out" <<'PY' || fail "parameters differ"
+import struct, sys
+out = sys.argv[1]
+def load(p):
+    b = open(p, "rb").read()
+    return struct.unpack("<%df" % (len(b) // 4), b)
+a, b, c = load(f"{out}/sync-0.bin"), load(f"{out}/one.bin"), load(f"{out}/sync-1.bin")
+assert len(a) == len(b) == len(c) and len(a) > 0
+assert a == c, "the two sync workers ended with different parameters"
+# float32 sums in another order: a few ulps per step over 40 steps
+worst = max(abs(x - y) / max(1.0, abs(y)) for x, y in zip(a, b))
+moved = max(abs(x - y) for x, y in zip(a, load(f"{out}/one.bin")))
+print(f"sync_equivalence: {len(a)} parameters, largest relative difference {worst:.2e}")
+assert worst < 1e-4, worst
+PY
+  ;;
+ssp_bound)
+  # ssp:1 with 3 workers, one a straggler: the servers' records show no pull
+  # granted more than 1 step ahead of the slowest live worker, and that the
+  # bound did hold the fast workers back.
+  "$root/deploy/local-cluster.sh" --job "$here/jobs/ssp.json" --bin "$build" --workers 3 \
+    --straggler-ms 30 --out "$out" --timeout 180 --threads 1 >"$out/cluster.out" 2>&1 \
+    || { tail -20 "$out/cluster.out"; fail "the ssp run failed"; }
+  for s in 0 1; do
+    lead=$(status "$out/status-$s.json" ssp_max_lead)
+    waits=$(status "$out/status-$s.json" waits)
+    echo "ssp_bound: shard $s: largest lead at a granted pull $lead (bound 1), $waits pulls waited"
+    [ "$lead" -le 1 ] || fail "shard $s granted a pull $lead steps ahead"
+    [ "$waits" -gt 0 ] || fail "shard $s never held a pull back: the bound was not exercised"
+  done
+  ;;
+sync_backup)
+  # sync, 3 workers, 1 backup, one straggler: steps go at the pace of the
+  # two fast workers and the straggler's late gradients are dropped.
+  "$root/deploy/local-cluster.sh" --job "$here/jobs/backup.json" --bin "$build" --workers 3 \
+    --straggler-ms 20 --out "$out" --timeout 180 --threads 1 >"$out/cluster.out" 2>&1 \
+    || { tail -20 "$out/cluster.out"; fail "the sync run failed"; }
+  dropped=$(status "$out/status-0.json" dropped)
+  fast=$(trained_s "$out/worker-0.log"); slow=$(trained_s "$out/worker-2.log")
+  echo "sync_backup: $dropped late gradients dropped; fast worker ${fast} s, straggler ${slow} s"
+  [ "$dropped" -ge 3 ] || fail "only $dropped late gradients were dropped"
+  python3 -c "import sys; sys.exit(0 if $fast * 2 < $slow else 1)" \
+    || fail "the fast workers went at the straggler's pace (${fast} s vs ${slow} s)"
+  ;;
+sync_kill)
+  # sync, 3 workers; one is SIGKILLed mid-run: the shards drop it after the
+  # heartbeat time-out, the quorum shrinks, and the others finish.
+  ports=$(free_ports 2)
+  for s in 0 1; do
+    "$build/ps-server" --job "$here/jobs/sync3.json" --ps "$ports" --index "$s" \
+      >"$out/server-$s.log" 2>&1 &
+    pids+=($!)
+  done
+  wpids=()
+  for k in 0 1 2; do
+    "$build/ps-worker" --ps "${ports%%,*}" --index "$k" --num-workers 3 --threads 1 \
+      --straggle-ms 100 --log-interval 0.2 >"$out/worker-$k.log" 2>&1 &
+    wpids+=($!); pids+=($!)
+  done
+  # Kill worker 2 once steps are under way (bounded wait for that).
+  for i in $(seq 1 100); do
+    grep -q "step [0-9]*/" "$out/worker-2.log" 2>/dev/null && break
+    sleep 0.1
+  done
+  sleep 0.3
+  kill -9 "${wpids[2]}" || fail "worker 2 ended before it could be killed"
+  echo "sync_kill: killed worker 2 (pid ${wpids[2]}) mid-run"
+  for k in 0 1; do
+    for i in $(seq 1 600); do kill -0 "${wpids[$k]}" 2>/dev/null || break; sleep 0.1; done
+    kill -0 "${wpids[$k]}" 2>/dev/null && fail "worker $k still running 60 s after the kill: hung"
+    wait "${wpids[$k]}" || { tail -5 "$out/worker-$k.log"; fail "worker $k failed"; }
+  done
+  grep -q "^final test accuracy" "$out/worker-0.log" || fail "the chief did not finish"
+  "$build/ps-server" --status "${ports%%,*}" >"$out/status.json"
+  dropped_workers=$(status "$out/status.json" workers_dropped)
+  echo "sync_kill: the run completed; shard 0 timed out $dropped_workers worker(s)"
+  [ "$dropped_workers" -ge 1 ] || fail "the killed worker was never timed out"
   ;;
 *)
   fail "unknown test '$name'"

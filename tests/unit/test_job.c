@@ -140,8 +140,16 @@ static void test_invalid(void) {
   expect_error(", \"batch_size\": 65537", "'batch_size' must be an integer in 1..65536");
   expect_error(", \"epochs\": 0", "'epochs'");
   expect_error(", \"max_steps\": -1", "'max_steps'");
-  expect_error(", \"mode\": \"sync\"", "mode 'sync' is not supported (supported: async)");
-  expect_error(", \"mode\": \"ssp:3\"", "mode 'ssp:3' is not supported (supported: async)");
+  expect_error(", \"mode\": \"bsp\"", "mode 'bsp' is not known (async, ssp:K or sync)");
+  expect_error(", \"mode\": \"ssp:\"", "ssp needs a bound K >= 0");
+  expect_error(", \"mode\": \"ssp:-1\"", "ssp needs a bound K >= 0");
+  expect_error(", \"mode\": \"ssp:2x\"", "ssp needs a bound K >= 0");
+  expect_error(", \"backup_workers\": 1", "'backup_workers' applies only to mode sync");
+  expect_error(", \"mode\": \"sync\", \"staleness_aware_lr\": true",
+               "'staleness_aware_lr' applies to async and ssp");
+  expect_error(", \"staleness_aware_lr\": 1", "'staleness_aware_lr' must be true or false");
+  expect_error(", \"shuffle\": \"no\"", "'shuffle' must be true or false");
+  expect_error(", \"wait_timeout_ms\": 0", "'wait_timeout_ms' must be an integer");
   expect_error(", \"mode\": 1", "'mode' must be a string");
   expect_error(", \"dataset\": {\"name\": \"cifar10\"}", "'dataset.name' 'cifar10' is not known");
   expect_error(", \"dataset\": \"mnist\"", "'dataset' must be an object");
@@ -213,8 +221,27 @@ static void test_load(void) {
   CHECK_MSG(strstr(err, "No such file") != NULL, "%s", err);
 }
 
+/* The consistency modes and their options. */
+static void test_modes(void) {
+  ps_job job;
+  char err[PS_ERRLEN] = "";
+  CHECK(ps_job_parse("{\"job_id\": \"j\", \"model\": " MODEL ", \"mode\": \"ssp:3\", "
+                     "\"staleness_aware_lr\": true, \"wait_timeout_ms\": 500}",
+                     &job, err) == 0);
+  CHECK(job.mode_kind == PS_MODE_SSP && job.ssp_k == 3 && job.staleness_aware_lr == 1 &&
+        job.wait_timeout_ms == 500 && strcmp(job.mode, "ssp:3") == 0);
+  CHECK(ps_job_parse("{\"job_id\": \"j\", \"model\": " MODEL ", \"mode\": \"sync\", "
+                     "\"backup_workers\": 1, \"shuffle\": false}",
+                     &job, err) == 0);
+  CHECK(job.mode_kind == PS_MODE_SYNC && job.backup_workers == 1 && job.shuffle == 0);
+  CHECK(ps_job_parse("{\"job_id\": \"j\", \"model\": " MODEL "}", &job, err) == 0);
+  CHECK(job.mode_kind == PS_MODE_ASYNC && job.shuffle == 1 && job.backup_workers == 0 &&
+        job.wait_timeout_ms == 60000);
+}
+
 int main(void) {
   RUN(test_full_job);
+  RUN(test_modes);
   RUN(test_defaults);
   RUN(test_invalid);
   RUN(test_load);

@@ -1,0 +1,876 @@
+/* The CUDA backend: kernels/ops.h on one device (see ops_cuda.h for the
+ * contract), the twin of kernels/cpu/ops_cpu.c.
+ *
+ *   convolution      cuDNN forward / backward-data / backward-filter, NCHW
+ *                    float, FMA math (no TF32), algorithms from the _v7
+ *                    heuristics, cached per shape; bias and its gradient
+ *                    are small kernels here
+ *   max pooling      kernels here, with the CPU's int32 argmax (same ties)
+ *   dense            cuBLAS sgemm (row-major through the transposes) and
+ *                    a kernel for the bias and its gradient
+ *   relu, dropout    kernels here (dropout: the CPU's counter-based RNG)
+ *   softmax + xent   cuDNN softmax for the probabilities, kernels for the
+ *                    loss (one block, deterministic) and its gradient
+ *
+ * Why kernels of our own rather than cuDNN in places: pooling, relu and the
+ * softmax gradient then give the CPU's results bit for bit (cuDNN's pooling
+ * backward also needs x and y, which maxpool_backward is not given), and
+ * every reduction here has a fixed order, so a step can be replayed.
+ *
+ * All state (handles, stream, workspace, plans) lives in cuda_backend; there
+ * is no global device state. */
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <cudnn.h>
+#include <math_constants.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+extern "C" {
+#include "../../common/util.h" /* error codes and PS_ERRLEN only: no link dependency */
+}
+#include "cuda_check.h"
+#include "ops_cuda.h"
+
+/* Threads per block of the elementwise kernels, and the most blocks one
+ * launch uses; larger arrays are covered by grid-stride loops. */
+enum { THREADS = 256, MAX_BLOCKS = 1 << 16 };
+
+/* The most workspace one convolution algorithm may ask for. The FFT
+ * algorithms can want gigabytes on large shapes; one of the GEMM-based
+ * algorithms always fits well under this. */
+static const size_t MAX_CONV_WORKSPACE = (size_t)512 << 20;
+
+/* One convolution shape with its descriptors and chosen algorithms. Each
+ * direction has a convolution descriptor of its own because the math type
+ * is set per descriptor and could differ between the three choices. */
+typedef struct {
+  ps_conv_shape s; /* the key: every field that goes into a descriptor */
+  cudnnTensorDescriptor_t x, y; /* (n, c, h, w), (n, oc, oh, ow); also dx, dy */
+  cudnnFilterDescriptor_t w;    /* (oc, c, kh, kw): the (OC, IC*KH*KW) layout */
+  cudnnConvolutionDescriptor_t conv_fwd, conv_bwd_data, conv_bwd_filter;
+  cudnnConvolutionFwdAlgo_t fwd;
+  cudnnConvolutionBwdDataAlgo_t bwd_data;
+  cudnnConvolutionBwdFilterAlgo_t bwd_filter;
+  size_t fwd_bytes, bwd_data_bytes, bwd_filter_bytes; /* workspace each needs */
+} conv_plan;
+
+typedef struct {
+  ps_ops ops; /* ops.ctx points back at this struct */
+  int device;
+  cudaStream_t stream; /* every op and copy of the backend, in order */
+  cudnnHandle_t cudnn;
+  cublasHandle_t cublas;
+  void *work; /* cuDNN workspace: the largest any plan needs */
+  size_t work_bytes;
+  float *stage; /* aligned copies of misaligned conv weights and their gradient */
+  size_t stage_floats;
+  conv_plan *plans; /* every shape seen; a model has a handful */
+  int n_plans, cap_plans;
+  cudnnTensorDescriptor_t probs_desc; /* (n, k, 1, 1), set per call */
+  double *loss_dev;                   /* 1 value: the summed loss */
+  double *loss_host;                  /* 1 value, pinned */
+} cuda_backend;
+
+/* ---- small helpers ---- */
+
+/* The backend behind ctx, with its device made current on this thread. */
+static cuda_backend *enter(void *ctx) {
+  cuda_backend *be = (cuda_backend *)ctx;
+  CUDA_CHECK(cudaSetDevice(be->device));
+  return be;
+}
+
+static unsigned blocks_for(size_t n) {
+  size_t b = (n + THREADS - 1) / THREADS;
+  return (unsigned)(b < (size_t)MAX_BLOCKS ? b : (size_t)MAX_BLOCKS);
+}
+
+#define GRID_STRIDE(i, n)                                                          \
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < (size_t)(n); \
+       i += (size_t)gridDim.x * blockDim.x)
+
+static void zero_async(cuda_backend *be, void *p, size_t bytes) {
+  if (p && bytes) CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, be->stream));
+}
+
+/* Frees p once the work queued on the stream (which may still read it) is
+ * done. */
+static void free_after_stream(cuda_backend *be, void *p) {
+  if (!p) return;
+  CUDA_CHECK(cudaStreamSynchronize(be->stream));
+  CUDA_CHECK(cudaFree(p));
+}
+
+/* Grows the cuDNN workspace to at least `bytes`. */
+static void ensure_work(cuda_backend *be, size_t bytes) {
+  if (bytes <= be->work_bytes) return;
+  free_after_stream(be, be->work);
+  be->work = NULL;
+  be->work_bytes = 0;
+  CUDA_CHECK(cudaMalloc(&be->work, bytes));
+  be->work_bytes = bytes;
+}
+
+/* Two 16-byte aligned regions of at least `floats` each in the staging
+ * buffer; region 1 starts right after region 0. */
+static float *stage_regions(cuda_backend *be, size_t floats) {
+  const size_t per = (floats + 63) & ~(size_t)63;
+  if (2 * per > be->stage_floats) {
+    free_after_stream(be, be->stage);
+    be->stage = NULL;
+    be->stage_floats = 0;
+    CUDA_CHECK(cudaMalloc((void **)&be->stage, 2 * per * sizeof(float)));
+    be->stage_floats = 2 * per;
+  }
+  return be->stage;
+}
+
+static bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+/* ---- the counter-based RNG of common/rng.c, on both sides ----
+ *
+ * The same splitmix64 finalizer, so ps_rng_uniform(seed, stream, i) is the
+ * same float here as on the CPU. The key depends only on (seed, stream) and
+ * is computed once on the host. */
+__host__ __device__ static inline uint64_t rng_mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+static uint64_t rng_key(uint64_t seed, uint64_t stream) {
+  return rng_mix64(seed + 0x9e3779b97f4a7c15ULL * (stream + 1));
+}
+
+/* ps_rng_uniform: the top 24 bits as an exact float, times the exact 2^-24. */
+__device__ static inline float rng_uniform(uint64_t key, uint64_t counter) {
+  const uint64_t bits = rng_mix64(key ^ rng_mix64(counter + 0x632be59bd9b4e019ULL));
+  return (float)(bits >> 40) * (1.0f / 16777216.0f);
+}
+
+/* ---- kernels ----
+ *
+ * Products and differences that the CPU rounds separately are written with
+ * the _rn intrinsics where a fused multiply-add could otherwise form (nvcc
+ * contracts a*b - c by default), so that those results match bit for bit. */
+
+/* y (planes, plane) += b[plane index % channels] */
+__global__ void bias_add_kernel(size_t total, size_t plane, int channels, const float *b,
+                                float *y) {
+  GRID_STRIDE(i, total) y[i] += b[(i / plane) % (size_t)channels];
+}
+
+/* db[c] = the sum of dy over the n examples and the plane of channel c: one
+ * block per channel, a fixed order. */
+__global__ void bias_grad_kernel(int n, int channels, size_t plane, const float *dy, float *db) {
+  __shared__ float part[THREADS];
+  const int c = blockIdx.x;
+  const size_t count = (size_t)n * plane;
+  float sum = 0.0f;
+  for (size_t k = threadIdx.x; k < count; k += blockDim.x) {
+    const size_t i = k / plane, j = k % plane;
+    sum += dy[(i * (size_t)channels + (size_t)c) * plane + j];
+  }
+  part[threadIdx.x] = sum;
+  __syncthreads();
+  for (int half = THREADS / 2; half > 0; half /= 2) {
+    if ((int)threadIdx.x < half) part[threadIdx.x] += part[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) db[c] = part[0];
+}
+
+/* As the CPU: the window's taps in row-major order, a later tap replacing
+ * the maximum only when greater (ties keep the first; a NaN never wins, and
+ * a NaN first tap stays). argmax may be NULL. */
+__global__ void maxpool_forward_kernel(size_t total, int h, int w, int oh, int ow, int size,
+                                       int stride, const float *x, float *y, int32_t *argmax) {
+  const size_t out_plane = (size_t)oh * ow, in_plane = (size_t)h * w;
+  GRID_STRIDE(i, total) {
+    const size_t p = i / out_plane;
+    const int o = (int)(i % out_plane);
+    const float *xp = x + p * in_plane;
+    const int top = (o / ow) * stride * w + (o % ow) * stride;
+    int best = top;
+    float best_v = xp[top];
+    for (int kh = 0; kh < size; kh++) {
+      for (int kw = 0; kw < size; kw++) {
+        const int at = top + kh * w + kw;
+        const float v = xp[at];
+        if (v > best_v) {
+          best = at;
+          best_v = v;
+        }
+      }
+    }
+    y[i] = best_v;
+    if (argmax) argmax[i] = best;
+  }
+}
+
+/* A gather, one thread per input: the outputs whose window covers the
+ * input, in increasing output index (the order in which the CPU adds them
+ * into its zeroed plane), that picked it. No atomics, the CPU's sums. */
+__global__ void maxpool_backward_kernel(size_t total, int h, int w, int oh, int ow, int size,
+                                        int stride, const float *dy, const int32_t *argmax,
+                                        float *dx) {
+  const size_t out_plane = (size_t)oh * ow, in_plane = (size_t)h * w;
+  GRID_STRIDE(i, total) {
+    const size_t p = i / in_plane;
+    const int q = (int)(i % in_plane), ih = q / w, iw = q % w;
+    /* Windows r with r*stride <= ih <= r*stride + size - 1. */
+    const int r0 = ih >= size ? (ih - size + stride) / stride : 0;
+    const int c0 = iw >= size ? (iw - size + stride) / stride : 0;
+    const int r1 = min(ih / stride, oh - 1), c1 = min(iw / stride, ow - 1);
+    const float *dyp = dy + p * out_plane;
+    const int32_t *ap = argmax + p * out_plane;
+    float sum = 0.0f;
+    for (int r = r0; r <= r1; r++) {
+      for (int c = c0; c <= c1; c++) {
+        const int o = r * ow + c;
+        if (ap[o] == q) sum += dyp[o];
+      }
+    }
+    dx[i] = sum;
+  }
+}
+
+/* y (n, out) = b, row after row. */
+__global__ void broadcast_rows_kernel(size_t total, int out, const float *b, float *y) {
+  GRID_STRIDE(i, total) y[i] = b[i % (size_t)out];
+}
+
+/* db[j] = sum over the n rows of dy[i][j], rows in order (as the CPU). */
+__global__ void sum_rows_kernel(int n, int out, const float *dy, float *db) {
+  GRID_STRIDE(j, out) {
+    float sum = 0.0f;
+    for (int i = 0; i < n; i++) sum += dy[(size_t)i * out + j];
+    db[j] = sum;
+  }
+}
+
+__global__ void relu_forward_kernel(size_t n, const float *x, float *y) {
+  GRID_STRIDE(i, n) {
+    const float v = x[i];
+    y[i] = v > 0.0f ? v : 0.0f;
+  }
+}
+
+__global__ void relu_backward_kernel(size_t n, const float *y, const float *dy, float *dx) {
+  GRID_STRIDE(i, n) dx[i] = y[i] > 0.0f ? dy[i] : 0.0f;
+}
+
+__global__ void dropout_forward_kernel(size_t n, float rate, float scale, uint64_t key,
+                                       const float *x, float *y, float *mask) {
+  GRID_STRIDE(i, n) {
+    const float keep = rng_uniform(key, i) >= rate ? scale : 0.0f;
+    mask[i] = keep;
+    y[i] = __fmul_rn(x[i], keep);
+  }
+}
+
+__global__ void dropout_backward_kernel(size_t n, const float *mask, const float *dy, float *dx) {
+  GRID_STRIDE(i, n) dx[i] = __fmul_rn(dy[i], mask[i]);
+}
+
+/* *loss = the sum over the n rows of log-sum-exp(row) - row[label], each
+ * row shifted by its maximum (as the CPU, so no overflow and no log(0));
+ * NaN if a label is outside [0, k). One block: rows strided over the
+ * threads, then a fixed tree, so the sum is the same every run. */
+__global__ void xent_loss_kernel(int n, int k, const float *logits, const uint8_t *labels,
+                                 double *loss) {
+  __shared__ double part[THREADS];
+  double acc = 0.0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const float *l = logits + (size_t)i * k;
+    float max = l[0];
+    for (int j = 1; j < k; j++) max = l[j] > max ? l[j] : max;
+    double sum = 0.0;
+    for (int j = 0; j < k; j++) sum += (double)expf(l[j] - max);
+    const int label = labels[i];
+    acc += label < k ? log(sum) - (double)(l[label] - max) : CUDART_NAN;
+  }
+  part[threadIdx.x] = acc;
+  __syncthreads();
+  for (int half = THREADS / 2; half > 0; half /= 2) {
+    if ((int)threadIdx.x < half) part[threadIdx.x] += part[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *loss = part[0];
+}
+
+/* dlogits = probs * inv_n, minus inv_n at the label: the CPU's two
+ * roundings, unfused. */
+__global__ void xent_backward_kernel(size_t total, int k, float inv_n, const float *probs,
+                                     const uint8_t *labels, float *dlogits) {
+  GRID_STRIDE(i, total) {
+    float d = __fmul_rn(probs[i], inv_n);
+    if ((int)labels[i / (size_t)k] == (int)(i % (size_t)k)) d = __fsub_rn(d, inv_n);
+    dlogits[i] = d;
+  }
+}
+
+/* ---- convolution ---- */
+
+static bool same_conv_shape(const ps_conv_shape *a, const ps_conv_shape *b) {
+  return a->n == b->n && a->c == b->c && a->h == b->h && a->w == b->w && a->oc == b->oc &&
+         a->kh == b->kh && a->kw == b->kw && a->stride == b->stride && a->pad == b->pad &&
+         a->oh == b->oh && a->ow == b->ow;
+}
+
+/* Index in perf[0..count) of the algorithm to use, or -1. In the
+ * heuristics' order, the first that (pass 0) runs with FMA math and is
+ * deterministic, else (pass 1) runs with FMA math, else (pass 2) runs at
+ * all, with the math type cuDNN proposed (which may be TF32 tensor cores:
+ * results then differ from the CPU's by about 1e-3, and a warning says so).
+ * FMA math keeps float32 products exact before accumulation, as the CPU's
+ * sgemm does; deterministic algorithms (no atomics) make a step replayable.
+ * workspace(algo, math, &bytes) asks cuDNN whether the algorithm supports the
+ * shape with that math type, and how much workspace it needs. */
+template <typename Perf, typename WorkspaceFn>
+static int pick_algo(const Perf *perf, int count, WorkspaceFn workspace, size_t *bytes,
+                     cudnnMathType_t *math) {
+  for (int pass = 0; pass < 3; pass++) {
+    for (int i = 0; i < count; i++) {
+      const Perf &p = perf[i];
+      if (p.status != CUDNN_STATUS_SUCCESS) continue;
+      const bool tensor_op = p.mathType == CUDNN_TENSOR_OP_MATH ||
+                             p.mathType == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION;
+      if (pass < 2 && tensor_op) continue;
+      if (pass == 0 && p.determinism != CUDNN_DETERMINISTIC) continue;
+      const cudnnMathType_t m = pass < 2 ? CUDNN_FMA_MATH : p.mathType;
+      size_t b = 0;
+      if (workspace(p.algo, m, &b) != CUDNN_STATUS_SUCCESS || b > MAX_CONV_WORKSPACE) continue;
+      if (pass == 2)
+        fprintf(stderr,
+                "cuda backend: warning: no FMA-math convolution algorithm fits; using "
+                "algorithm %d with math type %d (results may differ from the CPU's by ~1e-3)\n",
+                (int)p.algo, (int)m);
+      *bytes = b;
+      *math = m;
+      return i;
+    }
+  }
+  return -1;
+}
+
+static void conv_plan_choose(cuda_backend *be, conv_plan *p) {
+  /* More than any cuDNN has (FWD 8, BWD_DATA 6, BWD_FILTER 7 algorithms). */
+  enum { MAX_PERF = 16 };
+  int got = 0;
+  cudnnMathType_t math;
+
+  cudnnConvolutionFwdAlgoPerf_t fwd[MAX_PERF];
+  CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(be->cudnn, p->x, p->w, p->conv_fwd, p->y,
+                                                     MAX_PERF, &got, fwd));
+  int i = pick_algo(
+      fwd, got,
+      [&](cudnnConvolutionFwdAlgo_t a, cudnnMathType_t m, size_t *b) {
+        CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv_fwd, m));
+        return cudnnGetConvolutionForwardWorkspaceSize(be->cudnn, p->x, p->w, p->conv_fwd, p->y,
+                                                       a, b);
+      },
+      &p->fwd_bytes, &math);
+  if (i < 0) PS_CUDA_FATAL("no cuDNN forward convolution algorithm supports this shape");
+  p->fwd = fwd[i].algo;
+  CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv_fwd, math));
+
+  cudnnConvolutionBwdDataAlgoPerf_t bd[MAX_PERF];
+  CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(be->cudnn, p->w, p->y,
+                                                          p->conv_bwd_data, p->x, MAX_PERF, &got,
+                                                          bd));
+  i = pick_algo(
+      bd, got,
+      [&](cudnnConvolutionBwdDataAlgo_t a, cudnnMathType_t m, size_t *b) {
+        CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv_bwd_data, m));
+        return cudnnGetConvolutionBackwardDataWorkspaceSize(be->cudnn, p->w, p->y,
+                                                            p->conv_bwd_data, p->x, a, b);
+      },
+      &p->bwd_data_bytes, &math);
+  if (i < 0) PS_CUDA_FATAL("no cuDNN backward-data convolution algorithm supports this shape");
+  p->bwd_data = bd[i].algo;
+  CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv_bwd_data, math));
+
+  cudnnConvolutionBwdFilterAlgoPerf_t bf[MAX_PERF];
+  CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(be->cudnn, p->x, p->y,
+                                                            p->conv_bwd_filter, p->w, MAX_PERF,
+                                                            &got, bf));
+  i = pick_algo(
+      bf, got,
+      [&](cudnnConvolutionBwdFilterAlgo_t a, cudnnMathType_t m, size_t *b) {
+        CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv_bwd_filter, m));
+        return cudnnGetConvolutionBackwardFilterWorkspaceSize(be->cudnn, p->x, p->y,
+                                                              p->conv_bwd_filter, p->w, a, b);
+      },
+      &p->bwd_filter_bytes, &math);
+  if (i < 0) PS_CUDA_FATAL("no cuDNN backward-filter convolution algorithm supports this shape");
+  p->bwd_filter = bf[i].algo;
+  CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv_bwd_filter, math));
+}
+
+static void conv_plan_destroy(conv_plan *p) {
+  if (p->x) CUDNN_CHECK(cudnnDestroyTensorDescriptor(p->x));
+  if (p->y) CUDNN_CHECK(cudnnDestroyTensorDescriptor(p->y));
+  if (p->w) CUDNN_CHECK(cudnnDestroyFilterDescriptor(p->w));
+  if (p->conv_fwd) CUDNN_CHECK(cudnnDestroyConvolutionDescriptor(p->conv_fwd));
+  if (p->conv_bwd_data) CUDNN_CHECK(cudnnDestroyConvolutionDescriptor(p->conv_bwd_data));
+  if (p->conv_bwd_filter) CUDNN_CHECK(cudnnDestroyConvolutionDescriptor(p->conv_bwd_filter));
+}
+
+/* The plan of shape s (which must not be degenerate), made on first use:
+ * descriptors, algorithms, and a workspace large enough for them. */
+static conv_plan *conv_plan_get(cuda_backend *be, const ps_conv_shape *s) {
+  for (int i = 0; i < be->n_plans; i++)
+    if (same_conv_shape(&be->plans[i].s, s)) return &be->plans[i];
+  if (be->n_plans == be->cap_plans) {
+    int cap = be->cap_plans ? 2 * be->cap_plans : 8;
+    conv_plan *grown = (conv_plan *)realloc(be->plans, (size_t)cap * sizeof *grown);
+    if (!grown) PS_CUDA_FATAL("out of host memory for a convolution plan");
+    be->plans = grown;
+    be->cap_plans = cap;
+  }
+  conv_plan *p = &be->plans[be->n_plans++];
+  memset(p, 0, sizeof *p);
+  p->s = *s;
+  CUDNN_CHECK(cudnnCreateTensorDescriptor(&p->x));
+  CUDNN_CHECK(cudnnCreateTensorDescriptor(&p->y));
+  CUDNN_CHECK(cudnnCreateFilterDescriptor(&p->w));
+  CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->x, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, s->n, s->c,
+                                         s->h, s->w));
+  CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->y, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, s->n, s->oc,
+                                         s->oh, s->ow));
+  CUDNN_CHECK(cudnnSetFilter4dDescriptor(p->w, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW, s->oc, s->c,
+                                         s->kh, s->kw));
+  cudnnConvolutionDescriptor_t *convs[3] = {&p->conv_fwd, &p->conv_bwd_data, &p->conv_bwd_filter};
+  for (int d = 0; d < 3; d++) {
+    CUDNN_CHECK(cudnnCreateConvolutionDescriptor(convs[d]));
+    /* The CPU computes a cross-correlation (im2col, no kernel flip). */
+    CUDNN_CHECK(cudnnSetConvolution2dDescriptor(*convs[d], s->pad, s->pad, s->stride, s->stride,
+                                                1, 1, CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
+    CUDNN_CHECK(cudnnSetConvolutionMathType(*convs[d], CUDNN_FMA_MATH));
+  }
+  int n, c, oh, ow;
+  CUDNN_CHECK(cudnnGetConvolution2dForwardOutputDim(p->conv_fwd, p->x, p->w, &n, &c, &oh, &ow));
+  if (n != s->n || c != s->oc || oh != s->oh || ow != s->ow)
+    PS_CUDA_FATAL("conv shape: oh, ow disagree with cuDNN (call ps_conv_shape_finish)");
+  conv_plan_choose(be, p);
+  size_t need = p->fwd_bytes;
+  if (p->bwd_data_bytes > need) need = p->bwd_data_bytes;
+  if (p->bwd_filter_bytes > need) need = p->bwd_filter_bytes;
+  ensure_work(be, need);
+  return p;
+}
+
+/* No input channel, no output, or no example: nothing for cuDNN to do. */
+static bool conv_degenerate(const ps_conv_shape *s) {
+  return s->n <= 0 || s->c <= 0 || s->oc <= 0 || s->oh <= 0 || s->ow <= 0 || s->kh <= 0 ||
+         s->kw <= 0;
+}
+
+static size_t conv_w_count(const ps_conv_shape *s) {
+  return (size_t)s->oc * s->c * s->kh * s->kw;
+}
+
+static size_t cuda_conv2d_workspace(void *ctx, const ps_conv_shape *s) {
+  cuda_backend *be = enter(ctx);
+  if (!conv_degenerate(s)) conv_plan_get(be, s); /* choose the algorithms now */
+  return 0;
+}
+
+static void conv_bias_add(cuda_backend *be, const ps_conv_shape *s, const float *b, float *y) {
+  const size_t plane = (size_t)s->oh * s->ow, total = (size_t)s->n * s->oc * plane;
+  if (total == 0) return;
+  bias_add_kernel<<<blocks_for(total), THREADS, 0, be->stream>>>(total, plane, s->oc, b, y);
+  CUDA_CHECK_LAUNCH();
+}
+
+static void cuda_conv2d_forward(void *ctx, const ps_conv_shape *s, const float *x, const float *w,
+                                const float *b, float *y, float *work) {
+  (void)work; /* the backend's own, see ops_cuda.h */
+  cuda_backend *be = enter(ctx);
+  if (conv_degenerate(s)) {
+    /* With no input channel every output is its bias; otherwise y is empty. */
+    const size_t total = (size_t)(s->n > 0 ? s->n : 0) * (s->oc > 0 ? s->oc : 0) *
+                         (s->oh > 0 ? s->oh : 0) * (s->ow > 0 ? s->ow : 0);
+    if (total) {
+      zero_async(be, y, total * sizeof(float));
+      conv_bias_add(be, s, b, y);
+    }
+    return;
+  }
+  const conv_plan *p = conv_plan_get(be, s);
+  if (!aligned16(w)) {
+    float *wa = stage_regions(be, conv_w_count(s));
+    CUDA_CHECK(cudaMemcpyAsync(wa, w, conv_w_count(s) * sizeof(float), cudaMemcpyDeviceToDevice,
+                               be->stream));
+    w = wa;
+  }
+  const float one = 1.0f, zero = 0.0f;
+  CUDNN_CHECK(cudnnConvolutionForward(be->cudnn, &one, p->x, x, p->w, w, p->conv_fwd, p->fwd,
+                                      be->work, p->fwd_bytes, &zero, p->y, y));
+  conv_bias_add(be, s, b, y);
+}
+
+static void cuda_conv2d_backward(void *ctx, const ps_conv_shape *s, const float *x, const float *w,
+                                 const float *dy, float *dx, float *dw, float *db, float *work) {
+  (void)work;
+  cuda_backend *be = enter(ctx);
+  const size_t wn = conv_w_count(s);
+  const size_t plane = (size_t)(s->oh > 0 ? s->oh : 0) * (s->ow > 0 ? s->ow : 0);
+  if (s->oc > 0) {
+    bias_grad_kernel<<<(unsigned)s->oc, THREADS, 0, be->stream>>>(s->n > 0 ? s->n : 0, s->oc,
+                                                                   plane, dy, db);
+    CUDA_CHECK_LAUNCH();
+  }
+  if (conv_degenerate(s)) {
+    zero_async(be, dw, wn * sizeof(float));
+    if (dx && s->n > 0 && s->c > 0)
+      zero_async(be, dx, (size_t)s->n * s->c * s->h * s->w * sizeof(float));
+    return;
+  }
+  const conv_plan *p = conv_plan_get(be, s);
+  const float one = 1.0f, zero = 0.0f;
+  float *dw_out = dw;
+  if (!aligned16(w) || !aligned16(dw)) {
+    float *region = stage_regions(be, wn);
+    if (!aligned16(w)) {
+      CUDA_CHECK(cudaMemcpyAsync(region, w, wn * sizeof(float), cudaMemcpyDeviceToDevice,
+                                 be->stream));
+      w = region;
+    }
+    if (!aligned16(dw)) dw_out = region + be->stage_floats / 2;
+  }
+  if (dx)
+    CUDNN_CHECK(cudnnConvolutionBackwardData(be->cudnn, &one, p->w, w, p->y, dy,
+                                             p->conv_bwd_data, p->bwd_data, be->work,
+                                             p->bwd_data_bytes, &zero, p->x, dx));
+  CUDNN_CHECK(cudnnConvolutionBackwardFilter(be->cudnn, &one, p->x, x, p->y, dy,
+                                             p->conv_bwd_filter, p->bwd_filter, be->work,
+                                             p->bwd_filter_bytes, &zero, p->w, dw_out));
+  if (dw_out != dw)
+    CUDA_CHECK(cudaMemcpyAsync(dw, dw_out, wn * sizeof(float), cudaMemcpyDeviceToDevice,
+                               be->stream));
+}
+
+/* ---- max pooling ---- */
+
+static void cuda_maxpool_forward(void *ctx, const ps_pool_shape *s, const float *x, float *y,
+                                 int32_t *argmax) {
+  cuda_backend *be = enter(ctx);
+  if (s->n <= 0 || s->c <= 0 || s->oh <= 0 || s->ow <= 0) return;
+  const size_t total = (size_t)s->n * s->c * s->oh * s->ow;
+  maxpool_forward_kernel<<<blocks_for(total), THREADS, 0, be->stream>>>(
+      total, s->h, s->w, s->oh, s->ow, s->size, s->stride, x, y, argmax);
+  CUDA_CHECK_LAUNCH();
+}
+
+static void cuda_maxpool_backward(void *ctx, const ps_pool_shape *s, const float *dy,
+                                  const int32_t *argmax, float *dx) {
+  cuda_backend *be = enter(ctx);
+  if (s->n <= 0 || s->c <= 0 || s->h <= 0 || s->w <= 0) return;
+  const size_t total = (size_t)s->n * s->c * s->h * s->w;
+  if (s->oh <= 0 || s->ow <= 0) {
+    zero_async(be, dx, total * sizeof(float));
+    return;
+  }
+  maxpool_backward_kernel<<<blocks_for(total), THREADS, 0, be->stream>>>(
+      total, s->h, s->w, s->oh, s->ow, s->size, s->stride, dy, argmax, dx);
+  CUDA_CHECK_LAUNCH();
+}
+
+/* ---- dense ----
+ *
+ * cuBLAS is column-major, and a row-major (r, c) matrix is its transpose
+ * (c, r) in column-major with the same leading dimension c. So each
+ * row-major product C = A B is computed as C^T = B^T A^T. */
+
+static void cuda_dense_forward(void *ctx, int n, int in, int out, const float *x, const float *w,
+                               const float *b, float *y) {
+  cuda_backend *be = enter(ctx);
+  if (n <= 0 || out <= 0) return;
+  const size_t total = (size_t)n * out;
+  broadcast_rows_kernel<<<blocks_for(total), THREADS, 0, be->stream>>>(total, out, b, y);
+  CUDA_CHECK_LAUNCH();
+  if (in <= 0) return;
+  /* y^T (out, n) += W (out, in) x^T (in, n); W is W^T (in, out) to cuBLAS. */
+  const float one = 1.0f;
+  CUBLAS_CHECK(cublasSgemm(be->cublas, CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, &one, w, in, x, in,
+                           &one, y, out));
+}
+
+static void cuda_dense_backward(void *ctx, int n, int in, int out, const float *x, const float *w,
+                                const float *dy, float *dx, float *dw, float *db) {
+  cuda_backend *be = enter(ctx);
+  if (n <= 0 || in <= 0 || out <= 0) { /* as the CPU: all zeros */
+    zero_async(be, db, (size_t)(out > 0 ? out : 0) * sizeof(float));
+    if (in > 0 && out > 0) zero_async(be, dw, (size_t)out * in * sizeof(float));
+    if (dx && n > 0 && in > 0) zero_async(be, dx, (size_t)n * in * sizeof(float));
+    return;
+  }
+  sum_rows_kernel<<<blocks_for((size_t)out), THREADS, 0, be->stream>>>(n, out, dy, db);
+  CUDA_CHECK_LAUNCH();
+  const float one = 1.0f, zero = 0.0f;
+  /* dW (out, in) = dy^T x, as dW^T (in, out) = x^T (in, n) dy (n, out). */
+  CUBLAS_CHECK(cublasSgemm(be->cublas, CUBLAS_OP_N, CUBLAS_OP_T, in, out, n, &one, x, in, dy, out,
+                           &zero, dw, in));
+  /* dx (n, in) = dy W, as dx^T (in, n) = W^T (in, out) dy^T (out, n). */
+  if (dx)
+    CUBLAS_CHECK(cublasSgemm(be->cublas, CUBLAS_OP_N, CUBLAS_OP_N, in, n, out, &one, w, in, dy,
+                             out, &zero, dx, in));
+}
+
+/* ---- elementwise ---- */
+
+static void cuda_relu_forward(void *ctx, size_t n, const float *x, float *y) {
+  cuda_backend *be = enter(ctx);
+  if (n == 0) return;
+  relu_forward_kernel<<<blocks_for(n), THREADS, 0, be->stream>>>(n, x, y);
+  CUDA_CHECK_LAUNCH();
+}
+
+static void cuda_relu_backward(void *ctx, size_t n, const float *y, const float *dy, float *dx) {
+  cuda_backend *be = enter(ctx);
+  if (n == 0) return;
+  relu_backward_kernel<<<blocks_for(n), THREADS, 0, be->stream>>>(n, y, dy, dx);
+  CUDA_CHECK_LAUNCH();
+}
+
+static void cuda_dropout_forward(void *ctx, size_t n, float rate, uint64_t seed, uint64_t stream,
+                                 const float *x, float *y, float *mask) {
+  cuda_backend *be = enter(ctx);
+  if (n == 0) return;
+  /* The CPU's scale, computed the same way on the host. */
+  const float scale = rate >= 1.0f ? 0.0f : rate <= 0.0f ? 1.0f : 1.0f / (1.0f - rate);
+  dropout_forward_kernel<<<blocks_for(n), THREADS, 0, be->stream>>>(
+      n, rate, scale, rng_key(seed, stream), x, y, mask);
+  CUDA_CHECK_LAUNCH();
+}
+
+static void cuda_dropout_backward(void *ctx, size_t n, const float *mask, const float *dy,
+                                  float *dx) {
+  cuda_backend *be = enter(ctx);
+  if (n == 0) return;
+  dropout_backward_kernel<<<blocks_for(n), THREADS, 0, be->stream>>>(n, mask, dy, dx);
+  CUDA_CHECK_LAUNCH();
+}
+
+/* ---- softmax + cross-entropy ---- */
+
+/* Waits for the loss (the caller needs the value). */
+static float cuda_softmax_xent_forward(void *ctx, int n, int k, const float *logits,
+                                       const uint8_t *labels, float *probs) {
+  cuda_backend *be = enter(ctx);
+  if (n <= 0) return 0.0f;
+  if (k <= 0) return NAN; /* no label can be in [0, k) */
+  CUDNN_CHECK(cudnnSetTensor4dDescriptor(be->probs_desc, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, n,
+                                         k, 1, 1));
+  const float one = 1.0f, zero = 0.0f;
+  CUDNN_CHECK(cudnnSoftmaxForward(be->cudnn, CUDNN_SOFTMAX_ACCURATE, CUDNN_SOFTMAX_MODE_INSTANCE,
+                                  &one, be->probs_desc, logits, &zero, be->probs_desc, probs));
+  xent_loss_kernel<<<1, THREADS, 0, be->stream>>>(n, k, logits, labels, be->loss_dev);
+  CUDA_CHECK_LAUNCH();
+  CUDA_CHECK(cudaMemcpyAsync(be->loss_host, be->loss_dev, sizeof(double), cudaMemcpyDeviceToHost,
+                             be->stream));
+  CUDA_CHECK(cudaStreamSynchronize(be->stream));
+  return (float)(*be->loss_host / n);
+}
+
+static void cuda_softmax_xent_backward(void *ctx, int n, int k, const float *probs,
+                                       const uint8_t *labels, float *dlogits) {
+  cuda_backend *be = enter(ctx);
+  if (n <= 0 || k <= 0) return;
+  const float inv_n = 1.0f / (float)n;
+  const size_t total = (size_t)n * k;
+  xent_backward_kernel<<<blocks_for(total), THREADS, 0, be->stream>>>(total, k, inv_n, probs,
+                                                                      labels, dlogits);
+  CUDA_CHECK_LAUNCH();
+}
+
+/* ---- creation and destruction ---- */
+
+/* Frees whatever of be was made; used by destroy and by a failed create.
+ * Waits for the stream first: queued work may still use the buffers. */
+static void cuda_free_backend(cuda_backend *be) {
+  if (be->stream) CUDA_CHECK(cudaStreamSynchronize(be->stream));
+  for (int i = 0; i < be->n_plans; i++) conv_plan_destroy(&be->plans[i]);
+  free(be->plans);
+  if (be->work) CUDA_CHECK(cudaFree(be->work));
+  if (be->stage) CUDA_CHECK(cudaFree(be->stage));
+  if (be->loss_dev) CUDA_CHECK(cudaFree(be->loss_dev));
+  if (be->loss_host) CUDA_CHECK(cudaFreeHost(be->loss_host));
+  if (be->probs_desc) CUDNN_CHECK(cudnnDestroyTensorDescriptor(be->probs_desc));
+  if (be->cublas) CUBLAS_CHECK(cublasDestroy(be->cublas));
+  if (be->cudnn) CUDNN_CHECK(cudnnDestroy(be->cudnn));
+  if (be->stream) CUDA_CHECK(cudaStreamDestroy(be->stream));
+  free(be);
+}
+
+static void cuda_destroy(ps_ops *ops) {
+  if (!ops) return;
+  cuda_free_backend(enter(ops->ctx));
+}
+
+static void seterr(char *err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void seterr(char *err, const char *fmt, ...) {
+  if (!err) return;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(err, PS_ERRLEN, fmt, ap);
+  va_end(ap);
+}
+
+/* Whether a call made while creating the backend failed; if so err says
+ * which and why. Creation reports instead of aborting: a worker can fall
+ * back to the CPU backend. */
+static bool failed(cudaError_t e, const char *call, int device, char *err) {
+  if (e == cudaSuccess) return false;
+  (void)cudaGetLastError(); /* clear a non-sticky error */
+  seterr(err, "CUDA device %d: %s: %s", device, call, cudaGetErrorString(e));
+  return true;
+}
+static bool failed(cudnnStatus_t s, const char *call, int device, char *err) {
+  if (s == CUDNN_STATUS_SUCCESS) return false;
+  seterr(err, "CUDA device %d: %s: %s", device, call, cudnnGetErrorString(s));
+  return true;
+}
+static bool failed(cublasStatus_t s, const char *call, int device, char *err) {
+  if (s == CUBLAS_STATUS_SUCCESS) return false;
+  seterr(err, "CUDA device %d: %s: %s", device, call, cublasGetStatusString(s));
+  return true;
+}
+
+extern "C" ps_ops *ps_ops_cuda_create(int device, char *err) {
+  int count = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    seterr(err, "no usable CUDA device: %s", cudaGetErrorString(e));
+    return NULL;
+  }
+  if (device < 0 || device >= count) {
+    seterr(err, "CUDA device %d does not exist (%d visible; see CUDA_VISIBLE_DEVICES)", device,
+           count);
+    return NULL;
+  }
+  cuda_backend *be = (cuda_backend *)calloc(1, sizeof *be);
+  if (!be) {
+    seterr(err, "out of memory creating the CUDA backend");
+    return NULL;
+  }
+  be->device = device;
+#define TRY(call)                                  \
+  do {                                             \
+    if (failed((call), #call, device, err)) {      \
+      cuda_free_backend(be);                       \
+      return NULL;                                 \
+    }                                              \
+  } while (0)
+  TRY(cudaSetDevice(device));
+  TRY(cudaStreamCreateWithFlags(&be->stream, cudaStreamNonBlocking));
+  TRY(cudnnCreate(&be->cudnn));
+  TRY(cudnnSetStream(be->cudnn, be->stream));
+  TRY(cublasCreate(&be->cublas));
+  TRY(cublasSetStream(be->cublas, be->stream));
+  /* Plain float32 FMA: no TF32 tensor cores, whose 10-bit products would
+   * put the dense layers ~1e-3 away from the CPU. */
+  TRY(cublasSetMathMode(be->cublas, CUBLAS_DEFAULT_MATH));
+  TRY(cudnnCreateTensorDescriptor(&be->probs_desc));
+  TRY(cudaMalloc((void **)&be->loss_dev, sizeof(double)));
+  TRY(cudaMallocHost((void **)&be->loss_host, sizeof(double)));
+#undef TRY
+  be->ops.name = "cuda";
+  be->ops.ctx = be;
+  be->ops.conv2d_workspace = cuda_conv2d_workspace;
+  be->ops.conv2d_forward = cuda_conv2d_forward;
+  be->ops.conv2d_backward = cuda_conv2d_backward;
+  be->ops.maxpool_forward = cuda_maxpool_forward;
+  be->ops.maxpool_backward = cuda_maxpool_backward;
+  be->ops.dense_forward = cuda_dense_forward;
+  be->ops.dense_backward = cuda_dense_backward;
+  be->ops.relu_forward = cuda_relu_forward;
+  be->ops.relu_backward = cuda_relu_backward;
+  be->ops.dropout_forward = cuda_dropout_forward;
+  be->ops.dropout_backward = cuda_dropout_backward;
+  be->ops.softmax_xent_forward = cuda_softmax_xent_forward;
+  be->ops.softmax_xent_backward = cuda_softmax_xent_backward;
+  be->ops.destroy = cuda_destroy;
+  return &be->ops;
+}
+
+/* ---- memory helpers ---- */
+
+/* The backend of ops; aborts on a table of another backend. */
+static cuda_backend *backend_of(ps_ops *ops) {
+  if (!ops || !ops->name || strcmp(ops->name, "cuda") != 0)
+    PS_CUDA_FATAL("ps_cuda_* helper called with a table that is not the cuda backend");
+  return enter(ops->ctx);
+}
+
+extern "C" void ps_cuda_make_current(ps_ops *ops) { (void)backend_of(ops); }
+
+extern "C" int ps_cuda_alloc(void **p, size_t bytes) {
+  *p = NULL;
+  if (bytes == 0) return 0;
+  cudaError_t e = cudaMalloc(p, bytes);
+  if (e == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError(); /* not sticky: clear it, the device goes on */
+    *p = NULL;
+    return PS_ENOMEM;
+  }
+  CUDA_CHECK(e);
+  return 0;
+}
+
+extern "C" void ps_cuda_free(void *p) {
+  if (p) CUDA_CHECK(cudaFree(p));
+}
+
+extern "C" int ps_cuda_host_alloc(void **p, size_t bytes) {
+  *p = NULL;
+  if (bytes == 0) return 0;
+  cudaError_t e = cudaHostAlloc(p, bytes, cudaHostAllocPortable);
+  if (e == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();
+    *p = NULL;
+    return PS_ENOMEM;
+  }
+  CUDA_CHECK(e);
+  return 0;
+}
+
+extern "C" void ps_cuda_host_free(void *p) {
+  if (p) CUDA_CHECK(cudaFreeHost(p));
+}
+
+extern "C" void ps_cuda_memcpy_h2d(ps_ops *ops, void *dst_dev, const void *src_host,
+                                   size_t bytes) {
+  cuda_backend *be = backend_of(ops);
+  if (bytes)
+    CUDA_CHECK(cudaMemcpyAsync(dst_dev, src_host, bytes, cudaMemcpyHostToDevice, be->stream));
+}
+
+extern "C" void ps_cuda_memcpy_d2h(ps_ops *ops, void *dst_host, const void *src_dev,
+                                   size_t bytes) {
+  cuda_backend *be = backend_of(ops);
+  if (bytes)
+    CUDA_CHECK(cudaMemcpyAsync(dst_host, src_dev, bytes, cudaMemcpyDeviceToHost, be->stream));
+}
+
+extern "C" void ps_cuda_memcpy_d2d(ps_ops *ops, void *dst_dev, const void *src_dev,
+                                   size_t bytes) {
+  cuda_backend *be = backend_of(ops);
+  if (bytes)
+    CUDA_CHECK(cudaMemcpyAsync(dst_dev, src_dev, bytes, cudaMemcpyDeviceToDevice, be->stream));
+}
+
+extern "C" void ps_cuda_memset_zero(ps_ops *ops, void *dst_dev, size_t bytes) {
+  zero_async(backend_of(ops), dst_dev, bytes);
+}
+
+extern "C" void ps_cuda_sync(ps_ops *ops) {
+  CUDA_CHECK(cudaStreamSynchronize(backend_of(ops)->stream));
+}

@@ -1,0 +1,88 @@
+/* The CUDA backend of kernels/ops.h, and the device memory helpers a caller
+ * of it needs. Built only with WITH_CUDA (the library ps_kernels_cuda).
+ *
+ * Every pointer handed to an op of this backend is a DEVICE pointer
+ * (activations, parameters, gradients, labels, masks, argmax), with the same
+ * shapes and the same meaning as for the CPU backend. Ops are queued on the
+ * backend's own stream and return before the device is done, except
+ * softmax_xent_forward, which returns the loss and so waits for it. The
+ * results are those of the CPU backend: bit for bit for relu, dropout (the
+ * same mask from ps_rng_uniform), max pooling (the same int32 argmax, ties to
+ * the first in row-major order) and the softmax gradient; within float
+ * rounding for the reductions (convolution, dense, softmax, loss), which sum
+ * in another order. tests/unit/test_cuda_parity.c checks all of it.
+ *
+ * Convolution: the backend keeps its own workspace, so conv2d_workspace
+ * answers 0 and the `work` argument is ignored (NULL is fine). It chooses the
+ * cuDNN algorithms for the shape there (and on the first call with a new
+ * shape otherwise), so calling it for every layer at start-up moves that
+ * work out of the first step.
+ *
+ * Alignment: device buffers from ps_cuda_alloc (256-byte aligned) can be
+ * used anywhere. Parameters and gradients may sit at any float offset of
+ * one flat vector: a convolution whose weights are not 16-byte aligned
+ * works on an aligned copy (one small device-to-device copy).
+ *
+ * Errors: a failed CUDA, cuBLAS or cuDNN call inside an op prints the call,
+ * file, line and error and aborts (see cuda_check.h); the ops have no error
+ * return, and a half-done step must not be pushed. Creation and allocation
+ * return errors the caller can act on.
+ *
+ * Threads: as for the CPU backend, one op at a time per backend. Any thread
+ * may call it: each op makes the backend's device current first. */
+#ifndef PS_KERNELS_CUDA_OPS_CUDA_H
+#define PS_KERNELS_CUDA_OPS_CUDA_H
+
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#include "../ops.h" /* C declarations, without a guard of their own */
+
+/* The backend on CUDA device `device` (0-based): a stream, a cuDNN and a
+ * cuBLAS handle of its own; `device` is also made current on the calling
+ * thread. NULL on failure, with a message in err (NULL or PS_ERRLEN bytes):
+ * no driver or device, a device index out of range, a handle that cannot be
+ * created, out of memory. Nothing is left allocated then. Freed with
+ * ops->destroy(ops), which waits for the backend's queued work first. */
+ps_ops *ps_ops_cuda_create(int device, char *err);
+
+/* Makes the backend's device current on the calling thread, so that
+ * ps_cuda_alloc and ps_cuda_host_alloc allocate there (a replica thread
+ * calls this once before allocating its buffers). */
+void ps_cuda_make_current(ps_ops *ops);
+
+/* Device memory on the calling thread's current device. *p = NULL and 0
+ * for bytes == 0; PS_ENOMEM (and *p = NULL) when the device is out of
+ * memory, which leaves the device usable. Any other failure aborts. */
+int ps_cuda_alloc(void **p, size_t bytes);
+/* Frees what ps_cuda_alloc gave (NULL is fine). Waits for the device to
+ * finish the work queued on it first, as cudaFree does. */
+void ps_cuda_free(void *p);
+
+/* Pinned (page-locked) host memory, usable by every device; copies from
+ * and to it are truly asynchronous. PS_ENOMEM on failure, *p = NULL. */
+int ps_cuda_host_alloc(void **p, size_t bytes);
+void ps_cuda_host_free(void *p);
+
+/* Copies queued on the backend's stream, in order with its ops: a copy to
+ * the device is seen by the ops queued after it, a copy from the device sees
+ * the ops queued before it. They return at once (for pageable host memory
+ * the driver may wait); the host buffer must stay valid and, for h2d,
+ * unchanged until ps_cuda_sync returns. Read the result of a d2h copy only
+ * after ps_cuda_sync. */
+void ps_cuda_memcpy_h2d(ps_ops *ops, void *dst_dev, const void *src_host, size_t bytes);
+void ps_cuda_memcpy_d2h(ps_ops *ops, void *dst_host, const void *src_dev, size_t bytes);
+void ps_cuda_memcpy_d2d(ps_ops *ops, void *dst_dev, const void *src_dev, size_t bytes);
+/* Zeroes bytes of device memory, queued like the copies. */
+void ps_cuda_memset_zero(ps_ops *ops, void *dst_dev, size_t bytes);
+/* Waits until everything queued on the backend's stream is done. */
+void ps_cuda_sync(ps_ops *ops);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,1096 @@
+/* Shard checkpoints and the .npy export; the format is in checkpoint.h.
+ *
+ * Writing goes through a temporary file in the same directory (so that the
+ * rename is atomic) and the bytes are summed as they go out; reading sums
+ * them as they come in, straight into the arrays handed back, so that a
+ * checkpoint of hundreds of MB is never held twice in memory. */
+#include "checkpoint.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "../common/crc32c.h"
+
+static const uint8_t CKPT_MAGIC[8] = {'P', 'S', 'C', 'K', 'P', 'T', 0, 1};
+
+/* Header field offsets (see the table in checkpoint.h). */
+enum {
+  H_MAGIC = 0,
+  H_FORMAT = 8,
+  H_HEADER_BYTES = 12,
+  H_INDEX = 16,
+  H_NUM_SHARDS = 20,
+  H_P = 24,
+  H_BEGIN = 32,
+  H_END = 40,
+  H_VERSION = 48,
+  H_WRITTEN_MS = 56,
+  H_N_SLOTS = 64,
+  H_EXTRA_LEN = 72,
+  H_OPTIMIZER = 80,
+  H_JOB_ID = 96,
+  H_HEADER_CRC = 188,
+};
+_Static_assert(H_JOB_ID + 64 <= H_HEADER_CRC && H_HEADER_CRC + 4 == PS_CKPT_HEADER_BYTES,
+               "header fields must fit before the header checksum");
+_Static_assert(sizeof(((ps_ckpt_meta *)0)->optimizer) == 16 &&
+                   sizeof(((ps_ckpt_meta *)0)->job_id) == 64,
+               "the name fields of the header have these widths");
+
+/* Arrays are summed and moved in pieces of this size, each still in cache
+ * when the checksum reads it. */
+#define IO_CHUNK ((size_t)4 << 20)
+
+/* ---------------------------------------------------------------- bytes */
+
+static void put_u32(uint8_t *p, uint32_t v) {
+  for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static void put_u64(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static uint32_t get_u32(const uint8_t *p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; i++) v |= (uint32_t)p[i] << (8 * i);
+  return v;
+}
+static uint64_t get_u64(const uint8_t *p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
+  return v;
+}
+
+/* ---------------------------------------------------------------- files */
+
+/* 0 or an errno value. */
+static int write_all(int fd, const void *buf, size_t len) {
+  const uint8_t *p = buf;
+  while (len > 0) {
+    ssize_t w = write(fd, p, len);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (w == 0) return EIO;
+    p += w;
+    len -= (size_t)w;
+  }
+  return 0;
+}
+
+/* Bytes read (short only at end of file), or -1 with errno. */
+static ssize_t read_all(int fd, void *buf, size_t len) {
+  uint8_t *p = buf;
+  size_t got = 0;
+  while (got < len) {
+    ssize_t r = read(fd, p + got, len - got);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return -1;
+    }
+    if (r == 0) break;
+    got += (size_t)r;
+  }
+  return (ssize_t)got;
+}
+
+/* Sums and writes len bytes in pieces. 0 or an errno value. */
+static int write_summed(int fd, const void *buf, size_t len, uint32_t *crc) {
+  const uint8_t *p = buf;
+  while (len > 0) {
+    size_t k = len < IO_CHUNK ? len : IO_CHUNK;
+    *crc = ps_crc32c(*crc, p, k);
+    int e = write_all(fd, p, k);
+    if (e) return e;
+    p += k;
+    len -= k;
+  }
+  return 0;
+}
+
+/* Reads exactly len bytes into buf, summing them. 0, or -1 with errno set
+ * (0 for an early end of file). */
+static int read_summed(int fd, void *buf, size_t len, uint32_t *crc) {
+  uint8_t *p = buf;
+  while (len > 0) {
+    size_t k = len < IO_CHUNK ? len : IO_CHUNK;
+    ssize_t r = read_all(fd, p, k);
+    if (r < 0) return -1;
+    if ((size_t)r < k) {
+      errno = 0;
+      return -1;
+    }
+    *crc = ps_crc32c(*crc, p, k);
+    p += k;
+    len -= k;
+  }
+  return 0;
+}
+
+/* dir + "/" + name into out (PS_CKPT_PATHLEN); PS_EINVAL if too long. */
+static int join_path(char *out, const char *dir, const char *name, char *err) {
+  int n = snprintf(out, PS_CKPT_PATHLEN, "%s/%s", dir, name);
+  if (n < 0 || n >= PS_CKPT_PATHLEN)
+    return ps_seterr(err, PS_EINVAL, "path '%s/%s' is too long", dir, name);
+  return PS_OK;
+}
+
+static int fsync_dir(const char *dir, char *err) {
+  int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0)
+    return ps_seterr(err, PS_EIO, "cannot open directory '%s' to sync it: %s", dir,
+                     strerror(errno));
+  int rc = PS_OK;
+  if (fsync(fd) != 0 && errno != EINVAL) /* some file systems cannot sync a directory */
+    rc = ps_seterr(err, PS_EIO, "cannot sync directory '%s': %s", dir, strerror(errno));
+  close(fd);
+  return rc;
+}
+
+/* Creates a new, empty temporary file next to final_path:
+ * "<dir>/.<name>.tmp-<pid>-<nonce>", mode 0666 less the umask. Returns the
+ * descriptor (name in tmp_out, PS_CKPT_PATHLEN) or a negative PS_E* code. */
+static int open_temp(const char *final_path, char *tmp_out, char *err) {
+  const char *slash = strrchr(final_path, '/');
+  int dir_len = slash ? (int)(slash - final_path + 1) : 0;
+  const char *name = final_path + dir_len;
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  uint64_t nonce = (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 30) ^ (uintptr_t)&ts;
+  for (int attempt = 0; attempt < 100; attempt++) {
+    nonce = nonce * 6364136223846793005ull + 1442695040888963407ull;
+    int n = snprintf(tmp_out, PS_CKPT_PATHLEN, "%.*s.%s.tmp-%ld-%08" PRIx32, dir_len, final_path,
+                     name, (long)getpid(), (uint32_t)(nonce >> 32));
+    if (n < 0 || n >= PS_CKPT_PATHLEN)
+      return ps_seterr(err, PS_EINVAL, "path '%s' is too long for its temporary file",
+                       final_path);
+    int fd = open(tmp_out, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd >= 0) return fd;
+    if (errno != EEXIST) {
+      int e = errno;
+      if (dir_len > 0)
+        return ps_seterr(err, PS_EIO, "cannot create a file in '%.*s': %s", dir_len - 1,
+                         final_path, strerror(e));
+      return ps_seterr(err, PS_EIO, "cannot create '%s': %s", tmp_out, strerror(e));
+    }
+  }
+  return ps_seterr(err, PS_EIO, "cannot find a free temporary name for '%s'", final_path);
+}
+
+/* Syncs and closes fd and renames tmp to final; on any failure removes tmp.
+ * Always closes fd. */
+static int commit_temp(int fd, const char *tmp, const char *final_path, char *err) {
+  int rc = PS_OK;
+  if (fsync(fd) != 0)
+    rc = ps_seterr(err, PS_EIO, "cannot sync '%s': %s", tmp, strerror(errno));
+  if (close(fd) != 0 && rc == PS_OK)
+    rc = ps_seterr(err, PS_EIO, "cannot close '%s': %s", tmp, strerror(errno));
+  if (rc == PS_OK && rename(tmp, final_path) != 0)
+    rc = ps_seterr(err, PS_EIO, "cannot rename '%s' to '%s': %s", tmp, final_path,
+                   strerror(errno));
+  if (rc != PS_OK) unlink(tmp);
+  return rc;
+}
+
+/* ---------------------------------------------------------------- names */
+
+/* Parses an unsigned decimal at *s (at least one digit, no sign, no
+ * overflow), advancing *s. */
+static int parse_u64(const char **s, uint64_t *out) {
+  const char *p = *s;
+  uint64_t v = 0;
+  if (*p < '0' || *p > '9') return -1;
+  for (; *p >= '0' && *p <= '9'; p++) {
+    if (v > (UINT64_MAX - (uint64_t)(*p - '0')) / 10) return -1;
+    v = v * 10 + (uint64_t)(*p - '0');
+  }
+  *s = p;
+  *out = v;
+  return 0;
+}
+
+static int skip_literal(const char **s, const char *lit) {
+  size_t n = strlen(lit);
+  if (strncmp(*s, lit, n) != 0) return -1;
+  *s += n;
+  return 0;
+}
+
+/* "shard-<index>-of-<S>-v<version>.ckpt" exactly, with index < S. */
+static int parse_ckpt_name(const char *name, int *index, int *num_shards, uint64_t *version) {
+  const char *p = name;
+  uint64_t i, s, v;
+  if (skip_literal(&p, "shard-") || parse_u64(&p, &i) || skip_literal(&p, "-of-") ||
+      parse_u64(&p, &s) || skip_literal(&p, "-v") || parse_u64(&p, &v) ||
+      skip_literal(&p, ".ckpt") || *p != '\0')
+    return -1;
+  if (s < 1 || s > INT32_MAX || i >= s) return -1;
+  *index = (int)i;
+  *num_shards = (int)s;
+  *version = v;
+  return 0;
+}
+
+/* ---------------------------------------------------------------- header */
+
+static int name_field_ok(const char *s, size_t cap) { return memchr(s, '\0', cap) != NULL; }
+
+/* Bytes after the header: extra, parameters, slots, checksum. PS_ERANGE
+ * if that does not fit in 63 bits. */
+static int body_bytes(uint64_t n, uint64_t n_slots, uint64_t extra_len, uint64_t *out) {
+  const uint64_t max = (uint64_t)INT64_MAX - PS_CKPT_HEADER_BYTES - 4;
+  uint64_t arrays = 1 + n_slots;
+  if (n > max / 4 / arrays) return PS_ERANGE;
+  uint64_t b = n * 4 * arrays;
+  if (extra_len > max - b) return PS_ERANGE;
+  *out = b + extra_len + 4;
+  return PS_OK;
+}
+
+/* Checks what a writer is asked to write. */
+static int check_ckpt(const ps_ckpt *ck, char *err) {
+  const ps_ckpt_meta *m = &ck->meta;
+  if (m->num_shards < 1 || m->index < 0 || m->index >= m->num_shards)
+    return ps_seterr(err, PS_EINVAL, "checkpoint: shard index %d invalid for %d shards",
+                     m->index, m->num_shards);
+  if (m->begin > m->end || m->end > m->P)
+    return ps_seterr(err, PS_EINVAL, "checkpoint: range [%zu, %zu) not inside [0, P=%zu)",
+                     m->begin, m->end, m->P);
+  if (ck->n_slots < 0 || ck->n_slots > PS_CKPT_MAX_SLOTS)
+    return ps_seterr(err, PS_EINVAL, "checkpoint: %d optimizer slots, at most %d", ck->n_slots,
+                     PS_CKPT_MAX_SLOTS);
+  if (!name_field_ok(m->optimizer, sizeof m->optimizer) ||
+      !name_field_ok(m->job_id, sizeof m->job_id) || m->job_id[0] == '\0')
+    return ps_seterr(err, PS_EINVAL,
+                     "checkpoint: job id (1..63 characters) or optimizer name (0..15) invalid");
+  size_t n = m->end - m->begin;
+  if (n > 0 && !ck->params)
+    return ps_seterr(err, PS_EINVAL, "checkpoint: no parameters given for %zu values", n);
+  for (int k = 0; k < ck->n_slots; k++)
+    if (n > 0 && !ck->slots[k])
+      return ps_seterr(err, PS_EINVAL, "checkpoint: slot %d not given", k);
+  if (ck->extra_len > 0 && !ck->extra)
+    return ps_seterr(err, PS_EINVAL, "checkpoint: extra blob of %zu bytes not given",
+                     ck->extra_len);
+  uint64_t body;
+  if (body_bytes(n, (uint64_t)ck->n_slots, ck->extra_len, &body) != PS_OK)
+    return ps_seterr(err, PS_ERANGE, "checkpoint: %zu values with %d slots is too large", n,
+                     ck->n_slots);
+  return PS_OK;
+}
+
+static void header_encode(const ps_ckpt *ck, int64_t written_ms, uint8_t *h) {
+  const ps_ckpt_meta *m = &ck->meta;
+  memset(h, 0, PS_CKPT_HEADER_BYTES);
+  memcpy(h + H_MAGIC, CKPT_MAGIC, sizeof CKPT_MAGIC);
+  put_u32(h + H_FORMAT, PS_CKPT_FORMAT_VERSION);
+  put_u32(h + H_HEADER_BYTES, PS_CKPT_HEADER_BYTES);
+  put_u32(h + H_INDEX, (uint32_t)m->index);
+  put_u32(h + H_NUM_SHARDS, (uint32_t)m->num_shards);
+  put_u64(h + H_P, m->P);
+  put_u64(h + H_BEGIN, m->begin);
+  put_u64(h + H_END, m->end);
+  put_u64(h + H_VERSION, m->version);
+  put_u64(h + H_WRITTEN_MS, (uint64_t)written_ms);
+  put_u32(h + H_N_SLOTS, (uint32_t)ck->n_slots);
+  put_u64(h + H_EXTRA_LEN, ck->extra_len);
+  /* strnlen: the fields are checked to hold a NUL, the rest stays zero. */
+  memcpy(h + H_OPTIMIZER, m->optimizer, strnlen(m->optimizer, 15));
+  memcpy(h + H_JOB_ID, m->job_id, strnlen(m->job_id, 63));
+  put_u32(h + H_HEADER_CRC, ps_crc32c(0, h, H_HEADER_CRC));
+}
+
+/* Verifies a header read from path, whose file has file_size bytes (at
+ * least the header's), and decodes it. */
+static int header_decode(const char *path, const uint8_t *h, uint64_t file_size,
+                         ps_ckpt_meta *m, int *n_slots, size_t *extra_len, char *err) {
+  if (memcmp(h + H_MAGIC, CKPT_MAGIC, sizeof CKPT_MAGIC) != 0)
+    return ps_seterr(err, PS_EPROTO,
+                     "bad magic in '%s': not a shard checkpoint, or written by a newer version",
+                     path);
+  uint32_t format = get_u32(h + H_FORMAT);
+  uint32_t stored = get_u32(h + H_HEADER_CRC), computed = ps_crc32c(0, h, H_HEADER_CRC);
+  if (stored != computed) {
+    if (format != PS_CKPT_FORMAT_VERSION)
+      return ps_seterr(err, PS_EPROTO,
+                       "header checksum mismatch in '%s' with format version %" PRIu32
+                       " (this build reads %d): corrupt, or written by a newer version",
+                       path, format, PS_CKPT_FORMAT_VERSION);
+    return ps_seterr(err, PS_EINVAL,
+                     "header checksum mismatch in '%s': the file is corrupt (stored 0x%08" PRIx32
+                     ", computed 0x%08" PRIx32 ")",
+                     path, stored, computed);
+  }
+  if (format != PS_CKPT_FORMAT_VERSION)
+    return ps_seterr(err, PS_EPROTO,
+                     "'%s' has checkpoint format version %" PRIu32
+                     ", this build reads %d: written by a newer version",
+                     path, format, PS_CKPT_FORMAT_VERSION);
+  /* From here on the header is as its writer made it; an inconsistency is
+   * a writer's bug, reported as such. */
+  uint32_t hb = get_u32(h + H_HEADER_BYTES);
+  int32_t index = (int32_t)get_u32(h + H_INDEX), num = (int32_t)get_u32(h + H_NUM_SHARDS);
+  uint64_t P = get_u64(h + H_P), b = get_u64(h + H_BEGIN), e = get_u64(h + H_END);
+  uint32_t k = get_u32(h + H_N_SLOTS);
+  uint64_t elen = get_u64(h + H_EXTRA_LEN);
+  char opt[16], job[64];
+  memcpy(opt, h + H_OPTIMIZER, sizeof opt);
+  memcpy(job, h + H_JOB_ID, sizeof job);
+  if (hb != PS_CKPT_HEADER_BYTES || num < 1 || index < 0 || index >= num || b > e || e > P ||
+      P > SIZE_MAX || k > PS_CKPT_MAX_SLOTS || elen > SIZE_MAX || !name_field_ok(opt, 16) ||
+      !name_field_ok(job, 64))
+    return ps_seterr(err, PS_EINVAL,
+                     "inconsistent header in '%s' (shard %" PRId32 " of %" PRId32
+                     ", range [%" PRIu64 ", %" PRIu64 ") of P=%" PRIu64 ", %" PRIu32
+                     " slots): not written by ps-server",
+                     path, index, num, b, e, P, k);
+  uint64_t body;
+  if (body_bytes(e - b, k, elen, &body) != PS_OK)
+    return ps_seterr(err, PS_EINVAL, "inconsistent header in '%s': sizes overflow", path);
+  uint64_t after = file_size - PS_CKPT_HEADER_BYTES;
+  if (after < body)
+    return ps_seterr(err, PS_EINVAL,
+                     "truncated checkpoint '%s': header says %" PRIu64
+                     " bytes of extra, parameters and %" PRIu32 " slots (+4 of checksum), "
+                     "file has %" PRIu64 " after the header: an interrupted copy?",
+                     path, body - 4, k, after);
+  if (after > body)
+    return ps_seterr(err, PS_EINVAL,
+                     "'%s' is %" PRIu64 " bytes longer than its header says: corrupt, or "
+                     "not a checkpoint of this format",
+                     path, after - body);
+  memset(m, 0, sizeof *m);
+  m->index = index;
+  m->num_shards = num;
+  m->P = (size_t)P;
+  m->begin = (size_t)b;
+  m->end = (size_t)e;
+  m->version = get_u64(h + H_VERSION);
+  m->written_ms = (int64_t)get_u64(h + H_WRITTEN_MS);
+  memcpy(m->optimizer, opt, sizeof opt);
+  memcpy(m->job_id, job, sizeof job);
+  if (n_slots) *n_slots = (int)k;
+  if (extra_len) *extra_len = (size_t)elen;
+  return PS_OK;
+}
+
+/* Opens path and reads and verifies its header. Returns the descriptor,
+ * positioned after the header, or a negative code. */
+static int open_checked(const char *path, uint8_t *h, ps_ckpt_meta *m, int *n_slots,
+                        size_t *extra_len, char *err) {
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ps_seterr(err, PS_EIO, "cannot open '%s': %s", path, strerror(errno));
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    int rc = ps_seterr(err, PS_EIO, "cannot stat '%s': %s", path, strerror(errno));
+    close(fd);
+    return rc;
+  }
+  if (!S_ISREG(st.st_mode)) {
+    close(fd);
+    return ps_seterr(err, PS_EINVAL, "'%s' is not a regular file", path);
+  }
+  uint64_t size = (uint64_t)st.st_size;
+  ssize_t got = read_all(fd, h, PS_CKPT_HEADER_BYTES);
+  int rc;
+  if (got < 0)
+    rc = ps_seterr(err, PS_EIO, "cannot read '%s': %s", path, strerror(errno));
+  else if ((size_t)got < sizeof CKPT_MAGIC)
+    rc = ps_seterr(err, PS_EPROTO,
+                   "bad magic in '%s': only %zd bytes, not a shard checkpoint (truncated?)", path,
+                   got);
+  else if (memcmp(h, CKPT_MAGIC, sizeof CKPT_MAGIC) != 0)
+    rc = ps_seterr(err, PS_EPROTO,
+                   "bad magic in '%s': not a shard checkpoint, or written by a newer version",
+                   path);
+  else if ((size_t)got < PS_CKPT_HEADER_BYTES)
+    rc = ps_seterr(err, PS_EINVAL,
+                   "truncated checkpoint '%s': %zd bytes, less than the %d-byte header", path,
+                   got, PS_CKPT_HEADER_BYTES);
+  else
+    rc = header_decode(path, h, size, m, n_slots, extra_len, err);
+  if (rc != PS_OK) {
+    close(fd);
+    return rc;
+  }
+  return fd;
+}
+
+/* ---------------------------------------------------------------- write */
+
+void ps_ckpt_free(ps_ckpt *c) {
+  if (!c) return;
+  free(c->params);
+  for (int k = 0; k < PS_CKPT_MAX_SLOTS; k++) free(c->slots[k]);
+  free(c->extra);
+  memset(c, 0, sizeof *c);
+}
+
+typedef struct {
+  uint64_t version;
+  char name[256];
+} prune_entry;
+
+static int prune_cmp(const void *a, const void *b) {
+  const prune_entry *x = a, *y = b;
+  return x->version < y->version ? 1 : x->version > y->version ? -1 : 0;
+}
+
+/* Deletes checkpoints of the same shard and job with a lower version than
+ * ck's, beyond the newest keep-1 of them. Failures are logged. */
+static void prune_older(const char *dir, const ps_ckpt *ck, int keep) {
+  DIR *d = opendir(dir);
+  if (!d) {
+    PS_WARN("checkpoint: cannot list '%s' to delete old checkpoints: %s", dir, strerror(errno));
+    return;
+  }
+  prune_entry *list = NULL;
+  size_t n = 0, cap = 0;
+  struct dirent *de;
+  while ((de = readdir(d)) != NULL) {
+    int index, num;
+    uint64_t v;
+    if (parse_ckpt_name(de->d_name, &index, &num, &v) != 0) continue;
+    if (index != ck->meta.index || num != ck->meta.num_shards || v >= ck->meta.version) continue;
+    if (strlen(de->d_name) >= sizeof list->name) continue;
+    /* Only files this job wrote: another job may share the directory. A
+     * file whose header cannot be read is left for a person to look at. */
+    char path[PS_CKPT_PATHLEN];
+    ps_ckpt_meta m;
+    if (join_path(path, dir, de->d_name, NULL) != PS_OK ||
+        ps_ckpt_read_header(path, &m, NULL, NULL, NULL) != PS_OK ||
+        strcmp(m.job_id, ck->meta.job_id) != 0)
+      continue;
+    if (n == cap) {
+      size_t ncap = cap ? 2 * cap : 16;
+      prune_entry *nl = realloc(list, ncap * sizeof *nl);
+      if (!nl) {
+        PS_WARN("checkpoint: out of memory listing old checkpoints in '%s'", dir);
+        break;
+      }
+      list = nl;
+      cap = ncap;
+    }
+    list[n].version = v;
+    snprintf(list[n].name, sizeof list[n].name, "%s", de->d_name);
+    n++;
+  }
+  closedir(d);
+  if (n > 0) qsort(list, n, sizeof *list, prune_cmp);
+  size_t older_kept = (size_t)keep - 1; /* the file just written is the first kept */
+  for (size_t i = older_kept; i < n; i++) {
+    char path[PS_CKPT_PATHLEN];
+    if (join_path(path, dir, list[i].name, NULL) != PS_OK) continue;
+    if (unlink(path) != 0)
+      PS_WARN("checkpoint: cannot delete old checkpoint '%s': %s", path, strerror(errno));
+  }
+  free(list);
+}
+
+int ps_ckpt_write(const char *dir, const ps_ckpt *ck, int keep, char *path_out, char *err) {
+  if (!dir || !ck) return ps_seterr(err, PS_EINVAL, "checkpoint: no directory or state given");
+  if (keep < 0) return ps_seterr(err, PS_EINVAL, "checkpoint: keep %d must be >= 0", keep);
+  int rc = check_ckpt(ck, err);
+  if (rc) return rc;
+  const ps_ckpt_meta *m = &ck->meta;
+  char name[96], final_path[PS_CKPT_PATHLEN], tmp[PS_CKPT_PATHLEN];
+  snprintf(name, sizeof name, "shard-%d-of-%d-v%" PRIu64 ".ckpt", m->index, m->num_shards,
+           m->version);
+  if ((rc = join_path(final_path, dir, name, err))) return rc;
+  int fd = open_temp(final_path, tmp, err);
+  if (fd < 0) return fd;
+
+  uint8_t h[PS_CKPT_HEADER_BYTES];
+  header_encode(ck, (int64_t)(ps_wall_s() * 1000.0), h);
+  size_t n = m->end - m->begin;
+  uint32_t crc = 0;
+  int e = write_summed(fd, h, sizeof h, &crc);
+  if (!e && ck->extra_len) e = write_summed(fd, ck->extra, ck->extra_len, &crc);
+  if (!e && n) e = write_summed(fd, ck->params, n * sizeof(float), &crc);
+  for (int k = 0; !e && n && k < ck->n_slots; k++)
+    e = write_summed(fd, ck->slots[k], n * sizeof(float), &crc);
+  uint8_t trailer[4];
+  put_u32(trailer, crc);
+  if (!e) e = write_all(fd, trailer, sizeof trailer);
+  if (e) {
+    close(fd);
+    unlink(tmp);
+    return ps_seterr(err, PS_EIO, "cannot write checkpoint '%s': %s", tmp, strerror(e));
+  }
+  if ((rc = commit_temp(fd, tmp, final_path, err))) return rc;
+  if (path_out) snprintf(path_out, PS_CKPT_PATHLEN, "%s", final_path);
+  if ((rc = fsync_dir(dir, err))) return rc;
+  if (keep > 0) prune_older(dir, ck, keep);
+  return PS_OK;
+}
+
+/* ---------------------------------------------------------------- read */
+
+int ps_ckpt_read_header(const char *path, ps_ckpt_meta *meta, int *n_slots, size_t *extra_len,
+                        char *err) {
+  uint8_t h[PS_CKPT_HEADER_BYTES];
+  int fd = open_checked(path, h, meta, n_slots, extra_len, err);
+  if (fd < 0) return fd;
+  close(fd);
+  return PS_OK;
+}
+
+int ps_ckpt_read(const char *path, ps_ckpt *out, char *err) {
+  memset(out, 0, sizeof *out);
+  uint8_t h[PS_CKPT_HEADER_BYTES];
+  ps_ckpt c;
+  memset(&c, 0, sizeof c);
+  int fd = open_checked(path, h, &c.meta, &c.n_slots, &c.extra_len, err);
+  if (fd < 0) return fd;
+  size_t n = c.meta.end - c.meta.begin;
+  /* malloc, not ps_alloc: every byte is about to be overwritten. At least
+   * one byte, so that NULL means failure. */
+  size_t bytes = n ? n * sizeof(float) : 1;
+  int rc = PS_OK;
+  c.params = malloc(bytes);
+  for (int k = 0; k < c.n_slots; k++) c.slots[k] = malloc(bytes);
+  if (c.extra_len) c.extra = malloc(c.extra_len);
+  int oom = !c.params || (c.extra_len && !c.extra);
+  for (int k = 0; k < c.n_slots; k++) oom |= !c.slots[k];
+  if (oom) {
+    rc = ps_seterr(err, PS_ENOMEM, "out of memory reading '%s' (%zu values, %d slots)", path, n,
+                   c.n_slots);
+    goto fail;
+  }
+  uint32_t crc = ps_crc32c(0, h, sizeof h);
+  int bad = c.extra_len && read_summed(fd, c.extra, c.extra_len, &crc);
+  if (!bad && n) bad = read_summed(fd, c.params, n * sizeof(float), &crc);
+  for (int k = 0; !bad && n && k < c.n_slots; k++)
+    bad = read_summed(fd, c.slots[k], n * sizeof(float), &crc);
+  uint8_t trailer[4];
+  if (!bad) {
+    ssize_t got = read_all(fd, trailer, sizeof trailer);
+    if (got != (ssize_t)sizeof trailer) {
+      if (got >= 0) errno = 0;
+      bad = 1;
+    }
+  }
+  if (bad) {
+    rc = errno ? ps_seterr(err, PS_EIO, "cannot read '%s': %s", path, strerror(errno))
+               : ps_seterr(err, PS_EIO, "'%s' ended early while being read: changed meanwhile?",
+                           path);
+    goto fail;
+  }
+  uint32_t stored = get_u32(trailer);
+  if (stored != crc) {
+    rc = ps_seterr(err, PS_EINVAL,
+                   "checksum mismatch in '%s': the file is corrupt (stored 0x%08" PRIx32
+                   ", computed 0x%08" PRIx32 ")",
+                   path, stored, crc);
+    goto fail;
+  }
+  close(fd);
+  *out = c;
+  return PS_OK;
+
+fail:
+  close(fd);
+  ps_ckpt_free(&c);
+  return rc;
+}
+
+/* ---------------------------------------------------------------- search */
+
+static void note(const ps_ckpt_source *src, int level, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void note(const ps_ckpt_source *src, int level, const char *fmt, ...) {
+  char msg[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  if (src->note)
+    src->note(level, msg, src->note_user);
+  else
+    ps_log(level, "%s", msg);
+}
+
+/* One checkpoint file found in the directory. */
+typedef struct {
+  int index, num_shards;
+  uint64_t version; /* from the name (the header's, when peeked) */
+  int64_t mtime_ns;
+  int64_t written_ms; /* from the header; mtime when not peeked */
+  size_t begin, end;  /* from the header, when peeked */
+  char *name;
+} ckpt_entry;
+
+typedef struct {
+  ckpt_entry *v;
+  size_t n, cap;
+} ckpt_list;
+
+static void list_free(ckpt_list *l) {
+  for (size_t i = 0; i < l->n; i++) free(l->v[i].name);
+  free(l->v);
+  memset(l, 0, sizeof *l);
+}
+
+/* Lists the checkpoint files of dir, of shard `index` of `num_shards`
+ * (index < 0: all). PS_ENOTFOUND if dir does not exist. */
+static int list_dir(const char *dir, int index, int num_shards, ckpt_list *out, char *err) {
+  memset(out, 0, sizeof *out);
+  DIR *d = opendir(dir);
+  if (!d) {
+    int e = errno;
+    return ps_seterr(err, e == ENOENT ? PS_ENOTFOUND : PS_EIO,
+                     "cannot open checkpoint directory '%s': %s", dir, strerror(e));
+  }
+  struct dirent *de;
+  int rc = PS_OK;
+  while ((de = readdir(d)) != NULL) {
+    ckpt_entry e;
+    memset(&e, 0, sizeof e);
+    if (parse_ckpt_name(de->d_name, &e.index, &e.num_shards, &e.version) != 0) continue;
+    if (index >= 0 && (e.index != index || e.num_shards != num_shards)) continue;
+    char path[PS_CKPT_PATHLEN];
+    struct stat st;
+    if (join_path(path, dir, de->d_name, NULL) != PS_OK || stat(path, &st) != 0 ||
+        !S_ISREG(st.st_mode))
+      continue;
+    e.mtime_ns = (int64_t)st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec;
+    e.written_ms = e.mtime_ns / 1000000;
+    e.name = strdup(de->d_name);
+    if (!e.name) {
+      rc = ps_seterr(err, PS_ENOMEM, "out of memory listing '%s'", dir);
+      break;
+    }
+    if (out->n == out->cap) {
+      size_t ncap = out->cap ? 2 * out->cap : 16;
+      ckpt_entry *nv = realloc(out->v, ncap * sizeof *nv);
+      if (!nv) {
+        free(e.name);
+        rc = ps_seterr(err, PS_ENOMEM, "out of memory listing '%s'", dir);
+        break;
+      }
+      out->v = nv;
+      out->cap = ncap;
+    }
+    out->v[out->n++] = e;
+  }
+  closedir(d);
+  if (rc != PS_OK) list_free(out);
+  return rc;
+}
+
+/* Shards together, newest version first, then newest file. */
+static int entry_cmp(const void *a, const void *b) {
+  const ckpt_entry *x = a, *y = b;
+  if (x->num_shards != y->num_shards) return x->num_shards < y->num_shards ? -1 : 1;
+  if (x->index != y->index) return x->index < y->index ? -1 : 1;
+  if (x->version != y->version) return x->version > y->version ? -1 : 1;
+  if (x->mtime_ns != y->mtime_ns) return x->mtime_ns > y->mtime_ns ? -1 : 1;
+  return strcmp(x->name, y->name);
+}
+
+/* Why a valid checkpoint does not fit what src asks for (into why,
+ * PS_ERRLEN), or 0 when it fits. want_slots < 0: any number. */
+static int mismatch(const ps_ckpt_source *src, const ps_ckpt_meta *m, int n_slots,
+                    const ckpt_entry *e, int want_slots, char *why) {
+  if (strcmp(m->job_id, src->job_id) != 0)
+    return ps_seterr(why, 1, "written by job '%s', not '%.64s'", m->job_id, src->job_id);
+  if (m->P != src->P)
+    return ps_seterr(why, 1, "for a model of P=%zu values, this job's has P=%zu", m->P, src->P);
+  if (m->index != e->index || m->num_shards != e->num_shards)
+    return ps_seterr(why, 1, "its header says shard %d of %d, its name shard %d of %d: renamed?",
+                     m->index, m->num_shards, e->index, e->num_shards);
+  if (src->optimizer && strcmp(m->optimizer, src->optimizer) != 0)
+    return ps_seterr(why, 1, "holds the slots of optimizer '%s', the job uses '%.16s'",
+                     m->optimizer, src->optimizer);
+  if (want_slots >= 0 && n_slots != want_slots)
+    return ps_seterr(why, 1, "holds %d optimizer slots, %d wanted", n_slots, want_slots);
+  return 0;
+}
+
+/* Reads entry e completely and checks that it fits; on failure notes why
+ * (WARN) and returns non-zero with the reason in why. */
+static int read_entry(const ps_ckpt_source *src, const ckpt_entry *e, int want_slots,
+                      ps_ckpt *out, char *path, char *why) {
+  int rc = join_path(path, src->dir, e->name, why);
+  if (rc == PS_OK) rc = ps_ckpt_read(path, out, why);
+  if (rc != PS_OK) {
+    note(src, PS_LOG_WARN, "skipping checkpoint: %s", why);
+    return rc;
+  }
+  char reason[PS_ERRLEN];
+  if (mismatch(src, &out->meta, out->n_slots, e, want_slots, reason)) {
+    ps_seterr(why, PS_EINVAL, "'%s': %s", path, reason);
+    note(src, PS_LOG_WARN, "skipping checkpoint '%s': %s", path, reason);
+    ps_ckpt_free(out);
+    return PS_EINVAL;
+  }
+  return PS_OK;
+}
+
+static int check_source(const ps_ckpt_source *src, char *err) {
+  if (!src || !src->dir || !src->job_id)
+    return ps_seterr(err, PS_EINVAL, "checkpoint search: no directory or job id given");
+  return PS_OK;
+}
+
+int ps_ckpt_find_latest(const ps_ckpt_source *src, int index, int num_shards, ps_ckpt *out,
+                        char *used_path, char *err) {
+  if (out) memset(out, 0, sizeof *out);
+  int rc = check_source(src, err);
+  if (rc) return rc;
+  if (!out || num_shards < 1 || index < 0 || index >= num_shards)
+    return ps_seterr(err, PS_EINVAL, "checkpoint search: shard index %d invalid for %d shards",
+                     index, num_shards);
+  ckpt_list l;
+  if ((rc = list_dir(src->dir, index, num_shards, &l, err))) return rc;
+  if (l.n == 0) {
+    list_free(&l);
+    return ps_seterr(err, PS_ENOTFOUND, "no checkpoint of shard %d of %d in '%s'", index,
+                     num_shards, src->dir);
+  }
+  qsort(l.v, l.n, sizeof *l.v, entry_cmp);
+  char path[PS_CKPT_PATHLEN], why[PS_ERRLEN] = "";
+  rc = PS_EINVAL;
+  size_t i;
+  for (i = 0; i < l.n; i++) {
+    if (read_entry(src, &l.v[i], -1, out, path, why) == PS_OK) {
+      rc = PS_OK;
+      break;
+    }
+  }
+  if (rc == PS_OK) {
+    if (i > 0)
+      note(src, PS_LOG_WARN,
+           "restoring shard %d of %d from the older checkpoint '%s' (version %" PRIu64
+           "): %zu newer one%s skipped",
+           index, num_shards, path, out->meta.version, i, i == 1 ? "" : "s");
+    else
+      note(src, PS_LOG_INFO, "restoring shard %d of %d from '%s' (version %" PRIu64 ")", index,
+           num_shards, path, out->meta.version);
+    if (used_path) snprintf(used_path, PS_CKPT_PATHLEN, "%s", path);
+  } else {
+    ps_seterr(err, PS_EINVAL,
+              "none of the %zu checkpoints of shard %d of %d in '%s' is usable; the last: %s",
+              l.n, index, num_shards, src->dir, why);
+  }
+  list_free(&l);
+  return rc;
+}
+
+/* The checkpoints written with one number of shards. */
+typedef struct {
+  int num_shards;
+  size_t first, count; /* entries [first, first+count) of the sorted list */
+  int complete;        /* every shard has at least one file */
+  int64_t time_ms;     /* the oldest of the shards' newest write times */
+} ckpt_set;
+
+static int set_cmp(const void *a, const void *b) {
+  const ckpt_set *x = a, *y = b;
+  if (x->complete != y->complete) return x->complete ? -1 : 1;
+  if (x->time_ms != y->time_ms) return x->time_ms > y->time_ms ? -1 : 1;
+  return x->num_shards < y->num_shards ? -1 : x->num_shards > y->num_shards;
+}
+
+typedef struct {
+  const ps_ckpt_source *src;
+  const ckpt_list *l;
+  size_t begin, end;
+  float *params;
+  float *const *slots;
+  int n_slots, want_extra;
+} load_job;
+
+/* Fills the range from one set, or says why it cannot (into why). */
+static int load_from_set(const load_job *j, const ckpt_set *set, ps_ckpt_restored *out,
+                         char *why) {
+  const ckpt_entry *v = j->l->v + set->first;
+  size_t at = 0, covered = 0, prev_end = 0;
+  int first_missing = -1;
+  for (int i = 0; i < set->num_shards; i++) {
+    size_t run = 0;
+    while (at + run < set->count && v[at + run].index == i) run++;
+    const ckpt_entry *e = v + at;
+    at += run;
+    if (run == 0) {
+      if (first_missing < 0) first_missing = i;
+      if (i == 0 && j->want_extra)
+        return ps_seterr(why, PS_EINVAL, "no checkpoint of shard 0, which holds the extra state");
+      continue;
+    }
+    int overlaps = e->begin < j->end && j->begin < e->end;
+    if (!overlaps && !(i == 0 && j->want_extra)) continue;
+    ps_ckpt ck;
+    char path[PS_CKPT_PATHLEN], reason[PS_ERRLEN] = "";
+    size_t r;
+    for (r = 0; r < run; r++)
+      if (read_entry(j->src, &e[r], j->n_slots > 0 ? j->n_slots : -1, &ck, path, reason) ==
+          PS_OK)
+        break;
+    if (r == run)
+      return ps_seterr(why, PS_EINVAL, "no valid checkpoint of shard %d (%zu tried; last: %s)", i,
+                       run, reason);
+    size_t lo = ck.meta.begin > j->begin ? ck.meta.begin : j->begin;
+    size_t hi = ck.meta.end < j->end ? ck.meta.end : j->end;
+    if (lo < hi) {
+      if (lo < prev_end) {
+        ps_seterr(why, PS_EINVAL, "'%s' holds [%zu, %zu), overlapping the shard before it",
+                  path, ck.meta.begin, ck.meta.end);
+        ps_ckpt_free(&ck);
+        return PS_EINVAL;
+      }
+      size_t off = lo - ck.meta.begin, len = hi - lo;
+      memcpy(j->params + (lo - j->begin), ck.params + off, len * sizeof(float));
+      for (int k = 0; k < j->n_slots; k++)
+        memcpy(j->slots[k] + (lo - j->begin), ck.slots[k] + off, len * sizeof(float));
+      covered += len;
+      prev_end = hi;
+      note(j->src, r > 0 ? PS_LOG_WARN : PS_LOG_INFO,
+           "restoring [%zu, %zu) from '%s' (shard %d of %d, version %" PRIu64 "%s)", lo, hi, path,
+           i, set->num_shards, ck.meta.version, r > 0 ? ", an older one: newer ones are bad" : "");
+    } else {
+      note(j->src, PS_LOG_INFO,
+           "reading the extra state from '%s' (shard 0 of %d, version %" PRIu64 ")", path,
+           set->num_shards, ck.meta.version);
+    }
+    if (i == 0 && j->want_extra && ck.extra_len > 0) {
+      out->extra = ck.extra; /* moved out of ck */
+      out->extra_len = ck.extra_len;
+      ck.extra = NULL;
+    }
+    if (ck.meta.version > out->version) out->version = ck.meta.version;
+    out->files_used++;
+    ps_ckpt_free(&ck);
+  }
+  if (covered != j->end - j->begin) {
+    if (first_missing >= 0)
+      return ps_seterr(why, PS_EINVAL,
+                       "they cover %zu of the %zu values of [%zu, %zu): no checkpoint of shard %d",
+                       covered, j->end - j->begin, j->begin, j->end, first_missing);
+    return ps_seterr(why, PS_EINVAL, "they cover only %zu of the %zu values of [%zu, %zu)",
+                     covered, j->end - j->begin, j->begin, j->end);
+  }
+  out->num_shards = set->num_shards;
+  return PS_OK;
+}
+
+int ps_ckpt_load_range(const ps_ckpt_source *src, size_t begin, size_t end, float *params,
+                       float *const *slots, int n_slots, int want_extra, ps_ckpt_restored *out,
+                       char *err) {
+  if (out) memset(out, 0, sizeof *out);
+  int rc = check_source(src, err);
+  if (rc) return rc;
+  if (!out) return ps_seterr(err, PS_EINVAL, "checkpoint restore: no result given");
+  if (begin > end || end > src->P)
+    return ps_seterr(err, PS_ERANGE, "checkpoint restore: range [%zu, %zu) not inside [0, %zu)",
+                     begin, end, src->P);
+  if (n_slots < 0 || n_slots > PS_CKPT_MAX_SLOTS || (n_slots > 0 && !slots) ||
+      (end > begin && !params))
+    return ps_seterr(err, PS_EINVAL, "checkpoint restore: %d slots, or no arrays given",
+                     n_slots);
+  for (int k = 0; k < n_slots; k++)
+    if (end > begin && !slots[k])
+      return ps_seterr(err, PS_EINVAL, "checkpoint restore: slot %d not given", k);
+
+  ckpt_list l;
+  if ((rc = list_dir(src->dir, -1, 0, &l, err))) return rc;
+  /* Peek at every header: files of other jobs and sizes are dropped here,
+   * and the ranges and write times are needed to choose. */
+  size_t kept = 0, seen = l.n;
+  for (size_t i = 0; i < l.n; i++) {
+    ckpt_entry *e = &l.v[i];
+    char path[PS_CKPT_PATHLEN], why[PS_ERRLEN];
+    ps_ckpt_meta m;
+    int k;
+    if (join_path(path, src->dir, e->name, why) != PS_OK ||
+        ps_ckpt_read_header(path, &m, &k, NULL, why) != PS_OK) {
+      note(src, PS_LOG_WARN, "skipping checkpoint: %s", why);
+      free(e->name);
+      continue;
+    }
+    if (mismatch(src, &m, k, e, n_slots > 0 ? n_slots : -1, why)) {
+      note(src, PS_LOG_WARN, "skipping checkpoint '%s': %s", path, why);
+      free(e->name);
+      continue;
+    }
+    e->version = m.version;
+    e->written_ms = m.written_ms;
+    e->begin = m.begin;
+    e->end = m.end;
+    l.v[kept++] = *e;
+  }
+  l.n = kept;
+  if (l.n == 0) {
+    list_free(&l);
+    if (seen == 0)
+      return ps_seterr(err, PS_ENOTFOUND, "no checkpoints in '%s'", src->dir);
+    return ps_seterr(err, PS_ENOTFOUND,
+                     "none of the %zu checkpoints in '%s' is of job '%.64s' with P=%zu", seen,
+                     src->dir, src->job_id, src->P);
+  }
+  qsort(l.v, l.n, sizeof *l.v, entry_cmp);
+
+  /* Group by number of shards. */
+  ckpt_set *sets = calloc(l.n, sizeof *sets);
+  if (!sets) {
+    list_free(&l);
+    return ps_seterr(err, PS_ENOMEM, "out of memory choosing checkpoints");
+  }
+  size_t n_sets = 0;
+  for (size_t i = 0; i < l.n;) {
+    ckpt_set *s = &sets[n_sets++];
+    s->num_shards = l.v[i].num_shards;
+    s->first = i;
+    s->time_ms = INT64_MAX;
+    int shards_seen = 0;
+    while (i < l.n && l.v[i].num_shards == s->num_shards) {
+      int64_t newest = INT64_MIN;
+      int idx = l.v[i].index;
+      for (; i < l.n && l.v[i].num_shards == s->num_shards && l.v[i].index == idx; i++)
+        if (l.v[i].written_ms > newest) newest = l.v[i].written_ms;
+      if (newest < s->time_ms) s->time_ms = newest;
+      shards_seen++;
+    }
+    s->count = i - s->first;
+    s->complete = shards_seen == s->num_shards;
+  }
+  qsort(sets, n_sets, sizeof *sets, set_cmp);
+
+  load_job job = {src, &l, begin, end, params, slots, n_slots, want_extra};
+  char why[PS_ERRLEN] = "";
+  rc = PS_EINVAL;
+  for (size_t s = 0; s < n_sets; s++) {
+    memset(out, 0, sizeof *out);
+    if (load_from_set(&job, &sets[s], out, why) == PS_OK) {
+      rc = PS_OK;
+      note(src, sets[s].complete ? PS_LOG_INFO : PS_LOG_WARN,
+           "restored [%zu, %zu) from %d file%s of the %s%d-shard checkpoints in '%s', version %" PRIu64,
+           begin, end, out->files_used, out->files_used == 1 ? "" : "s",
+           sets[s].complete ? "" : "incomplete ", sets[s].num_shards, src->dir, out->version);
+      break;
+    }
+    free(out->extra);
+    memset(out, 0, sizeof *out);
+    note(src, PS_LOG_WARN, "cannot restore [%zu, %zu) from the %d-shard checkpoints in '%s': %s",
+         begin, end, sets[s].num_shards, src->dir, why);
+  }
+  if (rc != PS_OK)
+    ps_seterr(err, PS_EINVAL,
+              "no set of checkpoints in '%s' can restore [%zu, %zu) (%zu set%s tried); the last: "
+              "%s",
+              src->dir, begin, end, n_sets, n_sets == 1 ? "" : "s", why);
+  free(sets);
+  list_free(&l);
+  return rc;
+}
+
+/* ---------------------------------------------------------------- export */
+
+int ps_npy_write(const char *path, const float *data, const size_t *shape, int ndim, char *err) {
+  if (!path || ndim < 0 || ndim > 8 || (ndim > 0 && !shape))
+    return ps_seterr(err, PS_EINVAL, "npy: bad arguments");
+  /* The header text as NumPy writes it: a Python dict literal, then spaces
+   * and '\n' up to a multiple of 64 bytes counted from the file's start. */
+  char hdr[512];
+  int len = snprintf(hdr, sizeof hdr, "{'descr': '<f4', 'fortran_order': False, 'shape': (");
+  size_t count = 1;
+  for (int i = 0; i < ndim; i++) {
+    if (shape[i] != 0 && count > SIZE_MAX / sizeof(float) / shape[i])
+      return ps_seterr(err, PS_EINVAL, "npy '%s': shape too large", path);
+    count *= shape[i];
+    len += snprintf(hdr + len, sizeof hdr - (size_t)len, i ? ", %zu" : "%zu", shape[i]);
+  }
+  len += snprintf(hdr + len, sizeof hdr - (size_t)len, "%s), }", ndim == 1 ? "," : "");
+  const int prefix = 10; /* magic (6), version (2), header length (2) */
+  int total = prefix + len + 1;
+  int pad = (64 - total % 64) % 64;
+  memset(hdr + len, ' ', (size_t)pad);
+  len += pad;
+  hdr[len++] = '\n';
+  if (count > 0 && !data) return ps_seterr(err, PS_EINVAL, "npy '%s': no data given", path);
+
+  uint8_t pre[10] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0, 0, 0};
+  pre[8] = (uint8_t)(len & 0xff);
+  pre[9] = (uint8_t)(len >> 8);
+  char tmp[PS_CKPT_PATHLEN];
+  int fd = open_temp(path, tmp, err);
+  if (fd < 0) return fd;
+  int e = write_all(fd, pre, sizeof pre);
+  if (!e) e = write_all(fd, hdr, (size_t)len);
+  if (!e && count) e = write_all(fd, data, count * sizeof(float));
+  if (e) {
+    close(fd);
+    unlink(tmp);
+    return ps_seterr(err, PS_EIO, "cannot write '%s': %s", tmp, strerror(e));
+  }
+  return commit_temp(fd, tmp, path, err);
+}
+
+static int export_tensor(const char *out_dir, const char *layer, const char *suffix,
+                         const float *data, const size_t *shape, int ndim, size_t count,
+                         int *files, char *err) {
+  size_t prod = 1;
+  for (int i = 0; i < ndim; i++) prod *= shape[i];
+  if (prod != count)
+    return ps_seterr(err, PS_EINVAL, "%s: shape holds %zu values, the layout %zu", layer, prod,
+                     count);
+  char name[64], path[PS_CKPT_PATHLEN];
+  snprintf(name, sizeof name, "%s.%s.npy", layer, suffix);
+  int rc = join_path(path, out_dir, name, err);
+  if (rc == PS_OK) rc = ps_npy_write(path, data, shape, ndim, err);
+  if (rc == PS_OK && files) (*files)++;
+  return rc;
+}
+
+int ps_ckpt_export_npy(const ps_model_spec *spec, const float *params, const char *out_dir,
+                       int *files_written, char *err) {
+  if (files_written) *files_written = 0;
+  if (!spec || !out_dir || (spec->n_params > 0 && !params))
+    return ps_seterr(err, PS_EINVAL, "export: no model, parameters or directory given");
+  if (mkdir(out_dir, 0777) != 0) {
+    struct stat st;
+    if (errno != EEXIST || stat(out_dir, &st) != 0 || !S_ISDIR(st.st_mode))
+      return ps_seterr(err, PS_EIO, "cannot create directory '%s': %s", out_dir,
+                       errno == EEXIST ? "a file of that name exists" : strerror(errno));
+  }
+  for (int i = 0; i < spec->n_layers; i++) {
+    const ps_layer *L = &spec->layers[i];
+    if (L->w_count == 0 && L->b_count == 0) continue;
+    if (L->w_off > spec->n_params || L->w_count > spec->n_params - L->w_off ||
+        L->b_off > spec->n_params || L->b_count > spec->n_params - L->b_off)
+      return ps_seterr(err, PS_EINVAL, "export: %s lies outside the %zu parameters", L->name,
+                       spec->n_params);
+    size_t wshape[4], bshape[1] = {L->b_count};
+    int wdim;
+    if (L->type == PS_LAYER_CONV2D) {
+      wshape[0] = (size_t)L->filters;
+      wshape[1] = (size_t)L->in_c;
+      wshape[2] = wshape[3] = (size_t)L->kernel;
+      wdim = 4;
+    } else if (L->type == PS_LAYER_DENSE) {
+      wshape[0] = (size_t)L->units;
+      wshape[1] = (size_t)L->in_c * (size_t)L->in_h * (size_t)L->in_w;
+      wdim = 2;
+    } else {
+      wshape[0] = L->w_count;
+      wdim = 1;
+    }
+    int rc;
+    if (L->w_count && (rc = export_tensor(out_dir, L->name, "w", params + L->w_off, wshape,
+                                          wdim, L->w_count, files_written, err)))
+      return rc;
+    if (L->b_count && (rc = export_tensor(out_dir, L->name, "b", params + L->b_off, bshape, 1,
+                                          L->b_count, files_written, err)))
+      return rc;
+  }
+  return fsync_dir(out_dir, err);
+}

@@ -1,0 +1,195 @@
+/* Shard checkpoints: one file per shard and version, written atomically,
+ * verified completely when read, and restorable onto any number of shards;
+ * and the export of a whole model as NumPy .npy files (ps-export).
+ *
+ * File name: <dir>/shard-<index>-of-<S>-v<version>.ckpt
+ *
+ * Layout (format version 1; integers little-endian, floats IEEE float32
+ * little-endian; n = end - begin; E = extra_len; T = total bytes):
+ *
+ *   offset      bytes   field
+ *   0           8       magic "PSCKPT\0\1"
+ *   8           4       u32 format version (1)
+ *   12          4       u32 header bytes (192)
+ *   16          4       i32 shard index
+ *   20          4       i32 number of shards S
+ *   24          8       u64 P, the model's parameter count
+ *   32          8       u64 begin  } the flat range [begin, end) of the
+ *   40          8       u64 end    } parameter vector held here
+ *   48          8       u64 shard version (updates applied)
+ *   56          8       i64 written at, Unix time in milliseconds
+ *   64          4       u32 number of optimizer slots K (<= PS_CKPT_MAX_SLOTS)
+ *   68          4       u32 reserved, 0
+ *   72          8       u64 E, length of the extra blob
+ *   80          16      optimizer name, NUL-padded (at most 15 characters)
+ *   96          64      job id, NUL-padded (at most 63 characters)
+ *   160         28      reserved, 0
+ *   188         4       u32 CRC-32C of bytes [0, 188): the header alone
+ *   192         E       extra blob (opaque; shard 0 keeps its data leases here)
+ *   192+E       4n      parameters [begin, end)
+ *   192+E+4n    4n*K    slot 0, slot 1, ... (each n values)
+ *   T-4         4       u32 CRC-32C of bytes [0, T-4): everything before it
+ *   T = 192 + E + 4n(1 + K) + 4
+ *
+ * The header has a checksum of its own so that a damaged size field is
+ * reported as damage, not as a truncated file, before any size in it is
+ * trusted.
+ *
+ * Nothing here keeps state between calls: every function may be called from
+ * any thread, on different directories or files. Functions return 0 or a
+ * negative PS_E* code (common/util.h) with a message in err (NULL or
+ * PS_ERRLEN bytes). */
+#ifndef PS_PS_CHECKPOINT_H
+#define PS_PS_CHECKPOINT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../common/model_spec.h"
+#include "../common/util.h"
+
+#define PS_CKPT_FORMAT_VERSION 1
+#define PS_CKPT_HEADER_BYTES 192
+#define PS_CKPT_MAX_SLOTS 8
+/* Size of the path buffers (path_out, used_path). */
+#define PS_CKPT_PATHLEN 4096
+
+typedef struct {
+  int index, num_shards; /* shard index of S */
+  size_t P;              /* model size */
+  size_t begin, end;     /* range held: [begin, end) */
+  uint64_t version;      /* updates applied to the shard */
+  int64_t written_ms;    /* Unix ms; set by ps_ckpt_write, ignored on input */
+  char optimizer[16];    /* "adam", ... */
+  char job_id[64];
+} ps_ckpt_meta;
+
+/* One shard's state. On write the pointers are borrowed from the caller; on
+ * read they are allocated and released by ps_ckpt_free. */
+typedef struct {
+  ps_ckpt_meta meta;
+  float *params;                   /* (end - begin) */
+  float *slots[PS_CKPT_MAX_SLOTS]; /* n_slots arrays of (end - begin) */
+  int n_slots;
+  void *extra; /* extra_len opaque bytes; NULL when extra_len is 0 */
+  size_t extra_len;
+} ps_ckpt;
+
+/* Releases what ps_ckpt_read (or find_latest) allocated and zeroes *c.
+ * Safe on a zeroed or already freed struct. */
+void ps_ckpt_free(ps_ckpt *c);
+
+/* Writes ck as dir/shard-<index>-of-<S>-v<version>.ckpt: into a temporary
+ * file in dir, fsync, rename over the final name, fsync dir. Then deletes
+ * older checkpoints of the same shard (same index, same S, same job id, a
+ * lower version) so that the newest `keep` remain, this one included;
+ * keep = 0 deletes nothing. Files of a higher version than this one (left
+ * by an earlier run) are not touched; a failed deletion is logged, not
+ * returned. The path written goes to path_out (NULL or PS_CKPT_PATHLEN
+ * bytes). The write time stored is the clock's now (ck->meta.written_ms is
+ * ignored).
+ * Errors: PS_EINVAL (inconsistent meta: index >= S, begin > end > P, names
+ * too long, n_slots out of range, NULL arrays), PS_EIO (any system call),
+ * with nothing changed in dir: no temporary file is left and the earlier
+ * checkpoints are as they were. (If only the final fsync of the directory
+ * fails, the new file is in place but may not survive a crash.) */
+int ps_ckpt_write(const char *dir, const ps_ckpt *ck, int keep, char *path_out, char *err);
+
+/* Reads path completely and verifies it: magic, header checksum, format
+ * version, field consistency, sizes against the file's length, checksum of
+ * the whole. On success *out owns the arrays (ps_ckpt_free). On error *out
+ * is zeroed, and the message names the file, the problem and a hint:
+ * PS_EPROTO (bad magic, unknown format version), PS_EINVAL (checksum
+ * mismatch, inconsistent header, length differs), PS_EIO, PS_ENOMEM. */
+int ps_ckpt_read(const char *path, ps_ckpt *out, char *err);
+
+/* Reads and verifies only the header (192 bytes) and checks the sizes
+ * against the file's length; the body is not read, so its checksum is not
+ * verified. For listing. *extra_len and *n_slots may be NULL. */
+int ps_ckpt_read_header(const char *path, ps_ckpt_meta *meta, int *n_slots, size_t *extra_len,
+                        char *err);
+
+/* Notes from the search functions: a checkpoint skipped and why (WARN), or
+ * which files were used (INFO). level is PS_LOG_INFO or PS_LOG_WARN. */
+typedef void (*ps_ckpt_note_fn)(int level, const char *msg, void *user);
+
+/* Where to look and what to accept. */
+typedef struct {
+  const char *dir;
+  const char *job_id;    /* checkpoints of other jobs are skipped */
+  size_t P;              /* and those of another model size */
+  const char *optimizer; /* NULL: any; else others are skipped */
+  ps_ckpt_note_fn note;  /* NULL: notes go to ps_log */
+  void *note_user;
+} ps_ckpt_source;
+
+/* The newest valid checkpoint of shard `index` of `num_shards` in src->dir:
+ * candidates by version from the file name, newest first (equal versions:
+ * newest mtime first); each one that is corrupt or belongs to another job,
+ * another P, another optimizer, or whose header names another shard, is
+ * skipped with a WARN note, and the next older one is tried. The one used
+ * is named in an INFO note (and in used_path, NULL or PS_CKPT_PATHLEN
+ * bytes). *out owns its arrays (ps_ckpt_free).
+ * Errors: PS_ENOTFOUND when dir has no checkpoint file of that shard at all
+ * (or does not exist): a fresh start; PS_EINVAL when there are some but none
+ * is usable (the message counts them and gives the last reason): the caller
+ * should not silently start afresh; PS_EIO, PS_ENOMEM. */
+int ps_ckpt_find_latest(const ps_ckpt_source *src, int index, int num_shards, ps_ckpt *out,
+                        char *used_path, char *err);
+
+/* What ps_ckpt_load_range restored. */
+typedef struct {
+  uint64_t version; /* the maximum version of the files read (0 if none) */
+  int num_shards;   /* S' of the set of checkpoints used */
+  int files_used;
+  void *extra; /* with want_extra: a copy of the set's shard 0 extra blob
+                  (malloc'd, caller frees; NULL if it was empty) */
+  size_t extra_len;
+} ps_ckpt_restored;
+
+/* Fills params[0 .. end-begin) (and slots[k][0 .. end-begin) for k <
+ * n_slots; n_slots 0 and slots NULL for the parameters only) with the
+ * global range [begin, end) from the checkpoints in src->dir, whatever the
+ * number of shards S' they were written with (resharding).
+ *
+ * Sets: the checkpoint files are grouped by S'. A set is usable for the
+ * range when each of its shards that overlaps [begin, end) (and shard 0,
+ * with want_extra) has a valid checkpoint; for each shard the newest valid
+ * one is used, falling back to older versions of that shard (WARN note).
+ * Complete sets (a checkpoint for every one of the S' shards) are tried
+ * first, then incomplete ones; within each, the most recent first: a set's
+ * time is the oldest among its shards' newest write times. When n_slots >
+ * 0, a checkpoint must hold exactly n_slots slots. The files used are
+ * named in INFO notes.
+ *
+ * Version: each shard counts its own updates, so versions of different
+ * shards are not comparable; the maximum is returned so that a version
+ * never goes backwards for any value restored.
+ *
+ * Errors: PS_ENOTFOUND when no checkpoint of this job and P is in dir;
+ * PS_EINVAL when none of the sets can fill the range (the message says
+ * why for the last one tried); PS_EIO, PS_ENOMEM. On error the contents of
+ * params and slots are unspecified and out->extra is NULL. */
+int ps_ckpt_load_range(const ps_ckpt_source *src, size_t begin, size_t end, float *params,
+                       float *const *slots, int n_slots, int want_extra, ps_ckpt_restored *out,
+                       char *err);
+
+/* ---------------------------------------------------------------- export */
+
+/* Writes a NumPy .npy file (format 1.0, '<f4', C order) of the values
+ * data[0 .. prod(shape)) with shape[0 .. ndim) (ndim 0..8): through a
+ * temporary file, fsynced and renamed into place. The header is padded
+ * with spaces and ends with '\n' so that magic + header is a multiple of 64
+ * bytes. PS_EINVAL, PS_EIO. */
+int ps_npy_write(const char *path, const float *data, const size_t *shape, int ndim, char *err);
+
+/* Writes one .npy file per parameter tensor of the model into out_dir
+ * (created if missing; its parent must exist): "<layer>.w.npy" with shape
+ * (OC, IC, KH, KW) for conv2d and (OUT, IN) for dense, "<layer>.b.npy"
+ * with shape (OC) or (OUT). params holds the whole vector [0, P). The
+ * directory is fsynced at the end. *files_written (may be NULL) counts the
+ * files written. PS_EINVAL, PS_EIO. */
+int ps_ckpt_export_npy(const ps_model_spec *spec, const float *params, const char *out_dir,
+                       int *files_written, char *err);
+
+#endif

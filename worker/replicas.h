@@ -1,0 +1,60 @@
+/* Mirrored replicas inside one worker (CPU): R copies of the model, each on
+ * its own thread with its own CPU backend, activations and gradient buffer,
+ * run on contiguous slices of one batch; their gradients are combined into
+ * the gradient of the whole batch's mean loss before the push.
+ *
+ * Threads. R persistent threads, started by ps_replicas_create, wait for a
+ * step; the caller of ps_replicas_train_step sleeps until all are done.
+ * Each replica's backend is ps_ops_cpu_create(1): it computes in its own
+ * thread, and OpenBLAS is set (process-wide) to one thread, so R sgemm
+ * calls run at once, each in the thread that makes it. That is safe with
+ * Debian's OpenBLAS 0.3.21 (pthread variant, libopenblas0-pthread): with one
+ * BLAS thread an sgemm runs in its caller on a buffer of its own from
+ * OpenBLAS's locked buffer pool; with more than one, concurrent level-3
+ * calls from several threads would be serialised on OpenBLAS's own thread
+ * server. Anything else in the process that wants a multi-threaded OpenBLAS
+ * must not run while replicas compute.
+ *
+ * One ps_replicas is driven by one thread at a time. */
+#ifndef PS_WORKER_REPLICAS_H
+#define PS_WORKER_REPLICAS_H
+
+#include <stdint.h>
+
+#include "../common/model_spec.h"
+
+typedef struct ps_replicas ps_replicas;
+
+/* R >= 1 replicas of the model for batches of up to max_batch >= 1 examples
+ * (each replica holds activations for ceil(max_batch / R) of them). NULL
+ * with a message in err (may be NULL) on a bad argument or when memory or a
+ * thread cannot be had; nothing is left running then. spec is copied. */
+ps_replicas *ps_replicas_create(const ps_model_spec *spec, int R, int max_batch, char *err);
+
+/* Stops and joins the threads and frees everything. NULL is a no-op. */
+void ps_replicas_destroy(ps_replicas *r);
+
+/* The number of replicas. */
+int ps_replicas_count(const ps_replicas *r);
+
+/* The contract of ps_model_train_step: one training step on n examples
+ * x (n, c*h*w) with labels y; grads (P floats, overwritten) receives the
+ * gradient of the mean loss over the n examples; returns the mean loss;
+ * *correct (may be NULL) receives the number of examples classified right.
+ *
+ * The batch is cut into R contiguous slices whose sizes differ by at most
+ * one, the first n % R one larger (a replica with no examples does
+ * nothing); replica r runs ps_model_train_step on its slice with dropout
+ * stream step*R + r (deterministic, and distinct across replicas and
+ * steps), and the result is sum_r (n_r/n) * grad_r, each thread summing a
+ * contiguous 1/R of the P values. With R == 1 this is ps_model_train_step
+ * itself, bit for bit. With R > 1 and no dropout the result equals R == 1's
+ * up to the order of float summation; with dropout the masks differ.
+ *
+ * n == 0: grads are zeroed, *correct = 0, and 0 is returned. n < 0 or
+ * n > max_batch: NAN is returned and grads are unaltered. */
+float ps_replicas_train_step(ps_replicas *r, const float *params, const float *x,
+                             const uint8_t *y, int n, uint64_t seed, uint64_t step, float *grads,
+                             int *correct);
+
+#endif
