@@ -698,11 +698,12 @@ static int entry_cmp(const void *a, const void *b) {
 }
 
 /* Why a valid checkpoint does not fit what src asks for (into why,
- * PS_ERRLEN), or 0 when it fits. want_slots < 0: any number. */
+ * PS_ERRLEN): 2 when it belongs to another job, 1 for any other reason, 0
+ * when it fits. want_slots < 0: any number. */
 static int mismatch(const ps_ckpt_source *src, const ps_ckpt_meta *m, int n_slots,
                     const ckpt_entry *e, int want_slots, char *why) {
   if (strcmp(m->job_id, src->job_id) != 0)
-    return ps_seterr(why, 1, "written by job '%s', not '%.64s'", m->job_id, src->job_id);
+    return ps_seterr(why, 2, "written by job '%s', not '%.64s'", m->job_id, src->job_id);
   if (m->P != src->P)
     return ps_seterr(why, 1, "for a model of P=%zu values, this job's has P=%zu", m->P, src->P);
   if (m->index != e->index || m->num_shards != e->num_shards)
@@ -717,7 +718,8 @@ static int mismatch(const ps_ckpt_source *src, const ps_ckpt_meta *m, int n_slot
 }
 
 /* Reads entry e completely and checks that it fits; on failure notes why
- * (WARN) and returns non-zero with the reason in why. */
+ * (WARN) and returns non-zero with the reason in why: PS_ENOTFOUND when the
+ * file is another job's. */
 static int read_entry(const ps_ckpt_source *src, const ckpt_entry *e, int want_slots,
                       ps_ckpt *out, char *path, char *why) {
   int rc = join_path(path, src->dir, e->name, why);
@@ -727,11 +729,12 @@ static int read_entry(const ps_ckpt_source *src, const ckpt_entry *e, int want_s
     return rc;
   }
   char reason[PS_ERRLEN];
-  if (mismatch(src, &out->meta, out->n_slots, e, want_slots, reason)) {
+  int bad = mismatch(src, &out->meta, out->n_slots, e, want_slots, reason);
+  if (bad) {
     ps_seterr(why, PS_EINVAL, "'%s': %s", path, reason);
     note(src, PS_LOG_WARN, "skipping checkpoint '%s': %s", path, reason);
     ps_ckpt_free(out);
-    return PS_EINVAL;
+    return bad == 2 ? PS_ENOTFOUND : PS_EINVAL;
   }
   return PS_OK;
 }
@@ -760,12 +763,14 @@ int ps_ckpt_find_latest(const ps_ckpt_source *src, int index, int num_shards, ps
   qsort(l.v, l.n, sizeof *l.v, entry_cmp);
   char path[PS_CKPT_PATHLEN], why[PS_ERRLEN] = "";
   rc = PS_EINVAL;
-  size_t i;
+  size_t i, others = 0; /* files of other jobs */
   for (i = 0; i < l.n; i++) {
-    if (read_entry(src, &l.v[i], -1, out, path, why) == PS_OK) {
+    int r = read_entry(src, &l.v[i], -1, out, path, why);
+    if (r == PS_OK) {
       rc = PS_OK;
       break;
     }
+    if (r == PS_ENOTFOUND) others++;
   }
   if (rc == PS_OK) {
     if (i > 0)
@@ -777,6 +782,10 @@ int ps_ckpt_find_latest(const ps_ckpt_source *src, int index, int num_shards, ps
       note(src, PS_LOG_INFO, "restoring shard %d of %d from '%s' (version %" PRIu64 ")", index,
            num_shards, path, out->meta.version);
     if (used_path) snprintf(used_path, PS_CKPT_PATHLEN, "%s", path);
+  } else if (others == l.n) {
+    /* Another job's files in a shared directory do not stop a fresh start. */
+    rc = ps_seterr(err, PS_ENOTFOUND, "no checkpoint of job '%.64s', shard %d of %d, in '%s'",
+                   src->job_id, index, num_shards, src->dir);
   } else {
     ps_seterr(err, PS_EINVAL,
               "none of the %zu checkpoints of shard %d of %d in '%s' is usable; the last: %s",
@@ -905,7 +914,7 @@ int ps_ckpt_load_range(const ps_ckpt_source *src, size_t begin, size_t end, floa
   if ((rc = list_dir(src->dir, -1, 0, &l, err))) return rc;
   /* Peek at every header: files of other jobs and sizes are dropped here,
    * and the ranges and write times are needed to choose. */
-  size_t kept = 0, seen = l.n;
+  size_t kept = 0, seen = l.n, others = 0;
   for (size_t i = 0; i < l.n; i++) {
     ckpt_entry *e = &l.v[i];
     char path[PS_CKPT_PATHLEN], why[PS_ERRLEN];
@@ -917,8 +926,10 @@ int ps_ckpt_load_range(const ps_ckpt_source *src, size_t begin, size_t end, floa
       free(e->name);
       continue;
     }
-    if (mismatch(src, &m, k, e, n_slots > 0 ? n_slots : -1, why)) {
+    int bad = mismatch(src, &m, k, e, n_slots > 0 ? n_slots : -1, why);
+    if (bad) {
       note(src, PS_LOG_WARN, "skipping checkpoint '%s': %s", path, why);
+      others += bad == 2;
       free(e->name);
       continue;
     }
@@ -931,11 +942,14 @@ int ps_ckpt_load_range(const ps_ckpt_source *src, size_t begin, size_t end, floa
   l.n = kept;
   if (l.n == 0) {
     list_free(&l);
-    if (seen == 0)
-      return ps_seterr(err, PS_ENOTFOUND, "no checkpoints in '%s'", src->dir);
-    return ps_seterr(err, PS_ENOTFOUND,
-                     "none of the %zu checkpoints in '%s' is of job '%.64s' with P=%zu", seen,
-                     src->dir, src->job_id, src->P);
+    if (seen == others)
+      return ps_seterr(err, PS_ENOTFOUND, "no checkpoint of job '%.64s' in '%s'%s", src->job_id,
+                       src->dir, seen ? " (only other jobs')" : "");
+    return ps_seterr(err, PS_EINVAL,
+                     "none of the %zu checkpoints in '%s' fits job '%.64s' (P=%zu%s): see the "
+                     "warnings",
+                     seen, src->dir, src->job_id, src->P,
+                     n_slots > 0 ? ", with the optimizer's slots" : "");
   }
   qsort(l.v, l.n, sizeof *l.v, entry_cmp);
 

@@ -130,10 +130,12 @@ typedef struct {
  * skipped with a WARN note, and the next older one is tried. The one used
  * is named in an INFO note (and in used_path, NULL or PS_CKPT_PATHLEN
  * bytes). *out owns its arrays (ps_ckpt_free).
- * Errors: PS_ENOTFOUND when dir has no checkpoint file of that shard at all
- * (or does not exist): a fresh start; PS_EINVAL when there are some but none
- * is usable (the message counts them and gives the last reason): the caller
- * should not silently start afresh; PS_EIO, PS_ENOMEM. */
+ * Errors: PS_ENOTFOUND when dir (missing: also PS_ENOTFOUND) holds no
+ * checkpoint file of that shard, or only other jobs' ones: a fresh start;
+ * PS_EINVAL when there are some that may be this job's but none is usable
+ * (corrupt, other P, other optimizer; the message counts them and gives the
+ * last reason): the caller should not silently start afresh; PS_EIO,
+ * PS_ENOMEM. */
 int ps_ckpt_find_latest(const ps_ckpt_source *src, int index, int num_shards, ps_ckpt *out,
                         char *used_path, char *err);
 
@@ -166,9 +168,11 @@ typedef struct {
  * shards are not comparable; the maximum is returned so that a version
  * never goes backwards for any value restored.
  *
- * Errors: PS_ENOTFOUND when no checkpoint of this job and P is in dir;
- * PS_EINVAL when none of the sets can fill the range (the message says
- * why for the last one tried); PS_EIO, PS_ENOMEM. On error the contents of
+ * Errors: PS_ENOTFOUND when dir does not exist or holds no checkpoint, or
+ * only other jobs' ones (a fresh start); PS_EINVAL when there are some that
+ * may be this job's but none fits (corrupt headers, other P, other
+ * optimizer or slot count), or when none of the sets can fill the range
+ * (the message says why for the last one tried); PS_EIO, PS_ENOMEM. On error the contents of
  * params and slots are unspecified and out->extra is NULL. */
 int ps_ckpt_load_range(const ps_ckpt_source *src, size_t begin, size_t end, float *params,
                        float *const *slots, int n_slots, int want_extra, ps_ckpt_restored *out,

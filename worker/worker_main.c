@@ -374,7 +374,7 @@ static void usage(FILE *f) {
           "  --epochs N           passes over this worker's share (default: the job's)\n"
           "  --max-steps N        stop after N steps (default: the job's, 0 = no limit)\n"
           "  --data-dir DIR       where the IDX files are (default: the job's)\n"
-          "  --threads N          BLAS threads for compute (default: OpenBLAS's choice)\n"
+          "  --threads N          compute threads (default: the number of cores)\n"
           "  --eval-interval SEC  seconds between evaluations by the chief (default: the\n"
           "                       job's eval_interval_s; 0 = only at the end)\n"
           "  --log-interval SEC   seconds between progress lines (default 5)\n"
@@ -423,6 +423,8 @@ int main(int argc, char **argv) {
   w.eval_interval = -1;
   w.timeout_ms = 30000;
   w.retry_s = 60;
+  w.threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
+  if (w.threads < 1) w.threads = 1;
   int level = PS_LOG_INFO;
   static const struct option opts[] = {
       {"ps", required_argument, 0, 'p'},          {"index", required_argument, 0, 'i'},

@@ -22,6 +22,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <cudnn.h>
+#include <math.h>
 #include <math_constants.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -115,9 +116,9 @@ static void ensure_work(cuda_backend *be, size_t bytes) {
   be->work_bytes = bytes;
 }
 
-/* Two 16-byte aligned regions of at least `floats` each in the staging
- * buffer; region 1 starts right after region 0. */
-static float *stage_regions(cuda_backend *be, size_t floats) {
+/* Two 16-byte aligned regions of `floats` each in the staging buffer,
+ * grown as needed: *w0 for a copy of the weights, *w1 for their gradient. */
+static void stage_regions(cuda_backend *be, size_t floats, float **w0, float **w1) {
   const size_t per = (floats + 63) & ~(size_t)63;
   if (2 * per > be->stage_floats) {
     free_after_stream(be, be->stage);
@@ -126,7 +127,8 @@ static float *stage_regions(cuda_backend *be, size_t floats) {
     CUDA_CHECK(cudaMalloc((void **)&be->stage, 2 * per * sizeof(float)));
     be->stage_floats = 2 * per;
   }
-  return be->stage;
+  *w0 = be->stage;
+  *w1 = be->stage + per;
 }
 
 static bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
@@ -159,14 +161,14 @@ __device__ static inline float rng_uniform(uint64_t key, uint64_t counter) {
  * contracts a*b - c by default), so that those results match bit for bit. */
 
 /* y (planes, plane) += b[plane index % channels] */
-__global__ void bias_add_kernel(size_t total, size_t plane, int channels, const float *b,
+static __global__ void bias_add_kernel(size_t total, size_t plane, int channels, const float *b,
                                 float *y) {
   GRID_STRIDE(i, total) y[i] += b[(i / plane) % (size_t)channels];
 }
 
 /* db[c] = the sum of dy over the n examples and the plane of channel c: one
  * block per channel, a fixed order. */
-__global__ void bias_grad_kernel(int n, int channels, size_t plane, const float *dy, float *db) {
+static __global__ void bias_grad_kernel(int n, int channels, size_t plane, const float *dy, float *db) {
   __shared__ float part[THREADS];
   const int c = blockIdx.x;
   const size_t count = (size_t)n * plane;
@@ -187,7 +189,7 @@ __global__ void bias_grad_kernel(int n, int channels, size_t plane, const float 
 /* As the CPU: the window's taps in row-major order, a later tap replacing
  * the maximum only when greater (ties keep the first; a NaN never wins, and
  * a NaN first tap stays). argmax may be NULL. */
-__global__ void maxpool_forward_kernel(size_t total, int h, int w, int oh, int ow, int size,
+static __global__ void maxpool_forward_kernel(size_t total, int h, int w, int oh, int ow, int size,
                                        int stride, const float *x, float *y, int32_t *argmax) {
   const size_t out_plane = (size_t)oh * ow, in_plane = (size_t)h * w;
   GRID_STRIDE(i, total) {
@@ -215,7 +217,7 @@ __global__ void maxpool_forward_kernel(size_t total, int h, int w, int oh, int o
 /* A gather, one thread per input: the outputs whose window covers the
  * input, in increasing output index (the order in which the CPU adds them
  * into its zeroed plane), that picked it. No atomics, the CPU's sums. */
-__global__ void maxpool_backward_kernel(size_t total, int h, int w, int oh, int ow, int size,
+static __global__ void maxpool_backward_kernel(size_t total, int h, int w, int oh, int ow, int size,
                                         int stride, const float *dy, const int32_t *argmax,
                                         float *dx) {
   const size_t out_plane = (size_t)oh * ow, in_plane = (size_t)h * w;
@@ -240,12 +242,12 @@ __global__ void maxpool_backward_kernel(size_t total, int h, int w, int oh, int 
 }
 
 /* y (n, out) = b, row after row. */
-__global__ void broadcast_rows_kernel(size_t total, int out, const float *b, float *y) {
+static __global__ void broadcast_rows_kernel(size_t total, int out, const float *b, float *y) {
   GRID_STRIDE(i, total) y[i] = b[i % (size_t)out];
 }
 
 /* db[j] = sum over the n rows of dy[i][j], rows in order (as the CPU). */
-__global__ void sum_rows_kernel(int n, int out, const float *dy, float *db) {
+static __global__ void sum_rows_kernel(int n, int out, const float *dy, float *db) {
   GRID_STRIDE(j, out) {
     float sum = 0.0f;
     for (int i = 0; i < n; i++) sum += dy[(size_t)i * out + j];
@@ -253,18 +255,18 @@ __global__ void sum_rows_kernel(int n, int out, const float *dy, float *db) {
   }
 }
 
-__global__ void relu_forward_kernel(size_t n, const float *x, float *y) {
+static __global__ void relu_forward_kernel(size_t n, const float *x, float *y) {
   GRID_STRIDE(i, n) {
     const float v = x[i];
     y[i] = v > 0.0f ? v : 0.0f;
   }
 }
 
-__global__ void relu_backward_kernel(size_t n, const float *y, const float *dy, float *dx) {
+static __global__ void relu_backward_kernel(size_t n, const float *y, const float *dy, float *dx) {
   GRID_STRIDE(i, n) dx[i] = y[i] > 0.0f ? dy[i] : 0.0f;
 }
 
-__global__ void dropout_forward_kernel(size_t n, float rate, float scale, uint64_t key,
+static __global__ void dropout_forward_kernel(size_t n, float rate, float scale, uint64_t key,
                                        const float *x, float *y, float *mask) {
   GRID_STRIDE(i, n) {
     const float keep = rng_uniform(key, i) >= rate ? scale : 0.0f;
@@ -273,7 +275,7 @@ __global__ void dropout_forward_kernel(size_t n, float rate, float scale, uint64
   }
 }
 
-__global__ void dropout_backward_kernel(size_t n, const float *mask, const float *dy, float *dx) {
+static __global__ void dropout_backward_kernel(size_t n, const float *mask, const float *dy, float *dx) {
   GRID_STRIDE(i, n) dx[i] = __fmul_rn(dy[i], mask[i]);
 }
 
@@ -281,7 +283,7 @@ __global__ void dropout_backward_kernel(size_t n, const float *mask, const float
  * row shifted by its maximum (as the CPU, so no overflow and no log(0));
  * NaN if a label is outside [0, k). One block: rows strided over the
  * threads, then a fixed tree, so the sum is the same every run. */
-__global__ void xent_loss_kernel(int n, int k, const float *logits, const uint8_t *labels,
+static __global__ void xent_loss_kernel(int n, int k, const float *logits, const uint8_t *labels,
                                  double *loss) {
   __shared__ double part[THREADS];
   double acc = 0.0;
@@ -305,7 +307,7 @@ __global__ void xent_loss_kernel(int n, int k, const float *logits, const uint8_
 
 /* dlogits = probs * inv_n, minus inv_n at the label: the CPU's two
  * roundings, unfused. */
-__global__ void xent_backward_kernel(size_t total, int k, float inv_n, const float *probs,
+static __global__ void xent_backward_kernel(size_t total, int k, float inv_n, const float *probs,
                                      const uint8_t *labels, float *dlogits) {
   GRID_STRIDE(i, total) {
     float d = __fmul_rn(probs[i], inv_n);
@@ -504,7 +506,8 @@ static void cuda_conv2d_forward(void *ctx, const ps_conv_shape *s, const float *
   }
   const conv_plan *p = conv_plan_get(be, s);
   if (!aligned16(w)) {
-    float *wa = stage_regions(be, conv_w_count(s));
+    float *wa, *unused;
+    stage_regions(be, conv_w_count(s), &wa, &unused);
     CUDA_CHECK(cudaMemcpyAsync(wa, w, conv_w_count(s) * sizeof(float), cudaMemcpyDeviceToDevice,
                                be->stream));
     w = wa;
@@ -536,13 +539,14 @@ static void cuda_conv2d_backward(void *ctx, const ps_conv_shape *s, const float 
   const float one = 1.0f, zero = 0.0f;
   float *dw_out = dw;
   if (!aligned16(w) || !aligned16(dw)) {
-    float *region = stage_regions(be, wn);
+    float *wa, *dwa;
+    stage_regions(be, wn, &wa, &dwa);
     if (!aligned16(w)) {
-      CUDA_CHECK(cudaMemcpyAsync(region, w, wn * sizeof(float), cudaMemcpyDeviceToDevice,
+      CUDA_CHECK(cudaMemcpyAsync(wa, w, wn * sizeof(float), cudaMemcpyDeviceToDevice,
                                  be->stream));
-      w = region;
+      w = wa;
     }
-    if (!aligned16(dw)) dw_out = region + be->stage_floats / 2;
+    if (!aligned16(dw)) dw_out = dwa;
   }
   if (dx)
     CUDNN_CHECK(cudnnConvolutionBackwardData(be->cudnn, &one, p->w, w, p->y, dy,
@@ -692,26 +696,36 @@ static void cuda_softmax_xent_backward(void *ctx, int n, int k, const float *pro
 
 /* ---- creation and destruction ---- */
 
-/* Frees whatever of be was made; used by destroy and by a failed create.
- * Waits for the stream first: queued work may still use the buffers. */
-static void cuda_free_backend(cuda_backend *be) {
-  if (be->stream) CUDA_CHECK(cudaStreamSynchronize(be->stream));
+/* Frees whatever of be was made. On destroy (strict) a failed call aborts
+ * like any other; after a failed create the errors are ignored, the create
+ * has already said what went wrong first. Waits for the stream before
+ * freeing: queued work may still use the buffers. */
+#define RELEASE(check, call) \
+  do {                       \
+    if (strict)              \
+      check(call);           \
+    else                     \
+      (void)(call);          \
+  } while (0)
+static void cuda_free_backend(cuda_backend *be, bool strict) {
+  if (be->stream) RELEASE(CUDA_CHECK, cudaStreamSynchronize(be->stream));
   for (int i = 0; i < be->n_plans; i++) conv_plan_destroy(&be->plans[i]);
   free(be->plans);
-  if (be->work) CUDA_CHECK(cudaFree(be->work));
-  if (be->stage) CUDA_CHECK(cudaFree(be->stage));
-  if (be->loss_dev) CUDA_CHECK(cudaFree(be->loss_dev));
-  if (be->loss_host) CUDA_CHECK(cudaFreeHost(be->loss_host));
-  if (be->probs_desc) CUDNN_CHECK(cudnnDestroyTensorDescriptor(be->probs_desc));
-  if (be->cublas) CUBLAS_CHECK(cublasDestroy(be->cublas));
-  if (be->cudnn) CUDNN_CHECK(cudnnDestroy(be->cudnn));
-  if (be->stream) CUDA_CHECK(cudaStreamDestroy(be->stream));
+  if (be->work) RELEASE(CUDA_CHECK, cudaFree(be->work));
+  if (be->stage) RELEASE(CUDA_CHECK, cudaFree(be->stage));
+  if (be->loss_dev) RELEASE(CUDA_CHECK, cudaFree(be->loss_dev));
+  if (be->loss_host) RELEASE(CUDA_CHECK, cudaFreeHost(be->loss_host));
+  if (be->probs_desc) RELEASE(CUDNN_CHECK, cudnnDestroyTensorDescriptor(be->probs_desc));
+  if (be->cublas) RELEASE(CUBLAS_CHECK, cublasDestroy(be->cublas));
+  if (be->cudnn) RELEASE(CUDNN_CHECK, cudnnDestroy(be->cudnn));
+  if (be->stream) RELEASE(CUDA_CHECK, cudaStreamDestroy(be->stream));
   free(be);
 }
+#undef RELEASE
 
 static void cuda_destroy(ps_ops *ops) {
   if (!ops) return;
-  cuda_free_backend(enter(ops->ctx));
+  cuda_free_backend(enter(ops->ctx), true);
 }
 
 static void seterr(char *err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -765,7 +779,7 @@ extern "C" ps_ops *ps_ops_cuda_create(int device, char *err) {
 #define TRY(call)                                  \
   do {                                             \
     if (failed((call), #call, device, err)) {      \
-      cuda_free_backend(be);                       \
+      cuda_free_backend(be, false);                \
       return NULL;                                 \
     }                                              \
   } while (0)

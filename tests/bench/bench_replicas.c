@@ -2,20 +2,25 @@
  * gradient combination) of the quickstart CNN with R replicas against
  * R = 1, one BLAS thread each, batch 64, random inputs.
  *
- *   bench_replicas [--rounds N] [--steps N] [--replicas R] [--batch N] [--diag] [job.json]
+ *   bench_replicas [--rounds N] [--steps N] [--replicas R] [--batch N]
+ *                  [--wait S] [--diag] [job.json]
  *
- * Rounds are interleaved (R=1 then R, then R then R=1, ...) so that a
- * neighbour's load on the shared machine hits both alike; the ratio printed
- * is the median of the per-round ratios. --diag also times what bounds the
- * speed-up: one model on a half batch, R bare threads each running a model
- * on its slice (no combination, no barrier), and the gradient sum alone. */
+ * Rounds are interleaved (R=1 then R, then R then R=1, ...) so that drift
+ * hits both alike. The machine is shared: each round first waits (up to
+ * --wait seconds) for the other processes to go quiet, and reports the
+ * share of the CPUs they used during it; the ratio to read is the median
+ * over the quiet rounds. --diag also times what bounds the speed-up: one
+ * model on a 1/R batch, R bare threads each running a model on its slice
+ * (no combination, no barrier), and the gradient sum alone. */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "../../common/job.h"
 #include "../../common/util.h"
@@ -56,12 +61,81 @@ typedef struct {
   uint8_t *y;
 } bench_data;
 
-/* Examples per second of `steps` steps of r. */
-static double time_replicas(ps_replicas *r, const bench_data *d, int steps) {
-  double t0 = now_s();
+/* ---- the rest of the machine ----
+ *
+ * The machine is shared, and a neighbour's build or test on one of the two
+ * cores halves what R = 2 can get. So each run also measures how busy the
+ * other processes kept the CPUs (from /proc/stat, less this process's own
+ * CPU time), and each round first waits, up to a limit, for a quiet moment. */
+
+typedef struct {
+  double wall, cpu; /* seconds: ours */
+  unsigned long long busy, total; /* jiffies, all CPUs */
+} usage_mark;
+
+static void read_proc_stat(unsigned long long *busy, unsigned long long *total) {
+  *busy = *total = 0;
+  FILE *f = fopen("/proc/stat", "r");
+  if (!f) return;
+  unsigned long long v[8] = {0};
+  if (fscanf(f, "cpu %llu %llu %llu %llu %llu %llu %llu %llu", &v[0], &v[1], &v[2], &v[3], &v[4],
+             &v[5], &v[6], &v[7]) == 8) {
+    *busy = v[0] + v[1] + v[2] + v[5] + v[6] + v[7]; /* all but idle and iowait */
+    *total = *busy + v[3] + v[4];
+  }
+  fclose(f);
+}
+
+static usage_mark mark(void) {
+  usage_mark m;
+  struct rusage ru;
+  getrusage(RUSAGE_SELF, &ru);
+  m.cpu = (double)ru.ru_utime.tv_sec + ru.ru_utime.tv_usec * 1e-6 + (double)ru.ru_stime.tv_sec +
+          ru.ru_stime.tv_usec * 1e-6;
+  read_proc_stat(&m.busy, &m.total);
+  m.wall = now_s();
+  return m;
+}
+
+/* The share of all CPUs that other processes used between a and b, in
+ * [0, 1]; 0 when /proc/stat cannot be read. */
+static double others_share(const usage_mark *a, const usage_mark *b) {
+  if (b->total <= a->total) return 0.0;
+  const double tick = (double)sysconf(_SC_CLK_TCK);
+  double other = (double)(b->busy - a->busy) / tick - (b->cpu - a->cpu);
+  double share = other / ((double)(b->total - a->total) / tick);
+  return share < 0 ? 0 : share > 1 ? 1 : share;
+}
+
+/* Waits until other processes use less than QUIET_SHARE of the machine
+ * over 0.3 s, or max_s have passed. */
+#define QUIET_SHARE 0.05
+static void wait_for_quiet(double max_s) {
+  const double start = now_s();
+  do {
+    usage_mark a = mark();
+    struct timespec ts = {0, 300 * 1000 * 1000};
+    nanosleep(&ts, NULL);
+    usage_mark b = mark();
+    if (others_share(&a, &b) < QUIET_SHARE) return;
+  } while (now_s() - start < max_s);
+}
+
+typedef struct {
+  double rate;          /* examples per second */
+  double cpu_per_ex;    /* our CPU seconds per example */
+  double others;        /* the share of the machine others used meanwhile */
+} run_result;
+
+/* `steps` steps of r. */
+static run_result time_replicas(ps_replicas *r, const bench_data *d, int steps) {
+  usage_mark a = mark();
   for (int s = 0; s < steps; s++)
     ps_replicas_train_step(r, d->params, d->x, d->y, d->batch, 1, (uint64_t)s, d->grads, NULL);
-  return (double)steps * d->batch / (now_s() - t0);
+  usage_mark b = mark();
+  const double ex = (double)steps * d->batch;
+  return (run_result){.rate = ex / (b.wall - a.wall), .cpu_per_ex = (b.cpu - a.cpu) / ex,
+                      .others = others_share(&a, &b)};
 }
 
 /* ---- diagnostics ---- */
@@ -149,7 +223,8 @@ static double time_sum(size_t P, int R, int reps) {
 }
 
 int main(int argc, char **argv) {
-  int rounds = 7, steps = 20, R = 2, batch = 64, diag = 0;
+  int rounds = 9, steps = 20, R = 2, batch = 64, diag = 0;
+  double wait_s = 20.0;
   char job_path[1024];
   {
     const char *self = __FILE__, *tail = "tests/bench/bench_replicas.c";
@@ -167,14 +242,16 @@ int main(int argc, char **argv) {
       R = atoi(argv[++i]);
     else if (strcmp(argv[i], "--batch") == 0 && i + 1 < argc)
       batch = atoi(argv[++i]);
+    else if (strcmp(argv[i], "--wait") == 0 && i + 1 < argc)
+      wait_s = atof(argv[++i]);
     else if (strcmp(argv[i], "--diag") == 0)
       diag = 1;
     else if (argv[i][0] != '-')
       snprintf(job_path, sizeof job_path, "%s", argv[i]);
     else {
       fprintf(stderr,
-              "usage: %s [--rounds N] [--steps N] [--replicas R] [--batch N] [--diag] "
-              "[job.json]\n",
+              "usage: %s [--rounds N] [--steps N] [--replicas R] [--batch N] [--wait S] "
+              "[--diag] [job.json]\n",
               argv[0]);
       return 2;
     }
@@ -222,40 +299,70 @@ int main(int argc, char **argv) {
 
   double *r1 = calloc((size_t)rounds, sizeof *r1), *rn = calloc((size_t)rounds, sizeof *rn);
   double *ratio = calloc((size_t)rounds, sizeof *ratio);
+  double *quiet_ratio = calloc((size_t)rounds, sizeof *quiet_ratio);
+  double cpu1 = 0, cpun = 0;
+  int quiet = 0;
   for (int k = 0; k < rounds; k++) {
+    wait_for_quiet(wait_s);
+    run_result a, b;
     if (k % 2 == 0) {
-      r1[k] = time_replicas(one, &d, steps);
-      rn[k] = time_replicas(many, &d, steps);
+      a = time_replicas(one, &d, steps);
+      b = time_replicas(many, &d, steps);
     } else {
-      rn[k] = time_replicas(many, &d, steps);
-      r1[k] = time_replicas(one, &d, steps);
+      b = time_replicas(many, &d, steps);
+      a = time_replicas(one, &d, steps);
     }
-    ratio[k] = rn[k] / r1[k];
-    printf("round %d: R=1 %7.1f ex/s   R=%d %7.1f ex/s   ratio %.3f\n", k + 1, r1[k], R, rn[k],
-           ratio[k]);
+    r1[k] = a.rate;
+    rn[k] = b.rate;
+    ratio[k] = b.rate / a.rate;
+    const int calm = a.others < QUIET_SHARE && b.others < QUIET_SHARE;
+    if (calm) {
+      quiet_ratio[quiet++] = ratio[k];
+      cpu1 += a.cpu_per_ex;
+      cpun += b.cpu_per_ex;
+    }
+    printf("round %2d: R=1 %7.1f ex/s   R=%d %7.1f ex/s   ratio %.3f   (others used %2.0f%% / "
+           "%2.0f%% of the CPUs%s)\n",
+           k + 1, a.rate, R, b.rate, ratio[k], 100 * a.others, 100 * b.others,
+           calm ? "" : ": not counted as quiet");
     fflush(stdout);
   }
   double m1 = median(r1, rounds), mn = median(rn, rounds), mr = median(ratio, rounds);
-  printf("median: R=1 %.1f ex/s, R=%d %.1f ex/s, ratio R=%d/R=1 %.3f\n", m1, R, mn, R, mr);
+  printf("median of all %d rounds: R=1 %.1f ex/s, R=%d %.1f ex/s, ratio R=%d/R=1 %.3f\n", rounds,
+         m1, R, mn, R, mr);
+  if (quiet > 0) {
+    printf("median of the %d quiet rounds (others < %.0f%%): ratio R=%d/R=1 %.3f; CPU time per "
+           "example R=1 %.3f ms, R=%d %.3f ms (x%.3f)\n",
+           quiet, 100 * QUIET_SHARE, R, median(quiet_ratio, quiet), 1e3 * cpu1 / quiet, R,
+           1e3 * cpun / quiet, cpun / cpu1);
+  } else {
+    printf("no quiet round: the machine was busy throughout; the ratios above are not the "
+           "replicas' own\n");
+  }
 
   if (diag) {
+    /* Medians of 3, each after a wait for quiet. */
     const int half = (batch + R - 1) / R;
-    double t_full = 0, t_part = 0, bare = 0, one_rate = 0;
+    double t_full[3], t_part[3], bare[3], one_rate[3];
     for (int k = 0; k < 3; k++) {
-      t_full += time_model(&d, batch, steps) / 3;
-      t_part += time_model(&d, half, steps) / 3;
-      bare += time_bare(&d, R, steps) / 3;
-      one_rate += time_replicas(one, &d, steps) / 3;
+      wait_for_quiet(wait_s);
+      t_full[k] = time_model(&d, batch, steps);
+      t_part[k] = time_model(&d, half, steps);
+      wait_for_quiet(wait_s);
+      bare[k] = time_bare(&d, R, steps);
+      one_rate[k] = time_replicas(one, &d, steps).rate;
     }
+    const double tf = median(t_full, 3), tp = median(t_part, 3);
+    const double br = median(bare, 3), o1 = median(one_rate, 3);
     double t_sum = time_sum(d.P, R, 20);
     printf("diag: one model, %d examples: %.2f ms/step; %d examples: %.2f ms/step (x%.3f of "
-           "the full batch's time, ideal %.3f)\n",
-           batch, t_full * 1e3, half, t_part * 1e3, t_part / t_full, (double)half / batch);
+           "the full batch's time, ideal %.3f): R=%d can reach at most x%.2f\n",
+           batch, tf * 1e3, half, tp * 1e3, tp / tf, (double)half / batch, R, tf / tp);
     printf("diag: %d bare threads, one model each, no combination: %.1f ex/s, x%.3f of R=1\n", R,
-           bare, bare / one_rate);
+           br, br / o1);
     printf("diag: combining %d gradients of %zu floats in one thread: %.3f ms (%.1f%% of an R=1 "
            "step)\n",
-           R, d.P, t_sum * 1e3, 100.0 * t_sum / t_full);
+           R, d.P, t_sum * 1e3, 100.0 * t_sum / tf);
   }
 
   ps_replicas_destroy(many);
@@ -263,6 +370,7 @@ int main(int argc, char **argv) {
   free(r1);
   free(rn);
   free(ratio);
+  free(quiet_ratio);
   free(d.params);
   free(d.grads);
   free(d.x);

@@ -164,7 +164,25 @@ done:
   ps_membership_destroy(m2);
 }
 
+/* Clocks: pushes count, a newcomer starts at the slowest live clock. */
+static void test_clocks(void) {
+  ps_membership *m = ps_membership_create();
+  uint64_t a = 0, b = 0, c = 0, clock = 0, lo = 0;
+  CHECK(ps_membership_add(m, 0, "a", "worker", 0, 0, &a, NULL) == 0);
+  CHECK(ps_membership_add(m, 0, "b", "worker", 1, 0, &b, NULL) == 0);
+  for (int i = 0; i < 5; i++) CHECK(ps_membership_note_push(m, a, (uint64_t)i, 1) == 0);
+  for (int i = 0; i < 2; i++) CHECK(ps_membership_note_push(m, b, (uint64_t)i, 1) == 0);
+  CHECK(ps_membership_clock(m, a, &clock, &lo) == 0 && clock == 5 && lo == 2);
+  CHECK(ps_membership_add(m, 0, "c", "worker", 2, 0, &c, NULL) == 0);
+  CHECK(ps_membership_clock(m, c, &clock, &lo) == 0 && clock == 2 && lo == 2);
+  CHECK(ps_membership_remove(m, b) == 0);
+  CHECK(ps_membership_clock(m, a, &clock, &lo) == 0 && lo == 2); /* c is slowest now */
+  CHECK(ps_membership_clock(m, b, &clock, &lo) == PS_ENOTFOUND);
+  ps_membership_destroy(m);
+}
+
 int main(void) {
+  RUN(test_clocks);
   RUN(test_add_list);
   RUN(test_given_id);
   RUN(test_touch_push_remove);

@@ -467,7 +467,85 @@ static void test_threads(void) {
   ps_shard_destroy(s);
 }
 
+/* sync mode: gradients of one step are summed and their mean applied once;
+ * late and duplicate gradients are dropped and counted; a bad one changes
+ * nothing. */
+static void test_sync_steps(void) {
+  ps_job job = make_job("sgd");
+  job.mode_kind = PS_MODE_SYNC;
+  ps_shard *s = make_shard(&job, 0), *ref = make_shard(&job, 0);
+  if (!s || !ref) goto done;
+  size_t n = shard_len(s);
+  char err[PS_ERRLEN] = "";
+  float g1[512], g2[512], mean[512];
+  for (size_t i = 0; i < n; i++) {
+    g1[i] = 0.5f + (float)i * 0.001f;
+    g2[i] = -0.25f + (float)(i % 7) * 0.01f;
+    mean[i] = (g1[i] + g2[i]) / 2.0f;
+  }
+  ps_seg sg1 = {(const uint8_t *)g1, n * 4}, sg2 = {(const uint8_t *)g2, n * 4};
+  ps_segview v1 = {&sg1, 1, n * 4}, v2 = {&sg2, 1, n * 4};
+  int dropped = -1, have = -1;
+  uint64_t ver = 0;
+  CHECK(ps_shard_sync_add(s, 101, 0, 0, n, &v1, &dropped, &have, err) == 0);
+  CHECK(dropped == 0 && have == 1);
+  CHECK(ps_shard_sync_try_apply(s, 2, &ver, err) == 0); /* quorum not reached */
+  /* the same worker again: dropped, the step unchanged */
+  CHECK(ps_shard_sync_add(s, 101, 0, 0, n, &v2, &dropped, &have, err) == 0);
+  CHECK(dropped == 1 && have == 1);
+  /* a NaN: refused, nothing added */
+  g2[3] = NAN;
+  CHECK(ps_shard_sync_add(s, 102, 0, 0, n, &v2, &dropped, &have, err) == PS_EINVAL);
+  CHECK_MSG(strstr(err, "NaN") != NULL, "%s", err);
+  g2[3] = -0.25f + 3 * 0.01f;
+  /* a part of the range: refused */
+  CHECK(ps_shard_sync_add(s, 102, 0, 0, n - 16, &v2, &dropped, &have, err) == PS_ERANGE);
+  CHECK(ps_shard_sync_add(s, 102, 0, 0, n, &v2, &dropped, &have, err) == 0);
+  CHECK(dropped == 0 && have == 2);
+  CHECK(ps_shard_sync_try_apply(s, 2, &ver, err) == 1 && ver == 1);
+  /* equals one push of the mean on a shard in async mode */
+  CHECK(push_floats(ref, 0, 0, mean, n, NULL, NULL, err) == PS_OK);
+  float a[512], b[512];
+  ps_shard_copy_params(s, a);
+  ps_shard_copy_params(ref, b);
+  int same = 1;
+  for (size_t i = 0; i < n; i++) same &= fabsf(a[i] - b[i]) <= 1e-6f * fmaxf(1.0f, fabsf(b[i]));
+  CHECK(same);
+  /* a late gradient of step 0, now that step 1 is under way: dropped */
+  CHECK(ps_shard_sync_add(s, 103, 0, 0, n, &v1, &dropped, &have, err) == 0);
+  CHECK(dropped == 1 && have == 0);
+  ps_shard_stats st;
+  ps_shard_stats_get(s, &st);
+  CHECK(st.version == 1 && st.dropped == 2 && st.rejected == 2 && st.pushes == 2);
+done:
+  ps_shard_destroy(s);
+  ps_shard_destroy(ref);
+}
+
+/* staleness_aware_lr: a push k versions stale moves the parameters with lr/k. */
+static void test_staleness_aware_lr(void) {
+  ps_job job = make_job("sgd");
+  job.staleness_aware_lr = 1;
+  ps_shard *s = make_shard(&job, 0);
+  if (!s) return;
+  size_t n = shard_len(s);
+  char err[PS_ERRLEN] = "";
+  float g[512], before[512], after[512];
+  for (size_t i = 0; i < n; i++) g[i] = 1.0f;
+  for (int i = 0; i < 4; i++) CHECK(push_floats(s, (uint64_t)i, 0, g, n, NULL, NULL, err) == 0);
+  ps_shard_copy_params(s, before);
+  uint64_t st = 0;
+  CHECK(push_floats(s, 0, 0, g, n, NULL, &st, err) == 0); /* 4 versions stale */
+  CHECK(st == 4);
+  ps_shard_copy_params(s, after);
+  /* sgd: p -= (0.05 / 4) * 1 */
+  CHECK_NEAR(before[0] - after[0], 0.0125, 1e-6, 0);
+  ps_shard_destroy(s);
+}
+
 int main(void) {
+  RUN(test_sync_steps);
+  RUN(test_staleness_aware_lr);
   RUN(test_create);
   RUN(test_push_segments);
   RUN(test_version_staleness_stats);
