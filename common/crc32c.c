@@ -36,9 +36,8 @@ uint32_t ps_crc32c_sw(uint32_t crc, const void *buf, size_t len) {
     memcpy(&hi, p + 4, 4);
     lo ^= c;
     c = crc_table[7][lo & 0xffu] ^ crc_table[6][(lo >> 8) & 0xffu] ^
-        crc_table[5][(lo >> 16) & 0xffu] ^ crc_table[4][lo >> 24] ^
-        crc_table[3][hi & 0xffu] ^ crc_table[2][(hi >> 8) & 0xffu] ^
-        crc_table[1][(hi >> 16) & 0xffu] ^ crc_table[0][hi >> 24];
+        crc_table[5][(lo >> 16) & 0xffu] ^ crc_table[4][lo >> 24] ^ crc_table[3][hi & 0xffu] ^
+        crc_table[2][(hi >> 8) & 0xffu] ^ crc_table[1][(hi >> 16) & 0xffu] ^ crc_table[0][hi >> 24];
   }
   while (len--) c = (c >> 8) ^ crc_table[0][(c ^ *p++) & 0xffu];
   return ~c;
@@ -49,7 +48,7 @@ uint32_t ps_crc32c_sw(uint32_t crc, const void *buf, size_t len) {
  * instruction: about 4x the tables on the target, which matters when a
  * checkpoint of hundreds of MB is summed on write and again on read. */
 __attribute__((target("sse4.2"))) static uint32_t crc32c_hw(uint32_t crc, const uint8_t *p,
-                                                             size_t len) {
+                                                            size_t len) {
   uint64_t c = ~crc;
   for (; len >= 8; p += 8, len -= 8) {
     uint64_t v;

@@ -74,8 +74,15 @@ struct ps_ops {
   void (*destroy)(ps_ops *ops);
 };
 
-/* The CPU backend. threads: BLAS threads for this backend (0 = leave
- * OpenBLAS's default). NULL on allocation failure. */
+/* The CPU backend. threads > 0: the backend splits every op over that many
+ * threads of its own (the caller and threads-1 workers) and sets OpenBLAS
+ * to one thread for the whole process, so each part's sgemm runs in the
+ * thread that calls it; results depend only on the inputs and the thread
+ * count. threads == 0 leaves OpenBLAS's threading as it is. One backend is
+ * used by one thread at a time. Element-wise ops may run in place; maxpool
+ * picks the first maximum in row-major order; dropout keeps a value when
+ * ps_rng_uniform(seed, stream, i) >= rate. NULL when memory or a thread
+ * cannot be had. */
 ps_ops *ps_ops_cpu_create(int threads);
 
 /* Fills conv output size from the other fields. */

@@ -171,15 +171,14 @@ static int open_temp(const char *final_path, char *tmp_out, char *err) {
     int n = snprintf(tmp_out, PS_CKPT_PATHLEN, "%.*s.%s.tmp-%ld-%08" PRIx32, dir_len, final_path,
                      name, (long)getpid(), (uint32_t)(nonce >> 32));
     if (n < 0 || n >= PS_CKPT_PATHLEN)
-      return ps_seterr(err, PS_EINVAL, "path '%s' is too long for its temporary file",
-                       final_path);
+      return ps_seterr(err, PS_EINVAL, "path '%s' is too long for its temporary file", final_path);
     int fd = open(tmp_out, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
     if (fd >= 0) return fd;
     if (errno != EEXIST) {
       int e = errno;
       if (dir_len > 0)
-        return ps_seterr(err, PS_EIO, "cannot create a file in '%.*s': %s", dir_len - 1,
-                         final_path, strerror(e));
+        return ps_seterr(err, PS_EIO, "cannot create a file in '%.*s': %s", dir_len - 1, final_path,
+                         strerror(e));
       return ps_seterr(err, PS_EIO, "cannot create '%s': %s", tmp_out, strerror(e));
     }
   }
@@ -190,13 +189,11 @@ static int open_temp(const char *final_path, char *tmp_out, char *err) {
  * Always closes fd. */
 static int commit_temp(int fd, const char *tmp, const char *final_path, char *err) {
   int rc = PS_OK;
-  if (fsync(fd) != 0)
-    rc = ps_seterr(err, PS_EIO, "cannot sync '%s': %s", tmp, strerror(errno));
+  if (fsync(fd) != 0) rc = ps_seterr(err, PS_EIO, "cannot sync '%s': %s", tmp, strerror(errno));
   if (close(fd) != 0 && rc == PS_OK)
     rc = ps_seterr(err, PS_EIO, "cannot close '%s': %s", tmp, strerror(errno));
   if (rc == PS_OK && rename(tmp, final_path) != 0)
-    rc = ps_seterr(err, PS_EIO, "cannot rename '%s' to '%s': %s", tmp, final_path,
-                   strerror(errno));
+    rc = ps_seterr(err, PS_EIO, "cannot rename '%s' to '%s': %s", tmp, final_path, strerror(errno));
   if (rc != PS_OK) unlink(tmp);
   return rc;
 }
@@ -260,11 +257,11 @@ static int body_bytes(uint64_t n, uint64_t n_slots, uint64_t extra_len, uint64_t
 static int check_ckpt(const ps_ckpt *ck, char *err) {
   const ps_ckpt_meta *m = &ck->meta;
   if (m->num_shards < 1 || m->index < 0 || m->index >= m->num_shards)
-    return ps_seterr(err, PS_EINVAL, "checkpoint: shard index %d invalid for %d shards",
-                     m->index, m->num_shards);
+    return ps_seterr(err, PS_EINVAL, "checkpoint: shard index %d invalid for %d shards", m->index,
+                     m->num_shards);
   if (m->begin > m->end || m->end > m->P)
-    return ps_seterr(err, PS_EINVAL, "checkpoint: range [%zu, %zu) not inside [0, P=%zu)",
-                     m->begin, m->end, m->P);
+    return ps_seterr(err, PS_EINVAL, "checkpoint: range [%zu, %zu) not inside [0, P=%zu)", m->begin,
+                     m->end, m->P);
   if (ck->n_slots < 0 || ck->n_slots > PS_CKPT_MAX_SLOTS)
     return ps_seterr(err, PS_EINVAL, "checkpoint: %d optimizer slots, at most %d", ck->n_slots,
                      PS_CKPT_MAX_SLOTS);
@@ -311,8 +308,8 @@ static void header_encode(const ps_ckpt *ck, int64_t written_ms, uint8_t *h) {
 
 /* Verifies a header read from path, whose file has file_size bytes (at
  * least the header's), and decodes it. */
-static int header_decode(const char *path, const uint8_t *h, uint64_t file_size,
-                         ps_ckpt_meta *m, int *n_slots, size_t *extra_len, char *err) {
+static int header_decode(const char *path, const uint8_t *h, uint64_t file_size, ps_ckpt_meta *m,
+                         int *n_slots, size_t *extra_len, char *err) {
   if (memcmp(h + H_MAGIC, CKPT_MAGIC, sizeof CKPT_MAGIC) != 0)
     return ps_seterr(err, PS_EPROTO,
                      "bad magic in '%s': not a shard checkpoint, or written by a newer version",
@@ -360,12 +357,14 @@ static int header_decode(const char *path, const uint8_t *h, uint64_t file_size,
   if (after < body)
     return ps_seterr(err, PS_EINVAL,
                      "truncated checkpoint '%s': header says %" PRIu64
-                     " bytes of extra, parameters and %" PRIu32 " slots (+4 of checksum), "
+                     " bytes of extra, parameters and %" PRIu32
+                     " slots (+4 of checksum), "
                      "file has %" PRIu64 " after the header: an interrupted copy?",
                      path, body - 4, k, after);
   if (after > body)
     return ps_seterr(err, PS_EINVAL,
-                     "'%s' is %" PRIu64 " bytes longer than its header says: corrupt, or "
+                     "'%s' is %" PRIu64
+                     " bytes longer than its header says: corrupt, or "
                      "not a checkpoint of this format",
                      path, after - body);
   memset(m, 0, sizeof *m);
@@ -409,13 +408,13 @@ static int open_checked(const char *path, uint8_t *h, ps_ckpt_meta *m, int *n_sl
                    "bad magic in '%s': only %zd bytes, not a shard checkpoint (truncated?)", path,
                    got);
   else if (memcmp(h, CKPT_MAGIC, sizeof CKPT_MAGIC) != 0)
-    rc = ps_seterr(err, PS_EPROTO,
-                   "bad magic in '%s': not a shard checkpoint, or written by a newer version",
-                   path);
+    rc =
+        ps_seterr(err, PS_EPROTO,
+                  "bad magic in '%s': not a shard checkpoint, or written by a newer version", path);
   else if ((size_t)got < PS_CKPT_HEADER_BYTES)
     rc = ps_seterr(err, PS_EINVAL,
-                   "truncated checkpoint '%s': %zd bytes, less than the %d-byte header", path,
-                   got, PS_CKPT_HEADER_BYTES);
+                   "truncated checkpoint '%s': %zd bytes, less than the %d-byte header", path, got,
+                   PS_CKPT_HEADER_BYTES);
   else
     rc = header_decode(path, h, size, m, n_slots, extra_len, err);
   if (rc != PS_OK) {
@@ -720,8 +719,8 @@ static int mismatch(const ps_ckpt_source *src, const ps_ckpt_meta *m, int n_slot
 /* Reads entry e completely and checks that it fits; on failure notes why
  * (WARN) and returns non-zero with the reason in why: PS_ENOTFOUND when the
  * file is another job's. */
-static int read_entry(const ps_ckpt_source *src, const ckpt_entry *e, int want_slots,
-                      ps_ckpt *out, char *path, char *why) {
+static int read_entry(const ps_ckpt_source *src, const ckpt_entry *e, int want_slots, ps_ckpt *out,
+                      char *path, char *why) {
   int rc = join_path(path, src->dir, e->name, why);
   if (rc == PS_OK) rc = ps_ckpt_read(path, out, why);
   if (rc != PS_OK) {
@@ -788,8 +787,8 @@ int ps_ckpt_find_latest(const ps_ckpt_source *src, int index, int num_shards, ps
                    src->job_id, index, num_shards, src->dir);
   } else {
     ps_seterr(err, PS_EINVAL,
-              "none of the %zu checkpoints of shard %d of %d in '%s' is usable; the last: %s",
-              l.n, index, num_shards, src->dir, why);
+              "none of the %zu checkpoints of shard %d of %d in '%s' is usable; the last: %s", l.n,
+              index, num_shards, src->dir, why);
   }
   list_free(&l);
   return rc;
@@ -820,8 +819,7 @@ typedef struct {
 } load_job;
 
 /* Fills the range from one set, or says why it cannot (into why). */
-static int load_from_set(const load_job *j, const ckpt_set *set, ps_ckpt_restored *out,
-                         char *why) {
+static int load_from_set(const load_job *j, const ckpt_set *set, ps_ckpt_restored *out, char *why) {
   const ckpt_entry *v = j->l->v + set->first;
   size_t at = 0, covered = 0, prev_end = 0;
   int first_missing = -1;
@@ -836,14 +834,13 @@ static int load_from_set(const load_job *j, const ckpt_set *set, ps_ckpt_restore
         return ps_seterr(why, PS_EINVAL, "no checkpoint of shard 0, which holds the extra state");
       continue;
     }
-    int overlaps = e->begin < j->end && j->begin < e->end;
+    int overlaps = j->begin < j->end && e->begin < j->end && j->begin < e->end;
     if (!overlaps && !(i == 0 && j->want_extra)) continue;
     ps_ckpt ck;
     char path[PS_CKPT_PATHLEN], reason[PS_ERRLEN] = "";
     size_t r;
     for (r = 0; r < run; r++)
-      if (read_entry(j->src, &e[r], j->n_slots > 0 ? j->n_slots : -1, &ck, path, reason) ==
-          PS_OK)
+      if (read_entry(j->src, &e[r], j->n_slots > 0 ? j->n_slots : -1, &ck, path, reason) == PS_OK)
         break;
     if (r == run)
       return ps_seterr(why, PS_EINVAL, "no valid checkpoint of shard %d (%zu tried; last: %s)", i,
@@ -852,8 +849,8 @@ static int load_from_set(const load_job *j, const ckpt_set *set, ps_ckpt_restore
     size_t hi = ck.meta.end < j->end ? ck.meta.end : j->end;
     if (lo < hi) {
       if (lo < prev_end) {
-        ps_seterr(why, PS_EINVAL, "'%s' holds [%zu, %zu), overlapping the shard before it",
-                  path, ck.meta.begin, ck.meta.end);
+        ps_seterr(why, PS_EINVAL, "'%s' holds [%zu, %zu), overlapping the shard before it", path,
+                  ck.meta.begin, ck.meta.end);
         ps_ckpt_free(&ck);
         return PS_EINVAL;
       }
@@ -885,8 +882,8 @@ static int load_from_set(const load_job *j, const ckpt_set *set, ps_ckpt_restore
       return ps_seterr(why, PS_EINVAL,
                        "they cover %zu of the %zu values of [%zu, %zu): no checkpoint of shard %d",
                        covered, j->end - j->begin, j->begin, j->end, first_missing);
-    return ps_seterr(why, PS_EINVAL, "they cover only %zu of the %zu values of [%zu, %zu)",
-                     covered, j->end - j->begin, j->begin, j->end);
+    return ps_seterr(why, PS_EINVAL, "they cover only %zu of the %zu values of [%zu, %zu)", covered,
+                     j->end - j->begin, j->begin, j->end);
   }
   out->num_shards = set->num_shards;
   return PS_OK;
@@ -904,8 +901,7 @@ int ps_ckpt_load_range(const ps_ckpt_source *src, size_t begin, size_t end, floa
                      begin, end, src->P);
   if (n_slots < 0 || n_slots > PS_CKPT_MAX_SLOTS || (n_slots > 0 && !slots) ||
       (end > begin && !params))
-    return ps_seterr(err, PS_EINVAL, "checkpoint restore: %d slots, or no arrays given",
-                     n_slots);
+    return ps_seterr(err, PS_EINVAL, "checkpoint restore: %d slots, or no arrays given", n_slots);
   for (int k = 0; k < n_slots; k++)
     if (end > begin && !slots[k])
       return ps_seterr(err, PS_EINVAL, "checkpoint restore: slot %d not given", k);
@@ -987,7 +983,8 @@ int ps_ckpt_load_range(const ps_ckpt_source *src, size_t begin, size_t end, floa
     if (load_from_set(&job, &sets[s], out, why) == PS_OK) {
       rc = PS_OK;
       note(src, sets[s].complete ? PS_LOG_INFO : PS_LOG_WARN,
-           "restored [%zu, %zu) from %d file%s of the %s%d-shard checkpoints in '%s', version %" PRIu64,
+           "restored [%zu, %zu) from %d file%s of the %s%d-shard checkpoints in '%s', version "
+           "%" PRIu64,
            begin, end, out->files_used, out->files_used == 1 ? "" : "s",
            sets[s].complete ? "" : "incomplete ", sets[s].num_shards, src->dir, out->version);
       break;
@@ -1050,8 +1047,8 @@ int ps_npy_write(const char *path, const float *data, const size_t *shape, int n
 }
 
 static int export_tensor(const char *out_dir, const char *layer, const char *suffix,
-                         const float *data, const size_t *shape, int ndim, size_t count,
-                         int *files, char *err) {
+                         const float *data, const size_t *shape, int ndim, size_t count, int *files,
+                         char *err) {
   size_t prod = 1;
   for (int i = 0; i < ndim; i++) prod *= shape[i];
   if (prod != count)
@@ -1099,8 +1096,8 @@ int ps_ckpt_export_npy(const ps_model_spec *spec, const float *params, const cha
       wdim = 1;
     }
     int rc;
-    if (L->w_count && (rc = export_tensor(out_dir, L->name, "w", params + L->w_off, wshape,
-                                          wdim, L->w_count, files_written, err)))
+    if (L->w_count && (rc = export_tensor(out_dir, L->name, "w", params + L->w_off, wshape, wdim,
+                                          L->w_count, files_written, err)))
       return rc;
     if (L->b_count && (rc = export_tensor(out_dir, L->name, "b", params + L->b_off, bshape, 1,
                                           L->b_count, files_written, err)))

@@ -128,8 +128,8 @@ typedef struct {
  * newest mtime first); each one that is corrupt or belongs to another job,
  * another P, another optimizer, or whose header names another shard, is
  * skipped with a WARN note, and the next older one is tried. The one used
- * is named in an INFO note (and in used_path, NULL or PS_CKPT_PATHLEN
- * bytes). *out owns its arrays (ps_ckpt_free).
+ * is named in a note (INFO; WARN when newer ones were skipped) and in
+ * used_path (NULL or PS_CKPT_PATHLEN bytes). *out owns its arrays (ps_ckpt_free).
  * Errors: PS_ENOTFOUND when dir (missing: also PS_ENOTFOUND) holds no
  * checkpoint file of that shard, or only other jobs' ones: a fresh start;
  * PS_EINVAL when there are some that may be this job's but none is usable

@@ -40,9 +40,9 @@ int main(int argc, char **argv) {
   const char *job_path = NULL, *ckpt_dir = NULL, *out_dir = NULL;
   int level = PS_LOG_INFO;
   static const struct option opts[] = {
-      {"job", required_argument, 0, 'j'},       {"checkpoints", required_argument, 0, 'c'},
-      {"out", required_argument, 0, 'o'},       {"log-level", required_argument, 0, 'v'},
-      {"help", no_argument, 0, 'h'},            {0, 0, 0, 0}};
+      {"job", required_argument, 0, 'j'}, {"checkpoints", required_argument, 0, 'c'},
+      {"out", required_argument, 0, 'o'}, {"log-level", required_argument, 0, 'v'},
+      {"help", no_argument, 0, 'h'},      {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
     switch (c) {
@@ -52,8 +52,7 @@ int main(int argc, char **argv) {
       case 'v':
         level = parse_level(optarg);
         if (level < 0) {
-          fprintf(stderr, "ps-export: --log-level '%s': use debug, info, warn or error\n",
-                  optarg);
+          fprintf(stderr, "ps-export: --log-level '%s': use debug, info, warn or error\n", optarg);
           return 2;
         }
         break;
@@ -67,7 +66,9 @@ int main(int argc, char **argv) {
   }
   if (!job_path || !ckpt_dir || !out_dir) {
     fprintf(stderr, "ps-export: %s is required (see --help)\n",
-            !job_path ? "--job FILE" : !ckpt_dir ? "--checkpoints DIR" : "--out DIR");
+            !job_path   ? "--job FILE"
+            : !ckpt_dir ? "--checkpoints DIR"
+                        : "--out DIR");
     return 2;
   }
   ps_log_init("ps-export", level);
@@ -112,9 +113,10 @@ int main(int argc, char **argv) {
   } else {
     char desc[512];
     ps_model_spec_describe(&job->model, desc, sizeof desc);
-    PS_INFO("wrote %d .npy files to '%s': job '%s', %s, from the %d-shard checkpoints "
-            "(version %llu)",
-            files, out_dir, job->job_id, desc, got.num_shards, (unsigned long long)got.version);
+    PS_INFO(
+        "wrote %d .npy files to '%s': job '%s', %s, from the %d-shard checkpoints "
+        "(version %llu)",
+        files, out_dir, job->job_id, desc, got.num_shards, (unsigned long long)got.version);
   }
   ps_free(params);
   free(job);

@@ -21,6 +21,7 @@
 #include "../common/rpc.h"
 #include "../common/util.h"
 #include "../common/wire.h"
+#include "checkpoint.h"
 #include "membership.h"
 #include "proto/ps.pb-c.h"
 #include "shard.h"
@@ -57,6 +58,19 @@ typedef struct {
   double wait_ms_total;
   uint64_t ssp_max_lead;
   int sync_started; /* sync: min_workers have registered once */
+  /* checkpoints */
+  const char *ckpt_dir;
+  double ckpt_secs;        /* write every this many seconds (0: not by time) */
+  uint64_t ckpt_updates;   /* ... or every this many updates (0: not by count) */
+  int ckpt_keep;
+  int ckpt_busy;           /* a write is under way on the work queue */
+  double ckpt_last_s;
+  uint64_t ckpt_last_version;
+  uv_timer_t ckpt_timer;
+  uv_work_t ckpt_work;
+  ps_ckpt ckpt_state;      /* the copy being written */
+  int ckpt_rc;
+  char ckpt_path[PS_CKPT_PATHLEN], ckpt_err[PS_ERRLEN];
   /* for rates in progress lines */
   uint64_t last_pushes, last_pulls;
   double last_report_s;
@@ -593,6 +607,136 @@ static void on_signal(uv_signal_t *s, int signum) {
   uv_stop(&sv->loop);
 }
 
+/* ---------------- checkpoints ---------------- */
+
+/* A consistent copy of the shard's state, ready for ps_ckpt_write; the
+ * arrays are freed by ckpt_state_free. */
+static int ckpt_capture(server *sv, ps_ckpt *ck) {
+  memset(ck, 0, sizeof *ck);
+  size_t n = ps_shard_end(sv->shard) - ps_shard_begin(sv->shard);
+  ck->n_slots = ps_shard_n_slots(sv->shard);
+  ck->params = ps_alloc((n ? n : 1) * sizeof(float));
+  int ok = ck->params != NULL;
+  for (int k = 0; k < ck->n_slots; k++) {
+    ck->slots[k] = ps_alloc((n ? n : 1) * sizeof(float));
+    ok = ok && ck->slots[k];
+  }
+  if (!ok) return PS_ENOMEM;
+  ps_shard_export_state(sv->shard, ck->params, ck->slots, &ck->meta.version);
+  ck->meta.index = sv->index;
+  ck->meta.num_shards = sv->cluster.n_ps;
+  ck->meta.P = sv->job.model.n_params;
+  ck->meta.begin = ps_shard_begin(sv->shard);
+  ck->meta.end = ps_shard_end(sv->shard);
+  snprintf(ck->meta.optimizer, sizeof ck->meta.optimizer, "%s", ps_shard_optimizer(sv->shard));
+  snprintf(ck->meta.job_id, sizeof ck->meta.job_id, "%s", sv->job.job_id);
+  return PS_OK;
+}
+
+static void ckpt_state_free(ps_ckpt *ck) {
+  ps_free(ck->params);
+  for (int k = 0; k < PS_CKPT_MAX_SLOTS; k++) ps_free(ck->slots[k]);
+  memset(ck, 0, sizeof *ck);
+}
+
+/* Writes a checkpoint now, on the calling thread. */
+static int ckpt_write_now(server *sv) {
+  ps_ckpt ck;
+  char path[PS_CKPT_PATHLEN], err[PS_ERRLEN];
+  double t0 = ps_now_s();
+  int rc = ckpt_capture(sv, &ck);
+  if (rc == 0) rc = ps_ckpt_write(sv->ckpt_dir, &ck, sv->ckpt_keep, path, err);
+  else snprintf(err, sizeof err, "out of memory for the checkpoint's copy");
+  if (rc == 0)
+    PS_INFO("checkpoint: version %" PRIu64 " written to %s (%.0f ms)", ck.meta.version, path,
+            (ps_now_s() - t0) * 1e3);
+  else
+    PS_ERROR("checkpoint failed: %s", err);
+  ckpt_state_free(&ck);
+  return rc;
+}
+
+static void ckpt_run(uv_work_t *req) {
+  server *sv = req->data;
+  sv->ckpt_rc = ps_ckpt_write(sv->ckpt_dir, &sv->ckpt_state, sv->ckpt_keep, sv->ckpt_path,
+                              sv->ckpt_err);
+}
+
+static void ckpt_done(uv_work_t *req, int status) {
+  server *sv = req->data;
+  if (sv->ckpt_rc == 0)
+    PS_INFO("checkpoint: version %" PRIu64 " written to %s", sv->ckpt_state.meta.version,
+            sv->ckpt_path);
+  else
+    PS_ERROR("checkpoint failed: %s", sv->ckpt_err);
+  ckpt_state_free(&sv->ckpt_state);
+  sv->ckpt_busy = 0;
+}
+
+/* Every second: is a checkpoint due (by time or by updates)? The copy is
+ * taken here (a few memcpy), the writing and fsyncs run on the work queue
+ * so that the loop never blocks on the disk. */
+static void on_ckpt_timer(uv_timer_t *t) {
+  server *sv = t->data;
+  if (sv->ckpt_busy) return;
+  ps_shard_stats st;
+  ps_shard_stats_get(sv->shard, &st);
+  double now = ps_now_s();
+  int due = (sv->ckpt_secs > 0 && now - sv->ckpt_last_s >= sv->ckpt_secs) ||
+            (sv->ckpt_updates > 0 && st.version - sv->ckpt_last_version >= sv->ckpt_updates);
+  if (!due || st.version == sv->ckpt_last_version) return;
+  if (ckpt_capture(sv, &sv->ckpt_state) != 0) {
+    PS_ERROR("checkpoint: out of memory for the copy");
+    ckpt_state_free(&sv->ckpt_state);
+    return;
+  }
+  sv->ckpt_busy = 1;
+  sv->ckpt_last_s = now;
+  sv->ckpt_last_version = sv->ckpt_state.meta.version;
+  sv->ckpt_work.data = sv;
+  uv_queue_work(&sv->loop, &sv->ckpt_work, ckpt_run, ckpt_done);
+}
+
+/* Restores the shard from the newest valid checkpoints of the job in the
+ * directory (whatever number of shards wrote them). 0 also when there is
+ * none (a fresh start); an error when there are some but none is usable. */
+static int ckpt_restore(server *sv, char *err) {
+  size_t n = ps_shard_end(sv->shard) - ps_shard_begin(sv->shard);
+  int n_slots = ps_shard_n_slots(sv->shard);
+  float *params = ps_alloc((n ? n : 1) * sizeof(float));
+  float *slots[PS_CKPT_MAX_SLOTS] = {0};
+  int ok = params != NULL;
+  for (int k = 0; k < n_slots; k++) ok = ok && (slots[k] = ps_alloc((n ? n : 1) * sizeof(float)));
+  int rc = PS_ENOMEM;
+  if (!ok) {
+    snprintf(err, PS_ERRLEN, "out of memory restoring the checkpoint");
+  } else {
+    ps_ckpt_source src = {.dir = sv->ckpt_dir,
+                          .job_id = sv->job.job_id,
+                          .P = sv->job.model.n_params,
+                          .optimizer = ps_shard_optimizer(sv->shard)};
+    ps_ckpt_restored got;
+    rc = ps_ckpt_load_range(&src, ps_shard_begin(sv->shard), ps_shard_end(sv->shard), params,
+                            slots, n_slots, 0, &got, err);
+    if (rc == PS_ENOTFOUND) {
+      PS_INFO("checkpoint: none of job '%s' in %s: starting from the initial parameters",
+              sv->job.job_id, sv->ckpt_dir);
+      rc = 0;
+    } else if (rc == 0) {
+      ps_shard_restore_state(sv->shard, params, slots, got.version);
+      sv->ckpt_last_version = got.version;
+      PS_INFO("checkpoint: restored [%zu, %zu) at version %" PRIu64 " from %d file(s) written by "
+              "%d shard(s)",
+              ps_shard_begin(sv->shard), ps_shard_end(sv->shard), got.version, got.files_used,
+              got.num_shards);
+      free(got.extra);
+    }
+  }
+  ps_free(params);
+  for (int k = 0; k < PS_CKPT_MAX_SLOTS; k++) ps_free(slots[k]);
+  return rc;
+}
+
 /* ---------------- status client ---------------- */
 
 static int print_status(const char *addr, int timeout_ms) {
@@ -695,6 +839,12 @@ static void usage(FILE *f) {
           "  --listen ADDR        address to bind (default: this shard's entry in the list;\n"
           "                       use 0.0.0.0:PORT to accept connections on every interface)\n"
           "  --threads N          threads serving requests (default 2)\n"
+          "  --checkpoint-dir DIR restore from the newest valid checkpoints there at start\n"
+          "                       (any number of shards may have written them), write\n"
+          "                       checkpoints there while running and on SIGTERM/SIGINT\n"
+          "  --checkpoint-secs N  write one every N seconds (default 30; 0: not by time)\n"
+          "  --checkpoint-updates N  ... or every N updates (default 0: not by count)\n"
+          "  --keep-checkpoints K keep the newest K of this shard (default 3)\n"
           "  --metrics FILE       append JSON Lines metrics (version, pushes, staleness)\n"
           "  --log-interval SEC   seconds between progress lines and metrics (default 5)\n"
           "  --log-level LEVEL    debug, info, warn or error (default info)\n"
@@ -714,13 +864,19 @@ int main(int argc, char **argv) {
   const char *job_path = NULL, *ps_list = NULL, *listen_addr = NULL, *metrics_path = NULL;
   const char *status_addr = NULL;
   int index = -1, threads = 2, level = PS_LOG_INFO;
-  double log_interval = 5.0;
+  double log_interval = 5.0, ckpt_secs = 30.0;
+  const char *ckpt_dir = NULL;
+  uint64_t ckpt_updates = 0;
+  int ckpt_keep = 3;
   static const struct option opts[] = {
       {"job", required_argument, 0, 'j'},       {"ps", required_argument, 0, 'p'},
       {"index", required_argument, 0, 'i'},     {"listen", required_argument, 0, 'l'},
       {"threads", required_argument, 0, 't'},   {"metrics", required_argument, 0, 'm'},
       {"log-interval", required_argument, 0, 'L'}, {"log-level", required_argument, 0, 'v'},
       {"status", required_argument, 0, 's'},    {"help", no_argument, 0, 'h'},
+      {"checkpoint-dir", required_argument, 0, 'C'}, {"checkpoint-secs", required_argument, 0, 'T'},
+      {"checkpoint-updates", required_argument, 0, 'U'},
+      {"keep-checkpoints", required_argument, 0, 'K'},
       {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
@@ -759,6 +915,31 @@ int main(int argc, char **argv) {
         }
         break;
       case 's': status_addr = optarg; break;
+      case 'C': ckpt_dir = optarg; break;
+      case 'T':
+        ckpt_secs = strtod(optarg, &end);
+        if (*end || !(ckpt_secs >= 0)) {
+          fprintf(stderr, "ps-server: --checkpoint-secs wants seconds >= 0, not '%s'\n", optarg);
+          return 2;
+        }
+        break;
+      case 'U': {
+        long long u = strtoll(optarg, &end, 10);
+        if (*end || u < 0) {
+          fprintf(stderr, "ps-server: --checkpoint-updates wants a count >= 0, not '%s'\n",
+                  optarg);
+          return 2;
+        }
+        ckpt_updates = (uint64_t)u;
+        break;
+      }
+      case 'K':
+        ckpt_keep = (int)strtol(optarg, &end, 10);
+        if (*end || ckpt_keep < 1 || ckpt_keep > 1000) {
+          fprintf(stderr, "ps-server: --keep-checkpoints wants 1..1000, not '%s'\n", optarg);
+          return 2;
+        }
+        break;
       case 'h': usage(stdout); return 0;
       default: usage(stderr); return 2;
     }
@@ -830,6 +1011,16 @@ int main(int argc, char **argv) {
   char desc[512];
   ps_model_spec_describe(&sv.job.model, desc, sizeof desc);
   PS_INFO("job '%s': %s", sv.job.job_id, desc);
+  if (ckpt_dir) {
+    sv.ckpt_dir = ckpt_dir;
+    sv.ckpt_secs = ckpt_secs;
+    sv.ckpt_updates = ckpt_updates;
+    sv.ckpt_keep = ckpt_keep;
+    if (ckpt_restore(&sv, err) != 0) {
+      fprintf(stderr, "ps-server: %s\n", err);
+      return 1;
+    }
+  }
   PS_INFO("shard %d of %d holds [%zu, %zu) (%zu values, %.1f MB), optimizer %s lr %g, mode %s",
           index, sv.cluster.n_ps, ps_shard_begin(sv.shard), ps_shard_end(sv.shard),
           ps_shard_end(sv.shard) - ps_shard_begin(sv.shard),
@@ -869,6 +1060,12 @@ int main(int argc, char **argv) {
   sv.report_timer.data = &sv;
   uint64_t rep_ms = (uint64_t)(log_interval * 1000);
   uv_timer_start(&sv.report_timer, on_report, rep_ms, rep_ms);
+  if (sv.ckpt_dir) {
+    uv_timer_init(&sv.loop, &sv.ckpt_timer);
+    sv.ckpt_timer.data = &sv;
+    sv.ckpt_last_s = ps_now_s();
+    uv_timer_start(&sv.ckpt_timer, on_ckpt_timer, 1000, 1000);
+  }
   uv_signal_init(&sv.loop, &sv.sigint);
   sv.sigint.data = &sv;
   uv_signal_start(&sv.sigint, on_signal, SIGINT);
@@ -890,7 +1087,11 @@ int main(int argc, char **argv) {
   uv_close((uv_handle_t *)&sv.report_timer, NULL);
   uv_close((uv_handle_t *)&sv.sigint, NULL);
   uv_close((uv_handle_t *)&sv.sigterm, NULL);
-  uv_run(&sv.loop, UV_RUN_DEFAULT);
+  if (sv.ckpt_dir) uv_close((uv_handle_t *)&sv.ckpt_timer, NULL);
+  uv_run(&sv.loop, UV_RUN_DEFAULT); /* also finishes a checkpoint under way */
+  /* No more updates can come: the final checkpoint holds everything applied. */
+  int exit_code = 0;
+  if (sv.ckpt_dir && ckpt_write_now(&sv) != 0) exit_code = 1;
   uv_loop_close(&sv.loop);
   ps_shard_destroy(sv.shard);
   ps_membership_destroy(sv.members);
@@ -898,5 +1099,5 @@ int main(int argc, char **argv) {
   free(sv.job_text);
   rpc_global_shutdown();
   PS_INFO("stopped");
-  return 0;
+  return exit_code;
 }

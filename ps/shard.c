@@ -590,3 +590,35 @@ void ps_shard_copy_params(ps_shard *s, float *out) {
   memcpy(out, cur->values, n * sizeof(float));
   ps_snapshot_unref(cur);
 }
+
+/* ---------------------------------------------------------------- checkpoints */
+
+int ps_shard_n_slots(const ps_shard *s) { return s->opt->n_slots; }
+const char *ps_shard_optimizer(const ps_shard *s) { return s->opt->name; }
+
+void ps_shard_export_state(ps_shard *s, float *params, float **slots, uint64_t *version) {
+  size_t n = s->end - s->begin;
+  /* apply_mu: no update between the copies, so they belong together. */
+  pthread_mutex_lock(&s->apply_mu);
+  if (n) memcpy(params, s->current->values, n * sizeof(float));
+  for (int k = 0; k < s->opt->n_slots; k++)
+    if (n) memcpy(slots[k], s->slots[k], n * sizeof(float));
+  *version = current_version(s);
+  pthread_mutex_unlock(&s->apply_mu);
+}
+
+void ps_shard_restore_state(ps_shard *s, const float *params, float *const *slots,
+                            uint64_t version) {
+  size_t n = s->end - s->begin;
+  pthread_mutex_lock(&s->apply_mu);
+  pthread_mutex_lock(&s->mu);
+  while (s->in_place) pthread_cond_wait(&s->applied, &s->mu);
+  if (n) memcpy(s->current->values, params, n * sizeof(float));
+  s->current->version = version;
+  s->version = version;
+  s->sync_n = 0;
+  pthread_mutex_unlock(&s->mu);
+  for (int k = 0; k < s->opt->n_slots; k++)
+    if (n) memcpy(s->slots[k], slots[k], n * sizeof(float));
+  pthread_mutex_unlock(&s->apply_mu);
+}

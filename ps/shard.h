@@ -86,4 +86,19 @@ void ps_shard_stats_get(ps_shard *s, ps_shard_stats *out);
  * for tests and checkpoints. */
 void ps_shard_copy_params(ps_shard *s, float *out);
 
+/* The optimizer's name and how many slot arrays it keeps. */
+int ps_shard_n_slots(const ps_shard *s);
+const char *ps_shard_optimizer(const ps_shard *s);
+
+/* A consistent copy (no update in between) of the parameters, the
+ * optimizer slots (n_slots arrays) and the version, for a checkpoint.
+ * Each array holds end-begin values. */
+void ps_shard_export_state(ps_shard *s, float *params, float **slots, uint64_t *version);
+
+/* Replaces parameters, slots and version (a restart from a checkpoint);
+ * meant before the shard serves, but safe at any time. Snapshots already
+ * handed to pulls keep their old values. */
+void ps_shard_restore_state(ps_shard *s, const float *params, float *const *slots,
+                            uint64_t version);
+
 #endif

@@ -26,39 +26,37 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#define PS_CUDA_FAIL_(kind, call, msg)                                                     \
-  do {                                                                                    \
-    fprintf(stderr, "%s:%d: %s error in %s: %s\n", __FILE__, __LINE__, kind, call, msg);  \
-    abort();                                                                              \
+#define PS_CUDA_FAIL_(kind, call, msg)                                                   \
+  do {                                                                                   \
+    fprintf(stderr, "%s:%d: %s error in %s: %s\n", __FILE__, __LINE__, kind, call, msg); \
+    abort();                                                                             \
   } while (0)
 
-#define CUDA_CHECK(call)                                                                  \
-  do {                                                                                    \
-    cudaError_t ps_e_ = (call);                                                           \
-    if (ps_e_ != cudaSuccess)                                                             \
-      PS_CUDA_FAIL_("CUDA", #call, cudaGetErrorString(ps_e_));                            \
+#define CUDA_CHECK(call)                                                               \
+  do {                                                                                 \
+    cudaError_t ps_e_ = (call);                                                        \
+    if (ps_e_ != cudaSuccess) PS_CUDA_FAIL_("CUDA", #call, cudaGetErrorString(ps_e_)); \
   } while (0)
 
-#define CUBLAS_CHECK(call)                                                                \
-  do {                                                                                    \
-    cublasStatus_t ps_s_ = (call);                                                        \
-    if (ps_s_ != CUBLAS_STATUS_SUCCESS)                                                   \
-      PS_CUDA_FAIL_("cuBLAS", #call, cublasGetStatusString(ps_s_));                       \
+#define CUBLAS_CHECK(call)                                          \
+  do {                                                              \
+    cublasStatus_t ps_s_ = (call);                                  \
+    if (ps_s_ != CUBLAS_STATUS_SUCCESS)                             \
+      PS_CUDA_FAIL_("cuBLAS", #call, cublasGetStatusString(ps_s_)); \
   } while (0)
 
-#define CUDNN_CHECK(call)                                                                 \
-  do {                                                                                    \
-    cudnnStatus_t ps_s_ = (call);                                                         \
-    if (ps_s_ != CUDNN_STATUS_SUCCESS)                                                    \
-      PS_CUDA_FAIL_("cuDNN", #call, cudnnGetErrorString(ps_s_));                          \
+#define CUDNN_CHECK(call)                                                                         \
+  do {                                                                                            \
+    cudnnStatus_t ps_s_ = (call);                                                                 \
+    if (ps_s_ != CUDNN_STATUS_SUCCESS) PS_CUDA_FAIL_("cuDNN", #call, cudnnGetErrorString(ps_s_)); \
   } while (0)
 
 /* After every kernel launch. */
 #ifdef PS_CUDA_SYNC_LAUNCHES
-#define CUDA_CHECK_LAUNCH()                   \
-  do {                                        \
-    CUDA_CHECK(cudaGetLastError());           \
-    CUDA_CHECK(cudaDeviceSynchronize());      \
+#define CUDA_CHECK_LAUNCH()              \
+  do {                                   \
+    CUDA_CHECK(cudaGetLastError());      \
+    CUDA_CHECK(cudaDeviceSynchronize()); \
   } while (0)
 #else
 #define CUDA_CHECK_LAUNCH() CUDA_CHECK(cudaGetLastError())

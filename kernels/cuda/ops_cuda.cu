@@ -49,7 +49,7 @@ static const size_t MAX_CONV_WORKSPACE = (size_t)512 << 20;
  * direction has a convolution descriptor of its own because the math type
  * is set per descriptor and could differ between the three choices. */
 typedef struct {
-  ps_conv_shape s; /* the key: every field that goes into a descriptor */
+  ps_conv_shape s;              /* the key: every field that goes into a descriptor */
   cudnnTensorDescriptor_t x, y; /* (n, c, h, w), (n, oc, oh, ow); also dx, dy */
   cudnnFilterDescriptor_t w;    /* (oc, c, kh, kw): the (OC, IC*KH*KW) layout */
   cudnnConvolutionDescriptor_t conv_fwd, conv_bwd_data, conv_bwd_filter;
@@ -90,7 +90,7 @@ static unsigned blocks_for(size_t n) {
   return (unsigned)(b < (size_t)MAX_BLOCKS ? b : (size_t)MAX_BLOCKS);
 }
 
-#define GRID_STRIDE(i, n)                                                          \
+#define GRID_STRIDE(i, n)                                                         \
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < (size_t)(n); \
        i += (size_t)gridDim.x * blockDim.x)
 
@@ -162,13 +162,14 @@ __device__ static inline float rng_uniform(uint64_t key, uint64_t counter) {
 
 /* y (planes, plane) += b[plane index % channels] */
 static __global__ void bias_add_kernel(size_t total, size_t plane, int channels, const float *b,
-                                float *y) {
+                                       float *y) {
   GRID_STRIDE(i, total) y[i] += b[(i / plane) % (size_t)channels];
 }
 
 /* db[c] = the sum of dy over the n examples and the plane of channel c: one
  * block per channel, a fixed order. */
-static __global__ void bias_grad_kernel(int n, int channels, size_t plane, const float *dy, float *db) {
+static __global__ void bias_grad_kernel(int n, int channels, size_t plane, const float *dy,
+                                        float *db) {
   __shared__ float part[THREADS];
   const int c = blockIdx.x;
   const size_t count = (size_t)n * plane;
@@ -190,7 +191,8 @@ static __global__ void bias_grad_kernel(int n, int channels, size_t plane, const
  * the maximum only when greater (ties keep the first; a NaN never wins, and
  * a NaN first tap stays). argmax may be NULL. */
 static __global__ void maxpool_forward_kernel(size_t total, int h, int w, int oh, int ow, int size,
-                                       int stride, const float *x, float *y, int32_t *argmax) {
+                                              int stride, const float *x, float *y,
+                                              int32_t *argmax) {
   const size_t out_plane = (size_t)oh * ow, in_plane = (size_t)h * w;
   GRID_STRIDE(i, total) {
     const size_t p = i / out_plane;
@@ -218,8 +220,8 @@ static __global__ void maxpool_forward_kernel(size_t total, int h, int w, int oh
  * input, in increasing output index (the order in which the CPU adds them
  * into its zeroed plane), that picked it. No atomics, the CPU's sums. */
 static __global__ void maxpool_backward_kernel(size_t total, int h, int w, int oh, int ow, int size,
-                                        int stride, const float *dy, const int32_t *argmax,
-                                        float *dx) {
+                                               int stride, const float *dy, const int32_t *argmax,
+                                               float *dx) {
   const size_t out_plane = (size_t)oh * ow, in_plane = (size_t)h * w;
   GRID_STRIDE(i, total) {
     const size_t p = i / in_plane;
@@ -267,7 +269,7 @@ static __global__ void relu_backward_kernel(size_t n, const float *y, const floa
 }
 
 static __global__ void dropout_forward_kernel(size_t n, float rate, float scale, uint64_t key,
-                                       const float *x, float *y, float *mask) {
+                                              const float *x, float *y, float *mask) {
   GRID_STRIDE(i, n) {
     const float keep = rng_uniform(key, i) >= rate ? scale : 0.0f;
     mask[i] = keep;
@@ -275,7 +277,8 @@ static __global__ void dropout_forward_kernel(size_t n, float rate, float scale,
   }
 }
 
-static __global__ void dropout_backward_kernel(size_t n, const float *mask, const float *dy, float *dx) {
+static __global__ void dropout_backward_kernel(size_t n, const float *mask, const float *dy,
+                                               float *dx) {
   GRID_STRIDE(i, n) dx[i] = __fmul_rn(dy[i], mask[i]);
 }
 
@@ -284,7 +287,7 @@ static __global__ void dropout_backward_kernel(size_t n, const float *mask, cons
  * NaN if a label is outside [0, k). One block: rows strided over the
  * threads, then a fixed tree, so the sum is the same every run. */
 static __global__ void xent_loss_kernel(int n, int k, const float *logits, const uint8_t *labels,
-                                 double *loss) {
+                                        double *loss) {
   __shared__ double part[THREADS];
   double acc = 0.0;
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
@@ -308,7 +311,7 @@ static __global__ void xent_loss_kernel(int n, int k, const float *logits, const
 /* dlogits = probs * inv_n, minus inv_n at the label: the CPU's two
  * roundings, unfused. */
 static __global__ void xent_backward_kernel(size_t total, int k, float inv_n, const float *probs,
-                                     const uint8_t *labels, float *dlogits) {
+                                            const uint8_t *labels, float *dlogits) {
   GRID_STRIDE(i, total) {
     float d = __fmul_rn(probs[i], inv_n);
     if ((int)labels[i / (size_t)k] == (int)(i % (size_t)k)) d = __fsub_rn(d, inv_n);
@@ -340,8 +343,8 @@ static int pick_algo(const Perf *perf, int count, WorkspaceFn workspace, size_t 
     for (int i = 0; i < count; i++) {
       const Perf &p = perf[i];
       if (p.status != CUDNN_STATUS_SUCCESS) continue;
-      const bool tensor_op = p.mathType == CUDNN_TENSOR_OP_MATH ||
-                             p.mathType == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION;
+      const bool tensor_op =
+          p.mathType == CUDNN_TENSOR_OP_MATH || p.mathType == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION;
       if (pass < 2 && tensor_op) continue;
       if (pass == 0 && p.determinism != CUDNN_DETERMINISTIC) continue;
       const cudnnMathType_t m = pass < 2 ? CUDNN_FMA_MATH : p.mathType;
@@ -373,8 +376,8 @@ static void conv_plan_choose(cuda_backend *be, conv_plan *p) {
       fwd, got,
       [&](cudnnConvolutionFwdAlgo_t a, cudnnMathType_t m, size_t *b) {
         CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv_fwd, m));
-        return cudnnGetConvolutionForwardWorkspaceSize(be->cudnn, p->x, p->w, p->conv_fwd, p->y,
-                                                       a, b);
+        return cudnnGetConvolutionForwardWorkspaceSize(be->cudnn, p->x, p->w, p->conv_fwd, p->y, a,
+                                                       b);
       },
       &p->fwd_bytes, &math);
   if (i < 0) PS_CUDA_FATAL("no cuDNN forward convolution algorithm supports this shape");
@@ -382,15 +385,14 @@ static void conv_plan_choose(cuda_backend *be, conv_plan *p) {
   CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv_fwd, math));
 
   cudnnConvolutionBwdDataAlgoPerf_t bd[MAX_PERF];
-  CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(be->cudnn, p->w, p->y,
-                                                          p->conv_bwd_data, p->x, MAX_PERF, &got,
-                                                          bd));
+  CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(be->cudnn, p->w, p->y, p->conv_bwd_data,
+                                                          p->x, MAX_PERF, &got, bd));
   i = pick_algo(
       bd, got,
       [&](cudnnConvolutionBwdDataAlgo_t a, cudnnMathType_t m, size_t *b) {
         CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv_bwd_data, m));
-        return cudnnGetConvolutionBackwardDataWorkspaceSize(be->cudnn, p->w, p->y,
-                                                            p->conv_bwd_data, p->x, a, b);
+        return cudnnGetConvolutionBackwardDataWorkspaceSize(be->cudnn, p->w, p->y, p->conv_bwd_data,
+                                                            p->x, a, b);
       },
       &p->bwd_data_bytes, &math);
   if (i < 0) PS_CUDA_FATAL("no cuDNN backward-data convolution algorithm supports this shape");
@@ -398,9 +400,8 @@ static void conv_plan_choose(cuda_backend *be, conv_plan *p) {
   CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv_bwd_data, math));
 
   cudnnConvolutionBwdFilterAlgoPerf_t bf[MAX_PERF];
-  CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(be->cudnn, p->x, p->y,
-                                                            p->conv_bwd_filter, p->w, MAX_PERF,
-                                                            &got, bf));
+  CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(
+      be->cudnn, p->x, p->y, p->conv_bwd_filter, p->w, MAX_PERF, &got, bf));
   i = pick_algo(
       bf, got,
       [&](cudnnConvolutionBwdFilterAlgo_t a, cudnnMathType_t m, size_t *b) {
@@ -451,8 +452,8 @@ static conv_plan *conv_plan_get(cuda_backend *be, const ps_conv_shape *s) {
   for (int d = 0; d < 3; d++) {
     CUDNN_CHECK(cudnnCreateConvolutionDescriptor(convs[d]));
     /* The CPU computes a cross-correlation (im2col, no kernel flip). */
-    CUDNN_CHECK(cudnnSetConvolution2dDescriptor(*convs[d], s->pad, s->pad, s->stride, s->stride,
-                                                1, 1, CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
+    CUDNN_CHECK(cudnnSetConvolution2dDescriptor(*convs[d], s->pad, s->pad, s->stride, s->stride, 1,
+                                                1, CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
     CUDNN_CHECK(cudnnSetConvolutionMathType(*convs[d], CUDNN_FMA_MATH));
   }
   int n, c, oh, ow;
@@ -473,9 +474,7 @@ static bool conv_degenerate(const ps_conv_shape *s) {
          s->kw <= 0;
 }
 
-static size_t conv_w_count(const ps_conv_shape *s) {
-  return (size_t)s->oc * s->c * s->kh * s->kw;
-}
+static size_t conv_w_count(const ps_conv_shape *s) { return (size_t)s->oc * s->c * s->kh * s->kw; }
 
 static size_t cuda_conv2d_workspace(void *ctx, const ps_conv_shape *s) {
   cuda_backend *be = enter(ctx);
@@ -525,8 +524,8 @@ static void cuda_conv2d_backward(void *ctx, const ps_conv_shape *s, const float 
   const size_t wn = conv_w_count(s);
   const size_t plane = (size_t)(s->oh > 0 ? s->oh : 0) * (s->ow > 0 ? s->ow : 0);
   if (s->oc > 0) {
-    bias_grad_kernel<<<(unsigned)s->oc, THREADS, 0, be->stream>>>(s->n > 0 ? s->n : 0, s->oc,
-                                                                   plane, dy, db);
+    bias_grad_kernel<<<(unsigned)s->oc, THREADS, 0, be->stream>>>(s->n > 0 ? s->n : 0, s->oc, plane,
+                                                                  dy, db);
     CUDA_CHECK_LAUNCH();
   }
   if (conv_degenerate(s)) {
@@ -542,22 +541,21 @@ static void cuda_conv2d_backward(void *ctx, const ps_conv_shape *s, const float 
     float *wa, *dwa;
     stage_regions(be, wn, &wa, &dwa);
     if (!aligned16(w)) {
-      CUDA_CHECK(cudaMemcpyAsync(wa, w, wn * sizeof(float), cudaMemcpyDeviceToDevice,
-                                 be->stream));
+      CUDA_CHECK(cudaMemcpyAsync(wa, w, wn * sizeof(float), cudaMemcpyDeviceToDevice, be->stream));
       w = wa;
     }
     if (!aligned16(dw)) dw_out = dwa;
   }
   if (dx)
-    CUDNN_CHECK(cudnnConvolutionBackwardData(be->cudnn, &one, p->w, w, p->y, dy,
-                                             p->conv_bwd_data, p->bwd_data, be->work,
-                                             p->bwd_data_bytes, &zero, p->x, dx));
-  CUDNN_CHECK(cudnnConvolutionBackwardFilter(be->cudnn, &one, p->x, x, p->y, dy,
-                                             p->conv_bwd_filter, p->bwd_filter, be->work,
-                                             p->bwd_filter_bytes, &zero, p->w, dw_out));
+    CUDNN_CHECK(cudnnConvolutionBackwardData(be->cudnn, &one, p->w, w, p->y, dy, p->conv_bwd_data,
+                                             p->bwd_data, be->work, p->bwd_data_bytes, &zero, p->x,
+                                             dx));
+  CUDNN_CHECK(cudnnConvolutionBackwardFilter(be->cudnn, &one, p->x, x, p->y, dy, p->conv_bwd_filter,
+                                             p->bwd_filter, be->work, p->bwd_filter_bytes, &zero,
+                                             p->w, dw_out));
   if (dw_out != dw)
-    CUDA_CHECK(cudaMemcpyAsync(dw, dw_out, wn * sizeof(float), cudaMemcpyDeviceToDevice,
-                               be->stream));
+    CUDA_CHECK(
+        cudaMemcpyAsync(dw, dw_out, wn * sizeof(float), cudaMemcpyDeviceToDevice, be->stream));
 }
 
 /* ---- max pooling ---- */
@@ -623,8 +621,8 @@ static void cuda_dense_backward(void *ctx, int n, int in, int out, const float *
                            &zero, dw, in));
   /* dx (n, in) = dy W, as dx^T (in, n) = W^T (in, out) dy^T (out, n). */
   if (dx)
-    CUBLAS_CHECK(cublasSgemm(be->cublas, CUBLAS_OP_N, CUBLAS_OP_N, in, n, out, &one, w, in, dy,
-                             out, &zero, dx, in));
+    CUBLAS_CHECK(cublasSgemm(be->cublas, CUBLAS_OP_N, CUBLAS_OP_N, in, n, out, &one, w, in, dy, out,
+                             &zero, dx, in));
 }
 
 /* ---- elementwise ---- */
@@ -670,8 +668,8 @@ static float cuda_softmax_xent_forward(void *ctx, int n, int k, const float *log
   cuda_backend *be = enter(ctx);
   if (n <= 0) return 0.0f;
   if (k <= 0) return NAN; /* no label can be in [0, k) */
-  CUDNN_CHECK(cudnnSetTensor4dDescriptor(be->probs_desc, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, n,
-                                         k, 1, 1));
+  CUDNN_CHECK(
+      cudnnSetTensor4dDescriptor(be->probs_desc, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, n, k, 1, 1));
   const float one = 1.0f, zero = 0.0f;
   CUDNN_CHECK(cudnnSoftmaxForward(be->cudnn, CUDNN_SOFTMAX_ACCURATE, CUDNN_SOFTMAX_MODE_INSTANCE,
                                   &one, be->probs_desc, logits, &zero, be->probs_desc, probs));
@@ -776,12 +774,12 @@ extern "C" ps_ops *ps_ops_cuda_create(int device, char *err) {
     return NULL;
   }
   be->device = device;
-#define TRY(call)                                  \
-  do {                                             \
-    if (failed((call), #call, device, err)) {      \
-      cuda_free_backend(be, false);                \
-      return NULL;                                 \
-    }                                              \
+#define TRY(call)                             \
+  do {                                        \
+    if (failed((call), #call, device, err)) { \
+      cuda_free_backend(be, false);           \
+      return NULL;                            \
+    }                                         \
   } while (0)
   TRY(cudaSetDevice(device));
   TRY(cudaStreamCreateWithFlags(&be->stream, cudaStreamNonBlocking));
@@ -860,22 +858,19 @@ extern "C" void ps_cuda_host_free(void *p) {
   if (p) CUDA_CHECK(cudaFreeHost(p));
 }
 
-extern "C" void ps_cuda_memcpy_h2d(ps_ops *ops, void *dst_dev, const void *src_host,
-                                   size_t bytes) {
+extern "C" void ps_cuda_memcpy_h2d(ps_ops *ops, void *dst_dev, const void *src_host, size_t bytes) {
   cuda_backend *be = backend_of(ops);
   if (bytes)
     CUDA_CHECK(cudaMemcpyAsync(dst_dev, src_host, bytes, cudaMemcpyHostToDevice, be->stream));
 }
 
-extern "C" void ps_cuda_memcpy_d2h(ps_ops *ops, void *dst_host, const void *src_dev,
-                                   size_t bytes) {
+extern "C" void ps_cuda_memcpy_d2h(ps_ops *ops, void *dst_host, const void *src_dev, size_t bytes) {
   cuda_backend *be = backend_of(ops);
   if (bytes)
     CUDA_CHECK(cudaMemcpyAsync(dst_host, src_dev, bytes, cudaMemcpyDeviceToHost, be->stream));
 }
 
-extern "C" void ps_cuda_memcpy_d2d(ps_ops *ops, void *dst_dev, const void *src_dev,
-                                   size_t bytes) {
+extern "C" void ps_cuda_memcpy_d2d(ps_ops *ops, void *dst_dev, const void *src_dev, size_t bytes) {
   cuda_backend *be = backend_of(ops);
   if (bytes)
     CUDA_CHECK(cudaMemcpyAsync(dst_dev, src_dev, bytes, cudaMemcpyDeviceToDevice, be->stream));

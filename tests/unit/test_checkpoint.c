@@ -145,8 +145,8 @@ static void model_free(model_state *m) {
 }
 
 /* A checkpoint view of shard index of S of the model (arrays borrowed). */
-static ps_ckpt shard_view(const model_state *m, const char *job, const char *opt, int index,
-                          int S, uint64_t version) {
+static ps_ckpt shard_view(const model_state *m, const char *job, const char *opt, int index, int S,
+                          uint64_t version) {
   ps_ckpt ck;
   memset(&ck, 0, sizeof ck);
   ck.meta.index = index;
@@ -320,16 +320,14 @@ static void test_keep(void) {
   fresh_dir(dir, sizeof dir, "keep");
   model_state m = model_make(100, 1, 1.0f);
   /* Neighbours that retention must not touch. */
-  write_shard(dir, &m, "job-a", "momentum", 0, 2, 9, 0);      /* newer, from an earlier run */
-  write_shard(dir, &m, "other-job", "momentum", 0, 2, 0, 0);  /* another job's */
-  write_shard(dir, &m, "job-a", "momentum", 1, 2, 1, 0);      /* another shard */
+  write_shard(dir, &m, "job-a", "momentum", 0, 2, 9, 0);     /* newer, from an earlier run */
+  write_shard(dir, &m, "other-job", "momentum", 0, 2, 0, 0); /* another job's */
+  write_shard(dir, &m, "job-a", "momentum", 1, 2, 1, 0);     /* another shard */
   write_shard(dir, &m, "job-a", "momentum", 1, 2, 2, 0);
   write_shard(dir, &m, "job-a", "momentum", 0, 3, 1, 0); /* another number of shards */
-  CHECK(write_file("x", "", 0) == 0 || 1);
   char other[1024];
   snprintf(other, sizeof other, "%s/shard-0-of-2-v1.ckpt.notes", dir);
   CHECK(write_file(other, "hi", 2) == 0);
-  unlink("x");
 
   for (uint64_t v = 1; v <= 6; v++) write_shard(dir, &m, "job-a", "momentum", 0, 2, v, 3);
   CHECK(!exists(dir, "shard-0-of-2-v1.ckpt") && !exists(dir, "shard-0-of-2-v2.ckpt") &&
@@ -342,7 +340,7 @@ static void test_keep(void) {
   CHECK(exists(dir, "shard-0-of-3-v1.ckpt"));
   CHECK(exists(dir, "shard-0-of-2-v1.ckpt.notes"));
   CHECK(count_entries(dir, ".") == 0); /* no temporary files */
-  CHECK(count_entries(dir, NULL) == 10);
+  CHECK(count_entries(dir, NULL) == 9);
 
   /* keep = 1: only the new one of this run's line remains. */
   write_shard(dir, &m, "job-a", "momentum", 0, 2, 7, 1);
@@ -353,7 +351,7 @@ static void test_keep(void) {
   write_shard(dir, &m, "job-a", "momentum", 0, 2, 8, 0);
   write_shard(dir, &m, "job-a", "momentum", 0, 2, 8, 2);
   CHECK(exists(dir, "shard-0-of-2-v7.ckpt") && exists(dir, "shard-0-of-2-v8.ckpt"));
-  CHECK(count_entries(dir, NULL) == 9);
+  CHECK(count_entries(dir, NULL) == 8);
   char err[PS_ERRLEN] = "";
   ps_ckpt ck = shard_view(&m, "job-a", "momentum", 0, 2, 10);
   CHECK(ps_ckpt_write(dir, &ck, -1, NULL, err) == PS_EINVAL);
@@ -372,7 +370,6 @@ static void test_corruption(void) {
   CHECK(ps_ckpt_write(dir, &ck, 0, path, err) == PS_OK);
   char *good;
   size_t len;
-  CHECK(ps_ckpt_read(path, &(ps_ckpt){0}, err) == PS_OK || 1);
   if (ps_read_file(path, &good, &len, err) != PS_OK) {
     CHECK_MSG(0, "%s", err);
     model_free(&m);
@@ -417,14 +414,14 @@ static void test_corruption(void) {
     const char *says;
     int code;
   } cases[] = {
-      {3, "bad magic in", PS_EPROTO},                      /* magic */
-      {8, "newer version", PS_EPROTO},                     /* format version */
-      {30, "header checksum mismatch", PS_EINVAL},         /* P */
-      {100, "the file is corrupt (stored 0x", PS_EINVAL},  /* job id */
-      {189, "header checksum mismatch", PS_EINVAL},        /* header checksum */
-      {194, "checksum mismatch in", PS_EINVAL},            /* extra */
-      {192 + 5 + 60, "checksum mismatch in", PS_EINVAL},   /* parameters */
-      {len - 10, "checksum mismatch in", PS_EINVAL},       /* last slot */
+      {3, "bad magic in", PS_EPROTO},                         /* magic */
+      {8, "newer version", PS_EPROTO},                        /* format version */
+      {30, "header checksum mismatch", PS_EINVAL},            /* P */
+      {100, "the file is corrupt (stored 0x", PS_EINVAL},     /* job id */
+      {189, "header checksum mismatch", PS_EINVAL},           /* header checksum */
+      {194, "checksum mismatch in", PS_EINVAL},               /* extra */
+      {192 + 5 + 60, "checksum mismatch in", PS_EINVAL},      /* parameters */
+      {len - 10, "checksum mismatch in", PS_EINVAL},          /* last slot */
       {len - 2, "the file is corrupt (stored 0x", PS_EINVAL}, /* checksum */
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -433,8 +430,8 @@ static void test_corruption(void) {
     good[cases[i].at] ^= 0x80;
     ps_ckpt got;
     int rc = ps_ckpt_read(bad_path, &got, err);
-    CHECK_MSG(rc == cases[i].code && strstr(err, cases[i].says), "byte %zu: rc %d: %s",
-              cases[i].at, rc, err);
+    CHECK_MSG(rc == cases[i].code && strstr(err, cases[i].says), "byte %zu: rc %d: %s", cases[i].at,
+              rc, err);
   }
   CHECK(ps_ckpt_read_header(bad_path, &(ps_ckpt_meta){0}, NULL, NULL, err) == PS_OK);
   free(good);
@@ -461,16 +458,15 @@ static void test_truncated(void) {
     CHECK(write_file(cut_path, good, cuts[i]) == 0);
     ps_ckpt got;
     int rc = ps_ckpt_read(cut_path, &got, err);
-    CHECK_MSG(rc != PS_OK && strstr(err, "truncated") && strstr(err, "cut.ckpt"),
-              "cut at %zu: %s", cuts[i], err);
+    CHECK_MSG(rc != PS_OK && strstr(err, "truncated") && strstr(err, "cut.ckpt"), "cut at %zu: %s",
+              cuts[i], err);
   }
-  /* The message gives the sizes: 8000 bytes of parameters, 4000 of slot,
-   * and what is there. */
+  /* The message gives the sizes: 4000 bytes of parameters and 4000 of the
+   * slot, and what is there. */
   CHECK(write_file(cut_path, good, 1392) == 0);
   ps_ckpt_read(cut_path, &(ps_ckpt){0}, err);
   CHECK_MSG(strstr(err, "header says 8000 bytes") && strstr(err, "file has 1200"), "%s", err);
   /* A byte too many. */
-  good[len - 1] ^= 0; /* unchanged */
   FILE *f = fopen(cut_path, "wb");
   if (f) {
     fwrite(good, 1, len, f);
@@ -505,12 +501,12 @@ static void test_find_latest(void) {
   CHECK(ps_ckpt_find_latest(&nodir, 1, 2, &got, used, err) == PS_ENOTFOUND);
   CHECK_MSG(strstr(err, "/nonexistent/ckpt"), "%s", err);
 
-  write_shard(dir, &m, "job-a", "adam", 1, 2, 10, 0);      /* the good one */
-  write_shard(dir, &m, "job-b", "adam", 1, 2, 20, 0);      /* another job */
+  write_shard(dir, &m, "job-a", "adam", 1, 2, 10, 0);       /* the good one */
+  write_shard(dir, &m, "job-b", "adam", 1, 2, 20, 0);       /* another job */
   write_shard(dir, &other_p, "job-a", "adam", 1, 2, 30, 0); /* another P */
-  write_shard(dir, &m, "job-a", "adam", 1, 2, 40, 0);      /* corrupt, below */
+  write_shard(dir, &m, "job-a", "adam", 1, 2, 40, 0);       /* corrupt, below */
   flip_byte(dir, "shard-1-of-2-v40.ckpt", 50);
-  write_shard(dir, &m, "job-a", "sgd", 1, 2, 50, 0); /* another optimizer */
+  write_shard(dir, &m, "job-a", "sgd", 1, 2, 50, 0);  /* another optimizer */
   write_shard(dir, &m, "job-a", "adam", 0, 2, 99, 0); /* another shard */
   write_shard(dir, &m, "job-a", "adam", 1, 3, 99, 0); /* another S */
 
@@ -561,8 +557,8 @@ static void test_find_latest(void) {
 }
 
 /* Loads [begin, end) with n_slots and compares it with the model. */
-static int range_equals(const ps_ckpt_source *src, const model_state *m, size_t begin,
-                        size_t end, int n_slots, ps_ckpt_restored *info, int want_extra) {
+static int range_equals(const ps_ckpt_source *src, const model_state *m, size_t begin, size_t end,
+                        int n_slots, ps_ckpt_restored *info, int want_extra) {
   size_t n = end - begin;
   float *p = malloc((n ? n : 1) * 4), *sl[PS_CKPT_MAX_SLOTS] = {0};
   for (int k = 0; k < n_slots; k++) sl[k] = malloc((n ? n : 1) * 4);
@@ -570,8 +566,7 @@ static int range_equals(const ps_ckpt_source *src, const model_state *m, size_t 
   int rc = ps_ckpt_load_range(src, begin, end, p, sl, n_slots, want_extra, info, err);
   CHECK_MSG(rc == PS_OK, "load [%zu, %zu): %s", begin, end, err);
   int same = rc == PS_OK && memcmp(p, m->params + begin, n * 4) == 0;
-  for (int k = 0; k < n_slots; k++)
-    same = same && memcmp(sl[k], m->slots[k] + begin, n * 4) == 0;
+  for (int k = 0; k < n_slots; k++) same = same && memcmp(sl[k], m->slots[k] + begin, n * 4) == 0;
   free(p);
   for (int k = 0; k < n_slots; k++) free(sl[k]);
   return same;
@@ -630,9 +625,9 @@ static void test_reshard(void) {
   any.optimizer = NULL;
   CHECK(range_equals(&any, &now, 0, P, 0, &info, 0));
   /* Odd ranges: empty, one value, across two boundaries. */
-  CHECK(range_equals(&src, &now, 500, 500, 2, &info, 0) && info.files_used == 0);
+  int same = range_equals(&src, &now, 500, 500, 2, &info, 0);
+  CHECK_MSG(same && info.files_used == 0, "%d %d", same, info.files_used);
   CHECK(range_equals(&src, &now, 655, 656, 2, &info, 0) && info.version == 9);
-  CHECK(range_equals(&src, &now, 100, 900, 1, &info, 0) == 0 || 1); /* slot count differs */
 
   /* A newer but corrupt checkpoint of one shard: the older one of that
    * shard is used, and a note says so. */
@@ -772,8 +767,8 @@ static void check_npy(const char *path, const char *dict, const float *want, siz
   CHECK_MSG((10 + hl) % 64 == 0, "%s: header %zu", path, hl);
   CHECK(10 + hl + count * 4 == len);
   size_t dl = strlen(dict);
-  CHECK_MSG(hl > dl && memcmp(raw + 10, dict, dl) == 0, "%s: %.*s", path, (int)(hl < 200 ? hl : 200),
-            raw + 10);
+  CHECK_MSG(hl > dl && memcmp(raw + 10, dict, dl) == 0, "%s: %.*s", path,
+            (int)(hl < 200 ? hl : 200), raw + 10);
   int pad_ok = raw[10 + hl - 1] == '\n';
   for (size_t i = 10 + dl; i < 10 + hl - 1; i++) pad_ok = pad_ok && raw[i] == ' ';
   CHECK_MSG(pad_ok, "%s: padding", path);
@@ -782,7 +777,7 @@ static void check_npy(const char *path, const char *dict, const float *want, siz
 }
 
 static void test_npy(void) {
-  char dir[512], out[1024], err[PS_ERRLEN] = "", p[1024];
+  char dir[512], out[600], err[PS_ERRLEN] = "", p[1024];
   fresh_dir(dir, sizeof dir, "npy");
   snprintf(out, sizeof out, "%s/model", dir);
   ps_model_spec spec;
@@ -790,7 +785,8 @@ static void test_npy(void) {
       "{\"input\": [2, 6, 6], \"classes\": 5, \"layers\": ["
       "{\"type\": \"conv2d\", \"filters\": 3, \"kernel\": 3, \"padding\": \"same\"},"
       "{\"type\": \"relu\"}, {\"type\": \"maxpool\", \"size\": 2}, {\"type\": \"flatten\"},"
-      "{\"type\": \"dense\", \"units\": 4}, {\"type\": \"relu\"}, {\"type\": \"dense\", \"units\": 5},"
+      "{\"type\": \"dense\", \"units\": 4}, {\"type\": \"relu\"}, {\"type\": \"dense\", \"units\": "
+      "5},"
       "{\"type\": \"softmax_xent\"}]}",
       &spec, err);
   CHECK_MSG(rc == PS_OK, "%s", err);
@@ -838,7 +834,7 @@ static void test_npy(void) {
 
   /* NumPy itself, where it is installed. */
   if (system("python3 -c 'import numpy' >/dev/null 2>&1") == 0) {
-    char cmd[2048];
+    char cmd[4096];
     snprintf(cmd, sizeof cmd,
              "python3 -c \"import numpy as np; a = np.load('%s/conv2d_0.w.npy'); "
              "assert a.shape == (3, 2, 3, 3) and a.dtype == np.float32; "
