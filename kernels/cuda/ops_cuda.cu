@@ -335,7 +335,13 @@ static bool same_conv_shape(const ps_conv_shape *a, const ps_conv_shape *b) {
  * FMA math keeps float32 products exact before accumulation, as the CPU's
  * sgemm does; deterministic algorithms (no atomics) make a step replayable.
  * workspace(algo, math, &bytes) asks cuDNN whether the algorithm supports the
- * shape with that math type, and how much workspace it needs. */
+ * shape with that math type, and how much workspace it needs.
+ *
+ * The heuristics rather than cudnnFind*AlgorithmEx: their choice is the
+ * same on every run and every replica (Find times the candidates, and a near
+ * tie in time can go either way, changing the rounding of the results from
+ * one run to the next), they need no buffers (so conv2d_workspace can choose
+ * before any data exists), and they take microseconds, not a benchmark. */
 template <typename Perf, typename WorkspaceFn>
 static int pick_algo(const Perf *perf, int count, WorkspaceFn workspace, size_t *bytes,
                      cudnnMathType_t *math) {

@@ -8,9 +8,10 @@
  * softmax_xent_forward, which returns the loss and so waits for it. The
  * results are those of the CPU backend: bit for bit for relu, dropout (the
  * same mask from ps_rng_uniform), max pooling (the same int32 argmax, ties to
- * the first in row-major order) and the softmax gradient; within float
- * rounding for the reductions (convolution, dense, softmax, loss), which sum
- * in another order. tests/unit/test_cuda_parity.c checks all of it.
+ * the first in row-major order) and the softmax gradient given the same
+ * probabilities; within float rounding for the reductions (convolution,
+ * dense, softmax, loss), which sum in another order (see the test for the
+ * tolerances). tests/unit/test_cuda_parity.c checks all of it.
  *
  * Convolution: the backend keeps its own workspace, so conv2d_workspace
  * answers 0 and the `work` argument is ignored (NULL is fine). It chooses the
@@ -21,7 +22,12 @@
  * Alignment: device buffers from ps_cuda_alloc (256-byte aligned) can be
  * used anywhere. Parameters and gradients may sit at any float offset of
  * one flat vector: a convolution whose weights are not 16-byte aligned
- * works on an aligned copy (one small device-to-device copy).
+ * works on an aligned copy (one small device-to-device copy). Activations go
+ * to cuDNN as they are: keep them 16-byte aligned (a ps_cuda_alloc'd buffer,
+ * or an example offset into one when an example is a multiple of 4 floats).
+ *
+ * Max pooling: argmax may be NULL in maxpool_forward (evaluation); the
+ * backward pass needs the argmax of its forward pass, from either backend.
  *
  * Errors: a failed CUDA, cuBLAS or cuDNN call inside an op prints the call,
  * file, line and error and aborts (see cuda_check.h); the ops have no error

@@ -138,14 +138,26 @@ static run_result time_replicas(ps_replicas *r, const bench_data *d, int steps) 
                       .others = others_share(&a, &b)};
 }
 
-/* ---- diagnostics ---- */
+/* ---- the machine's own ceiling ----
+ *
+ * R bare threads, each running its own model on its slice of the batch,
+ * nothing shared, no combination, no barrier: what R cores give right now.
+ * Timed in every round next to the replicas, because how much a second
+ * core gives on this (virtual, shared) machine changes from minute to
+ * minute. */
 
 typedef struct {
   const bench_data *d;
+  ps_ops *ops;
   ps_model *model;
   float *grads;
   int first, n, steps;
 } bare_thread;
+
+typedef struct {
+  int R;
+  bare_thread t[16];
+} bare_set;
 
 static void *bare_main(void *arg) {
   bare_thread *t = arg;
@@ -155,35 +167,46 @@ static void *bare_main(void *arg) {
   return NULL;
 }
 
-/* R threads, each running its own model on its slice, nothing shared:
- * the speed-up the machine allows. Examples per second of the whole batch. */
-static double time_bare(const bench_data *d, int R, int steps) {
+static int bare_create(bare_set *b, const bench_data *d, int R) {
   char err[PS_ERRLEN];
-  bare_thread t[16];
-  ps_ops *ops[16];
-  pthread_t tid[16];
+  memset(b, 0, sizeof *b);
+  b->R = R;
   int first = 0;
   for (int i = 0; i < R; i++) {
-    ops[i] = ps_ops_cpu_create(1);
-    t[i] = (bare_thread){.d = d, .first = first, .n = d->batch / R + (i < d->batch % R),
-                         .steps = steps};
-    first += t[i].n;
-    t[i].model = ps_model_create(d->spec, ops[i], t[i].n, err);
-    t[i].grads = malloc(d->P * sizeof(float));
-    bare_main(&(bare_thread){.d = d, .model = t[i].model, .grads = t[i].grads,
-                             .first = t[i].first, .n = t[i].n, .steps = 1});
+    bare_thread *t = &b->t[i];
+    *t = (bare_thread){.d = d, .first = first, .n = d->batch / R + (i < d->batch % R)};
+    first += t->n;
+    t->ops = ps_ops_cpu_create(1);
+    t->model = t->ops ? ps_model_create(d->spec, t->ops, t->n, err) : NULL;
+    t->grads = malloc(d->P * sizeof(float));
+    if (!t->model || !t->grads) return -1;
   }
-  double t0 = now_s();
-  for (int i = 0; i < R; i++) pthread_create(&tid[i], NULL, bare_main, &t[i]);
-  for (int i = 0; i < R; i++) pthread_join(tid[i], NULL);
-  double rate = (double)steps * d->batch / (now_s() - t0);
-  for (int i = 0; i < R; i++) {
-    ps_model_destroy(t[i].model);
-    ops[i]->destroy(ops[i]);
-    free(t[i].grads);
-  }
-  return rate;
+  return 0;
 }
+
+static void bare_destroy(bare_set *b) {
+  for (int i = 0; i < b->R; i++) {
+    ps_model_destroy(b->t[i].model);
+    if (b->t[i].ops) b->t[i].ops->destroy(b->t[i].ops);
+    free(b->t[i].grads);
+  }
+}
+
+static run_result time_bare(bare_set *b, int steps) {
+  pthread_t tid[16];
+  usage_mark m0 = mark();
+  for (int i = 0; i < b->R; i++) {
+    b->t[i].steps = steps;
+    pthread_create(&tid[i], NULL, bare_main, &b->t[i]);
+  }
+  for (int i = 0; i < b->R; i++) pthread_join(tid[i], NULL);
+  usage_mark m1 = mark();
+  const double ex = (double)steps * b->t[0].d->batch;
+  return (run_result){.rate = ex / (m1.wall - m0.wall), .cpu_per_ex = (m1.cpu - m0.cpu) / ex,
+                      .others = others_share(&m0, &m1)};
+}
+
+/* ---- diagnostics ---- */
 
 /* Seconds per step of one model on n examples in this thread. */
 static double time_model(const bench_data *d, int n, int steps) {
@@ -289,88 +312,100 @@ int main(int argc, char **argv) {
     fprintf(stderr, "bench_replicas: %s\n", err);
     return 1;
   }
+  bare_set bare;
+  if (bare_create(&bare, &d, R) != 0) {
+    fprintf(stderr, "bench_replicas: out of memory\n");
+    return 1;
+  }
   char desc[512];
   ps_model_spec_describe(spec, desc, sizeof desc);
-  printf("model: %s\nbatch %d, %d rounds of %d steps, one BLAS thread per replica\n", desc, batch,
-         rounds, steps);
+  printf("model: %s\nbatch %d, %d rounds of %d steps, one BLAS thread per replica\n"
+         "bare: %d threads, one model each on its slice, no combination (the machine's "
+         "ceiling now)\n",
+         desc, batch, rounds, steps, R);
   /* Warm-up: page in activations, wake the threads. */
   time_replicas(one, &d, 2);
   time_replicas(many, &d, 2);
+  time_bare(&bare, 2);
 
-  double *r1 = calloc((size_t)rounds, sizeof *r1), *rn = calloc((size_t)rounds, sizeof *rn);
   double *ratio = calloc((size_t)rounds, sizeof *ratio);
-  double *quiet_ratio = calloc((size_t)rounds, sizeof *quiet_ratio);
+  double *bare_ratio = calloc((size_t)rounds, sizeof *bare_ratio);
+  double *q_ratio = calloc((size_t)rounds, sizeof *q_ratio);
+  double *q_bare = calloc((size_t)rounds, sizeof *q_bare);
+  double *q_r1 = calloc((size_t)rounds, sizeof *q_r1), *q_rn = calloc((size_t)rounds, sizeof *q_rn);
   double cpu1 = 0, cpun = 0;
   int quiet = 0;
   for (int k = 0; k < rounds; k++) {
     wait_for_quiet(wait_s);
-    run_result a, b;
-    if (k % 2 == 0) {
-      a = time_replicas(one, &d, steps);
-      b = time_replicas(many, &d, steps);
-    } else {
-      b = time_replicas(many, &d, steps);
-      a = time_replicas(one, &d, steps);
+    run_result res[3]; /* R=1, R, bare; run in an order rotated every round */
+    for (int j = 0; j < 3; j++) {
+      const int which = (j + k) % 3;
+      res[which] = which == 0   ? time_replicas(one, &d, steps)
+                   : which == 1 ? time_replicas(many, &d, steps)
+                                : time_bare(&bare, steps);
     }
-    r1[k] = a.rate;
-    rn[k] = b.rate;
-    ratio[k] = b.rate / a.rate;
-    const int calm = a.others < QUIET_SHARE && b.others < QUIET_SHARE;
+    ratio[k] = res[1].rate / res[0].rate;
+    bare_ratio[k] = res[2].rate / res[0].rate;
+    double others = 0;
+    for (int j = 0; j < 3; j++)
+      if (res[j].others > others) others = res[j].others;
+    const int calm = others < QUIET_SHARE;
     if (calm) {
-      quiet_ratio[quiet++] = ratio[k];
-      cpu1 += a.cpu_per_ex;
-      cpun += b.cpu_per_ex;
+      q_ratio[quiet] = ratio[k];
+      q_bare[quiet] = bare_ratio[k];
+      q_r1[quiet] = res[0].rate;
+      q_rn[quiet] = res[1].rate;
+      quiet++;
+      cpu1 += res[0].cpu_per_ex;
+      cpun += res[1].cpu_per_ex;
     }
-    printf("round %2d: R=1 %7.1f ex/s   R=%d %7.1f ex/s   ratio %.3f   (others used %2.0f%% / "
-           "%2.0f%% of the CPUs%s)\n",
-           k + 1, a.rate, R, b.rate, ratio[k], 100 * a.others, 100 * b.others,
-           calm ? "" : ": not counted as quiet");
+    printf("round %2d: R=1 %6.1f ex/s  R=%d %6.1f ex/s  ratio %.3f  (bare x%.3f)  others up to "
+           "%2.0f%%%s\n",
+           k + 1, res[0].rate, R, res[1].rate, ratio[k], bare_ratio[k], 100 * others,
+           calm ? "" : ": not quiet");
     fflush(stdout);
   }
-  double m1 = median(r1, rounds), mn = median(rn, rounds), mr = median(ratio, rounds);
-  printf("median of all %d rounds: R=1 %.1f ex/s, R=%d %.1f ex/s, ratio R=%d/R=1 %.3f\n", rounds,
-         m1, R, mn, R, mr);
+  printf("median of all %d rounds: ratio R=%d/R=1 %.3f (bare x%.3f)\n", rounds, R,
+         median(ratio, rounds), median(bare_ratio, rounds));
   if (quiet > 0) {
-    printf("median of the %d quiet rounds (others < %.0f%%): ratio R=%d/R=1 %.3f; CPU time per "
-           "example R=1 %.3f ms, R=%d %.3f ms (x%.3f)\n",
-           quiet, 100 * QUIET_SHARE, R, median(quiet_ratio, quiet), 1e3 * cpu1 / quiet, R,
-           1e3 * cpun / quiet, cpun / cpu1);
+    printf("median of the %d quiet rounds (others < %.0f%% of the CPUs): R=1 %.1f ex/s, R=%d "
+           "%.1f ex/s, ratio R=%d/R=1 %.3f (bare x%.3f); CPU time per example R=1 %.3f ms, "
+           "R=%d %.3f ms\n",
+           quiet, 100 * QUIET_SHARE, median(q_r1, quiet), R, median(q_rn, quiet), R,
+           median(q_ratio, quiet), median(q_bare, quiet), 1e3 * cpu1 / quiet, R,
+           1e3 * cpun / quiet);
   } else {
-    printf("no quiet round: the machine was busy throughout; the ratios above are not the "
-           "replicas' own\n");
+    printf("no quiet round: other processes were busy throughout\n");
   }
 
   if (diag) {
     /* Medians of 3, each after a wait for quiet. */
-    const int half = (batch + R - 1) / R;
-    double t_full[3], t_part[3], bare[3], one_rate[3];
+    const int part = (batch + R - 1) / R;
+    double t_full[3], t_part[3];
     for (int k = 0; k < 3; k++) {
       wait_for_quiet(wait_s);
       t_full[k] = time_model(&d, batch, steps);
-      t_part[k] = time_model(&d, half, steps);
-      wait_for_quiet(wait_s);
-      bare[k] = time_bare(&d, R, steps);
-      one_rate[k] = time_replicas(one, &d, steps).rate;
+      t_part[k] = time_model(&d, part, steps);
     }
     const double tf = median(t_full, 3), tp = median(t_part, 3);
-    const double br = median(bare, 3), o1 = median(one_rate, 3);
     double t_sum = time_sum(d.P, R, 20);
     printf("diag: one model, %d examples: %.2f ms/step; %d examples: %.2f ms/step (x%.3f of "
            "the full batch's time, ideal %.3f): R=%d can reach at most x%.2f\n",
-           batch, tf * 1e3, half, tp * 1e3, tp / tf, (double)half / batch, R, tf / tp);
-    printf("diag: %d bare threads, one model each, no combination: %.1f ex/s, x%.3f of R=1\n", R,
-           br, br / o1);
+           batch, tf * 1e3, part, tp * 1e3, tp / tf, (double)part / batch, R, tf / tp);
     printf("diag: combining %d gradients of %zu floats in one thread: %.3f ms (%.1f%% of an R=1 "
            "step)\n",
            R, d.P, t_sum * 1e3, 100.0 * t_sum / tf);
   }
 
+  bare_destroy(&bare);
   ps_replicas_destroy(many);
   ps_replicas_destroy(one);
-  free(r1);
-  free(rn);
   free(ratio);
-  free(quiet_ratio);
+  free(bare_ratio);
+  free(q_ratio);
+  free(q_bare);
+  free(q_r1);
+  free(q_rn);
   free(d.params);
   free(d.grads);
   free(d.x);
