@@ -72,6 +72,34 @@ struct ps_ops {
                                 const uint8_t *labels, float *dlogits);
 
   void (*destroy)(ps_ops *ops);
+
+  /* ---- memory ----
+   * Every pointer the ops above take is the backend's memory: host memory
+   * on the cpu backend, device memory on cuda. Code above the backend
+   * allocates, copies and waits through these members, never with
+   * cudaMalloc or memcpy of its own, so it runs on either. Copies are in
+   * order with the ops: a copy in is seen by the ops called after it, a
+   * copy out sees the ops called before it. */
+
+  /* bytes of backend memory, zeroed on return (bytes == 0 still gives a
+   * valid pointer). NULL when the backend is out of memory. */
+  void *(*alloc)(void *ctx, size_t bytes);
+  /* Frees what alloc gave (NULL is fine), once the ops that may still
+   * read or write it are done. */
+  void (*free)(void *ctx, void *p);
+  /* Host memory to backend memory. src_host must stay valid and unchanged
+   * until sync returns (it may be read later than the call). */
+  void (*to_device)(void *ctx, void *dst, const void *src_host, size_t bytes);
+  /* Backend memory to host memory. dst_host holds the bytes once sync
+   * returns (at once on the cpu backend). */
+  void (*to_host)(void *ctx, void *dst_host, const void *src, size_t bytes);
+  /* Backend memory to backend memory (no overlap, or dst == src). */
+  void (*copy)(void *ctx, void *dst, const void *src, size_t bytes);
+  /* Waits until every op and copy called so far is done. */
+  void (*sync)(void *ctx);
+  /* 1 when the backend's memory is host memory (the cpu backend): host
+   * buffers may then be handed to the ops as they are, without copies. */
+  int host_memory;
 };
 
 /* The CPU backend. threads > 0: the backend splits every op over that many
@@ -81,8 +109,9 @@ struct ps_ops {
  * count. threads == 0 leaves OpenBLAS's threading as it is. One backend is
  * used by one thread at a time. Element-wise ops may run in place; maxpool
  * picks the first maximum in row-major order; dropout keeps a value when
- * ps_rng_uniform(seed, stream, i) >= rate. NULL when memory or a thread
- * cannot be had. */
+ * ps_rng_uniform(seed, stream, i) >= rate. Its memory is host memory
+ * (host_memory = 1; alloc is ps_alloc, copies are memcpy, sync returns at
+ * once). NULL when memory or a thread cannot be had. */
 ps_ops *ps_ops_cpu_create(int threads);
 
 /* Fills conv output size from the other fields. */

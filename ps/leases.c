@@ -104,12 +104,6 @@ static void record_reset(ps_lease_epoch_record *r, uint32_t epoch, uint32_t n_ch
   r->end_ms = -1;
 }
 
-static uint32_t count_once(const uint8_t *counts, uint32_t n) {
-  uint32_t once = 0;
-  for (uint32_t k = 0; k < n; k++) once += counts[k] == 1;
-  return once;
-}
-
 /* The first id of a table's life: past every id of the life it was saved
  * from, and past those of any earlier life on this clock, which workers may
  * still hold (2^32 ids per second of wall time between two lives). */
@@ -246,7 +240,6 @@ static void epoch_end(ps_leases *t, int64_t now_ms) {
   ps_lease_epoch_record *r = &t->cur;
   r->finished = 1;
   r->end_ms = now_ms;
-  r->chunks_once = count_once(t->counts, t->n_chunks);
   /* The oldest record's counts buffer takes the place of the current one. */
   uint8_t *spare = t->hist_counts[PS_LEASE_HISTORY - 1];
   memmove(&t->history[1], &t->history[0], (PS_LEASE_HISTORY - 1) * sizeof t->history[0]);
@@ -275,6 +268,9 @@ static void chunk_done(ps_leases *t, uint32_t c, int64_t now_ms) {
   uint32_t count = chunk_count(t, c);
   t->state[c] = CHUNK_DONE;
   if (t->counts[c] < 255) t->counts[c]++;
+  /* Counts never pass 1 through this table; kept honest if they did. */
+  if (t->counts[c] == 1) t->cur.chunks_once++;
+  if (t->counts[c] == 2) t->cur.chunks_once--;
   t->n_done++;
   t->cur.chunks_completed++;
   t->cur.examples_completed += count;
@@ -469,7 +465,6 @@ void ps_leases_stats(ps_leases *t, ps_lease_stats *out) {
   out->leases_granted = t->granted_total;
   out->reclaims_total = t->reclaims_total;
   out->current = t->cur;
-  out->current.chunks_once = count_once(t->counts, t->n_chunks);
   out->n_history = t->n_history;
   memcpy(out->history, t->history, (size_t)t->n_history * sizeof t->history[0]);
   pthread_mutex_unlock(&t->mu);
@@ -494,10 +489,7 @@ int ps_leases_epoch_record(ps_leases *t, uint32_t epoch, ps_lease_epoch_record *
   }
   int rc = PS_ENOTFOUND;
   if (r) {
-    if (rec) {
-      *rec = *r;
-      if (!r->finished) rec->chunks_once = count_once(c, t->n_chunks);
-    }
+    if (rec) *rec = *r;
     if (counts) memcpy(counts, c, max < t->n_chunks ? max : t->n_chunks);
     rc = (int)t->n_chunks;
   }
@@ -740,16 +732,11 @@ ps_leases *ps_leases_load(const void *buf, size_t len, char *err) {
   uint64_t granted = get_u64(&p);
   uint64_t reclaims = get_u64(&p);
   uint32_t n_history = get_u32(&p);
-  char why[PS_ERRLEN];
-  uint32_t want_chunks;
-  if (check_config(&cfg, &want_chunks, why) != PS_OK) {
-    ps_seterr(err, PS_EINVAL, "lease table blob: bad configuration (%s)", why);
-    return NULL;
-  }
-  if (n_chunks != want_chunks) {
-    ps_seterr(err, PS_EINVAL, "lease table blob: %u chunks, but %llu examples in chunks of %u make %u",
-              (unsigned)n_chunks, (unsigned long long)cfg.n_examples, (unsigned)cfg.chunk_size,
-              (unsigned)want_chunks);
+  /* The length follows from n_chunks and n_history; with it the checksum
+   * is checked before anything else is believed. */
+  if (n_chunks > PS_LEASE_MAX_CHUNKS || n_chunks == 0) {
+    ps_seterr(err, PS_EINVAL, "lease table blob: %u chunks (1 to %u)", (unsigned)n_chunks,
+              (unsigned)PS_LEASE_MAX_CHUNKS);
     return NULL;
   }
   if (n_history > PS_LEASE_HISTORY) {
@@ -763,10 +750,21 @@ ps_leases *ps_leases_load(const void *buf, size_t len, char *err) {
               want, (unsigned)n_chunks, len < want ? "truncated" : "trailing bytes");
     return NULL;
   }
-  uint32_t crc = ps_crc32c(0, b, len - 4);
   const uint8_t *q = b + len - 4;
-  if (get_u32(&q) != crc) {
+  if (get_u32(&q) != ps_crc32c(0, b, len - 4)) {
     ps_seterr(err, PS_EINVAL, "lease table blob: checksum mismatch: corrupt");
+    return NULL;
+  }
+  char why[PS_ERRLEN];
+  uint32_t want_chunks;
+  if (check_config(&cfg, &want_chunks, why) != PS_OK) {
+    ps_seterr(err, PS_EINVAL, "lease table blob: bad configuration (%s)", why);
+    return NULL;
+  }
+  if (n_chunks != want_chunks) {
+    ps_seterr(err, PS_EINVAL, "lease table blob: %u chunks, but %llu examples in chunks of %u make %u",
+              (unsigned)n_chunks, (unsigned long long)cfg.n_examples, (unsigned)cfg.chunk_size,
+              (unsigned)want_chunks);
     return NULL;
   }
 

@@ -1,3 +1,13 @@
+/* The model on a compute backend (see model.h).
+ *
+ * Every buffer the ops touch comes from ops->alloc, so the same code runs
+ * on the cpu backend (host memory) and on cuda (device memory). The one
+ * difference between the two is where the batch and the probabilities are:
+ * on the cpu backend the ops read the caller's x and y and the model reads
+ * its own probabilities in place, exactly as before the backends could
+ * differ; elsewhere the batch is copied in (x_dev, y_dev) and the
+ * probabilities out (probs_host) each step, k*n floats for the arg-max
+ * count. */
 #include "model.h"
 
 #include <stdlib.h>
@@ -21,14 +31,25 @@ struct ps_model {
   ps_model_spec spec;
   ps_ops *ops;
   int max_batch;
-  layer_state *ls;
+  size_t in_size;    /* floats per example */
+  layer_state *ls;   /* buffers: backend memory */
   float *work;       /* conv scratch, the largest any conv layer needs */
   float *grad_a;     /* gradient ping-pong buffers, largest activation */
   float *grad_b;
   float *probs;      /* (max_batch, classes) */
+  /* Only when !ops->host_memory (else NULL): */
+  float *x_dev;      /* (max_batch, in_size): the batch, copied in */
+  uint8_t *y_dev;    /* (max_batch): its labels */
+  float *probs_host; /* (max_batch, classes), host memory: probs copied out */
 };
 
 static size_t layer_size(int c, int h, int w) { return (size_t)c * h * w; }
+
+static void *backend_alloc(ps_model *m, size_t bytes) { return m->ops->alloc(m->ops->ctx, bytes); }
+
+static void backend_free(ps_model *m, void *p) {
+  if (p) m->ops->free(m->ops->ctx, p);
+}
 
 ps_model *ps_model_create(const ps_model_spec *spec, ps_ops *ops, int max_batch, char *err) {
   ps_model *m = calloc(1, sizeof *m);
@@ -39,9 +60,10 @@ ps_model *ps_model_create(const ps_model_spec *spec, ps_ops *ops, int max_batch,
   m->spec = *spec;
   m->ops = ops;
   m->max_batch = max_batch;
+  m->in_size = layer_size(spec->in_c, spec->in_h, spec->in_w);
   m->ls = calloc((size_t)spec->n_layers, sizeof *m->ls);
   if (!m->ls) goto oom;
-  size_t work = 0, largest = layer_size(spec->in_c, spec->in_h, spec->in_w);
+  size_t work = 0, largest = m->in_size;
   for (int i = 0; i < spec->n_layers; i++) {
     const ps_layer *L = &spec->layers[i];
     layer_state *s = &m->ls[i];
@@ -60,26 +82,34 @@ ps_model *ps_model_create(const ps_model_spec *spec, ps_ops *ops, int max_batch,
       s->pool = (ps_pool_shape){.n = max_batch, .c = L->in_c, .h = L->in_h, .w = L->in_w,
                                 .size = L->pool, .stride = L->pool_stride};
       ps_pool_shape_finish(&s->pool);
-      s->argmax = ps_alloc(n_out * sizeof(int32_t));
+      s->argmax = backend_alloc(m, n_out * sizeof(int32_t));
       if (!s->argmax) goto oom;
     } else if (L->type == PS_LAYER_DROPOUT) {
-      s->mask = ps_alloc(n_out * sizeof(float));
+      s->mask = backend_alloc(m, n_out * sizeof(float));
       if (!s->mask) goto oom;
     }
     if (L->type != PS_LAYER_FLATTEN && L->type != PS_LAYER_SOFTMAX_XENT) {
-      s->out = ps_alloc(n_out * sizeof(float));
+      s->out = backend_alloc(m, n_out * sizeof(float));
       if (!s->out) goto oom;
     }
   }
-  m->work = ps_alloc((work ? work : 1) * sizeof(float));
-  m->grad_a = ps_alloc(largest * (size_t)max_batch * sizeof(float));
-  m->grad_b = ps_alloc(largest * (size_t)max_batch * sizeof(float));
-  m->probs = ps_alloc((size_t)spec->classes * (size_t)max_batch * sizeof(float));
+  const size_t n_probs = (size_t)spec->classes * (size_t)max_batch;
+  m->work = backend_alloc(m, (work ? work : 1) * sizeof(float));
+  m->grad_a = backend_alloc(m, largest * (size_t)max_batch * sizeof(float));
+  m->grad_b = backend_alloc(m, largest * (size_t)max_batch * sizeof(float));
+  m->probs = backend_alloc(m, n_probs * sizeof(float));
   if (!m->work || !m->grad_a || !m->grad_b || !m->probs) goto oom;
+  if (!ops->host_memory) {
+    m->x_dev = backend_alloc(m, m->in_size * (size_t)max_batch * sizeof(float));
+    m->y_dev = backend_alloc(m, (size_t)max_batch);
+    m->probs_host = ps_alloc(n_probs * sizeof(float));
+    if (!m->x_dev || !m->y_dev || !m->probs_host) goto oom;
+  }
   return m;
 oom:
   ps_model_destroy(m);
-  ps_seterr(err, PS_ENOMEM, "out of memory allocating activations for batch %d", max_batch);
+  ps_seterr(err, PS_ENOMEM, "out of %s memory allocating activations for batch %d",
+            ops->host_memory ? "host" : ops->name, max_batch);
   return NULL;
 }
 
@@ -87,21 +117,25 @@ void ps_model_destroy(ps_model *m) {
   if (!m) return;
   if (m->ls) {
     for (int i = 0; i < m->spec.n_layers; i++) {
-      ps_free(m->ls[i].out);
-      ps_free(m->ls[i].argmax);
-      ps_free(m->ls[i].mask);
+      backend_free(m, m->ls[i].out);
+      backend_free(m, m->ls[i].argmax);
+      backend_free(m, m->ls[i].mask);
     }
     free(m->ls);
   }
-  ps_free(m->work);
-  ps_free(m->grad_a);
-  ps_free(m->grad_b);
-  ps_free(m->probs);
+  backend_free(m, m->work);
+  backend_free(m, m->grad_a);
+  backend_free(m, m->grad_b);
+  backend_free(m, m->probs);
+  backend_free(m, m->x_dev);
+  backend_free(m, m->y_dev);
+  ps_free(m->probs_host);
   free(m);
 }
 
-/* Runs the layers before the loss on n examples; returns the logits.
- * training: dropout active with masks from (seed, step, layer). */
+/* Runs the layers before the loss on n examples x (backend memory);
+ * returns the logits. training: dropout active with masks from (seed,
+ * step, layer). */
 static const float *forward(ps_model *m, const float *params, const float *x, int n,
                             int training, uint64_t seed, uint64_t step) {
   ps_ops *o = m->ops;
@@ -140,7 +174,7 @@ static const float *forward(ps_model *m, const float *params, const float *x, in
           o->dropout_forward(o->ctx, n_out, L->rate, seed, step * PS_MAX_LAYERS + (uint64_t)i, in,
                              s->out, s->mask);
         } else {
-          memcpy(s->out, in, n_out * sizeof(float));
+          o->copy(o->ctx, s->out, in, n_out * sizeof(float));
         }
         in = s->out;
         break;
@@ -153,6 +187,33 @@ static const float *forward(ps_model *m, const float *params, const float *x, in
   return in;
 }
 
+/* The batch x, y (host memory) where the ops can read it: in place on a
+ * host-memory backend, else copied into the model's buffers (n <= max_batch
+ * examples). */
+static void batch_in(ps_model *m, const float *x, const uint8_t *y, int n, const float **x_ops,
+                     const uint8_t **y_ops) {
+  ps_ops *o = m->ops;
+  if (o->host_memory) {
+    *x_ops = x;
+    *y_ops = y;
+    return;
+  }
+  o->to_device(o->ctx, m->x_dev, x, m->in_size * (size_t)n * sizeof(float));
+  o->to_device(o->ctx, m->y_dev, y, (size_t)n);
+  *x_ops = m->x_dev;
+  *y_ops = m->y_dev;
+}
+
+/* The probabilities of the last n examples, readable on the host. */
+static const float *probs_out(ps_model *m, int n) {
+  ps_ops *o = m->ops;
+  if (o->host_memory) return m->probs;
+  o->to_host(o->ctx, m->probs_host, m->probs, (size_t)m->spec.classes * (size_t)n * sizeof(float));
+  o->sync(o->ctx);
+  return m->probs_host;
+}
+
+/* y is host memory. */
 static int count_correct(const float *probs, const uint8_t *y, int n, int k) {
   int correct = 0;
   for (int i = 0; i < n; i++) {
@@ -169,9 +230,11 @@ float ps_model_train_step(ps_model *m, const float *params, const float *x, cons
                           int n, uint64_t seed, uint64_t step, float *grads, int *correct) {
   ps_ops *o = m->ops;
   const int k = m->spec.classes;
+  const uint8_t *y_host = y;
+  batch_in(m, x, y_host, n, &x, &y); /* from here on x, y are the ops' copies */
   const float *logits = forward(m, params, x, n, 1, seed, step);
   float loss = o->softmax_xent_forward(o->ctx, n, k, logits, y, m->probs);
-  if (correct) *correct = count_correct(m->probs, y, n, k);
+  if (correct) *correct = count_correct(probs_out(m, n), y_host, n, k);
 
   float *dy = m->grad_a, *dx = m->grad_b;
   o->softmax_xent_backward(o->ctx, n, k, m->probs, y, dy);
@@ -216,7 +279,7 @@ float ps_model_train_step(ps_model *m, const float *params, const float *x, cons
           if (L->rate > 0.0f)
             o->dropout_backward(o->ctx, n_out, s->mask, dy, dxp);
           else
-            memcpy(dxp, dy, n_out * sizeof(float));
+            o->copy(o->ctx, dxp, dy, n_out * sizeof(float));
         }
         break;
       default:
@@ -234,15 +297,37 @@ float ps_model_evaluate(ps_model *m, const float *params, const float *x, const 
                         int n, int *correct) {
   ps_ops *o = m->ops;
   const int k = m->spec.classes;
-  const size_t in_size = layer_size(m->spec.in_c, m->spec.in_h, m->spec.in_w);
   double loss_sum = 0.0;
   int right = 0;
   for (int start = 0; start < n; start += m->max_batch) {
     int b = n - start < m->max_batch ? n - start : m->max_batch;
-    const float *logits = forward(m, params, x + (size_t)start * in_size, b, 0, 0, 0);
-    loss_sum += (double)o->softmax_xent_forward(o->ctx, b, k, logits, y + start, m->probs) * b;
-    right += count_correct(m->probs, y + start, b, k);
+    const float *xb;
+    const uint8_t *yb;
+    batch_in(m, x + (size_t)start * m->in_size, y + start, b, &xb, &yb);
+    const float *logits = forward(m, params, xb, b, 0, 0, 0);
+    loss_sum += (double)o->softmax_xent_forward(o->ctx, b, k, logits, yb, m->probs) * b;
+    if (correct) right += count_correct(probs_out(m, b), y + start, b, k);
   }
   if (correct) *correct = right;
   return n > 0 ? (float)(loss_sum / n) : 0.0f;
 }
+
+float *ps_model_alloc_params(ps_model *m) {
+  return backend_alloc(m, m->spec.n_params * sizeof(float));
+}
+
+void ps_model_free_params(ps_model *m, float *p) { backend_free(m, p); }
+
+void ps_model_params_to_device(ps_model *m, float *dst, const float *src_host) {
+  ps_ops *o = m->ops;
+  o->to_device(o->ctx, dst, src_host, m->spec.n_params * sizeof(float));
+  o->sync(o->ctx);
+}
+
+void ps_model_params_to_host(ps_model *m, float *dst_host, const float *src) {
+  ps_ops *o = m->ops;
+  o->to_host(o->ctx, dst_host, src, m->spec.n_params * sizeof(float));
+  o->sync(o->ctx);
+}
+
+ps_ops *ps_model_ops(const ps_model *m) { return m->ops; }

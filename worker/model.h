@@ -1,11 +1,22 @@
 /* A model built from a spec on a compute backend: forward, backward, and
  * evaluation over the flat parameter vector.
  *
- * Activations, gradients of activations and scratch space are allocated
- * once for max_batch examples and reused every step. The parameter vector
- * and the gradient vector are the caller's (P floats each, laid out as
- * ps_model_spec says), so a pulled vector is used as it is and the gradient
- * is pushed as it is. */
+ * Memory. Activations, gradients of activations, masks, argmax, scratch
+ * space and the probabilities are the backend's memory (ops->alloc: host
+ * memory on the cpu backend, device memory on cuda), allocated once for
+ * max_batch examples and reused every step. The parameter vector and the
+ * gradient vector are the caller's (P floats each, laid out as
+ * ps_model_spec says) and are BACKEND memory too: on the cpu backend any
+ * host buffer (a pulled vector is used as it is and the gradient is pushed
+ * as it is); on cuda, device buffers, from ps_model_alloc_params (or
+ * ops->alloc), filled and read with ps_model_params_to_device and
+ * ps_model_params_to_host. The examples x and labels y are always HOST
+ * memory (a batch from the data pipeline): on a backend whose memory is not
+ * host memory the model copies them into buffers of its own; on the cpu
+ * backend it reads them in place, with no copy.
+ *
+ * Threads: one call at a time per model, and per backend (models sharing a
+ * backend share its thread). */
 #ifndef PS_WORKER_MODEL_H
 #define PS_WORKER_MODEL_H
 
@@ -16,21 +27,42 @@
 
 typedef struct ps_model ps_model;
 
-/* NULL with a message on failure (allocation). ops is borrowed. */
+/* NULL with a message on failure (allocation, host or backend). ops is
+ * borrowed and must outlive the model. */
 ps_model *ps_model_create(const ps_model_spec *spec, ps_ops *ops, int max_batch, char *err);
 void ps_model_destroy(ps_model *m);
 
-/* One training step on n <= max_batch examples x (n, c*h*w), labels y:
- * forward with dropout drawn from (seed, step), backward, and the gradient
- * of the mean loss written to grads (P floats, overwritten). Returns the
- * mean loss; *correct (may be NULL) receives the number of examples whose
- * arg-max matched the label. */
+/* One training step on n <= max_batch examples x (n, c*h*w) with labels y
+ * (both host memory, read before the call returns): forward with dropout
+ * drawn from (seed, step), backward, and the gradient of the mean loss
+ * written to grads (P floats of backend memory, overwritten) from params
+ * (P floats of backend memory). Returns the mean loss; *correct (may be
+ * NULL) receives the number of examples whose arg-max matched the label.
+ * On cuda the gradient may still be in flight on return: read it with
+ * ps_model_params_to_host (or ops->to_host then ops->sync), which waits. */
 float ps_model_train_step(ps_model *m, const float *params, const float *x, const uint8_t *y,
                           int n, uint64_t seed, uint64_t step, float *grads, int *correct);
 
-/* Forward only, without dropout, over any number of examples (processed in
- * chunks of max_batch). Returns the mean loss; *correct as above. */
+/* Forward only, without dropout, over any number of examples x, y (host
+ * memory; processed in chunks of max_batch) with params (backend memory).
+ * Returns the mean loss; *correct as above. */
 float ps_model_evaluate(ps_model *m, const float *params, const float *x, const uint8_t *y,
                         int n, int *correct);
+
+/* P floats of the model's backend memory, zeroed, for a parameter or a
+ * gradient vector; NULL when out of memory. Freed with ps_model_free_params
+ * (NULL is fine) while the model's backend exists. */
+float *ps_model_alloc_params(ps_model *m);
+void ps_model_free_params(ps_model *m, float *p);
+
+/* Copies the P floats of a parameter or gradient vector between host
+ * memory and the model's backend memory; complete on return (it waits for
+ * the steps queued before it). On the cpu backend a plain copy, and nothing
+ * when the two pointers are the same buffer. */
+void ps_model_params_to_device(ps_model *m, float *dst, const float *src_host);
+void ps_model_params_to_host(ps_model *m, float *dst_host, const float *src);
+
+/* The backend the model computes on (borrowed at creation). */
+ps_ops *ps_model_ops(const ps_model *m);
 
 #endif

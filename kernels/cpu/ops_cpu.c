@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "../../common/rng.h"
+#include "../../common/util.h" /* ps_alloc, ps_free */
 #include "../ops.h"
 
 /* Scratch floats of one convolution chunk (columns plus sgemm output), per
@@ -735,6 +736,29 @@ static void cpu_softmax_xent_backward(void *ctx, int n, int k, const float *prob
   }
 }
 
+/* ---- memory ----
+ *
+ * The backend's memory is host memory and every op is done when it
+ * returns: copies are memcpy, and sync has nothing to wait for. */
+
+static void *cpu_mem_alloc(void *ctx, size_t bytes) {
+  (void)ctx;
+  return ps_alloc(bytes);
+}
+
+static void cpu_mem_free(void *ctx, void *p) {
+  (void)ctx;
+  ps_free(p);
+}
+
+/* All three directions: host to host. */
+static void cpu_mem_copy(void *ctx, void *dst, const void *src, size_t bytes) {
+  (void)ctx;
+  if (bytes && dst != src) memcpy(dst, src, bytes);
+}
+
+static void cpu_sync(void *ctx) { (void)ctx; }
+
 /* ---- the table ---- */
 
 /* Stops and joins the workers that were started, then frees everything. */
@@ -801,6 +825,13 @@ ps_ops *ps_ops_cpu_create(int threads) {
       .softmax_xent_forward = cpu_softmax_xent_forward,
       .softmax_xent_backward = cpu_softmax_xent_backward,
       .destroy = cpu_destroy,
+      .alloc = cpu_mem_alloc,
+      .free = cpu_mem_free,
+      .to_device = cpu_mem_copy,
+      .to_host = cpu_mem_copy,
+      .copy = cpu_mem_copy,
+      .sync = cpu_sync,
+      .host_memory = 1,
   };
   return &be->ops;
 

@@ -698,6 +698,50 @@ static void cuda_softmax_xent_backward(void *ctx, int n, int k, const float *pro
   CUDA_CHECK_LAUNCH();
 }
 
+/* ---- memory (the table's members) ---- */
+
+/* Zeroed device memory on the backend's device; NULL when it is out of
+ * memory (not sticky: the device goes on). The zeroing is waited for, so
+ * the memory reads as zeros from any stream. */
+static void *cuda_mem_alloc(void *ctx, size_t bytes) {
+  cuda_backend *be = enter(ctx);
+  void *p = NULL;
+  cudaError_t e = cudaMalloc(&p, bytes ? bytes : 1);
+  if (e == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();
+    return NULL;
+  }
+  CUDA_CHECK(e);
+  CUDA_CHECK(cudaMemsetAsync(p, 0, bytes ? bytes : 1, be->stream));
+  CUDA_CHECK(cudaStreamSynchronize(be->stream));
+  return p;
+}
+
+/* Waits for the stream, whose queued ops may still use p. */
+static void cuda_mem_free(void *ctx, void *p) {
+  if (p) free_after_stream(enter(ctx), p);
+}
+
+static void cuda_to_device(void *ctx, void *dst, const void *src_host, size_t bytes) {
+  cuda_backend *be = enter(ctx);
+  if (bytes)
+    CUDA_CHECK(cudaMemcpyAsync(dst, src_host, bytes, cudaMemcpyHostToDevice, be->stream));
+}
+
+static void cuda_to_host(void *ctx, void *dst_host, const void *src, size_t bytes) {
+  cuda_backend *be = enter(ctx);
+  if (bytes)
+    CUDA_CHECK(cudaMemcpyAsync(dst_host, src, bytes, cudaMemcpyDeviceToHost, be->stream));
+}
+
+static void cuda_copy(void *ctx, void *dst, const void *src, size_t bytes) {
+  cuda_backend *be = enter(ctx);
+  if (bytes && dst != src)
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, be->stream));
+}
+
+static void cuda_sync(void *ctx) { CUDA_CHECK(cudaStreamSynchronize(enter(ctx)->stream)); }
+
 /* ---- creation and destruction ---- */
 
 /* Frees whatever of be was made. On destroy (strict) a failed call aborts
@@ -816,6 +860,13 @@ extern "C" ps_ops *ps_ops_cuda_create(int device, char *err) {
   be->ops.softmax_xent_forward = cuda_softmax_xent_forward;
   be->ops.softmax_xent_backward = cuda_softmax_xent_backward;
   be->ops.destroy = cuda_destroy;
+  be->ops.alloc = cuda_mem_alloc;
+  be->ops.free = cuda_mem_free;
+  be->ops.to_device = cuda_to_device;
+  be->ops.to_host = cuda_to_host;
+  be->ops.copy = cuda_copy;
+  be->ops.sync = cuda_sync;
+  be->ops.host_memory = 0;
   return &be->ops;
 }
 
@@ -888,4 +939,18 @@ extern "C" void ps_cuda_memset_zero(ps_ops *ops, void *dst_dev, size_t bytes) {
 
 extern "C" void ps_cuda_sync(ps_ops *ops) {
   CUDA_CHECK(cudaStreamSynchronize(backend_of(ops)->stream));
+}
+
+extern "C" int ps_cuda_device_name(int device, char *name, size_t len, size_t *total_bytes) {
+  if (name && len) name[0] = '\0';
+  if (total_bytes) *total_bytes = 0;
+  cudaDeviceProp prop;
+  cudaError_t e = cudaGetDeviceProperties(&prop, device);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError(); /* an invalid index is not sticky: clear it */
+    return PS_EINVAL;
+  }
+  if (name && len) snprintf(name, len, "%s", prop.name);
+  if (total_bytes) *total_bytes = prop.totalGlobalMem;
+  return 0;
 }

@@ -34,6 +34,16 @@
  * return, and a half-done step must not be pushed. Creation and allocation
  * return errors the caller can act on.
  *
+ * Memory members of the table (ops->alloc, free, to_device, to_host, copy,
+ * sync; host_memory is 0): alloc is cudaMalloc on the backend's device,
+ * zeroed before it returns, NULL when the device is out of memory (any other
+ * failure aborts); free waits for the backend's stream first; the copies
+ * are queued on the stream in order with the ops, like ps_cuda_memcpy_*
+ * below (pageable host memory is fine; pinned memory from
+ * ps_cuda_host_alloc makes them truly asynchronous); sync waits for the
+ * stream. Code above the backend uses these and runs on either backend;
+ * the ps_cuda_* helpers below remain for code that is CUDA-only.
+ *
  * Threads: as for the CPU backend, one op at a time per backend. Any thread
  * may call it: each op makes the backend's device current first. */
 #ifndef PS_KERNELS_CUDA_OPS_CUDA_H
@@ -54,6 +64,12 @@ extern "C" {
  * created, out of memory. Nothing is left allocated then. Freed with
  * ops->destroy(ops), which waits for the backend's queued work first. */
 ps_ops *ps_ops_cuda_create(int device, char *err);
+
+/* The name of CUDA device `device` ("NVIDIA H100 80GB HBM3") into name
+ * (len bytes, NUL-terminated, truncated if need be), and its memory in
+ * bytes into *total_bytes (either may be NULL). 0, or PS_EINVAL (name ""
+ * and 0 bytes) when there is no such device or no driver. */
+int ps_cuda_device_name(int device, char *name, size_t len, size_t *total_bytes);
 
 /* Makes the backend's device current on the calling thread, so that
  * ps_cuda_alloc and ps_cuda_host_alloc allocate there (a replica thread
