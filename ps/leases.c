@@ -58,7 +58,8 @@ struct ps_leases {
   uint32_t *pool;  /* (n_chunks) ring of reclaimed chunks */
   uint8_t *state;  /* (n_chunks) CHUNK_* */
   uint8_t *counts; /* (n_chunks) completions in this epoch */
-  uint8_t *hist_counts[PS_LEASE_HISTORY]; /* (n_chunks) each; [i] goes with history[i] */
+  /* (n_chunks) each: the completions of the epoch of history[i]. */
+  uint8_t *hist_counts[PS_LEASE_HISTORY];
   void *block;
 
   uint32_t cursor; /* next position in order to look at */
@@ -572,8 +573,8 @@ static void get_record(const uint8_t **p, ps_lease_epoch_record *r, uint32_t n_c
 }
 
 static size_t blob_bytes(uint32_t n_chunks, uint32_t n_history) {
-  return HEAD_BYTES + REC_BYTES + (size_t)n_history * (REC_BYTES + n_chunks) + 2 * (size_t)n_chunks +
-         4;
+  return HEAD_BYTES + REC_BYTES + (size_t)n_history * (REC_BYTES + n_chunks) +
+         2 * (size_t)n_chunks + 4;
 }
 
 int ps_leases_save(const ps_leases *t, void **buf, size_t *len) {
@@ -627,8 +628,9 @@ static int check_counts(const ps_leases *t, const ps_lease_epoch_record *r, cons
   uint64_t examples = 0;
   for (uint32_t k = 0; k < t->n_chunks; k++) {
     if (counts[k] > 1)
-      return ps_seterr(err, PS_EINVAL, "lease table blob: %s, epoch %u: chunk %u completed %u times",
-                       what, (unsigned)r->epoch, (unsigned)k, (unsigned)counts[k]);
+      return ps_seterr(err, PS_EINVAL,
+                       "lease table blob: %s, epoch %u: chunk %u completed %u times", what,
+                       (unsigned)r->epoch, (unsigned)k, (unsigned)counts[k]);
     if (counts[k]) {
       completed++;
       examples += chunk_count(t, k);
@@ -686,16 +688,16 @@ static int check_loaded(const ps_leases *t, const uint8_t *saved_state, char *er
       return ps_seterr(err, PS_EINVAL, "lease table blob: chunk %u in state %u", (unsigned)k,
                        (unsigned)saved_state[k]);
     if ((saved_state[k] == CHUNK_DONE) != (t->counts[k] == 1))
-      return ps_seterr(err, PS_EINVAL,
-                       "lease table blob: chunk %u in state %u with %u completions", (unsigned)k,
-                       (unsigned)saved_state[k], (unsigned)t->counts[k]);
+      return ps_seterr(err, PS_EINVAL, "lease table blob: chunk %u in state %u with %u completions",
+                       (unsigned)k, (unsigned)saved_state[k], (unsigned)t->counts[k]);
     if (t->finished && saved_state[k] != CHUNK_FRESH)
       return ps_seterr(err, PS_EINVAL, "lease table blob: chunk %u in use after the last epoch",
                        (unsigned)k);
     done += saved_state[k] == CHUNK_DONE;
   }
   if (done == t->n_chunks)
-    return ps_seterr(err, PS_EINVAL, "lease table blob: every chunk of epoch %u done, epoch not ended",
+    return ps_seterr(err, PS_EINVAL,
+                     "lease table blob: every chunk of epoch %u done, epoch not ended",
                      (unsigned)t->epoch);
   return check_counts(t, &t->cur, t->counts, "current record", err);
 }
@@ -762,7 +764,8 @@ ps_leases *ps_leases_load(const void *buf, size_t len, char *err) {
     return NULL;
   }
   if (n_chunks != want_chunks) {
-    ps_seterr(err, PS_EINVAL, "lease table blob: %u chunks, but %llu examples in chunks of %u make %u",
+    ps_seterr(err, PS_EINVAL,
+              "lease table blob: %u chunks, but %llu examples in chunks of %u make %u",
               (unsigned)n_chunks, (unsigned long long)cfg.n_examples, (unsigned)cfg.chunk_size,
               (unsigned)want_chunks);
     return NULL;

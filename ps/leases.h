@@ -38,8 +38,8 @@ enum {
                             done by another worker: the work is not counted */
 };
 
-/* Most chunks a table takes: ceil(N/C) must not exceed this (memory is
- * about 10 bytes per chunk, plus 1 per chunk for each kept epoch). */
+/* Most chunks a table takes: ceil(N/C) must not exceed this. A table takes
+ * 18 bytes per chunk (8 of them the kept epochs' per-chunk counts). */
 #define PS_LEASE_MAX_CHUNKS ((uint32_t)1 << 24)
 /* How many finished epochs' records are kept (the newest ones). */
 #define PS_LEASE_HISTORY 8
@@ -66,30 +66,30 @@ typedef struct {
 /* What happened in one epoch. For the current epoch the figures so far. */
 typedef struct {
   uint32_t epoch;
-  int finished;                /* 1 when every chunk was done */
-  uint32_t chunks;             /* chunks in an epoch: ceil(N/C) */
-  uint32_t chunks_completed;   /* completions counted (sum over chunks) */
-  uint32_t chunks_once;        /* chunks completed exactly once */
-  uint64_t examples_completed; /* sum of the counts of completed chunks */
-  uint64_t examples_handed_out;/* sum of the counts over every lease handed out */
-  uint64_t examples_rehanded;  /* of those, handed out again after a reclaim: examples
-                                  a reclaimed holder may also have seen */
-  uint64_t reclaims;           /* leases taken back (release, expiry, restore) */
-  int64_t start_ms;            /* now_ms of the epoch's first acquire; -1: none yet */
-  int64_t end_ms;              /* now_ms of its last completion; -1: not finished */
+  int finished;                 /* 1 when every chunk was done */
+  uint32_t chunks;              /* chunks in an epoch: ceil(N/C) */
+  uint32_t chunks_completed;    /* completions counted (sum over chunks) */
+  uint32_t chunks_once;         /* chunks completed exactly once */
+  uint64_t examples_completed;  /* sum of the counts of completed chunks */
+  uint64_t examples_handed_out; /* sum of the counts over every lease handed out */
+  uint64_t examples_rehanded;   /* of those, handed out again after a reclaim: examples
+                                   a reclaimed holder may also have seen */
+  uint64_t reclaims;            /* leases taken back (release, expiry, restore) */
+  int64_t start_ms;             /* now_ms of the epoch's first acquire; -1: none yet */
+  int64_t end_ms;               /* now_ms of its last completion; -1: not finished */
 } ps_lease_epoch_record;
 
 typedef struct {
   ps_lease_config config;
-  uint32_t chunks;          /* ceil(N/C) */
-  uint32_t epoch;           /* current epoch (== epochs once finished) */
-  int finished;             /* 1 after the last epoch */
-  uint32_t chunks_done;     /* in the current epoch */
-  uint32_t chunks_leased;   /* leases outstanding now */
-  uint64_t leases_granted;  /* since creation (a restored table goes on counting) */
-  uint64_t reclaims_total;  /* since creation */
+  uint32_t chunks;         /* ceil(N/C) */
+  uint32_t epoch;          /* current epoch (== epochs once finished) */
+  int finished;            /* 1 after the last epoch */
+  uint32_t chunks_done;    /* in the current epoch */
+  uint32_t chunks_leased;  /* leases outstanding now */
+  uint64_t leases_granted; /* since creation (a restored table goes on counting) */
+  uint64_t reclaims_total; /* since creation */
   ps_lease_epoch_record current;
-  int n_history;            /* finished epochs kept, at most PS_LEASE_HISTORY */
+  int n_history; /* finished epochs kept, at most PS_LEASE_HISTORY */
   ps_lease_epoch_record history[PS_LEASE_HISTORY]; /* newest first */
 } ps_lease_stats;
 

@@ -67,8 +67,8 @@ static void check_epoch_exactly_once(ps_leases *t, uint32_t epoch, uint64_t n_ex
 
 static void test_config(void) {
   char err[PS_ERRLEN];
-  ps_lease_config ok = {.n_examples = 10, .chunk_size = 3, .epochs = 1, .seed = 1,
-                        .max_per_worker = 1};
+  ps_lease_config ok = {
+      .n_examples = 10, .chunk_size = 3, .epochs = 1, .seed = 1, .max_per_worker = 1};
   ps_lease_config c = ok;
   c.n_examples = 0;
   err[0] = '\0';
@@ -455,7 +455,8 @@ static void test_save_load(void) {
   /* Epoch 1: three done, one reclaimed into the pool, two outstanding. */
   ps_lease l[6];
   int done[K] = {0};
-  for (int i = 0; i < 6; i++) CHECK(ps_leases_acquire(t, 10 + (uint64_t)(i / 2), 100, &l[i]) == PS_OK);
+  for (int i = 0; i < 6; i++)
+    CHECK(ps_leases_acquire(t, 10 + (uint64_t)(i / 2), 100, &l[i]) == PS_OK);
   for (int i = 0; i < 3; i++) {
     CHECK(ps_leases_complete(t, 10 + (uint64_t)(i / 2), l[i].lease_id, 101) == PS_OK);
     done[l[i].chunk] = 1;
@@ -504,8 +505,7 @@ static void test_save_load(void) {
     CHECK(ps_leases_complete(t, 20, m.lease_id, 301) == PS_OK);
   }
   CHECK(pooled == 3);
-  CHECK(stats_of(t).current.examples_rehanded ==
-        (uint64_t)l[3].count + l[4].count + l[5].count);
+  CHECK(stats_of(t).current.examples_rehanded == (uint64_t)l[3].count + l[4].count + l[5].count);
   uint32_t twin_order[K];
   for (int i = 0; i < K; i++) {
     ps_lease m;
@@ -749,8 +749,10 @@ static void test_threads(void) {
   int started = 0;
   for (int i = 0; i < T; i++) {
     args[i] = (thread_arg){.t = t, .worker = 100 + (uint64_t)i, .examples = 0};
-    if (pthread_create(&th[i], NULL, thread_worker, &args[i]) == 0) started++;
-    else break;
+    if (pthread_create(&th[i], NULL, thread_worker, &args[i]) == 0)
+      started++;
+    else
+      break;
   }
   CHECK(started == T);
   uint64_t total = 0;
@@ -817,9 +819,12 @@ static void churn(uint64_t seed) {
       if (!x->stalled) {
         ps_lease l;
         int rc = ps_leases_acquire(t, x->id, now, &l);
-        if (rc == PS_OK) x->held[x->nheld++] = l;
-        else if (rc == PS_LEASE_FINISHED) finished = 1;
-        else if (rc != PS_LEASE_WAIT && rc != PS_LEASE_FULL) CHECK_MSG(0, "acquire: %d", rc);
+        if (rc == PS_OK)
+          x->held[x->nheld++] = l;
+        else if (rc == PS_LEASE_FINISHED)
+          finished = 1;
+        else if (rc != PS_LEASE_WAIT && rc != PS_LEASE_FULL)
+          CHECK_MSG(0, "acquire: %d", rc);
       }
     } else if (x->nheld > 0) {
       /* Completes one of its leases, maybe one it lost while stalled. */
