@@ -269,6 +269,9 @@ static int parse_mode(json_t *root, ps_job *job, char *err) {
   v = job->wait_timeout_ms;
   if ((rc = get_int(root, "wait_timeout_ms", "wait_timeout_ms", 1, INT_MAX, &v, err))) return rc;
   job->wait_timeout_ms = (int)v;
+  v = 0;
+  if ((rc = get_int(root, "lease_chunk", "lease_chunk", 0, 1 << 24, &v, err))) return rc;
+  job->lease_chunk = (int)v;
   json_t *sh = json_object_get(root, "shuffle");
   if (sh) {
     if (!json_is_boolean(sh)) return ps_seterr(err, PS_EINVAL, "'shuffle' must be true or false");
@@ -281,7 +284,7 @@ static int parse_root(json_t *root, ps_job *job, char *err) {
   if (!json_is_object(root)) return ps_seterr(err, PS_EINVAL, "the job must be a JSON object");
   static const char *const known =
       "job_id, model, optimizer, seed, batch_size, epochs, max_steps, mode, backup_workers, "
-      "min_workers, "
+      "min_workers, lease_chunk, "
       "staleness_aware_lr, wait_timeout_ms, shuffle, dataset, eval_interval_s, "
       "heartbeat_timeout_ms";
   int rc;

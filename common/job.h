@@ -10,7 +10,7 @@
  *   "seed": 1, "batch_size": 64, "epochs": 2, "max_steps": 0,
  *   "mode": "async",                     (or "ssp:K", or "sync")
  *   "backup_workers": 0, "min_workers": 1, "staleness_aware_lr": false, "wait_timeout_ms": 60000,
- *   "shuffle": true,
+ *   "shuffle": true, "lease_chunk": 0,
  *   "dataset": {"name": "fashion-mnist", "dir": "/usr/share/datasets/fashion-mnist"},
  *   "eval_interval_s": 20, "heartbeat_timeout_ms": 10000
  * }
@@ -51,6 +51,7 @@ typedef struct {
   int staleness_aware_lr; /* async/ssp: lr / max(1, staleness) */
   int wait_timeout_ms; /* ssp/sync: how long a pull may wait on the server */
   int shuffle;         /* reshuffle every epoch (default true) */
+  int lease_chunk;     /* > 0: shard 0 leases chunks of this many examples (elastic data) */
   char dataset[32];    /* fashion-mnist | mnist | synthetic */
   char data_dir[256];
   int synthetic_train, synthetic_test;

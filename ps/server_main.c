@@ -22,6 +22,7 @@
 #include "../common/util.h"
 #include "../common/wire.h"
 #include "checkpoint.h"
+#include "leases.h"
 #include "membership.h"
 #include "proto/ps.pb-c.h"
 #include "shard.h"
@@ -58,6 +59,10 @@ typedef struct {
   double wait_ms_total;
   uint64_t ssp_max_lead;
   int sync_started; /* sync: min_workers have registered once */
+  /* data leases (shard 0, when the job has lease_chunk): made at the first
+   * Lease request, which says how many examples the data set has */
+  pthread_mutex_t lease_mu;
+  ps_leases *leases;
   /* checkpoints */
   const char *ckpt_dir;
   double ckpt_secs;        /* write every this many seconds (0: not by time) */
@@ -80,6 +85,7 @@ typedef struct {
 
 static void recheck_waiters(server *sv);
 static void sync_try_step(server *sv);
+static void release_leases(server *sv, uint64_t worker);
 
 /* Decodes a request; on failure answers INVALID_ARGUMENT and returns NULL.
  * *tensor views field 15 (empty when absent); *tsegs must be freed. */
@@ -206,6 +212,9 @@ static void handle_heartbeat(rpc_call *call, const ps_segview *req, void *user) 
       call, req, &ps__heartbeat_request__descriptor, &tsegs, &tensor);
   if (!r) return;
   if (check_header(sv, call, r->header, "Heartbeat", 1, r->step) == 0) {
+    pthread_mutex_lock(&sv->lease_mu);
+    if (sv->leases) ps_leases_renew(sv->leases, r->header->worker_id, ps_now_ms());
+    pthread_mutex_unlock(&sv->lease_mu);
     ps_shard_stats st;
     ps_shard_stats_get(sv->shard, &st);
     Ps__HeartbeatResponse resp = PS__HEARTBEAT_RESPONSE__INIT;
@@ -225,6 +234,7 @@ static void handle_leave(rpc_call *call, const ps_segview *req, void *user) {
   if (!r) return;
   if (check_header(sv, call, r->header, "Leave", 1, UINT64_MAX) == 0) {
     ps_membership_remove(sv->members, r->header->worker_id);
+    release_leases(sv, r->header->worker_id);
     PS_INFO("worker %016" PRIx64 " left; %d live", r->header->worker_id,
             ps_membership_count(sv->members));
     Ps__LeaveResponse resp = PS__LEAVE_RESPONSE__INIT;
@@ -508,6 +518,33 @@ static void handle_status(rpc_call *call, const ps_segview *req, void *user) {
     uint64_t done = sv->waits - (uint64_t)sv->n_waiting;
     resp.wait_ms_mean = done ? sv->wait_ms_total / (double)done : 0.0;
     pthread_mutex_unlock(&sv->wait_mu);
+    Ps__LeaseEpoch le[1 + PS_LEASE_HISTORY], *lep[1 + PS_LEASE_HISTORY];
+    pthread_mutex_lock(&sv->lease_mu);
+    ps_leases *lt = sv->leases;
+    pthread_mutex_unlock(&sv->lease_mu);
+    if (lt) {
+      ps_lease_stats ls;
+      ps_leases_stats(lt, &ls);
+      int ne = 0;
+      for (int i = -1; i < ls.n_history; i++) {
+        const ps_lease_epoch_record *e = i < 0 ? &ls.current : &ls.history[i];
+        if (i < 0 && ls.finished) continue; /* nothing under way */
+        ps__lease_epoch__init(&le[ne]);
+        le[ne].epoch = e->epoch;
+        le[ne].finished = e->finished;
+        le[ne].chunks = e->chunks;
+        le[ne].chunks_completed = e->chunks_completed;
+        le[ne].chunks_once = e->chunks_once;
+        le[ne].examples_completed = e->examples_completed;
+        le[ne].examples_handed_out = e->examples_handed_out;
+        le[ne].examples_rehanded = e->examples_rehanded;
+        le[ne].reclaims = e->reclaims;
+        lep[ne] = &le[ne];
+        ne++;
+      }
+      resp.n_lease_epochs = (size_t)ne;
+      resp.lease_epochs = lep;
+    }
     enum { MAXW = 1024 };
     ps_member *mem = calloc(MAXW, sizeof *mem);
     Ps__WorkerInfo *wi = calloc(MAXW, sizeof *wi);
@@ -541,15 +578,117 @@ static void handle_status(rpc_call *call, const ps_segview *req, void *user) {
   free(tsegs);
 }
 
+static void handle_lease(rpc_call *call, const ps_segview *req, void *user) {
+  server *sv = user;
+  ps_seg *tsegs;
+  ps_segview tensor;
+  Ps__LeaseRequest *r = (Ps__LeaseRequest *)decode_request(
+      call, req, &ps__lease_request__descriptor, &tsegs, &tensor);
+  if (!r) return;
+  if (check_header(sv, call, r->header, "Lease", 1, UINT64_MAX) != 0) goto done;
+  if (sv->index != 0) {
+    rpc_call_fail(call, RPC_FAILED_PRECONDITION, "data leases come from shard 0, this is shard %d",
+                  sv->index);
+    goto done;
+  }
+  if (sv->job.lease_chunk <= 0) {
+    rpc_call_fail(call, RPC_FAILED_PRECONDITION,
+                  "job '%s' does not lease its data (lease_chunk is 0)", sv->job.job_id);
+    goto done;
+  }
+  pthread_mutex_lock(&sv->lease_mu);
+  if (!sv->leases && r->dataset_size > 0) {
+    ps_lease_config cfg = {.n_examples = r->dataset_size,
+                           .chunk_size = (uint32_t)sv->job.lease_chunk,
+                           .epochs = (uint32_t)sv->job.epochs,
+                           .seed = sv->job.seed,
+                           .max_per_worker = 2};
+    char err[PS_ERRLEN];
+    sv->leases = ps_leases_create(&cfg, err);
+    if (!sv->leases) {
+      pthread_mutex_unlock(&sv->lease_mu);
+      rpc_call_fail(call, RPC_INVALID_ARGUMENT, "cannot lease %" PRIu64 " examples: %s",
+                    r->dataset_size, err);
+      goto done;
+    }
+    PS_INFO("leases: %" PRIu64 " examples in chunks of %d, %d epoch(s)", r->dataset_size,
+            sv->job.lease_chunk, sv->job.epochs);
+  }
+  ps_leases *t = sv->leases;
+  pthread_mutex_unlock(&sv->lease_mu);
+  if (!t) {
+    rpc_call_fail(call, RPC_INVALID_ARGUMENT, "the first Lease request must give dataset_size");
+    goto done;
+  }
+  ps_lease_stats st;
+  ps_leases_stats(t, &st);
+  if (r->dataset_size && r->dataset_size != st.config.n_examples) {
+    rpc_call_fail(call, RPC_FAILED_PRECONDITION,
+                  "this worker's data set has %" PRIu64 " training examples, the lease table %" PRIu64,
+                  r->dataset_size, st.config.n_examples);
+    goto done;
+  }
+  uint64_t wid = r->header->worker_id;
+  int64_t now = ps_now_ms();
+  Ps__LeaseResponse resp = PS__LEASE_RESPONSE__INIT;
+  if (r->complete_lease) {
+    int rc = ps_leases_complete(t, wid, r->complete_lease, now);
+    resp.completed_counted = rc == PS_OK;
+    if (rc != PS_OK)
+      PS_INFO("lease %" PRIx64 " of worker %016" PRIx64 " finished but not counted: %s",
+              r->complete_lease, wid, ps_leases_strerror(rc));
+  }
+  resp.status = 1;
+  if (r->want_next) {
+    ps_lease l;
+    int rc = ps_leases_acquire(t, wid, now, &l);
+    if (rc == PS_OK) {
+      resp.status = 0;
+      resp.lease_id = l.lease_id;
+      resp.epoch = l.epoch;
+      resp.chunk = l.chunk;
+      resp.begin = l.begin;
+      resp.count = l.count;
+    } else if (rc == PS_LEASE_FINISHED) {
+      resp.status = 2;
+    } else if (rc < 0) {
+      rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "lease: %s", ps_leases_strerror(rc));
+      goto done;
+    } /* WAIT and FULL: ask again later */
+  }
+  reply_small(call, &resp.base);
+done:
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  free(tsegs);
+}
+
+/* Gives the data a departed worker held back to the others. */
+static void release_leases(server *sv, uint64_t worker) {
+  pthread_mutex_lock(&sv->lease_mu);
+  ps_leases *t = sv->leases;
+  pthread_mutex_unlock(&sv->lease_mu);
+  if (!t) return;
+  int n = ps_leases_release_worker(t, worker);
+  if (n > 0) PS_INFO("leases: %d chunk(s) of worker %016" PRIx64 " back in the pool", n, worker);
+}
+
 /* ---------------- the loop (main thread) ---------------- */
 
 static void on_sweep(uv_timer_t *t) {
   server *sv = t->data;
   uint64_t dropped[64];
   int n = ps_membership_sweep(sv->members, ps_now_ms(), sv->job.heartbeat_timeout_ms, dropped, 64);
-  for (int i = 0; i < n && i < 64; i++)
+  for (int i = 0; i < n && i < 64; i++) {
     PS_WARN("worker %016" PRIx64 " silent for more than %d ms: dropped; %d live", dropped[i],
             sv->job.heartbeat_timeout_ms, ps_membership_count(sv->members));
+    release_leases(sv, dropped[i]);
+  }
+  pthread_mutex_lock(&sv->lease_mu);
+  if (sv->leases) {
+    int e = ps_leases_expire(sv->leases, ps_now_ms(), 2 * (int64_t)sv->job.heartbeat_timeout_ms);
+    if (e > 0) PS_WARN("leases: %d chunk(s) not renewed in time: back in the pool", e);
+  }
+  pthread_mutex_unlock(&sv->lease_mu);
   if (n > 0 && sv->job.mode_kind == PS_MODE_SYNC) sync_try_step(sv);
   recheck_waiters(sv); /* deadlines, and pulls the dropped workers held back */
 }
@@ -630,12 +769,17 @@ static int ckpt_capture(server *sv, ps_ckpt *ck) {
   ck->meta.end = ps_shard_end(sv->shard);
   snprintf(ck->meta.optimizer, sizeof ck->meta.optimizer, "%s", ps_shard_optimizer(sv->shard));
   snprintf(ck->meta.job_id, sizeof ck->meta.job_id, "%s", sv->job.job_id);
-  return PS_OK;
+  /* Shard 0 keeps the data-lease state with its parameters. */
+  pthread_mutex_lock(&sv->lease_mu);
+  int rc = sv->leases ? ps_leases_save(sv->leases, &ck->extra, &ck->extra_len) : PS_OK;
+  pthread_mutex_unlock(&sv->lease_mu);
+  return rc;
 }
 
 static void ckpt_state_free(ps_ckpt *ck) {
   ps_free(ck->params);
   for (int k = 0; k < PS_CKPT_MAX_SLOTS; k++) ps_free(ck->slots[k]);
+  free(ck->extra);
   memset(ck, 0, sizeof *ck);
 }
 
@@ -717,7 +861,7 @@ static int ckpt_restore(server *sv, char *err) {
                           .optimizer = ps_shard_optimizer(sv->shard)};
     ps_ckpt_restored got;
     rc = ps_ckpt_load_range(&src, ps_shard_begin(sv->shard), ps_shard_end(sv->shard), params,
-                            slots, n_slots, 0, &got, err);
+                            slots, n_slots, sv->index == 0, &got, err);
     if (rc == PS_ENOTFOUND) {
       PS_INFO("checkpoint: none of job '%s' in %s: starting from the initial parameters",
               sv->job.job_id, sv->ckpt_dir);
@@ -729,9 +873,23 @@ static int ckpt_restore(server *sv, char *err) {
               "%d shard(s)",
               ps_shard_begin(sv->shard), ps_shard_end(sv->shard), got.version, got.files_used,
               got.num_shards);
+      if (got.extra && sv->job.lease_chunk > 0) {
+        sv->leases = ps_leases_load(got.extra, got.extra_len, err);
+        if (!sv->leases) {
+          free(got.extra);
+          rc = PS_EINVAL;
+          goto out;
+        }
+        ps_lease_stats ls;
+        ps_leases_stats(sv->leases, &ls);
+        PS_INFO("checkpoint: data leases restored: epoch %u, %u of %u chunks done (leases "
+                "outstanding at the checkpoint go back to the pool)",
+                ls.epoch, ls.chunks_done, ls.chunks);
+      }
       free(got.extra);
     }
   }
+out:
   ps_free(params);
   for (int k = 0; k < PS_CKPT_MAX_SLOTS; k++) ps_free(slots[k]);
   return rc;
@@ -810,6 +968,19 @@ static int print_status(const char *addr, int timeout_ms) {
                       (json_int_t)w->ms_since_seen));
   }
   json_object_set_new(o, "workers", ws);
+  json_t *eps = json_array();
+  for (size_t i = 0; i < r->n_lease_epochs; i++) {
+    Ps__LeaseEpoch *e = r->lease_epochs[i];
+    json_array_append_new(
+        eps, json_pack("{s:i,s:b,s:i,s:i,s:i,s:I,s:I,s:I,s:I}", "epoch", (int)e->epoch, "finished",
+                       (int)e->finished, "chunks", (int)e->chunks, "chunks_completed",
+                       (int)e->chunks_completed, "chunks_once", (int)e->chunks_once,
+                       "examples_completed", (json_int_t)e->examples_completed,
+                       "examples_handed_out", (json_int_t)e->examples_handed_out,
+                       "examples_rehanded", (json_int_t)e->examples_rehanded, "reclaims",
+                       (json_int_t)e->reclaims));
+  }
+  json_object_set_new(o, "lease_epochs", eps);
   char *text = json_dumps(o, JSON_INDENT(2) | JSON_REAL_PRECISION(6));
   printf("%s\n", text);
   free(text);
@@ -1001,6 +1172,7 @@ int main(int argc, char **argv) {
   }
   sv.members = ps_membership_create();
   pthread_mutex_init(&sv.wait_mu, NULL);
+  pthread_mutex_init(&sv.lease_mu, NULL);
   if (metrics_path) {
     sv.metrics = ps_metrics_open(metrics_path, err);
     if (!sv.metrics) {
@@ -1044,6 +1216,7 @@ int main(int argc, char **argv) {
   rpc_server_add_method(sv.rpc, "/ps.ParameterServer/Pull", handle_pull, &sv);
   rpc_server_add_method(sv.rpc, "/ps.ParameterServer/Push", handle_push, &sv);
   rpc_server_add_method(sv.rpc, "/ps.ParameterServer/Status", handle_status, &sv);
+  rpc_server_add_method(sv.rpc, "/ps.ParameterServer/Lease", handle_lease, &sv);
   if (rpc_server_start(sv.rpc, err) != 0) {
     fprintf(stderr, "ps-server: %s\n", err);
     return 1;
@@ -1094,6 +1267,7 @@ int main(int argc, char **argv) {
   if (sv.ckpt_dir && ckpt_write_now(&sv) != 0) exit_code = 1;
   uv_loop_close(&sv.loop);
   ps_shard_destroy(sv.shard);
+  ps_leases_destroy(sv.leases);
   ps_membership_destroy(sv.members);
   ps_metrics_close(sv.metrics);
   free(sv.job_text);

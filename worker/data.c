@@ -378,6 +378,11 @@ struct ps_batcher {
   uint64_t seed;
   int depth;
   int shuffle; /* 0: every epoch in index order */
+  ps_chunk_fn source; /* chunk mode: where the examples come from */
+  void *source_user;
+  uint32_t order_cap;
+  uint64_t chunk_tag;
+  int ended;
 
   uint32_t *shard; /* (shard_n) this worker's example indices, ascending */
   uint32_t shard_n;
@@ -415,8 +420,44 @@ static void batcher__shuffle(ps_batcher *b) {
   if (b->shuffle) ps_rand_shuffle_u32(&r, b->order, b->shard_n);
 }
 
+/* Chunk mode: the next chunk into order; 0, or 1 at the end of the data. */
+static int batcher__next_chunk(ps_batcher *b) {
+  uint64_t begin = 0, tag = 0;
+  uint32_t count = 0;
+  int epoch = 0;
+  int rc = b->source(b->source_user, &begin, &count, &tag, &epoch);
+  if (rc != 0 || count == 0 || begin + count > (uint64_t)b->ds->n) return 1;
+  if (count > b->order_cap) {
+    uint32_t *o = realloc(b->order, (size_t)count * sizeof *o);
+    if (!o) return 1;
+    b->order = o;
+    b->order_cap = count;
+  }
+  for (uint32_t j = 0; j < count; j++) b->order[j] = (uint32_t)begin + j;
+  if (b->shuffle) {
+    ps_rand r;
+    ps_rand_seed(&r, ps_rng_u64(b->seed, STREAM_SHUFFLE, tag ^ 0x5eed));
+    ps_rand_shuffle_u32(&r, b->order, count);
+  }
+  b->shard_n = count;
+  b->chunk_tag = tag;
+  b->epoch = epoch;
+  return 0;
+}
+
 static void batcher__fill(ps_batcher *b, ps_batch *out) {
-  if (b->pos == 0) batcher__shuffle(b);
+  if (b->source) {
+    if (!b->ended && b->pos == 0 && batcher__next_chunk(b) != 0) b->ended = 1;
+    if (b->ended) {
+      out->n = 0;
+      out->index = b->next_index++;
+      out->tag = 0;
+      out->last_in_chunk = 0;
+      return;
+    }
+  } else if (b->pos == 0) {
+    batcher__shuffle(b);
+  }
   uint32_t left = b->shard_n - b->pos;
   int k = left < (uint32_t)b->batch_size ? (int)left : b->batch_size;
   const ps_dataset *ds = b->ds;
@@ -428,7 +469,9 @@ static void batcher__fill(ps_batcher *b, ps_batch *out) {
   out->n = k;
   out->epoch = b->epoch;
   out->index = b->next_index++;
+  out->tag = b->chunk_tag;
   b->pos += (uint32_t)k;
+  out->last_in_chunk = b->pos == b->shard_n;
   if (b->pos == b->shard_n) {
     b->pos = 0;
     b->epoch++;
@@ -478,6 +521,16 @@ static void batcher__free(ps_batcher *b) {
 /* The dataset is borrowed and must stay alive and unchanged until
  * ps_batcher_destroy. NULL also when this worker's shard is empty
  * (fewer examples than workers). */
+static ps_batcher *batcher__create(const ps_dataset *ds, int batch_size, int rank,
+                                   int num_workers, uint64_t seed, int depth, int shuffle,
+                                   ps_chunk_fn source, void *user);
+
+ps_batcher *ps_batcher_create_source(const ps_dataset *ds, int batch_size, uint64_t seed,
+                                     int depth, ps_chunk_fn source, void *user) {
+  if (!source) return NULL;
+  return batcher__create(ds, batch_size, 0, 1, seed, depth, 1, source, user);
+}
+
 ps_batcher *ps_batcher_create(const ps_dataset *ds, int batch_size, int rank, int num_workers,
                               uint64_t seed, int depth) {
   return ps_batcher_create_ordered(ds, batch_size, rank, num_workers, seed, depth, 1);
@@ -485,6 +538,12 @@ ps_batcher *ps_batcher_create(const ps_dataset *ds, int batch_size, int rank, in
 
 ps_batcher *ps_batcher_create_ordered(const ps_dataset *ds, int batch_size, int rank,
                                       int num_workers, uint64_t seed, int depth, int shuffle) {
+  return batcher__create(ds, batch_size, rank, num_workers, seed, depth, shuffle, NULL, NULL);
+}
+
+static ps_batcher *batcher__create(const ps_dataset *ds, int batch_size, int rank,
+                                   int num_workers, uint64_t seed, int depth, int shuffle,
+                                   ps_chunk_fn source, void *user) {
   if (!ds || !ds->images || !ds->labels || ds->n < 1 || ds->c < 1 || ds->h < 1 || ds->w < 1 ||
       batch_size < 1 || num_workers < 1 || rank < 0 || rank >= num_workers || depth < 1)
     return NULL;
@@ -500,9 +559,12 @@ ps_batcher *ps_batcher_create_ordered(const ps_dataset *ds, int batch_size, int 
   b->seed = seed;
   b->depth = depth;
   b->shuffle = shuffle;
+  b->source = source;
+  b->source_user = user;
   b->shard_n = shard_n;
   b->shard = malloc((size_t)shard_n * sizeof *b->shard);
   b->order = malloc((size_t)shard_n * sizeof *b->order);
+  b->order_cap = shard_n;
   b->slots = calloc((size_t)depth, sizeof *b->slots);
   b->state = calloc((size_t)depth, sizeof *b->state);
   b->free_list = calloc((size_t)depth, sizeof *b->free_list);

@@ -44,7 +44,19 @@ typedef struct {
   int n;
   int epoch;       /* 0-based epoch these examples come from */
   int64_t index;   /* sequence number of the batch from this batcher */
+  /* with a chunk source: the chunk's tag (its lease), and whether this is
+   * the chunk's last batch; n == 0 marks the end of the data */
+  uint64_t tag;
+  int last_in_chunk;
 } ps_batch;
+
+/* Where a batcher gets its examples from, chunk by chunk (data leases):
+ * called on the batcher's thread whenever it needs the next chunk; writes
+ * [begin, begin+count) of the data set, a tag and the epoch. Returns 0, 1
+ * when there is no more data, or a negative code on failure (which also
+ * ends the data). It may block (it should give up when asked to stop). */
+typedef int (*ps_chunk_fn)(void *user, uint64_t *begin, uint32_t *count, uint64_t *tag,
+                           int *epoch);
 
 typedef struct ps_batcher ps_batcher;
 
@@ -58,6 +70,11 @@ ps_batcher *ps_batcher_create(const ps_dataset *ds, int batch_size, int rank, in
  * equivalence test does). */
 ps_batcher *ps_batcher_create_ordered(const ps_dataset *ds, int batch_size, int rank,
                                       int num_workers, uint64_t seed, int depth, int shuffle);
+/* A batcher whose examples come from `source`, chunk by chunk; each chunk
+ * is shuffled (from seed and its tag) and cut into batches that never span
+ * two chunks. */
+ps_batcher *ps_batcher_create_source(const ps_dataset *ds, int batch_size, uint64_t seed,
+                                     int depth, ps_chunk_fn source, void *user);
 /* Blocks until a batch is ready; it stays valid until ps_batcher_release. */
 int ps_batcher_next(ps_batcher *b, ps_batch **out);
 void ps_batcher_release(ps_batcher *b, ps_batch *batch);

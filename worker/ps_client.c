@@ -17,6 +17,7 @@
 #define M_LEAVE "/ps.ParameterServer/Leave"
 #define M_PULL "/ps.ParameterServer/Pull"
 #define M_PUSH "/ps.ParameterServer/Push"
+#define M_LEASE "/ps.ParameterServer/Lease"
 
 typedef struct {
   char addr[128];
@@ -38,6 +39,8 @@ struct ps_client {
   shard_conn *shards;
   rpc_queue *q;    /* training thread */
   rpc_queue *hb_q; /* heartbeat thread */
+  rpc_queue *lease_q; /* lease calls, from any thread, under lease_mu */
+  pthread_mutex_t lease_mu;
   pthread_mutex_t reg_mu; /* serializes re-registration */
   atomic_int tensors_in_flight; /* zero-copy push buffers gRPC still holds */
   rpc_request **reqs;
@@ -127,7 +130,9 @@ ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char 
   atomic_init(&c->tensors_in_flight, 0);
   c->q = rpc_queue_create();
   c->hb_q = rpc_queue_create();
-  if (!c->q || !c->hb_q) {
+  c->lease_q = rpc_queue_create();
+  pthread_mutex_init(&c->lease_mu, NULL);
+  if (!c->q || !c->hb_q || !c->lease_q) {
     ps_seterr(err, PS_ENOMEM, "cannot create completion queues");
     goto fail;
   }
@@ -224,6 +229,8 @@ void ps_client_destroy(ps_client *c) {
   free(c->job_json);
   if (c->q) rpc_queue_destroy(c->q);
   if (c->hb_q) rpc_queue_destroy(c->hb_q);
+  if (c->lease_q) rpc_queue_destroy(c->lease_q);
+  pthread_mutex_destroy(&c->lease_mu);
   pthread_mutex_destroy(&c->reg_mu);
   free(c);
 }
@@ -446,6 +453,44 @@ int ps_client_heartbeat(ps_client *c, uint64_t step, char *err) {
                      rpc_status_name(st), detail);
     }
   }
+  return rc;
+}
+
+int ps_client_lease_call(ps_client *c, uint64_t complete_id, int want_next,
+                         uint64_t dataset_size, ps_client_lease *out, char *err) {
+  memset(out, 0, sizeof *out);
+  pthread_mutex_lock(&c->lease_mu);
+  int rc = PS_OK;
+  for (int attempt = 0; attempt < 2; attempt++) {
+    Ps__RequestHeader h;
+    fill_header(c, &h);
+    Ps__LeaseRequest req = PS__LEASE_REQUEST__INIT;
+    req.header = &h;
+    req.complete_lease = complete_id;
+    req.want_next = want_next != 0;
+    req.dataset_size = dataset_size;
+    ProtobufCMessage *m = NULL;
+    char detail[PS_ERRLEN] = "";
+    int st = small_call(c->lease_q, c->shards[0].ch, M_LEASE, &req.base,
+                        &ps__lease_response__descriptor, &m, c->opts.timeout_ms, 1, detail);
+    if (st == RPC_OK) {
+      Ps__LeaseResponse *r = (Ps__LeaseResponse *)m;
+      out->status = (int)r->status;
+      out->lease_id = r->lease_id;
+      out->epoch = (int)r->epoch;
+      out->chunk = r->chunk;
+      out->begin = r->begin;
+      out->count = r->count;
+      out->completed_counted = r->completed_counted;
+      protobuf_c_message_free_unpacked(m, NULL);
+      rc = PS_OK;
+      break;
+    }
+    rc = ps_seterr(err, status_code(st), "Lease from shard 0 (%s): %s: %s", c->shards[0].addr,
+                   rpc_status_name(st), detail);
+    if (st != RPC_NOT_FOUND || attempt == 1 || reregister(c, c->lease_q, 0, err) != 0) break;
+  }
+  pthread_mutex_unlock(&c->lease_mu);
   return rc;
 }
 

@@ -61,6 +61,22 @@ int ps_client_push(ps_client *c, const float *grads, const uint64_t *versions, u
  * registered with again. */
 int ps_client_heartbeat(ps_client *c, uint64_t step, char *err);
 
+typedef struct {
+  int status;         /* 0 granted, 1 wait and ask again, 2 no more data */
+  uint64_t lease_id;
+  int epoch;
+  uint32_t chunk;
+  uint64_t begin;
+  uint32_t count;
+  int completed_counted; /* the finished lease was counted */
+} ps_client_lease;
+
+/* Data leases from shard 0: reports a finished lease (complete_id != 0)
+ * and/or asks for the next chunk (want_next). Thread-safe (its own queue).
+ * A shard 0 that forgot this worker is registered with again. */
+int ps_client_lease_call(ps_client *c, uint64_t complete_id, int want_next,
+                         uint64_t dataset_size, ps_client_lease *out, char *err);
+
 /* Leaves every shard (best effort). */
 void ps_client_leave(ps_client *c);
 

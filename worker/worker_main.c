@@ -213,17 +213,61 @@ static int save_params(worker *w, const char *path) {
   return 0;
 }
 
+/* The batcher's chunk source in lease mode: asks shard 0 for the next
+ * chunk, waiting while every chunk left is leased to someone else. */
+static int lease_source(void *user, uint64_t *begin, uint32_t *count, uint64_t *tag, int *epoch) {
+  worker *w = user;
+  char err[PS_ERRLEN];
+  double give_up = ps_now_s() + w->retry_s;
+  int64_t backoff = 50;
+  while (!atomic_load(&w->stop)) {
+    ps_client_lease l;
+    int rc = ps_client_lease_call(w->client, 0, 1, (uint64_t)w->train.n, &l, err);
+    if (rc == 0 && l.status == 0) {
+      *begin = l.begin;
+      *count = l.count;
+      *tag = l.lease_id;
+      *epoch = l.epoch;
+      return 0;
+    }
+    if (rc == 0 && l.status == 2) return 1; /* the last epoch is done */
+    if (rc != 0) {
+      if ((rc != PS_EUNAVAIL && rc != PS_ETIMEDOUT) || ps_now_s() > give_up) {
+        PS_ERROR("%s", err);
+        return -1;
+      }
+      PS_WARN("%s; retrying", err);
+    } else {
+      give_up = ps_now_s() + w->retry_s; /* waiting for others' chunks is progress */
+    }
+    ps_sleep_ms(backoff);
+    if (backoff < 1000) backoff *= 2;
+  }
+  return 1;
+}
+
 static int train(worker *w) {
   char err[PS_ERRLEN];
   const size_t P = w->job.model.n_params;
   const int batch = w->job.batch_size;
-  int epoch_size = ps_batcher_epoch_size(w->batcher);
-  int64_t steps_per_epoch = (epoch_size + batch - 1) / batch;
-  int64_t total = steps_per_epoch * w->epochs;
-  if (w->max_steps > 0 && w->max_steps < total) total = w->max_steps;
-  PS_INFO("training: %d examples in this worker's share, %" PRId64 " steps per epoch, %" PRId64
-          " steps, batch %d",
-          epoch_size, steps_per_epoch, total, batch);
+  int leased = w->client && w->job.lease_chunk > 0;
+  int64_t total;
+  if (leased) {
+    /* The data comes chunk by chunk from shard 0 until its last epoch. */
+    total = w->max_steps > 0 ? w->max_steps : INT64_MAX;
+    PS_INFO("training: data leased from shard 0 in chunks of %d examples, %d epoch(s) over "
+            "the %d examples for the whole cluster, batch %d",
+            w->job.lease_chunk, w->job.epochs, w->train.n, batch);
+  } else {
+    int epoch_size = ps_batcher_epoch_size(w->batcher);
+    int64_t steps_per_epoch = (epoch_size + batch - 1) / batch;
+    total = steps_per_epoch * w->epochs;
+    if (w->max_steps > 0 && w->max_steps < total) total = w->max_steps;
+    PS_INFO("training: %d examples in this worker's share, %" PRId64 " steps per epoch, %" PRId64
+            " steps, batch %d",
+            epoch_size, steps_per_epoch, total, batch);
+  }
+  uint64_t chunks_done = 0, chunks_lost = 0;
 
   double t0 = ps_now_s(), last_log = t0, last_eval = t0;
   double sum_loss = 0, t_pull = 0, t_push = 0, t_comp = 0;
@@ -236,6 +280,10 @@ static int train(worker *w) {
     if (ps_batcher_next(w->batcher, &b) != 0) {
       PS_ERROR("the input pipeline failed");
       rc = 1;
+      break;
+    }
+    if (b->n == 0) { /* leases: no more data */
+      ps_batcher_release(w->batcher, b);
       break;
     }
     double ta = ps_now_s();
@@ -286,6 +334,19 @@ static int train(worker *w) {
     n_correct += correct;
     n_steps++;
     int epoch = b->epoch;
+    if (leased && b->last_in_chunk) {
+      /* Every example of the chunk went into a pushed gradient. */
+      ps_client_lease l;
+      err[0] = '\0';
+      if (ps_client_lease_call(w->client, b->tag, 0, 0, &l, err) == 0 && l.completed_counted) {
+        chunks_done++;
+      } else {
+        chunks_lost++;
+        PS_WARN("chunk of lease %" PRIx64 " finished but not counted (%s)", b->tag,
+                err[0] ? err : "the lease had expired and went to another worker");
+        err[0] = '\0';
+      }
+    }
     ps_batcher_release(w->batcher, b);
     atomic_store(&w->step, (uint64_t)step + 1);
 
@@ -297,9 +358,11 @@ static int train(worker *w) {
       char drop_note[48] = "";
       if (w->job.mode_kind == PS_MODE_SYNC)
         snprintf(drop_note, sizeof drop_note, " | %" PRIu64 " dropped", dropped);
-      PS_INFO("step %" PRId64 "/%" PRId64 " epoch %d | loss %.4f acc %.3f | %.0f ex/s | "
+      char of_total[32] = "";
+      if (total != INT64_MAX) snprintf(of_total, sizeof of_total, "/%" PRId64, total);
+      PS_INFO("step %" PRId64 "%s epoch %d | loss %.4f acc %.3f | %.0f ex/s | "
               "staleness %.2f max %" PRIu64 "%s | pull %.1f compute %.1f push %.1f ms/step",
-              step + 1, total, epoch, sum_loss / n_ex, (double)n_correct / n_ex, eps, smean,
+              step + 1, of_total, epoch, sum_loss / n_ex, (double)n_correct / n_ex, eps, smean,
               stale_max, drop_note, 1e3 * t_pull / n_steps, 1e3 * t_comp / n_steps,
               1e3 * t_push / n_steps);
       if (w->metrics) {
@@ -329,6 +392,9 @@ static int train(worker *w) {
   }
   double elapsed = ps_now_s() - t0;
   if (rc == 0) {
+    if (leased)
+      PS_INFO("leases: %" PRIu64 " chunk(s) done and counted, %" PRIu64 " not counted", chunks_done,
+              chunks_lost);
     printf("trained %" PRId64 " steps, %" PRId64 " examples in %.1f s: %.0f examples/s\n", step,
            total_ex, elapsed, total_ex / (elapsed > 0 ? elapsed : 1e-9));
     if (w->chief || w->save_path) {
@@ -674,8 +740,12 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
-  w.batcher = ps_batcher_create_ordered(&w.train, w.job.batch_size, w.rank, w.num_workers,
-                                        w.job.seed, 4, w.job.shuffle);
+  if (w.client && w.job.lease_chunk > 0)
+    w.batcher = ps_batcher_create_source(&w.train, w.job.batch_size, w.job.seed, 4, lease_source,
+                                         &w);
+  else
+    w.batcher = ps_batcher_create_ordered(&w.train, w.job.batch_size, w.rank, w.num_workers,
+                                          w.job.seed, 4, w.job.shuffle);
   if (!w.batcher) {
     fprintf(stderr, "ps-worker: cannot start the input pipeline\n");
     return 1;

@@ -1,0 +1,947 @@
+/* worker/model.h on the CPU backend, its device path on a stand-in device,
+ * and the device chooser (worker/device.h).
+ *
+ *  - Gradient: ps_model_train_step's gradient of every parameter of two
+ *    small models (one starting with a convolution, one with flatten) is
+ *    compared with central differences of the loss (ps_model_evaluate),
+ *    dropout off, eps = 1e-3. The loss is a float32 of about 2.3, rounded
+ *    to 2^-24 of that in each evaluation and moved by the rounding of the
+ *    activations the parameter touches: about 1.5e-4 in the quotient at
+ *    worst. A larger eps does not help: a conv weight moves every output
+ *    of its filter, and with eps = 1e-2 a few relu and pooling decisions
+ *    flip (measured: 2.5e-2 relative error on the conv weights, against
+ *    8e-4 at 1e-3; the dense layers 2e-4 either way). So per parameter
+ *    |numeric - analytic| <= 3e-4 + 1e-2 * |analytic|, with up to 2% of
+ *    the parameters allowed past it (a kink within +-eps), and the relative
+ *    L2 error over the whole vector <= 3e-3. A wrong buffer, layer input or
+ *    ping-pong order gives errors of the order of the gradient itself.
+ *  - Evaluate: the mean loss and correct count of train_step without
+ *    dropout, bit for bit, in one chunk and in several (max_batch < n);
+ *    dropout is off in evaluation.
+ *  - Dropout: a step replays bit for bit from (seed, step); another step
+ *    draws other masks.
+ *  - Learning: 30 SGD steps on learnable data bring the loss below half.
+ *  - The device path (the code for backends whose memory is not host
+ *    memory) runs here on a stand-in: the CPU ops behind a table with
+ *    host_memory = 0 that checks every pointer given to an op lies, with its
+ *    whole extent, inside a block from its alloc (so a host pointer or a
+ *    short buffer is caught), and that copies host->device and back go the
+ *    right way; to_host lands only at the next op or sync, as on a stream.
+ *    Its steps must equal the CPU backend's bit for bit (the same kernels
+ *    on the same values), and every block must be freed.
+ *  - Out of memory: the stand-in's alloc fails at every call in turn; the
+ *    model must report it and free what it had.
+ *  - The device chooser: "cpu", "auto" (the cpu without a device), "cuda"
+ *    (an error without one: the build or the device), malformed names.
+ *  - With a CUDA device only: train_step and evaluate on cuda against the
+ *    cpu (tolerances of tests/unit/test_cuda_parity.c's trajectory: loss
+ *    1e-5 relative, gradient 5e-2 relative L2 per tensor); otherwise that
+ *    part prints a SKIPPED line. */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../../common/model_spec.h"
+#include "../../common/util.h"
+#include "../../kernels/ops.h"
+#include "../../worker/device.h"
+#include "../../worker/model.h"
+#include "check.h"
+#ifdef PS_WITH_CUDA
+#include "../../kernels/cuda/cuda_device.h"
+#endif
+
+/* ---- helpers ---- */
+
+/* A local xorshift, independent of the code under test. */
+static uint64_t rand_state = 0x9e3779b97f4a7c15ULL;
+
+static float rand_unit(void) { /* [0, 1) */
+  rand_state ^= rand_state << 13;
+  rand_state ^= rand_state >> 7;
+  rand_state ^= rand_state << 17;
+  return (float)((double)(rand_state >> 11) * (1.0 / 9007199254740992.0));
+}
+
+static void *xalloc(size_t bytes) {
+  void *p = calloc(1, bytes ? bytes : 1);
+  if (!p) {
+    fprintf(stderr, "test_model: out of memory\n");
+    abort();
+  }
+  return p;
+}
+
+/* conv -> relu -> maxpool -> flatten -> dense -> relu -> dropout -> dense. */
+static int conv_spec(float rate, ps_model_spec *spec) {
+  char json[1024], err[PS_ERRLEN];
+  snprintf(json, sizeof json,
+           "{\"input\": [2, 6, 6], \"classes\": 3, \"layers\": ["
+           "{\"type\": \"conv2d\", \"filters\": 3, \"kernel\": 3, \"padding\": \"same\"},"
+           "{\"type\": \"relu\"}, {\"type\": \"maxpool\", \"size\": 2},"
+           "{\"type\": \"flatten\"}, {\"type\": \"dense\", \"units\": 8}, {\"type\": \"relu\"},"
+           "{\"type\": \"dropout\", \"rate\": %g},"
+           "{\"type\": \"dense\", \"units\": 3}, {\"type\": \"softmax_xent\"}]}",
+           (double)rate);
+  int rc = ps_model_spec_parse(json, spec, err);
+  CHECK_MSG(rc == 0, "%s", err);
+  return rc;
+}
+
+/* flatten first: the first layer with an output is a dense one. */
+static int dense_spec(ps_model_spec *spec) {
+  char err[PS_ERRLEN];
+  int rc = ps_model_spec_parse(
+      "{\"input\": [1, 3, 4], \"classes\": 4, \"layers\": ["
+      "{\"type\": \"flatten\"}, {\"type\": \"dense\", \"units\": 6}, {\"type\": \"relu\"},"
+      "{\"type\": \"dropout\", \"rate\": 0}, {\"type\": \"dense\", \"units\": 4},"
+      "{\"type\": \"softmax_xent\"}]}",
+      spec, err);
+  CHECK_MSG(rc == 0, "%s", err);
+  return rc;
+}
+
+static size_t example_size(const ps_model_spec *spec) {
+  return (size_t)spec->in_c * spec->in_h * spec->in_w;
+}
+
+/* Initial parameters, with biases moved off zero so that they matter. */
+static float *make_params(const ps_model_spec *spec, uint64_t seed) {
+  float *p = xalloc(spec->n_params * sizeof(float));
+  ps_model_init_params(spec, seed, 0, spec->n_params, p);
+  for (int i = 0; i < spec->n_layers; i++) {
+    const ps_layer *L = &spec->layers[i];
+    for (size_t j = 0; j < L->b_count; j++) p[L->b_off + j] = 0.2f * (rand_unit() - 0.5f);
+  }
+  return p;
+}
+
+/* n random examples in [-1, 1) with random labels. */
+static void make_batch(const ps_model_spec *spec, int n, float **x, uint8_t **y) {
+  const size_t in = example_size(spec);
+  *x = xalloc((size_t)n * in * sizeof(float));
+  *y = xalloc((size_t)n);
+  for (size_t i = 0; i < (size_t)n * in; i++) (*x)[i] = 2.0f * rand_unit() - 1.0f;
+  for (int i = 0; i < n; i++) (*y)[i] = (uint8_t)(rand_unit() * (float)spec->classes);
+}
+
+/* Learnable examples: class c adds +1 on the inputs i with i % classes ==
+ * c, over noise. */
+static void make_learnable(const ps_model_spec *spec, int n, float **x, uint8_t **y) {
+  const size_t in = example_size(spec);
+  make_batch(spec, n, x, y);
+  for (int i = 0; i < n; i++)
+    for (size_t j = 0; j < in; j++) {
+      float *v = *x + (size_t)i * in + j;
+      *v = 0.3f * *v + ((int)(j % (size_t)spec->classes) == (*y)[i] ? 1.0f : 0.0f);
+    }
+}
+
+static int same_bits(const void *a, const void *b, size_t bytes) { return memcmp(a, b, bytes) == 0; }
+
+static double rel_l2(const float *got, const float *want, size_t n) {
+  double num = 0.0, den = 0.0;
+  for (size_t i = 0; i < n; i++) {
+    const double d = (double)got[i] - want[i];
+    num += d * d;
+    den += (double)want[i] * want[i];
+  }
+  return den > 0.0 ? sqrt(num / den) : sqrt(num);
+}
+
+/* ---- gradient against finite differences ---- */
+
+/* See the header comment. */
+#define FD_EPS 1e-3f
+#define FD_ATOL 3e-4
+#define FD_RTOL 1e-2
+#define FD_MAX_OUTLIERS 0.02 /* fraction of the parameters */
+#define FD_MAX_REL_L2 3e-3
+
+static void gradcheck_spec(const char *what, const ps_model_spec *spec) {
+  char err[PS_ERRLEN];
+  ps_ops *ops = ps_ops_cpu_create(1);
+  CHECK(ops != NULL);
+  if (!ops) return;
+  const int n = 8;
+  ps_model *m = ps_model_create(spec, ops, 10, err);
+  CHECK_MSG(m != NULL, "%s", err);
+  if (!m) {
+    ops->destroy(ops);
+    return;
+  }
+  const size_t P = spec->n_params;
+  float *params = make_params(spec, 3), *grads = xalloc(P * sizeof(float));
+  float *numeric = xalloc(P * sizeof(float));
+  float *x;
+  uint8_t *y;
+  make_batch(spec, n, &x, &y);
+  for (size_t j = 0; j < P; j++) grads[j] = NAN; /* must be overwritten */
+  const float loss = ps_model_train_step(m, params, x, y, n, 5, 0, grads, NULL);
+  CHECK(isfinite(loss));
+  size_t outliers = 0;
+  double worst = 0.0;
+  for (size_t j = 0; j < P; j++) {
+    const float saved = params[j];
+    params[j] = saved + FD_EPS;
+    const float up = params[j];
+    const double l_up = ps_model_evaluate(m, params, x, y, n, NULL);
+    params[j] = saved - FD_EPS;
+    const float down = params[j];
+    const double l_down = ps_model_evaluate(m, params, x, y, n, NULL);
+    params[j] = saved;
+    numeric[j] = (float)((l_up - l_down) / ((double)up - down));
+    const double diff = fabs((double)numeric[j] - grads[j]);
+    if (!(diff <= FD_ATOL + FD_RTOL * fabs(grads[j]))) outliers++;
+    if (diff > worst) worst = diff;
+  }
+  const double rel = rel_l2(grads, numeric, P);
+  printf("%s: P=%zu, loss %.6f, gradient vs central differences: relative L2 %.2e, "
+         "largest difference %.2e, %zu outside the per-parameter bound\n",
+         what, P, (double)loss, rel, worst, outliers);
+  CHECK_MSG(rel <= FD_MAX_REL_L2, "%s: relative L2 %.3g", what, rel);
+  CHECK_MSG((double)outliers <= FD_MAX_OUTLIERS * (double)P, "%s: %zu of %zu parameters off", what,
+            outliers, P);
+  free(params), free(grads), free(numeric), free(x), free(y);
+  ps_model_destroy(m);
+  ops->destroy(ops);
+}
+
+static void test_gradient_conv(void) {
+  ps_model_spec spec;
+  if (conv_spec(0.0f, &spec) == 0) gradcheck_spec("conv model", &spec);
+}
+
+static void test_gradient_flatten_first(void) {
+  ps_model_spec spec;
+  if (dense_spec(&spec) == 0) gradcheck_spec("flatten-first model", &spec);
+}
+
+/* ---- evaluate against train_step ---- */
+
+static void test_evaluate_matches_train_step(void) {
+  ps_model_spec spec, spec_drop;
+  char err[PS_ERRLEN];
+  if (conv_spec(0.0f, &spec) != 0 || conv_spec(0.5f, &spec_drop) != 0) return;
+  ps_ops *ops = ps_ops_cpu_create(2);
+  CHECK(ops != NULL);
+  if (!ops) return;
+  const int n = 10, chunk = 4;
+  ps_model *whole = ps_model_create(&spec, ops, n, err);
+  ps_model *chunked = ps_model_create(&spec, ops, chunk, err);
+  ps_model *drop = ps_model_create(&spec_drop, ops, chunk, err);
+  CHECK_MSG(whole && chunked && drop, "%s", err);
+  if (!whole || !chunked || !drop) goto out;
+  const size_t P = spec.n_params, in = example_size(&spec);
+  float *params = make_params(&spec, 9), *grads = xalloc(P * sizeof(float));
+  float *x;
+  uint8_t *y;
+  make_batch(&spec, n, &x, &y);
+
+  /* One chunk: the same forward pass and the same loss. */
+  int c_train = -1, c_eval = -1;
+  const float l_train = ps_model_train_step(whole, params, x, y, n, 1, 2, grads, &c_train);
+  const float l_eval = ps_model_evaluate(whole, params, x, y, n, &c_eval);
+  CHECK_MSG(same_bits(&l_train, &l_eval, sizeof(float)), "train %.9g eval %.9g", (double)l_train,
+            (double)l_eval);
+  CHECK(c_train == c_eval && c_eval >= 0 && c_eval <= n);
+
+  /* Chunks of 4, 4, 2: the mean of the chunks' losses weighted by size. */
+  double sum = 0.0;
+  int c_sum = 0;
+  for (int start = 0; start < n; start += chunk) {
+    const int b = n - start < chunk ? n - start : chunk;
+    int c = 0;
+    const float l = ps_model_train_step(chunked, params, x + (size_t)start * in, y + start, b, 1,
+                                        2, grads, &c);
+    sum += (double)l * b;
+    c_sum += c;
+  }
+  const float l_mean = (float)(sum / n);
+  int c_chunked = -1;
+  const float l_chunked = ps_model_evaluate(chunked, params, x, y, n, &c_chunked);
+  CHECK_MSG(same_bits(&l_mean, &l_chunked, sizeof(float)), "chunks %.9g eval %.9g",
+            (double)l_mean, (double)l_chunked);
+  CHECK(c_chunked == c_sum);
+  CHECK_NEAR(l_chunked, l_eval, 0.0, 1e-6);
+
+  /* Dropout is off in evaluation (the spec differs only in the rate, so P
+   * and the layout are the same), and on in training. */
+  int c_drop = -1;
+  const float l_drop = ps_model_evaluate(drop, params, x, y, n, &c_drop);
+  CHECK(same_bits(&l_drop, &l_chunked, sizeof(float)) && c_drop == c_chunked);
+  const float l_drop_train = ps_model_train_step(drop, params, x, y, chunk, 1, 2, grads, NULL);
+  const float l_plain_train = ps_model_train_step(chunked, params, x, y, chunk, 1, 2, grads, NULL);
+  CHECK(l_drop_train != l_plain_train);
+  CHECK(ps_model_evaluate(whole, params, x, y, 0, &c_eval) == 0.0f && c_eval == 0);
+  free(params), free(grads), free(x), free(y);
+out:
+  ps_model_destroy(whole);
+  ps_model_destroy(chunked);
+  ps_model_destroy(drop);
+  ops->destroy(ops);
+}
+
+/* ---- dropout streams ---- */
+
+static void test_dropout_replay(void) {
+  ps_model_spec spec;
+  char err[PS_ERRLEN];
+  if (conv_spec(0.5f, &spec) != 0) return;
+  ps_ops *ops = ps_ops_cpu_create(1);
+  ps_model *m = ops ? ps_model_create(&spec, ops, 8, err) : NULL;
+  CHECK(m != NULL);
+  if (m) {
+    const size_t P = spec.n_params;
+    float *params = make_params(&spec, 4);
+    float *g1 = xalloc(P * sizeof(float)), *g2 = xalloc(P * sizeof(float));
+    float *g3 = xalloc(P * sizeof(float));
+    float *x;
+    uint8_t *y;
+    make_batch(&spec, 8, &x, &y);
+    const float l1 = ps_model_train_step(m, params, x, y, 8, 77, 3, g1, NULL);
+    const float l3 = ps_model_train_step(m, params, x, y, 8, 77, 4, g3, NULL);
+    const float l2 = ps_model_train_step(m, params, x, y, 8, 77, 3, g2, NULL);
+    CHECK(same_bits(&l1, &l2, sizeof l1) && same_bits(g1, g2, P * sizeof(float)));
+    CHECK(!same_bits(g1, g3, P * sizeof(float)) && l1 != l3);
+    free(params), free(g1), free(g2), free(g3), free(x), free(y);
+  }
+  ps_model_destroy(m);
+  if (ops) ops->destroy(ops);
+}
+
+/* ---- a few SGD steps ---- */
+
+static void test_sgd_lowers_loss(void) {
+  ps_model_spec spec;
+  char err[PS_ERRLEN];
+  if (conv_spec(0.25f, &spec) != 0) return;
+  ps_ops *ops = ps_ops_cpu_create(2);
+  const int n = 24, steps = 30;
+  ps_model *m = ops ? ps_model_create(&spec, ops, n, err) : NULL;
+  CHECK(m != NULL);
+  if (m) {
+    const size_t P = spec.n_params;
+    float *params = make_params(&spec, 11), *grads = xalloc(P * sizeof(float));
+    float *x;
+    uint8_t *y;
+    make_learnable(&spec, n, &x, &y);
+    int c0 = 0, c1 = 0;
+    const float before = ps_model_evaluate(m, params, x, y, n, &c0);
+    for (int t = 0; t < steps; t++) {
+      const float l = ps_model_train_step(m, params, x, y, n, 1, (uint64_t)t, grads, NULL);
+      CHECK(isfinite(l));
+      for (size_t j = 0; j < P; j++) params[j] -= 0.1f * grads[j];
+    }
+    const float after = ps_model_evaluate(m, params, x, y, n, &c1);
+    printf("SGD, %d steps: loss %.4f -> %.4f, correct %d -> %d of %d\n", steps, (double)before,
+           (double)after, c0, c1, n);
+    CHECK_MSG(after < 0.5f * before, "loss %.4f -> %.4f", (double)before, (double)after);
+    CHECK(c1 > c0);
+    free(params), free(grads), free(x), free(y);
+  }
+  ps_model_destroy(m);
+  if (ops) ops->destroy(ops);
+}
+
+/* ---- the stand-in device ----
+ *
+ * The CPU ops behind a table whose memory is "device memory": blocks from
+ * its own alloc, registered here. Every op checks its pointers against the
+ * blocks, then runs the CPU op. Copies to the host are queued and land at
+ * the next op or sync. alloc fails on purpose at call number fail_at. */
+
+enum { MAX_BLOCKS = 256, MAX_PENDING = 16 };
+
+typedef struct {
+  ps_ops ops; /* ops.ctx points back here */
+  ps_ops *cpu;
+  struct {
+    const char *p;
+    size_t bytes;
+  } blocks[MAX_BLOCKS];
+  int n_blocks;
+  struct {
+    void *dst;
+    const void *src;
+    size_t bytes;
+  } pending[MAX_PENDING];
+  int n_pending;
+  int allocs;  /* alloc calls so far */
+  int fail_at; /* the alloc call that fails (0-based); -1: none */
+  int bad;     /* pointer checks that failed */
+} fake_dev;
+
+static int in_block(const fake_dev *f, const void *p, size_t bytes) {
+  const char *c = p;
+  for (int i = 0; i < f->n_blocks; i++)
+    if (c >= f->blocks[i].p && bytes <= f->blocks[i].bytes &&
+        (size_t)(c - f->blocks[i].p) <= f->blocks[i].bytes - bytes)
+      return 1;
+  return 0;
+}
+
+/* p (NULL allowed when `optional`) must be device memory for `bytes`. */
+static void need(fake_dev *f, const void *p, size_t bytes, int optional, const char *what) {
+  if (!p && optional) return;
+  if (!p || !in_block(f, p, bytes)) {
+    f->bad++;
+    fprintf(stderr, "stand-in device: %s: %p (%zu bytes) is not device memory\n", what, p, bytes);
+  }
+}
+
+static void flush(fake_dev *f) {
+  for (int i = 0; i < f->n_pending; i++)
+    memcpy(f->pending[i].dst, f->pending[i].src, f->pending[i].bytes);
+  f->n_pending = 0;
+}
+
+/* Flushes the queued copies and names the CPU backend's ctx. */
+static fake_dev *enter(void *ctx) {
+  fake_dev *f = ctx;
+  flush(f);
+  return f;
+}
+
+#define F4 sizeof(float)
+
+static size_t fk_conv2d_workspace(void *ctx, const ps_conv_shape *s) {
+  fake_dev *f = enter(ctx);
+  return f->cpu->conv2d_workspace(f->cpu->ctx, s);
+}
+
+static void conv_need(fake_dev *f, const ps_conv_shape *s, const float *x, const float *w,
+                      const float *b, const float *y, const float *work) {
+  const size_t n = (size_t)s->n;
+  need(f, x, n * s->c * s->h * s->w * F4, 0, "conv x");
+  need(f, w, (size_t)s->oc * s->c * s->kh * s->kw * F4, 0, "conv w");
+  need(f, b, (size_t)s->oc * F4, 0, "conv b");
+  need(f, y, n * s->oc * s->oh * s->ow * F4, 0, "conv y");
+  need(f, work, f->cpu->conv2d_workspace(f->cpu->ctx, s) * F4, 0, "conv work");
+}
+
+static void fk_conv2d_forward(void *ctx, const ps_conv_shape *s, const float *x, const float *w,
+                              const float *b, float *y, float *work) {
+  fake_dev *f = enter(ctx);
+  conv_need(f, s, x, w, b, y, work);
+  f->cpu->conv2d_forward(f->cpu->ctx, s, x, w, b, y, work);
+}
+
+static void fk_conv2d_backward(void *ctx, const ps_conv_shape *s, const float *x, const float *w,
+                               const float *dy, float *dx, float *dw, float *db, float *work) {
+  fake_dev *f = enter(ctx);
+  conv_need(f, s, x, w, db, dy, work); /* db has b's size, dy y's */
+  need(f, dx, (size_t)s->n * s->c * s->h * s->w * F4, 1, "conv dx");
+  need(f, dw, (size_t)s->oc * s->c * s->kh * s->kw * F4, 0, "conv dw");
+  f->cpu->conv2d_backward(f->cpu->ctx, s, x, w, dy, dx, dw, db, work);
+}
+
+static void fk_maxpool_forward(void *ctx, const ps_pool_shape *s, const float *x, float *y,
+                               int32_t *argmax) {
+  fake_dev *f = enter(ctx);
+  const size_t planes = (size_t)s->n * s->c;
+  need(f, x, planes * s->h * s->w * F4, 0, "maxpool x");
+  need(f, y, planes * s->oh * s->ow * F4, 0, "maxpool y");
+  need(f, argmax, planes * s->oh * s->ow * sizeof(int32_t), 1, "maxpool argmax");
+  f->cpu->maxpool_forward(f->cpu->ctx, s, x, y, argmax);
+}
+
+static void fk_maxpool_backward(void *ctx, const ps_pool_shape *s, const float *dy,
+                                const int32_t *argmax, float *dx) {
+  fake_dev *f = enter(ctx);
+  const size_t planes = (size_t)s->n * s->c;
+  need(f, dy, planes * s->oh * s->ow * F4, 0, "maxpool dy");
+  need(f, argmax, planes * s->oh * s->ow * sizeof(int32_t), 0, "maxpool argmax");
+  need(f, dx, planes * s->h * s->w * F4, 0, "maxpool dx");
+  f->cpu->maxpool_backward(f->cpu->ctx, s, dy, argmax, dx);
+}
+
+static void fk_dense_forward(void *ctx, int n, int in, int out, const float *x, const float *w,
+                             const float *b, float *y) {
+  fake_dev *f = enter(ctx);
+  need(f, x, (size_t)n * in * F4, 0, "dense x");
+  need(f, w, (size_t)out * in * F4, 0, "dense w");
+  need(f, b, (size_t)out * F4, 0, "dense b");
+  need(f, y, (size_t)n * out * F4, 0, "dense y");
+  f->cpu->dense_forward(f->cpu->ctx, n, in, out, x, w, b, y);
+}
+
+static void fk_dense_backward(void *ctx, int n, int in, int out, const float *x, const float *w,
+                              const float *dy, float *dx, float *dw, float *db) {
+  fake_dev *f = enter(ctx);
+  need(f, x, (size_t)n * in * F4, 0, "dense x");
+  need(f, w, (size_t)out * in * F4, 0, "dense w");
+  need(f, dy, (size_t)n * out * F4, 0, "dense dy");
+  need(f, dx, (size_t)n * in * F4, 1, "dense dx");
+  need(f, dw, (size_t)out * in * F4, 0, "dense dw");
+  need(f, db, (size_t)out * F4, 0, "dense db");
+  f->cpu->dense_backward(f->cpu->ctx, n, in, out, x, w, dy, dx, dw, db);
+}
+
+static void fk_relu_forward(void *ctx, size_t n, const float *x, float *y) {
+  fake_dev *f = enter(ctx);
+  need(f, x, n * F4, 0, "relu x");
+  need(f, y, n * F4, 0, "relu y");
+  f->cpu->relu_forward(f->cpu->ctx, n, x, y);
+}
+
+static void fk_relu_backward(void *ctx, size_t n, const float *y, const float *dy, float *dx) {
+  fake_dev *f = enter(ctx);
+  need(f, y, n * F4, 0, "relu y");
+  need(f, dy, n * F4, 0, "relu dy");
+  need(f, dx, n * F4, 0, "relu dx");
+  f->cpu->relu_backward(f->cpu->ctx, n, y, dy, dx);
+}
+
+static void fk_dropout_forward(void *ctx, size_t n, float rate, uint64_t seed, uint64_t stream,
+                               const float *x, float *y, float *mask) {
+  fake_dev *f = enter(ctx);
+  need(f, x, n * F4, 0, "dropout x");
+  need(f, y, n * F4, 0, "dropout y");
+  need(f, mask, n * F4, 0, "dropout mask");
+  f->cpu->dropout_forward(f->cpu->ctx, n, rate, seed, stream, x, y, mask);
+}
+
+static void fk_dropout_backward(void *ctx, size_t n, const float *mask, const float *dy,
+                                float *dx) {
+  fake_dev *f = enter(ctx);
+  need(f, mask, n * F4, 0, "dropout mask");
+  need(f, dy, n * F4, 0, "dropout dy");
+  need(f, dx, n * F4, 0, "dropout dx");
+  f->cpu->dropout_backward(f->cpu->ctx, n, mask, dy, dx);
+}
+
+static float fk_softmax_xent_forward(void *ctx, int n, int k, const float *logits,
+                                     const uint8_t *labels, float *probs) {
+  fake_dev *f = enter(ctx);
+  need(f, logits, (size_t)n * k * F4, 0, "softmax logits");
+  need(f, labels, (size_t)n, 0, "softmax labels");
+  need(f, probs, (size_t)n * k * F4, 0, "softmax probs");
+  return f->cpu->softmax_xent_forward(f->cpu->ctx, n, k, logits, labels, probs);
+}
+
+static void fk_softmax_xent_backward(void *ctx, int n, int k, const float *probs,
+                                     const uint8_t *labels, float *dlogits) {
+  fake_dev *f = enter(ctx);
+  need(f, probs, (size_t)n * k * F4, 0, "softmax probs");
+  need(f, labels, (size_t)n, 0, "softmax labels");
+  need(f, dlogits, (size_t)n * k * F4, 0, "softmax dlogits");
+  f->cpu->softmax_xent_backward(f->cpu->ctx, n, k, probs, labels, dlogits);
+}
+
+static void *fk_alloc(void *ctx, size_t bytes) {
+  fake_dev *f = enter(ctx);
+  if (f->allocs++ == f->fail_at || f->n_blocks == MAX_BLOCKS) return NULL;
+  void *p = ps_alloc(bytes);
+  if (!p) return NULL;
+  f->blocks[f->n_blocks].p = p;
+  f->blocks[f->n_blocks].bytes = bytes;
+  f->n_blocks++;
+  return p;
+}
+
+static void fk_free(void *ctx, void *p) {
+  fake_dev *f = enter(ctx);
+  if (!p) return;
+  for (int i = 0; i < f->n_blocks; i++)
+    if (f->blocks[i].p == p) {
+      f->blocks[i] = f->blocks[--f->n_blocks];
+      ps_free(p);
+      return;
+    }
+  f->bad++;
+  fprintf(stderr, "stand-in device: free of %p, which is not a device block\n", p);
+}
+
+static void fk_to_device(void *ctx, void *dst, const void *src_host, size_t bytes) {
+  fake_dev *f = enter(ctx);
+  need(f, dst, bytes, 0, "to_device dst");
+  if (bytes && in_block(f, src_host, 1)) {
+    f->bad++;
+    fprintf(stderr, "stand-in device: to_device from device memory\n");
+  }
+  if (bytes) memcpy(dst, src_host, bytes);
+}
+
+static void fk_to_host(void *ctx, void *dst_host, const void *src, size_t bytes) {
+  fake_dev *f = enter(ctx);
+  need(f, src, bytes, 0, "to_host src");
+  if (bytes && in_block(f, dst_host, 1)) {
+    f->bad++;
+    fprintf(stderr, "stand-in device: to_host into device memory\n");
+  }
+  if (!bytes) return;
+  if (f->n_pending == MAX_PENDING) flush(f);
+  f->pending[f->n_pending].dst = dst_host;
+  f->pending[f->n_pending].src = src;
+  f->pending[f->n_pending].bytes = bytes;
+  f->n_pending++;
+}
+
+static void fk_copy(void *ctx, void *dst, const void *src, size_t bytes) {
+  fake_dev *f = enter(ctx);
+  need(f, dst, bytes, 0, "copy dst");
+  need(f, src, bytes, 0, "copy src");
+  if (bytes && dst != src) memcpy(dst, src, bytes);
+}
+
+static void fk_sync(void *ctx) { (void)enter(ctx); }
+
+static void fk_destroy(ps_ops *ops) { (void)ops; }
+
+static void fake_init(fake_dev *f, ps_ops *cpu) {
+  memset(f, 0, sizeof *f);
+  f->cpu = cpu;
+  f->fail_at = -1;
+  f->ops = (ps_ops){
+      .name = "stand-in",
+      .ctx = f,
+      .conv2d_workspace = fk_conv2d_workspace,
+      .conv2d_forward = fk_conv2d_forward,
+      .conv2d_backward = fk_conv2d_backward,
+      .maxpool_forward = fk_maxpool_forward,
+      .maxpool_backward = fk_maxpool_backward,
+      .dense_forward = fk_dense_forward,
+      .dense_backward = fk_dense_backward,
+      .relu_forward = fk_relu_forward,
+      .relu_backward = fk_relu_backward,
+      .dropout_forward = fk_dropout_forward,
+      .dropout_backward = fk_dropout_backward,
+      .softmax_xent_forward = fk_softmax_xent_forward,
+      .softmax_xent_backward = fk_softmax_xent_backward,
+      .destroy = fk_destroy,
+      .alloc = fk_alloc,
+      .free = fk_free,
+      .to_device = fk_to_device,
+      .to_host = fk_to_host,
+      .copy = fk_copy,
+      .sync = fk_sync,
+      .host_memory = 0,
+  };
+}
+
+/* Train steps (with and without dropout, full and partial batches) and
+ * evaluations in several chunks on the stand-in, against the CPU backend
+ * itself: bit for bit. */
+static void device_path_case(const char *what, const ps_model_spec *spec) {
+  char err[PS_ERRLEN];
+  ps_ops *cpu = ps_ops_cpu_create(1);
+  CHECK(cpu != NULL);
+  if (!cpu) return;
+  fake_dev f;
+  fake_init(&f, cpu);
+  const int max_batch = 6, n_eval = 15;
+  ps_model *host = ps_model_create(spec, cpu, max_batch, err);
+  ps_model *dev = ps_model_create(spec, &f.ops, max_batch, err);
+  CHECK_MSG(host && dev, "%s", err);
+  if (host && dev) {
+    CHECK(ps_model_ops(dev) == &f.ops && ps_model_ops(host) == cpu);
+    const size_t P = spec->n_params;
+    float *params = make_params(spec, 21);
+    float *g_host = xalloc(P * sizeof(float)), *g_back = xalloc(P * sizeof(float));
+    float *d_params = ps_model_alloc_params(dev), *d_grads = ps_model_alloc_params(dev);
+    CHECK(d_params && d_grads);
+    if (d_params && d_grads) {
+      /* alloc_params is zeroed; the round trip is exact. */
+      ps_model_params_to_host(dev, g_back, d_params);
+      int zero = 1;
+      for (size_t j = 0; j < P; j++) zero &= g_back[j] == 0.0f;
+      CHECK(zero);
+      ps_model_params_to_device(dev, d_params, params);
+      ps_model_params_to_host(dev, g_back, d_params);
+      CHECK(same_bits(g_back, params, P * sizeof(float)));
+
+      float *x;
+      uint8_t *y;
+      make_batch(spec, n_eval, &x, &y);
+      const int sizes[] = {max_batch, 3, 1};
+      for (int t = 0; t < 3; t++) {
+        int c_host = -1, c_dev = -2;
+        const float l_host =
+            ps_model_train_step(host, params, x, y, sizes[t], 13, (uint64_t)t, g_host, &c_host);
+        const float l_dev =
+            ps_model_train_step(dev, d_params, x, y, sizes[t], 13, (uint64_t)t, d_grads, &c_dev);
+        ps_model_params_to_host(dev, g_back, d_grads);
+        CHECK_MSG(same_bits(&l_host, &l_dev, sizeof(float)) && c_host == c_dev,
+                  "%s step %d: loss %.9g vs %.9g, correct %d vs %d", what, t, (double)l_dev,
+                  (double)l_host, c_dev, c_host);
+        CHECK_MSG(same_bits(g_back, g_host, P * sizeof(float)), "%s step %d: gradients differ",
+                  what, t);
+      }
+      int c_host = -1, c_dev = -2;
+      const float e_host = ps_model_evaluate(host, params, x, y, n_eval, &c_host);
+      const float e_dev = ps_model_evaluate(dev, d_params, x, y, n_eval, &c_dev);
+      CHECK_MSG(same_bits(&e_host, &e_dev, sizeof(float)) && c_host == c_dev,
+                "%s evaluate: %.9g vs %.9g, correct %d vs %d", what, (double)e_dev,
+                (double)e_host, c_dev, c_host);
+      free(x), free(y);
+    }
+    ps_model_free_params(dev, d_params);
+    ps_model_free_params(dev, d_grads);
+    free(params), free(g_host), free(g_back);
+  }
+  ps_model_destroy(host);
+  ps_model_destroy(dev);
+  CHECK_MSG(f.bad == 0, "%s: %d bad pointers on the stand-in device", what, f.bad);
+  CHECK_MSG(f.n_blocks == 0, "%s: %d device blocks not freed", what, f.n_blocks);
+  cpu->destroy(cpu);
+}
+
+static void test_device_path(void) {
+  ps_model_spec conv, dense;
+  if (conv_spec(0.5f, &conv) == 0) device_path_case("conv model, dropout 0.5", &conv);
+  if (conv_spec(0.0f, &conv) == 0) device_path_case("conv model, dropout 0", &conv);
+  if (dense_spec(&dense) == 0) device_path_case("flatten-first model", &dense);
+}
+
+/* Every allocation of ps_model_create fails in turn (on the stand-in, which
+ * has the most of them): NULL, a message, nothing left allocated. */
+static void test_out_of_memory(void) {
+  ps_model_spec spec;
+  if (conv_spec(0.5f, &spec) != 0) return;
+  ps_ops *cpu = ps_ops_cpu_create(1);
+  CHECK(cpu != NULL);
+  if (!cpu) return;
+  fake_dev f;
+  int failures = 0;
+  for (int at = 0; at < 100; at++) {
+    fake_init(&f, cpu);
+    f.fail_at = at;
+    char err[PS_ERRLEN] = "";
+    ps_model *m = ps_model_create(&spec, &f.ops, 8, err);
+    if (m) { /* every allocation has had its turn */
+      CHECK(f.allocs == at);
+      ps_model_destroy(m);
+      CHECK(f.n_blocks == 0);
+      break;
+    }
+    failures++;
+    CHECK_MSG(strstr(err, "out of") != NULL, "at %d: '%s'", at, err);
+    CHECK_MSG(f.n_blocks == 0, "at %d: %d blocks left", at, f.n_blocks);
+  }
+  CHECK(failures > 5);
+  /* The helpers report it too. */
+  fake_init(&f, cpu);
+  char err[PS_ERRLEN];
+  ps_model *m = ps_model_create(&spec, &f.ops, 8, err);
+  CHECK(m != NULL);
+  if (m) {
+    f.fail_at = f.allocs;
+    CHECK(ps_model_alloc_params(m) == NULL);
+    ps_model_destroy(m);
+  }
+  CHECK(f.n_blocks == 0 && f.bad == 0);
+  cpu->destroy(cpu);
+}
+
+/* ---- the memory members of the CPU backend ---- */
+
+static void test_cpu_memory_members(void) {
+  ps_ops *o = ps_ops_cpu_create(1);
+  CHECK(o != NULL);
+  if (!o) return;
+  CHECK(o->host_memory == 1);
+  float *a = o->alloc(o->ctx, 100 * sizeof(float)), *b = o->alloc(o->ctx, 100 * sizeof(float));
+  void *empty = o->alloc(o->ctx, 0);
+  CHECK(a && b && empty);
+  if (a && b) {
+    int zero = 1;
+    for (int i = 0; i < 100; i++) zero &= a[i] == 0.0f;
+    CHECK(zero);
+    float src[100], back[100];
+    for (int i = 0; i < 100; i++) src[i] = (float)i * 0.5f;
+    o->to_device(o->ctx, a, src, sizeof src);
+    o->copy(o->ctx, b, a, sizeof src);
+    o->copy(o->ctx, b, b, sizeof src); /* dst == src: nothing */
+    o->to_host(o->ctx, back, b, sizeof back);
+    o->sync(o->ctx);
+    CHECK(memcmp(back, src, sizeof src) == 0);
+  }
+  o->free(o->ctx, a);
+  o->free(o->ctx, b);
+  o->free(o->ctx, empty);
+  o->free(o->ctx, NULL);
+  o->destroy(o);
+}
+
+/* ---- the device chooser ---- */
+
+static int cuda_devices(char *why) {
+#ifdef PS_WITH_CUDA
+  return ps_cuda_device_count(why);
+#else
+  snprintf(why, 128, "built without CUDA");
+  return 0;
+#endif
+}
+
+static void test_device_cpu(void) {
+  char desc[256], err[PS_ERRLEN];
+  const struct {
+    int threads;
+    const char *desc;
+  } cases[] = {{2, "cpu (2 threads)"}, {1, "cpu (1 thread)"}, {0, "cpu (OpenBLAS default threads)"}};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    ps_ops *o = ps_device_open("cpu", cases[i].threads, desc, sizeof desc, err);
+    CHECK_MSG(o != NULL, "%s", err);
+    if (!o) continue;
+    CHECK(strcmp(o->name, "cpu") == 0 && o->host_memory == 1);
+    CHECK_MSG(strcmp(desc, cases[i].desc) == 0, "'%s'", desc);
+    o->destroy(o);
+  }
+  /* desc and err may be NULL. */
+  ps_ops *o = ps_device_open("cpu", 1, NULL, 0, NULL);
+  CHECK(o != NULL);
+  if (o) o->destroy(o);
+  CHECK(ps_device_open("gpu", 1, NULL, 0, NULL) == NULL);
+  /* A short desc is truncated, not overrun. */
+  char tiny[6];
+  o = ps_device_open("cpu", 2, tiny, sizeof tiny, err);
+  CHECK(o != NULL && strcmp(tiny, "cpu (") == 0);
+  if (o) o->destroy(o);
+}
+
+static void test_device_auto(void) {
+  char desc[256], err[PS_ERRLEN], why[128] = "";
+  const int devices = cuda_devices(why);
+  const char *specs[] = {"auto", NULL};
+  for (int i = 0; i < 2; i++) {
+    ps_ops *o = ps_device_open(specs[i], 2, desc, sizeof desc, err);
+    CHECK_MSG(o != NULL, "%s", err);
+    if (!o) continue;
+    printf("device %s: %s\n", specs[i] ? specs[i] : "(null)", desc);
+    if (devices > 0) {
+      CHECK(strcmp(o->name, "cuda") == 0 && strncmp(desc, "cuda:0 (", 8) == 0);
+    } else {
+      CHECK(strcmp(o->name, "cpu") == 0 && strncmp(desc, "cpu (2 threads", 14) == 0);
+    }
+    o->destroy(o);
+  }
+}
+
+static void test_device_cuda(void) {
+  char desc[256] = "x", err[PS_ERRLEN] = "", why[128] = "";
+  const int devices = cuda_devices(why);
+  ps_ops *o = ps_device_open("cuda", 2, desc, sizeof desc, err);
+  if (devices == 0) {
+    CHECK(o == NULL);
+    printf("device cuda: %s\n", err);
+#ifdef PS_WITH_CUDA
+    CHECK_MSG(strncmp(err, "no CUDA device: ", 16) == 0, "'%s'", err);
+#else
+    CHECK_MSG(strcmp(err, "this ps-worker was built without CUDA (WITH_CUDA=OFF)") == 0, "'%s'",
+              err);
+#endif
+    CHECK(desc[0] == '\0');
+    /* cuda:N is well formed and fails the same way. */
+    char err2[PS_ERRLEN] = "";
+    CHECK(ps_device_open("cuda:0", 2, NULL, 0, err2) == NULL && strcmp(err, err2) == 0);
+    return;
+  }
+  CHECK_MSG(o != NULL, "%s", err);
+  if (o) {
+    printf("device cuda: %s\n", desc);
+    CHECK(strcmp(o->name, "cuda") == 0 && o->host_memory == 0);
+    CHECK(strncmp(desc, "cuda:0 (", 8) == 0);
+    o->destroy(o);
+  }
+  char spec[32], want[64];
+  snprintf(spec, sizeof spec, "cuda:%d", devices - 1);
+  o = ps_device_open(spec, 2, desc, sizeof desc, err);
+  CHECK_MSG(o != NULL, "%s: %s", spec, err);
+  if (o) o->destroy(o);
+  snprintf(spec, sizeof spec, "cuda:%d", devices);
+  CHECK(ps_device_open(spec, 2, desc, sizeof desc, err) == NULL);
+  snprintf(want, sizeof want, "%s but only %d device", spec, devices);
+  CHECK_MSG(strncmp(err, want, strlen(want)) == 0, "'%s'", err);
+}
+
+static void test_device_malformed(void) {
+  const char *bad[] = {"gpu", "cuda:x", "cuda:", "cuda:-1", "cuda:1x", "cuda:+1", "cuda0",
+                       "CPU", "", "cpu ", "cuda:99999999999999999999"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    char desc[64] = "x", err[PS_ERRLEN] = "";
+    ps_ops *o = ps_device_open(bad[i], 1, desc, sizeof desc, err);
+    CHECK_MSG(o == NULL, "'%s' accepted", bad[i]);
+    if (o) o->destroy(o);
+    CHECK_MSG(strstr(err, "bad device") != NULL, "'%s': '%s'", bad[i], err);
+    CHECK(desc[0] == '\0');
+  }
+}
+
+/* ---- CPU against CUDA, with a device ---- */
+
+static void test_cuda_against_cpu(void) {
+  char why[128] = "";
+  if (cuda_devices(why) == 0) {
+    printf("SKIPPED: train_step on cuda against the cpu: no CUDA device (%s)\n", why);
+    return;
+  }
+  ps_model_spec spec;
+  char err[PS_ERRLEN], desc[256];
+  if (conv_spec(0.25f, &spec) != 0) return;
+  ps_ops *cpu = ps_ops_cpu_create(1);
+  ps_ops *gpu = ps_device_open("cuda:0", 0, desc, sizeof desc, err);
+  CHECK_MSG(cpu && gpu, "%s", err);
+  ps_model *mc = cpu ? ps_model_create(&spec, cpu, 16, err) : NULL;
+  ps_model *mg = gpu ? ps_model_create(&spec, gpu, 16, err) : NULL;
+  CHECK_MSG(mc && mg, "%s", err);
+  if (mc && mg) {
+    const size_t P = spec.n_params;
+    float *params = make_params(&spec, 5), *g_cpu = xalloc(P * sizeof(float));
+    float *g_gpu = xalloc(P * sizeof(float));
+    float *d_params = ps_model_alloc_params(mg), *d_grads = ps_model_alloc_params(mg);
+    CHECK(d_params && d_grads);
+    float *x;
+    uint8_t *y;
+    make_batch(&spec, 40, &x, &y);
+    if (d_params && d_grads) {
+      ps_model_params_to_device(mg, d_params, params);
+      int cc = 0, cg = 0;
+      const float lc = ps_model_train_step(mc, params, x, y, 16, 3, 1, g_cpu, &cc);
+      const float lg = ps_model_train_step(mg, d_params, x, y, 16, 3, 1, d_grads, &cg);
+      ps_model_params_to_host(mg, g_gpu, d_grads);
+      printf("cpu vs %s: loss %.7f vs %.7f, correct %d vs %d\n", desc, (double)lc, (double)lg,
+             cc, cg);
+      CHECK_NEAR(lg, lc, 1e-7, 1e-5);
+      CHECK(abs(cc - cg) <= 1);
+      for (int i = 0; i < spec.n_layers; i++) {
+        const ps_layer *L = &spec.layers[i];
+        if (!L->w_count) continue;
+        const double ew = rel_l2(g_gpu + L->w_off, g_cpu + L->w_off, L->w_count);
+        const double eb = rel_l2(g_gpu + L->b_off, g_cpu + L->b_off, L->b_count);
+        CHECK_MSG(ew <= 5e-2 && eb <= 5e-2, "%s: w %.3g, b %.3g", L->name, ew, eb);
+      }
+      const float ec = ps_model_evaluate(mc, params, x, y, 40, &cc);
+      const float eg = ps_model_evaluate(mg, d_params, x, y, 40, &cg);
+      CHECK_NEAR(eg, ec, 1e-7, 1e-5);
+      CHECK(abs(cc - cg) <= 1);
+    }
+    ps_model_free_params(mg, d_params);
+    ps_model_free_params(mg, d_grads);
+    free(params), free(g_cpu), free(g_gpu), free(x), free(y);
+  }
+  ps_model_destroy(mc);
+  ps_model_destroy(mg);
+  if (cpu) cpu->destroy(cpu);
+  if (gpu) gpu->destroy(gpu);
+}
+
+int main(void) {
+  RUN(test_cpu_memory_members);
+  RUN(test_gradient_conv);
+  RUN(test_gradient_flatten_first);
+  RUN(test_evaluate_matches_train_step);
+  RUN(test_dropout_replay);
+  RUN(test_sgd_lowers_loss);
+  RUN(test_device_path);
+  RUN(test_out_of_memory);
+  RUN(test_device_cpu);
+  RUN(test_device_auto);
+  RUN(test_device_cuda);
+  RUN(test_device_malformed);
+  RUN(test_cuda_against_cpu);
+  return check_summary();
+}
