@@ -27,15 +27,13 @@
 #include "../common/util.h"
 #include "../kernels/ops.h"
 #include "data.h"
+#include "device.h"
 #include "model.h"
 #include "ps_client.h"
-#ifdef PS_WITH_CUDA
-#include "../kernels/cuda/cuda_device.h"
-#endif
 
 typedef struct {
   /* options */
-  const char *ps_addr, *job_path, *metrics_path, *data_dir, *host, *save_path;
+  const char *ps_addr, *job_path, *metrics_path, *data_dir, *host, *save_path, *device;
   int index, num_workers, chief, local, threads, timeout_ms, epochs, straggle_ms;
   int64_t max_steps;
   double log_interval, eval_interval, retry_s;
@@ -47,7 +45,8 @@ typedef struct {
   ps_dataset train, test;
   ps_batcher *batcher;
   ps_metrics *metrics;
-  float *params, *grads;
+  float *params, *grads;   /* host: what is pulled and pushed */
+  float *dparams, *dgrads; /* the backend's copies (the same buffers on the cpu) */
   uint64_t *versions;     /* per shard: the version pulled */
   uint64_t *min_versions; /* per shard: sync mode waits for the step pushed */
   /* the push in progress */
@@ -179,7 +178,8 @@ static int op_push(worker *w, char *err) {
 
 static double evaluate(worker *w, int64_t step, double t0, float *loss_out) {
   int correct = 0;
-  float loss = ps_model_evaluate(w->eval_model, w->params, w->test.images, w->test.labels,
+  if (w->dparams != w->params) ps_model_params_to_device(w->model, w->dparams, w->params);
+  float loss = ps_model_evaluate(w->eval_model, w->dparams, w->test.images, w->test.labels,
                                  w->test.n, &correct);
   double acc = w->test.n ? (double)correct / w->test.n : 0.0;
   if (loss_out) *loss_out = loss;
@@ -295,9 +295,12 @@ static int train(worker *w) {
     }
     double tb = ps_now_s();
     int correct = 0;
-    float loss = ps_model_train_step(w->model, w->params, b->x, b->y, b->n, w->job.seed ^ 0xd0d0,
-                                     (uint64_t)step * 1024 + (uint64_t)w->rank, w->grads,
+    if (w->dparams != w->params) ps_model_params_to_device(w->model, w->dparams, w->params);
+    float loss = ps_model_train_step(w->model, w->dparams, b->x, b->y, b->n,
+                                     w->job.seed ^ 0xd0d0,
+                                     (uint64_t)step * 1024 + (uint64_t)w->rank, w->dgrads,
                                      &correct);
+    if (w->dgrads != w->grads) ps_model_params_to_host(w->model, w->grads, w->dgrads);
     if (w->straggle_ms > 0) ps_sleep_ms(w->straggle_ms); /* an artificial straggler */
     double tc = ps_now_s();
     if (!isfinite(loss)) {
@@ -440,6 +443,8 @@ static void usage(FILE *f) {
           "  --epochs N           passes over this worker's share (default: the job's)\n"
           "  --max-steps N        stop after N steps (default: the job's, 0 = no limit)\n"
           "  --data-dir DIR       where the IDX files are (default: the job's)\n"
+          "  --device D           cpu, cuda or cuda:N (default: cuda when this build has the\n"
+          "                       CUDA backend and a GPU is present, else cpu)\n"
           "  --threads N          compute threads (default: the number of cores)\n"
           "  --eval-interval SEC  seconds between evaluations by the chief (default: the\n"
           "                       job's eval_interval_s; 0 = only at the end)\n"
@@ -502,6 +507,7 @@ int main(int argc, char **argv) {
       {"metrics", required_argument, 0, 'm'},     {"timeout-ms", required_argument, 0, 'T'},
       {"retry-s", required_argument, 0, 'r'},     {"host", required_argument, 0, 'H'},
       {"straggle-ms", required_argument, 0, 'S'}, {"save-params", required_argument, 0, 'P'},
+      {"device", required_argument, 0, 'D'},
       {"log-level", required_argument, 0, 'v'},   {"help", no_argument, 0, 'h'},
       {0, 0, 0, 0}};
   int c;
@@ -533,6 +539,7 @@ int main(int argc, char **argv) {
       case 'r': if (parse_secs("--retry-s", optarg, &w.retry_s)) return 2; break;
       case 'H': w.host = optarg; break;
       case 'P': w.save_path = optarg; break;
+      case 'D': w.device = optarg; break;
       case 'S':
         if (parse_int("--straggle-ms", optarg, 0, 3600000, &v)) return 2;
         w.straggle_ms = (int)v;
@@ -610,6 +617,15 @@ int main(int argc, char **argv) {
   if (!w.host) w.host = hostname;
   ps_log_init("ps-worker", level);
 
+  /* The device first: the first log line says where this worker computes. */
+  char device_desc[256];
+  w.ops = ps_device_open(w.device, w.threads, device_desc, sizeof device_desc, err);
+  if (!w.ops) {
+    fprintf(stderr, "ps-worker: --device %s: %s\n", w.device ? w.device : "auto", err);
+    return 2;
+  }
+  PS_INFO("device: %s", device_desc);
+
   char *job_text = NULL;
   rpc_global_init();
   if (w.local) {
@@ -647,7 +663,8 @@ int main(int argc, char **argv) {
             w.job.mode);
   }
   if (w.num_workers == 0) w.num_workers = 1;
-  if (w.rank >= w.num_workers) {
+  /* With data leases the share of the data is decided by shard 0. */
+  if (w.rank >= w.num_workers && !(w.client && w.job.lease_chunk > 0)) {
     fprintf(stderr, "ps-worker: index %d but only %d workers share the data (--num-workers)\n",
             w.rank, w.num_workers);
     return 2;
@@ -688,11 +705,7 @@ int main(int argc, char **argv) {
           w.test.n, ps_now_s() - tl);
 
   /* Compute */
-  w.ops = ps_ops_cpu_create(w.threads);
-  if (!w.ops) {
-    fprintf(stderr, "ps-worker: cannot create the cpu backend\n");
-    return 1;
-  }
+
   w.model = ps_model_create(spec, w.ops, w.job.batch_size, err);
   w.eval_model = w.chief ? ps_model_create(spec, w.ops, 500, err) : NULL;
   const size_t P = spec->n_params;
@@ -700,22 +713,20 @@ int main(int argc, char **argv) {
   w.grads = ps_alloc(P * sizeof(float));
   w.versions = calloc(w.client ? (size_t)ps_client_num_shards(w.client) : 1, sizeof(uint64_t));
   w.min_versions = calloc(w.client ? (size_t)ps_client_num_shards(w.client) : 1, sizeof(uint64_t));
+  w.dparams = w.params;
+  w.dgrads = w.grads;
+  if (w.model && !w.ops->host_memory) {
+    w.dparams = ps_model_alloc_params(w.model);
+    w.dgrads = ps_model_alloc_params(w.model);
+  }
   if (!w.model || (w.chief && !w.eval_model) || !w.params || !w.grads || !w.versions ||
-      !w.min_versions) {
+      !w.min_versions || !w.dparams || !w.dgrads) {
     fprintf(stderr, "ps-worker: %s\n", err[0] ? err : "out of memory");
     return 1;
   }
-#ifdef PS_WITH_CUDA
-  char why[128] = "";
-  int ndev = ps_cuda_device_count(why);
-  PS_INFO("built with CUDA: %d device(s) visible%s%s; computing on the cpu backend", ndev,
-          ndev ? "" : ": ", ndev ? "" : why);
-#endif
   char desc[512];
   ps_model_spec_describe(spec, desc, sizeof desc);
-  char thr[32] = "OpenBLAS default threads";
-  if (w.threads) snprintf(thr, sizeof thr, "%d BLAS thread%s", w.threads, w.threads > 1 ? "s" : "");
-  PS_INFO("model: %s; device cpu (%s)%s", desc, thr,
+  PS_INFO("model: %s; device %s%s", desc, device_desc,
           w.chief ? "; chief: evaluates the test split" : "");
   if (w.local) {
     w.opt = ps_optimizer_find(w.job.optim.name);
@@ -763,6 +774,8 @@ int main(int argc, char **argv) {
     ps_client_destroy(w.client);
   }
   ps_batcher_destroy(w.batcher);
+  if (w.model && w.dparams != w.params) ps_model_free_params(w.model, w.dparams);
+  if (w.model && w.dgrads != w.grads) ps_model_free_params(w.model, w.dgrads);
   ps_model_destroy(w.model);
   ps_model_destroy(w.eval_model);
   if (w.ops) w.ops->destroy(w.ops);
