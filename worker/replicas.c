@@ -186,8 +186,10 @@ static void free_replicas(ps_replicas *r) {
 
 ps_replicas *ps_replicas_create(const ps_model_spec *spec, int R, int max_batch, char *err) {
   if (!spec || R < 1 || max_batch < 1) {
-    ps_seterr(err, PS_EINVAL, "replicas: need a spec, R >= 1 and max_batch >= 1 (got R=%d, "
-              "max_batch=%d)", R, max_batch);
+    ps_seterr(err, PS_EINVAL,
+              "replicas: need a spec, R >= 1 and max_batch >= 1 (got R=%d, "
+              "max_batch=%d)",
+              R, max_batch);
     return NULL;
   }
   ps_replicas *r = calloc(1, sizeof *r);
@@ -278,9 +280,8 @@ static void slice_batch(ps_replicas *r, int n) {
   }
 }
 
-float ps_replicas_train_step(ps_replicas *r, const float *params, const float *x,
-                             const uint8_t *y, int n, uint64_t seed, uint64_t step, float *grads,
-                             int *correct) {
+float ps_replicas_train_step(ps_replicas *r, const float *params, const float *x, const uint8_t *y,
+                             int n, uint64_t seed, uint64_t step, float *grads, int *correct) {
   if (n < 0 || n > r->max_batch) return NAN;
   if (n == 0) {
     memset(grads, 0, r->P * sizeof(float));

@@ -1,19 +1,22 @@
 /* Mirrored replicas inside one worker (CPU): R copies of the model, each on
- * its own thread with its own CPU backend, activations and gradient buffer,
- * run on contiguous slices of one batch; their gradients are combined into
- * the gradient of the whole batch's mean loss before the push.
+ * its own thread with its own CPU backend, activations and gradient buffer
+ * (replica 0's is the caller's grads, which it overwrites anyway), run on
+ * contiguous slices of one batch; their gradients are combined into the
+ * gradient of the whole batch's mean loss before the push.
  *
  * Threads. R persistent threads, started by ps_replicas_create, wait for a
  * step; the caller of ps_replicas_train_step sleeps until all are done.
  * Each replica's backend is ps_ops_cpu_create(1): it computes in its own
  * thread, and OpenBLAS is set (process-wide) to one thread, so R sgemm
- * calls run at once, each in the thread that makes it. That is safe with
- * Debian's OpenBLAS 0.3.21 (pthread variant, libopenblas0-pthread): with one
- * BLAS thread an sgemm runs in its caller on a buffer of its own from
- * OpenBLAS's locked buffer pool; with more than one, concurrent level-3
- * calls from several threads would be serialised on OpenBLAS's own thread
- * server. Anything else in the process that wants a multi-threaded OpenBLAS
- * must not run while replicas compute.
+ * calls run at once, each in the thread that makes it. Debian's OpenBLAS
+ * (0.3.21, the pthread variant, libopenblas0-pthread) allows that: with one
+ * BLAS thread an sgemm runs in its caller on a work buffer from OpenBLAS's
+ * thread-safe allocator (4 threads x 200 concurrent sgemms gave the serial
+ * result bit for bit). With more BLAS threads its threaded gemm driver
+ * holds a process-wide lock, so concurrent calls would run one at a time
+ * (measured: 2 callers with 2 BLAS threads got no more GFLOP/s than 1), and
+ * its idle threads spin for a while after each call. So nothing else in the
+ * process should turn OpenBLAS's threads back up while replicas compute.
  *
  * One ps_replicas is driven by one thread at a time. */
 #ifndef PS_WORKER_REPLICAS_H
@@ -53,8 +56,7 @@ int ps_replicas_count(const ps_replicas *r);
  *
  * n == 0: grads are zeroed, *correct = 0, and 0 is returned. n < 0 or
  * n > max_batch: NAN is returned and grads are unaltered. */
-float ps_replicas_train_step(ps_replicas *r, const float *params, const float *x,
-                             const uint8_t *y, int n, uint64_t seed, uint64_t step, float *grads,
-                             int *correct);
+float ps_replicas_train_step(ps_replicas *r, const float *params, const float *x, const uint8_t *y,
+                             int n, uint64_t seed, uint64_t step, float *grads, int *correct);
 
 #endif

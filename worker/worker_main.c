@@ -30,11 +30,14 @@
 #include "device.h"
 #include "model.h"
 #include "ps_client.h"
+#include "replicas.h"
 
 typedef struct {
   /* options */
   const char *ps_addr, *job_path, *metrics_path, *data_dir, *host, *save_path, *device;
   int index, num_workers, chief, local, threads, timeout_ms, epochs, straggle_ms;
+  int replicas, per_replica_batch;
+  ps_replicas *reps;
   int64_t max_steps;
   double log_interval, eval_interval, retry_s;
   /* state */
@@ -296,10 +299,12 @@ static int train(worker *w) {
     double tb = ps_now_s();
     int correct = 0;
     if (w->dparams != w->params) ps_model_params_to_device(w->model, w->dparams, w->params);
-    float loss = ps_model_train_step(w->model, w->dparams, b->x, b->y, b->n,
-                                     w->job.seed ^ 0xd0d0,
-                                     (uint64_t)step * 1024 + (uint64_t)w->rank, w->dgrads,
-                                     &correct);
+    uint64_t stream = (uint64_t)step * 1024 + (uint64_t)w->rank;
+    float loss = w->reps ? ps_replicas_train_step(w->reps, w->dparams, b->x, b->y, b->n,
+                                                  w->job.seed ^ 0xd0d0, stream, w->dgrads,
+                                                  &correct)
+                         : ps_model_train_step(w->model, w->dparams, b->x, b->y, b->n,
+                                               w->job.seed ^ 0xd0d0, stream, w->dgrads, &correct);
     if (w->dgrads != w->grads) ps_model_params_to_host(w->model, w->grads, w->dgrads);
     if (w->straggle_ms > 0) ps_sleep_ms(w->straggle_ms); /* an artificial straggler */
     double tc = ps_now_s();
@@ -446,6 +451,11 @@ static void usage(FILE *f) {
           "  --device D           cpu, cuda or cuda:N (default: cuda when this build has the\n"
           "                       CUDA backend and a GPU is present, else cpu)\n"
           "  --threads N          compute threads (default: the number of cores)\n"
+          "  --replicas R         R mirrored replicas of the model, one per thread (cpu):\n"
+          "                       the batch is split across them and their gradients\n"
+          "                       summed before one push per shard (default 1)\n"
+          "  --per-replica-batch N  batch per replica; the global batch is N*R (default:\n"
+          "                       the job's batch_size is the global batch)\n"
           "  --eval-interval SEC  seconds between evaluations by the chief (default: the\n"
           "                       job's eval_interval_s; 0 = only at the end)\n"
           "  --log-interval SEC   seconds between progress lines (default 5)\n"
@@ -507,7 +517,8 @@ int main(int argc, char **argv) {
       {"metrics", required_argument, 0, 'm'},     {"timeout-ms", required_argument, 0, 'T'},
       {"retry-s", required_argument, 0, 'r'},     {"host", required_argument, 0, 'H'},
       {"straggle-ms", required_argument, 0, 'S'}, {"save-params", required_argument, 0, 'P'},
-      {"device", required_argument, 0, 'D'},
+      {"device", required_argument, 0, 'D'},      {"replicas", required_argument, 0, 'R'},
+      {"per-replica-batch", required_argument, 0, 'B'},
       {"log-level", required_argument, 0, 'v'},   {"help", no_argument, 0, 'h'},
       {0, 0, 0, 0}};
   int c;
@@ -540,6 +551,11 @@ int main(int argc, char **argv) {
       case 'H': w.host = optarg; break;
       case 'P': w.save_path = optarg; break;
       case 'D': w.device = optarg; break;
+      case 'R': if (parse_int("--replicas", optarg, 1, 256, &v)) return 2; w.replicas = (int)v; break;
+      case 'B':
+        if (parse_int("--per-replica-batch", optarg, 1, 65536, &v)) return 2;
+        w.per_replica_batch = (int)v;
+        break;
       case 'S':
         if (parse_int("--straggle-ms", optarg, 0, 3600000, &v)) return 2;
         w.straggle_ms = (int)v;
@@ -669,6 +685,21 @@ int main(int argc, char **argv) {
             w.rank, w.num_workers);
     return 2;
   }
+  if (w.replicas < 1) w.replicas = 1;
+  if (w.per_replica_batch > 0) {
+    int global = w.per_replica_batch * w.replicas;
+    PS_INFO("batch: %d per replica x %d replica(s) = global batch %d (the job says %d)",
+            w.per_replica_batch, w.replicas, global, w.job.batch_size);
+    w.job.batch_size = global;
+  } else if (w.replicas > 1) {
+    PS_INFO("batch: global batch %d split over %d replicas (about %d each)", w.job.batch_size,
+            w.replicas, (w.job.batch_size + w.replicas - 1) / w.replicas);
+  }
+  if (w.replicas > 1 && !w.ops->host_memory) {
+    fprintf(stderr, "ps-worker: --replicas > 1 runs on the cpu backend (one replica per thread); "
+                    "use --device cpu\n");
+    return 2;
+  }
   if (w.epochs < 0) w.epochs = w.job.epochs;
   if (w.max_steps < 0) w.max_steps = w.job.max_steps;
   if (w.eval_interval < 0) w.eval_interval = w.job.eval_interval_s;
@@ -707,6 +738,13 @@ int main(int argc, char **argv) {
   /* Compute */
 
   w.model = ps_model_create(spec, w.ops, w.job.batch_size, err);
+  if (w.replicas > 1) {
+    w.reps = ps_replicas_create(spec, w.replicas, w.job.batch_size, err);
+    if (!w.reps) {
+      fprintf(stderr, "ps-worker: %s\n", err);
+      return 1;
+    }
+  }
   w.eval_model = w.chief ? ps_model_create(spec, w.ops, 500, err) : NULL;
   const size_t P = spec->n_params;
   w.params = ps_alloc(P * sizeof(float));
@@ -774,6 +812,7 @@ int main(int argc, char **argv) {
     ps_client_destroy(w.client);
   }
   ps_batcher_destroy(w.batcher);
+  ps_replicas_destroy(w.reps);
   if (w.model && w.dparams != w.params) ps_model_free_params(w.model, w.dparams);
   if (w.model && w.dgrads != w.grads) ps_model_free_params(w.model, w.dgrads);
   ps_model_destroy(w.model);

@@ -5,13 +5,14 @@
  *   bench_replicas [--rounds N] [--steps N] [--replicas R] [--batch N]
  *                  [--wait S] [--diag] [job.json]
  *
- * Rounds are interleaved (R=1 then R, then R then R=1, ...) so that drift
- * hits both alike. The machine is shared: each round first waits (up to
- * --wait seconds) for the other processes to go quiet, and reports the
- * share of the CPUs they used during it; the ratio to read is the median
- * over the quiet rounds. --diag also times what bounds the speed-up: one
- * model on a 1/R batch, R bare threads each running a model on its slice
- * (no combination, no barrier), and the gradient sum alone. */
+ * Each round times R=1, R, and "bare" (R threads, each running its own
+ * model on its slice with no combination and no barrier: what R cores give
+ * at that moment) in an order rotated every round, so that drift hits all
+ * three alike. The machine is shared: each round first waits (up to --wait
+ * seconds) for the other processes to go quiet and reports the share of
+ * the CPUs they used during it; the ratio to read is the median over the
+ * quiet rounds, next to bare's. --diag also times one model on a 1/R batch
+ * (the per-example cost of smaller batches) and the gradient sum alone. */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -69,7 +70,7 @@ typedef struct {
  * CPU time), and each round first waits, up to a limit, for a quiet moment. */
 
 typedef struct {
-  double wall, cpu; /* seconds: ours */
+  double wall, cpu;               /* seconds: ours */
   unsigned long long busy, total; /* jiffies, all CPUs */
 } usage_mark;
 
@@ -122,9 +123,9 @@ static void wait_for_quiet(double max_s) {
 }
 
 typedef struct {
-  double rate;          /* examples per second */
-  double cpu_per_ex;    /* our CPU seconds per example */
-  double others;        /* the share of the machine others used meanwhile */
+  double rate;       /* examples per second */
+  double cpu_per_ex; /* our CPU seconds per example */
+  double others;     /* the share of the machine others used meanwhile */
 } run_result;
 
 /* `steps` steps of r. */
@@ -134,7 +135,8 @@ static run_result time_replicas(ps_replicas *r, const bench_data *d, int steps) 
     ps_replicas_train_step(r, d->params, d->x, d->y, d->batch, 1, (uint64_t)s, d->grads, NULL);
   usage_mark b = mark();
   const double ex = (double)steps * d->batch;
-  return (run_result){.rate = ex / (b.wall - a.wall), .cpu_per_ex = (b.cpu - a.cpu) / ex,
+  return (run_result){.rate = ex / (b.wall - a.wall),
+                      .cpu_per_ex = (b.cpu - a.cpu) / ex,
                       .others = others_share(&a, &b)};
 }
 
@@ -202,7 +204,8 @@ static run_result time_bare(bare_set *b, int steps) {
   for (int i = 0; i < b->R; i++) pthread_join(tid[i], NULL);
   usage_mark m1 = mark();
   const double ex = (double)steps * b->t[0].d->batch;
-  return (run_result){.rate = ex / (m1.wall - m0.wall), .cpu_per_ex = (m1.cpu - m0.cpu) / ex,
+  return (run_result){.rate = ex / (m1.wall - m0.wall),
+                      .cpu_per_ex = (m1.cpu - m0.cpu) / ex,
                       .others = others_share(&m0, &m1)};
 }
 
@@ -253,8 +256,7 @@ int main(int argc, char **argv) {
     const char *self = __FILE__, *tail = "tests/bench/bench_replicas.c";
     size_t n = strlen(self), t = strlen(tail);
     size_t root = n >= t && strcmp(self + n - t, tail) == 0 ? n - t : 0;
-    snprintf(job_path, sizeof job_path, "%.*sdeploy/jobs/fashion_mnist_cnn.json", (int)root,
-             self);
+    snprintf(job_path, sizeof job_path, "%.*sdeploy/jobs/fashion_mnist_cnn.json", (int)root, self);
   }
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--rounds") == 0 && i + 1 < argc)
@@ -280,8 +282,9 @@ int main(int argc, char **argv) {
     }
   }
   if (rounds < 1 || rounds > 1000 || steps < 1 || R < 2 || R > 16 || batch < R) {
-    fprintf(stderr, "bench_replicas: need rounds in [1, 1000], steps >= 1, R in [2, 16], "
-                    "batch >= R\n");
+    fprintf(stderr,
+            "bench_replicas: need rounds in [1, 1000], steps >= 1, R in [2, 16], "
+            "batch >= R\n");
     return 2;
   }
 
@@ -292,7 +295,9 @@ int main(int argc, char **argv) {
     return 1;
   }
   const ps_model_spec *spec = &job.model;
-  bench_data d = {.spec = spec, .P = spec->n_params, .batch = batch,
+  bench_data d = {.spec = spec,
+                  .P = spec->n_params,
+                  .batch = batch,
                   .in_size = (size_t)spec->in_c * spec->in_h * spec->in_w};
   d.params = malloc(d.P * sizeof(float));
   d.grads = malloc(d.P * sizeof(float));
@@ -319,10 +324,11 @@ int main(int argc, char **argv) {
   }
   char desc[512];
   ps_model_spec_describe(spec, desc, sizeof desc);
-  printf("model: %s\nbatch %d, %d rounds of %d steps, one BLAS thread per replica\n"
-         "bare: %d threads, one model each on its slice, no combination (the machine's "
-         "ceiling now)\n",
-         desc, batch, rounds, steps, R);
+  printf(
+      "model: %s\nbatch %d, %d rounds of %d steps, one BLAS thread per replica\n"
+      "bare: %d threads, one model each on its slice, no combination (the machine's "
+      "ceiling now)\n",
+      desc, batch, rounds, steps, R);
   /* Warm-up: page in activations, wake the threads. */
   time_replicas(one, &d, 2);
   time_replicas(many, &d, 2);
@@ -359,21 +365,22 @@ int main(int argc, char **argv) {
       cpu1 += res[0].cpu_per_ex;
       cpun += res[1].cpu_per_ex;
     }
-    printf("round %2d: R=1 %6.1f ex/s  R=%d %6.1f ex/s  ratio %.3f  (bare x%.3f)  others up to "
-           "%2.0f%%%s\n",
-           k + 1, res[0].rate, R, res[1].rate, ratio[k], bare_ratio[k], 100 * others,
-           calm ? "" : ": not quiet");
+    printf(
+        "round %2d: R=1 %6.1f ex/s  R=%d %6.1f ex/s  ratio %.3f  (bare x%.3f)  others up to "
+        "%2.0f%%%s\n",
+        k + 1, res[0].rate, R, res[1].rate, ratio[k], bare_ratio[k], 100 * others,
+        calm ? "" : ": not quiet");
     fflush(stdout);
   }
   printf("median of all %d rounds: ratio R=%d/R=1 %.3f (bare x%.3f)\n", rounds, R,
          median(ratio, rounds), median(bare_ratio, rounds));
   if (quiet > 0) {
-    printf("median of the %d quiet rounds (others < %.0f%% of the CPUs): R=1 %.1f ex/s, R=%d "
-           "%.1f ex/s, ratio R=%d/R=1 %.3f (bare x%.3f); CPU time per example R=1 %.3f ms, "
-           "R=%d %.3f ms\n",
-           quiet, 100 * QUIET_SHARE, median(q_r1, quiet), R, median(q_rn, quiet), R,
-           median(q_ratio, quiet), median(q_bare, quiet), 1e3 * cpu1 / quiet, R,
-           1e3 * cpun / quiet);
+    printf(
+        "median of the %d quiet rounds (others < %.0f%% of the CPUs): R=1 %.1f ex/s, R=%d "
+        "%.1f ex/s, ratio R=%d/R=1 %.3f (bare x%.3f); CPU time per example R=1 %.3f ms, "
+        "R=%d %.3f ms\n",
+        quiet, 100 * QUIET_SHARE, median(q_r1, quiet), R, median(q_rn, quiet), R,
+        median(q_ratio, quiet), median(q_bare, quiet), 1e3 * cpu1 / quiet, R, 1e3 * cpun / quiet);
   } else {
     printf("no quiet round: other processes were busy throughout\n");
   }
@@ -389,12 +396,14 @@ int main(int argc, char **argv) {
     }
     const double tf = median(t_full, 3), tp = median(t_part, 3);
     double t_sum = time_sum(d.P, R, 20);
-    printf("diag: one model, %d examples: %.2f ms/step; %d examples: %.2f ms/step (x%.3f of "
-           "the full batch's time, ideal %.3f): R=%d can reach at most x%.2f\n",
-           batch, tf * 1e3, part, tp * 1e3, tp / tf, (double)part / batch, R, tf / tp);
-    printf("diag: combining %d gradients of %zu floats in one thread: %.3f ms (%.1f%% of an R=1 "
-           "step)\n",
-           R, d.P, t_sum * 1e3, 100.0 * t_sum / tf);
+    printf(
+        "diag: one model, %d examples: %.2f ms/step; %d examples: %.2f ms/step (x%.3f of "
+        "the full batch's time, ideal %.3f): R=%d can reach at most x%.2f\n",
+        batch, tf * 1e3, part, tp * 1e3, tp / tf, (double)part / batch, R, tf / tp);
+    printf(
+        "diag: combining %d gradients of %zu floats in one thread: %.3f ms (%.1f%% of an R=1 "
+        "step)\n",
+        R, d.P, t_sum * 1e3, 100.0 * t_sum / tf);
   }
 
   bare_destroy(&bare);

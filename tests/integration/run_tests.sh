@@ -106,6 +106,17 @@ fashion_mnist)
   echo "fashion_mnist: final test accuracy $acc after one epoch in $(( $(date +%s) - start )) s"
   at_least "$acc" 0.85 || fail "accuracy $acc below 0.85"
   ;;
+replicas)
+  # One worker with 2 mirrored replicas against 2 shards reaches the same
+  # threshold as the plain run (synthetic above).
+  "$root/deploy/local-cluster.sh" --job "$here/jobs/synthetic.json" --bin "$build" --workers 1 \
+    --out "$out" --timeout 120 --threads 1 -- --replicas 2 --log-interval 1 \
+    >"$out/cluster.out" 2>&1 || { tail -20 "$out/cluster.out"; fail "the run failed"; }
+  grep -q "split over 2 replicas" "$out/worker-0.log" || fail "the worker did not use 2 replicas"
+  acc=$(final_accuracy "$out/worker-0.log")
+  echo "replicas: final test accuracy $acc with 2 replicas"
+  at_least "$acc" 0.90 || fail "accuracy $acc below 0.90"
+  ;;
 sync_equivalence)
   # sync with 2 workers, batch b each == 1 worker, batch 2b, same number of
   # updates, same examples in the same order (no shuffle, no dropout).

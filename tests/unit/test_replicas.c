@@ -6,9 +6,9 @@
  * dropout the only difference is the order of float32 summation: each
  * parameter's gradient is a sum over examples (and over output pixels for
  * a convolution: up to 64*14*14 terms for the quickstart CNN's second
- * conv), which R == 1 forms in one sgemm and R > 1 as R partial sgemms
- * combined by weights n_r/n (exact for powers of two, one rounding each
- * otherwise). Such a reordering changes a sum of K terms by about
+ * conv), which R == 1 accumulates over the whole batch and R > 1 over
+ * each slice, the slices then combined with weights n_r/n (exact for
+ * powers of two, one rounding each otherwise). Such a reordering changes a sum of K terms by about
  * sqrt(K) * 2^-24 of the size of the terms, and cancellation can make a
  * gradient entry much smaller than its terms, so the bound is taken
  * relative to the largest entry of the same tensor:
@@ -93,8 +93,8 @@ typedef struct {
 } problem;
 
 static problem make_problem(const ps_model_spec *spec, int max_n, uint64_t seed) {
-  problem p = {.spec = spec, .P = spec->n_params,
-               .in_size = (size_t)spec->in_c * spec->in_h * spec->in_w};
+  problem p = {
+      .spec = spec, .P = spec->n_params, .in_size = (size_t)spec->in_c * spec->in_h * spec->in_w};
   p.params = malloc(p.P * sizeof(float));
   p.x = malloc((size_t)max_n * p.in_size * sizeof(float));
   p.y = malloc((size_t)max_n);
@@ -134,8 +134,8 @@ static step_result replicas_step(ps_replicas *r, const problem *p, int n, uint64
   step_result out = {.grads = malloc(p->P * sizeof(float))};
   /* NaN first: a part of the gradient left unwritten fails the comparison. */
   for (size_t i = 0; i < p->P; i++) out.grads[i] = NAN;
-  out.loss = ps_replicas_train_step(r, p->params, p->x, p->y, n, seed, step, out.grads,
-                                    &out.correct);
+  out.loss =
+      ps_replicas_train_step(r, p->params, p->x, p->y, n, seed, step, out.grads, &out.correct);
   return out;
 }
 
@@ -160,8 +160,8 @@ static void check_grads_close(const char *what, const ps_model_spec *spec, const
         }
         if (scale > 0 && err / scale > worst) worst = err / scale;
       }
-      CHECK_MSG(bad == 0, "%s %s.%s: %zu of %zu off, first [%zu] got %.9g want %.9g", what,
-                L->name, t ? "b" : "w", bad, cnt[t], first_bad, (double)got[first_bad],
+      CHECK_MSG(bad == 0, "%s %s.%s: %zu of %zu off, first [%zu] got %.9g want %.9g", what, L->name,
+                t ? "b" : "w", bad, cnt[t], first_bad, (double)got[first_bad],
                 (double)want[first_bad]);
     }
   }
@@ -253,9 +253,7 @@ static void test_odd_batches(void) {
   if (load_model("tests/integration/jobs/synthetic.json", &loaded, NULL) != 0) return;
   ps_model_spec spec = without_dropout(&loaded);
   problem p = make_problem(&spec, 32, 5);
-  const struct {
-    int R, n;
-  } cases[] = {{2, 1}, {3, 7}, {3, 2}, {3, 1}, {2, 31}, {4, 6}};
+  const struct { int R, n; } cases[] = {{2, 1}, {3, 7}, {3, 2}, {3, 1}, {2, 31}, {4, 6}};
   for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
     const int R = cases[c].R, n = cases[c].n;
     char err[PS_ERRLEN], what[64];
@@ -304,9 +302,10 @@ static void test_dropout_streams(void) {
   for (int i = 0; i < R; i++) {
     g[i] = malloc(p.P * sizeof(float));
     int c = 0;
-    loss += (double)ps_model_train_step(m, p.params, p.x + (size_t)first[i] * p.in_size,
-                                        p.y + first[i], count[i], seed, step * R + (uint64_t)i,
-                                        g[i], &c) * count[i];
+    loss +=
+        (double)ps_model_train_step(m, p.params, p.x + (size_t)first[i] * p.in_size, p.y + first[i],
+                                    count[i], seed, step * R + (uint64_t)i, g[i], &c) *
+        count[i];
     correct += c;
   }
   float *want = malloc(p.P * sizeof(float));
@@ -408,7 +407,8 @@ static void test_lifecycle_and_errors(void) {
   loss = ps_replicas_train_step(r, p.params, p.x, p.y, 16, 0, 0, grads, NULL);
   CHECK(isfinite(loss) && loss > 0.0f);
   ps_replicas_destroy(r);
-  if (before >= 0) CHECK_MSG(thread_count() == before, "threads %d, want %d", thread_count(), before);
+  if (before >= 0)
+    CHECK_MSG(thread_count() == before, "threads %d, want %d", thread_count(), before);
   ps_replicas_destroy(NULL);
 
   err[0] = '\0';
@@ -437,9 +437,9 @@ static double train_synthetic(const ps_job *job, const ps_dataset *train, const 
     int finite = 1;
     for (int s = 0; s < steps; s++) {
       const int start = (s * batch) % (train->n - batch + 1);
-      float loss = ps_replicas_train_step(r, params, train->images + (size_t)start * in_size,
-                                          train->labels + start, batch, job->seed, (uint64_t)s,
-                                          grads, NULL);
+      float loss =
+          ps_replicas_train_step(r, params, train->images + (size_t)start * in_size,
+                                 train->labels + start, batch, job->seed, (uint64_t)s, grads, NULL);
       if (!isfinite(loss)) finite = 0;
       for (size_t i = 0; i < P; i++) params[i] -= lr * grads[i];
     }
@@ -478,8 +478,8 @@ static void test_training_converges(void) {
   double acc1 = train_synthetic(&job, &train, &test, 1, steps, lr);
   double acc2 = train_synthetic(&job, &train, &test, 2, steps, lr);
   if (verbose)
-    printf("  test accuracy: untrained %.4f; after %d SGD steps R=1 %.4f, R=2 %.4f\n", acc0,
-           steps, acc1, acc2);
+    printf("  test accuracy: untrained %.4f; after %d SGD steps R=1 %.4f, R=2 %.4f\n", acc0, steps,
+           acc1, acc2);
   CHECK_MSG(acc1 >= 0.9, "R=1 test accuracy %.4f", acc1);
   CHECK_MSG(acc2 >= 0.9, "R=2 test accuracy %.4f", acc2);
   ps_dataset_free(&train);
