@@ -85,5 +85,10 @@ typedef float ps_ufloat __attribute__((aligned(1)));
  * The view's total must be a multiple of 4. */
 typedef int (*ps_float_fn)(const ps_ufloat *values, size_t n, size_t first, void *user);
 int ps_segview_each_float(const ps_segview *v, ps_float_fn fn, void *user);
+/* The same over the floats [first, first+count) of the view only (first is
+ * the index passed to fn for the first of them). PS_ERANGE if the view
+ * holds fewer floats. */
+int ps_segview_each_float_range(const ps_segview *v, size_t first, size_t count, ps_float_fn fn,
+                                void *user);
 
 #endif

@@ -40,6 +40,21 @@
 #define SHARD_SPARES 3
 /* Values copied and updated per piece while they are in cache. */
 #define APPLY_CHUNK 4096
+/* Pushes of at least this many values are checked and applied in two
+ * halves at once, by the serving thread and the shard's helper thread: the
+ * work is memory-bound and a second core still adds about half again. */
+#define SPLIT_MIN (1u << 20)
+
+/* The shard's helper thread: runs one job at a time for split_run. */
+typedef struct {
+  pthread_t thread;
+  pthread_mutex_t use_mu; /* one split_run at a time */
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int (*fn)(void *);
+  void *arg;
+  int busy, done, rc, quit, started;
+} helper_thread;
 
 /* ps_snapshot.refs is a plain int in the public header; it is only ever
  * accessed through these atomic views, which requires the two types to be
@@ -60,6 +75,7 @@ struct ps_shard {
   float *slots[SHARD_MAX_SLOTS]; /* opt->n_slots arrays of (n) */
 
   pthread_mutex_t apply_mu;         /* serializes updates */
+  helper_thread helper;             /* for split_run; started for large shards */
   int staleness_aware;              /* lr / max(1, staleness) */
   /* sync mode: the sum of the current step's gradients and who sent them */
   float *sync_sum;
@@ -104,6 +120,73 @@ void ps_snapshot_unref(ps_snapshot *snap) {
   /* acq_rel: the last owner must see every other owner's reads finished
    * before it frees. */
   if (atomic_fetch_sub_explicit(SNAP_REFS(snap), 1, memory_order_acq_rel) == 1) free(snap);
+}
+
+/* ---------------------------------------------------------------- helper thread */
+
+static void *helper_main(void *arg) {
+  helper_thread *h = arg;
+  pthread_mutex_lock(&h->mu);
+  for (;;) {
+    while (!h->busy && !h->quit) pthread_cond_wait(&h->cv, &h->mu);
+    if (h->quit) break;
+    pthread_mutex_unlock(&h->mu);
+    int rc = h->fn(h->arg);
+    pthread_mutex_lock(&h->mu);
+    h->rc = rc;
+    h->busy = 0;
+    h->done = 1;
+    pthread_cond_broadcast(&h->cv);
+  }
+  pthread_mutex_unlock(&h->mu);
+  return NULL;
+}
+
+static int helper_start(helper_thread *h) {
+  pthread_mutex_init(&h->use_mu, NULL);
+  pthread_mutex_init(&h->mu, NULL);
+  pthread_cond_init(&h->cv, NULL);
+  h->started = pthread_create(&h->thread, NULL, helper_main, h) == 0;
+  return h->started ? 0 : -1;
+}
+
+static void helper_stop(helper_thread *h) {
+  if (!h->started) return;
+  pthread_mutex_lock(&h->mu);
+  h->quit = 1;
+  pthread_cond_broadcast(&h->cv);
+  pthread_mutex_unlock(&h->mu);
+  pthread_join(h->thread, NULL);
+  pthread_mutex_destroy(&h->mu);
+  pthread_mutex_destroy(&h->use_mu);
+  pthread_cond_destroy(&h->cv);
+  h->started = 0;
+}
+
+/* Runs fn(a) here and fn(b) on the helper thread (or both here when it is
+ * not running); returns the first non-zero result, a's first. Any thread
+ * may call it; callers take turns (use_mu). */
+static int split_run(helper_thread *h, int (*fn)(void *), void *a, void *b) {
+  if (!h->started) {
+    int ra = fn(a), rb = fn(b);
+    return ra ? ra : rb;
+  }
+  pthread_mutex_lock(&h->use_mu);
+  pthread_mutex_lock(&h->mu);
+  h->fn = fn;
+  h->arg = b;
+  h->busy = 1;
+  h->done = 0;
+  pthread_cond_broadcast(&h->cv);
+  pthread_mutex_unlock(&h->mu);
+  int ra = fn(a);
+  pthread_mutex_lock(&h->mu);
+  while (!h->done) pthread_cond_wait(&h->cv, &h->mu);
+  h->done = 0;
+  int rb = h->rc;
+  pthread_mutex_unlock(&h->mu);
+  pthread_mutex_unlock(&h->use_mu);
+  return ra ? ra : rb;
 }
 
 /* ---------------------------------------------------------------- creation */
@@ -183,6 +266,7 @@ ps_shard *ps_shard_create(const ps_job *job, int index, int num_shards, char *er
   }
   pthread_mutex_init(&s->apply_mu, NULL);
   pthread_cond_init(&s->applied, NULL);
+  if (s->end - s->begin >= SPLIT_MIN) helper_start(&s->helper); /* else work on one thread */
   if (n > SIZE_MAX / sizeof(float)) goto oom;
   s->current = snapshot_alloc(s->begin, n);
   if (!s->current) goto oom;
@@ -206,6 +290,7 @@ oom:
 
 void ps_shard_destroy(ps_shard *s) {
   if (!s) return;
+  helper_stop(&s->helper);
   ps_snapshot_unref(s->current);
   for (int i = 0; i < SHARD_SPARES; i++) ps_snapshot_unref(s->retired[i]);
   for (int k = 0; k < SHARD_MAX_SLOTS; k++) ps_free(s->slots[k]);
@@ -347,6 +432,32 @@ static int reject_push(ps_shard *s, int code) {
   return code;
 }
 
+typedef struct {
+  const ps_segview *grad;
+  size_t first, count;
+  finite_scan fs;
+  int found;
+} scan_job;
+
+static int scan_range(void *arg) {
+  scan_job *j = arg;
+  if (j->count == 0) return 0;
+  j->found = ps_segview_each_float_range(j->grad, j->first, j->count, scan_finite_piece, &j->fs);
+  return j->found;
+}
+
+typedef struct {
+  const ps_segview *grad;
+  size_t first, count;
+  apply_ctx c;
+} apply_job;
+
+static int apply_range(void *arg) {
+  apply_job *j = arg;
+  if (j->count == 0) return 0;
+  return ps_segview_each_float_range(j->grad, j->first, j->count, apply_piece, &j->c);
+}
+
 /* Range, length and finiteness of a gradient: nothing changes on error. */
 static int check_gradient(ps_shard *s, size_t offset, size_t count, const ps_segview *grad,
                           char *err) {
@@ -366,11 +477,16 @@ static int check_gradient(ps_shard *s, size_t offset, size_t count, const ps_seg
                        total, grad->nsegs, sum);
   }
   if (count > 0) {
-    finite_scan fs = {0, 0.0f};
-    if (ps_segview_each_float(grad, scan_finite_piece, &fs) != 0) {
-      const char *what = isnan(fs.bad_value) ? "NaN" : fs.bad_value > 0 ? "+Inf" : "-Inf";
+    /* Two halves at once for a large push; the first bad value is the one
+     * reported either way. */
+    size_t half = count >= SPLIT_MIN ? count / 2 : count;
+    scan_job a = {grad, 0, half, {0, 0.0f}, 0}, b = {grad, half, count - half, {0, 0.0f}, 0};
+    int bad = split_run(&s->helper, scan_range, &a, &b);
+    if (bad) {
+      finite_scan *fs = a.found ? &a.fs : &b.fs;
+      const char *what = isnan(fs->bad_value) ? "NaN" : fs->bad_value > 0 ? "+Inf" : "-Inf";
       return ps_seterr(err, PS_EINVAL, "gradient value %zu (global index %zu) is %s",
-                       fs.bad_index, offset + fs.bad_index, what);
+                       fs->bad_index, offset + fs->bad_index, what);
     }
   }
   return PS_OK;
@@ -403,7 +519,9 @@ static int apply_update(ps_shard *s, size_t offset, size_t count, const ps_segvi
   }
   if (count > 0) {
     apply_ctx c = {s, cur->values, next->values, local, before + 1, lr};
-    ps_segview_each_float(grad, apply_piece, &c);
+    size_t half = count >= SPLIT_MIN ? count / 2 : count;
+    apply_job a = {grad, 0, half, c}, b = {grad, half, count - half, c};
+    split_run(&s->helper, apply_range, &a, &b);
   }
   next->version = before + 1;
   double now = ps_now_s();

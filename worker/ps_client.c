@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "../common/rpc.h"
 #include "../common/util.h"
@@ -399,7 +400,12 @@ static int push_shards(ps_client *c, const float *grads, const uint64_t *version
     c->reqs[s] = NULL;
   }
   /* Wait (bounded) until gRPC has let go of every gradient buffer. */
-  for (int i = 0; i < 10000 && atomic_load(&c->tensors_in_flight) > 0; i++) ps_sleep_ms(1);
+  /* Usually at once; gRPC may drop its reference a moment after the
+   * call completes, so poll finely, for at most 10 s. */
+  for (int i = 0; i < 200000 && atomic_load(&c->tensors_in_flight) > 0; i++) {
+    struct timespec ts = {0, 50000};
+    nanosleep(&ts, NULL);
+  }
   if (atomic_load(&c->tensors_in_flight) > 0)
     PS_WARN("gRPC still holds %d gradient buffers after the push completed",
             atomic_load(&c->tensors_in_flight));

@@ -543,7 +543,56 @@ static void test_staleness_aware_lr(void) {
   ps_shard_destroy(s);
 }
 
+/* A shard large enough that pushes are checked and applied in two halves
+ * on two threads: the result equals the plain formula, and a bad value in
+ * either half is found, reported by its index, and changes nothing. */
+static void test_split_push(void) {
+  ps_job job = make_job("sgd");
+  char err[PS_ERRLEN] = "";
+  /* 64x64 inputs, dense 600: P = 4096*600 + 600 = 2458200 */
+  CHECK(ps_model_spec_parse("{\"input\": [1, 64, 64], \"classes\": 10, \"layers\": ["
+                            "{\"type\": \"flatten\"}, {\"type\": \"dense\", \"units\": 600},"
+                            "{\"type\": \"dense\", \"units\": 10}, {\"type\": \"softmax_xent\"}]}",
+                            &job.model, err) == 0);
+  ps_shard *s = ps_shard_create(&job, 0, 1, err);
+  if (!s) return;
+  size_t n = shard_len(s);
+  CHECK(n > (2u << 20));
+  float *g = malloc(n * sizeof(float)), *p0 = malloc(n * sizeof(float)),
+        *p1 = malloc(n * sizeof(float));
+  for (size_t i = 0; i < n; i++) g[i] = (float)(i % 13) * 0.01f - 0.05f;
+  ps_shard_copy_params(s, p0);
+  /* misaligned, in uneven segments: both halves cross segment boundaries */
+  uint8_t *raw = malloc(n * 4 + 3);
+  memcpy(raw + 3, g, n * 4);
+  ps_seg segs[3] = {{raw + 3, 1000003}, {raw + 3 + 1000003, n * 2 - 1000003},
+                    {raw + 3 + n * 2, n * 2}};
+  ps_segview v = {segs, 3, n * 4};
+  for (size_t bad_at = n / 4; bad_at < n; bad_at += n / 2) {
+    float nan = NAN;
+    memcpy(raw + 3 + bad_at * 4, &nan, 4);
+    CHECK(ps_shard_push(s, 0, 0, n, &v, NULL, NULL, err) == PS_EINVAL);
+    char want[128];
+    snprintf(want, sizeof want, "gradient value %zu (global index %zu) is NaN", bad_at, bad_at);
+    CHECK_MSG(strstr(err, want) != NULL, "%s", err);
+    ps_shard_copy_params(s, p1);
+    CHECK(memcmp(p0, p1, n * sizeof(float)) == 0);
+    memcpy(raw + 3 + bad_at * 4, &g[bad_at], 4);
+  }
+  CHECK(ps_shard_push(s, 0, 0, n, &v, NULL, NULL, err) == 0);
+  ps_shard_copy_params(s, p1);
+  int same = 1;
+  for (size_t i = 0; i < n; i++) same &= p1[i] == p0[i] - job.optim.lr * g[i];
+  CHECK(same);
+  free(raw);
+  free(g);
+  free(p0);
+  free(p1);
+  ps_shard_destroy(s);
+}
+
 int main(void) {
+  RUN(test_split_push);
   RUN(test_sync_steps);
   RUN(test_staleness_aware_lr);
   RUN(test_create);

@@ -119,7 +119,41 @@ static void test_alloc(void) {
   CHECK(ps_alloc(SIZE_MAX - 10) == NULL);
 }
 
+/* A sub-range of the floats, over segments cut at every awkward place,
+ * equals the same sub-range of the whole. */
+static void test_each_float_range(void) {
+  enum { N = 1001 };
+  float src[N];
+  for (int i = 0; i < N; i++) src[i] = (float)i * 0.25f + 1.0f;
+  uint8_t *raw = malloc(N * 4 + 1);
+  memcpy(raw + 1, src, N * 4);
+  const size_t cuts[] = {1, 2, 7, 400, 401, 2001, 2003, 4003};
+  ps_seg segs[9];
+  size_t prev = 0;
+  int ns = 0;
+  for (int k = 0; k < 8; k++) {
+    segs[ns++] = (ps_seg){raw + 1 + prev, cuts[k] - prev};
+    prev = cuts[k];
+  }
+  segs[ns++] = (ps_seg){raw + 1 + prev, N * 4 - prev};
+  ps_segview v = {segs, ns, N * 4};
+  const size_t ranges[][2] = {{0, N}, {0, 1}, {1, 1}, {100, 401}, {500, 501}, {N - 1, 1}, {3, 0}};
+  for (size_t t = 0; t < sizeof ranges / sizeof ranges[0]; t++) {
+    float *out = calloc(N, sizeof(float));
+    collect c = {out, 0, ranges[t][0], 1, 1};
+    CHECK(ps_segview_each_float_range(&v, ranges[t][0], ranges[t][1], collect_fn, &c) == 0);
+    CHECK(c.in_order && c.expect_next == ranges[t][0] + ranges[t][1]);
+    CHECK(memcmp(out + ranges[t][0], src + ranges[t][0], ranges[t][1] * 4) == 0);
+    free(out);
+  }
+  float dummy[1];
+  collect c = {dummy, 0, 0, 1, 1};
+  CHECK(ps_segview_each_float_range(&v, N - 1, 2, collect_fn, &c) == PS_ERANGE);
+  free(raw);
+}
+
 int main(void) {
+  RUN(test_each_float_range);
   RUN(test_each_float_splits);
   RUN(test_each_float_stops);
   RUN(test_segview_copy);
