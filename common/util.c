@@ -130,6 +130,15 @@ static char log_prog[32] = "ps";
 static int log_level = PS_LOG_INFO;
 static pthread_mutex_t log_mu = PTHREAD_MUTEX_INITIALIZER;
 
+int ps_log_level_parse(const char *s) {
+  if (!s) return -1;
+  if (!strcmp(s, "debug")) return PS_LOG_DEBUG;
+  if (!strcmp(s, "info")) return PS_LOG_INFO;
+  if (!strcmp(s, "warn")) return PS_LOG_WARN;
+  if (!strcmp(s, "error")) return PS_LOG_ERROR;
+  return -1;
+}
+
 void ps_log_init(const char *prog, int level) {
   snprintf(log_prog, sizeof log_prog, "%s", prog);
   log_level = level;

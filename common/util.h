@@ -51,6 +51,8 @@ int ps_parse_hostport(const char *s, char *host, size_t hostlen, int *port);
 /* Logging to stderr with a timestamp and the program name. */
 enum { PS_LOG_DEBUG = 0, PS_LOG_INFO = 1, PS_LOG_WARN = 2, PS_LOG_ERROR = 3 };
 void ps_log_init(const char *prog, int level);
+/* "debug", "info", "warn" or "error" as a PS_LOG_* level; -1 otherwise. */
+int ps_log_level_parse(const char *name);
 void ps_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 #define PS_DEBUG(...) ps_log(PS_LOG_DEBUG, __VA_ARGS__)
 #define PS_INFO(...) ps_log(PS_LOG_INFO, __VA_ARGS__)

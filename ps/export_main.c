@@ -28,14 +28,6 @@ static void usage(FILE *f) {
           "Exit status: 0 done, 1 failed, 2 bad usage.\n");
 }
 
-static int parse_level(const char *s) {
-  if (!strcmp(s, "debug")) return PS_LOG_DEBUG;
-  if (!strcmp(s, "info")) return PS_LOG_INFO;
-  if (!strcmp(s, "warn")) return PS_LOG_WARN;
-  if (!strcmp(s, "error")) return PS_LOG_ERROR;
-  return -1;
-}
-
 int main(int argc, char **argv) {
   const char *job_path = NULL, *ckpt_dir = NULL, *out_dir = NULL;
   int level = PS_LOG_INFO;
@@ -50,7 +42,7 @@ int main(int argc, char **argv) {
       case 'c': ckpt_dir = optarg; break;
       case 'o': out_dir = optarg; break;
       case 'v':
-        level = parse_level(optarg);
+        level = ps_log_level_parse(optarg);
         if (level < 0) {
           fprintf(stderr, "ps-export: --log-level '%s': use debug, info, warn or error\n", optarg);
           return 2;

@@ -1023,14 +1023,6 @@ static void usage(FILE *f) {
           "  --help               this text\n");
 }
 
-static int parse_level(const char *s) {
-  if (!strcmp(s, "debug")) return PS_LOG_DEBUG;
-  if (!strcmp(s, "info")) return PS_LOG_INFO;
-  if (!strcmp(s, "warn")) return PS_LOG_WARN;
-  if (!strcmp(s, "error")) return PS_LOG_ERROR;
-  return -1;
-}
-
 int main(int argc, char **argv) {
   const char *job_path = NULL, *ps_list = NULL, *listen_addr = NULL, *metrics_path = NULL;
   const char *status_addr = NULL;
@@ -1079,7 +1071,7 @@ int main(int argc, char **argv) {
         }
         break;
       case 'v':
-        level = parse_level(optarg);
+        level = ps_log_level_parse(optarg);
         if (level < 0) {
           fprintf(stderr, "ps-server: --log-level wants debug, info, warn or error\n");
           return 2;

@@ -561,10 +561,7 @@ int main(int argc, char **argv) {
         w.straggle_ms = (int)v;
         break;
       case 'v':
-        level = !strcmp(optarg, "debug") ? PS_LOG_DEBUG
-                : !strcmp(optarg, "info") ? PS_LOG_INFO
-                : !strcmp(optarg, "warn") ? PS_LOG_WARN
-                : !strcmp(optarg, "error") ? PS_LOG_ERROR : -1;
+        level = ps_log_level_parse(optarg);
         if (level < 0) {
           fprintf(stderr, "ps-worker: --log-level wants debug, info, warn or error\n");
           return 2;
