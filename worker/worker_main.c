@@ -31,6 +31,9 @@
 #include "model.h"
 #include "ps_client.h"
 #include "replicas.h"
+#ifdef PS_WITH_CUDA
+#include "../kernels/cuda/ops_cuda.h"
+#endif
 
 typedef struct {
   /* options */
@@ -425,6 +428,32 @@ static int train(worker *w) {
 
 /* ---------------- set-up ---------------- */
 
+/* The host side of what is pulled and pushed: pinned memory when the
+ * backend is a GPU, so that its copies run at full speed and
+ * asynchronously; plain aligned memory otherwise. */
+static float *host_buffer(worker *w, size_t bytes) {
+#ifdef PS_WITH_CUDA
+  if (!w->ops->host_memory) {
+    void *p = NULL;
+    if (ps_cuda_host_alloc(&p, bytes) != 0) return NULL;
+    memset(p, 0, bytes);
+    return p;
+  }
+#endif
+  return ps_alloc(bytes);
+}
+
+static void host_buffer_free(worker *w, float *p) {
+  if (!p) return;
+#ifdef PS_WITH_CUDA
+  if (w->ops && !w->ops->host_memory) {
+    ps_cuda_host_free(p);
+    return;
+  }
+#endif
+  ps_free(p);
+}
+
 static void usage(FILE *f) {
   fprintf(f,
           "Usage: ps-worker --ps HOST:PORT[,...] [options]\n"
@@ -744,8 +773,8 @@ int main(int argc, char **argv) {
   }
   w.eval_model = w.chief ? ps_model_create(spec, w.ops, 500, err) : NULL;
   const size_t P = spec->n_params;
-  w.params = ps_alloc(P * sizeof(float));
-  w.grads = ps_alloc(P * sizeof(float));
+  w.params = host_buffer(&w, P * sizeof(float));
+  w.grads = host_buffer(&w, P * sizeof(float));
   w.versions = calloc(w.client ? (size_t)ps_client_num_shards(w.client) : 1, sizeof(uint64_t));
   w.min_versions = calloc(w.client ? (size_t)ps_client_num_shards(w.client) : 1, sizeof(uint64_t));
   w.dparams = w.params;
@@ -814,13 +843,13 @@ int main(int argc, char **argv) {
   if (w.model && w.dgrads != w.grads) ps_model_free_params(w.model, w.dgrads);
   ps_model_destroy(w.model);
   ps_model_destroy(w.eval_model);
+  host_buffer_free(&w, w.params); /* before the backend they may belong to */
+  host_buffer_free(&w, w.grads);
   if (w.ops) w.ops->destroy(w.ops);
   if (w.slots) {
     for (int k = 0; k < w.opt->n_slots; k++) ps_free(w.slots[k]);
     free(w.slots);
   }
-  ps_free(w.params);
-  ps_free(w.grads);
   free(w.versions);
   free(w.min_versions);
   ps_dataset_free(&w.train);
