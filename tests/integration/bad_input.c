@@ -190,12 +190,24 @@ int main(int argc, char **argv) {
   EXPECT(send_raw("/ps.ParameterServer/Explode", garbage, 1, detail, NULL, NULL),
          RPC_UNIMPLEMENTED, "");
 
+  /* 8. a data lease from a job that does not lease its data */
+  {
+    Ps__RequestHeader lh;
+    header(&lh, PS_PROTOCOL_VERSION, job_id, worker_id);
+    Ps__LeaseRequest lr = PS__LEASE_REQUEST__INIT;
+    lr.header = &lh;
+    lr.want_next = 1;
+    lr.dataset_size = 100;
+    EXPECT(send_msg("/ps.ParameterServer/Lease", &lr.base, NULL, 0, detail, NULL, NULL),
+           RPC_FAILED_PRECONDITION, "does not lease its data");
+  }
+
   float *after = pull(&v1);
   CHECK(after != NULL);
   CHECK_MSG(v1 == v0, "version moved from %llu to %llu", (unsigned long long)v0,
             (unsigned long long)v1);
   CHECK_MSG(after && memcmp(before, after, nb) == 0, "parameters changed after bad input");
-  printf("after 9 bad requests: version %llu, parameters %s\n", (unsigned long long)v1,
+  printf("after 10 bad requests: version %llu, parameters %s\n", (unsigned long long)v1,
          after && memcmp(before, after, nb) == 0 ? "byte-identical" : "CHANGED");
   free(after);
 

@@ -84,6 +84,16 @@ bad_input)
   "$build/ps-server" --job "$here/jobs/synthetic.json" --ps 127.0.0.1:1 --index 3 >"$out/i.log" 2>&1 && fail "index outside the list accepted"
   "$build/ps-worker" --ps nonsense >"$out/w.log" 2>&1 && fail "ps-worker accepted a bad address"
   grep -q "HOST:PORT" "$out/w.log" || fail "bad-address message unclear"
+  # A checkpoint directory holding only a corrupt checkpoint of this job:
+  # the shard refuses to start (rather than silently start afresh) and says why.
+  mkdir -p "$out/ckpt"
+  { printf 'PSCKPT\0\1'; head -c 300 /dev/urandom; } >"$out/ckpt/shard-0-of-1-v5.ckpt"
+  if "$build/ps-server" --job "$here/jobs/synthetic.json" --ps 127.0.0.1:1 --index 0 \
+       --checkpoint-dir "$out/ckpt" >"$out/ckpt.log" 2>&1; then
+    fail "ps-server started from a corrupt checkpoint"
+  fi
+  cat "$out/ckpt.log" | tail -2
+  grep -q "shard-0-of-1-v5.ckpt" "$out/ckpt.log" || fail "the message does not name the corrupt file"
   # Bad requests to a live shard leave its parameters unchanged.
   ports=$(free_ports 1)
   "$build/ps-server" --job "$here/jobs/synthetic.json" --ps "$ports" --index 0 >"$out/server.log" 2>&1 &
