@@ -71,6 +71,10 @@ void ps_membership_destroy(ps_membership *m) {
 }
 
 /* Index of id in the table, or -1. Called with the lock held. */
+/* Evaluators read the parameters but train nothing: they are not counted
+ * among the live workers (quorums, clocks). */
+static int trains(const ps_member *w) { return strcmp(w->role, "evaluator") != 0; }
+
 static int find(const ps_membership *m, uint64_t id) {
   for (int i = 0; i < m->n; i++)
     if (m->members[i].id == id) return i;
@@ -114,8 +118,10 @@ int ps_membership_add(ps_membership *m, uint64_t id, const char *host, const cha
      * under bounded staleness it neither holds the others back nor runs
      * ahead of them. */
     uint64_t min_clock = 0;
+    int seen = 0;
     for (int i = 0; i < m->n; i++)
-      if (i == 0 || m->members[i].clock < min_clock) min_clock = m->members[i].clock;
+      if (trains(&m->members[i]) && (!seen++ || m->members[i].clock < min_clock))
+        min_clock = m->members[i].clock;
     w = &m->members[m->n++];
     memset(w, 0, sizeof *w);
     w->clock = min_clock;
@@ -158,9 +164,9 @@ int ps_membership_clock(ps_membership *m, uint64_t id, uint64_t *clock, uint64_t
     pthread_mutex_unlock(&m->mu);
     return PS_ENOTFOUND;
   }
-  uint64_t lo = m->members[0].clock;
-  for (int i = 1; i < m->n; i++)
-    if (m->members[i].clock < lo) lo = m->members[i].clock;
+  uint64_t lo = m->members[at].clock;
+  for (int i = 0; i < m->n; i++)
+    if (trains(&m->members[i]) && m->members[i].clock < lo) lo = m->members[i].clock;
   *clock = m->members[at].clock;
   *min_clock = lo;
   pthread_mutex_unlock(&m->mu);
@@ -211,7 +217,8 @@ int ps_membership_sweep(ps_membership *m, int64_t now_ms, int timeout_ms, uint64
 
 int ps_membership_count(ps_membership *m) {
   pthread_mutex_lock(&m->mu);
-  int n = m->n;
+  int n = 0;
+  for (int i = 0; i < m->n; i++) n += trains(&m->members[i]);
   pthread_mutex_unlock(&m->mu);
   return n;
 }

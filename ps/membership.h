@@ -40,9 +40,11 @@ int ps_membership_remove(ps_membership *m, uint64_t id);
  * ids into dropped and returns how many were dropped. */
 int ps_membership_sweep(ps_membership *m, int64_t now_ms, int timeout_ms, uint64_t *dropped,
                         int max);
-/* The worker's clock and the smallest clock of all live workers (bounded
- * staleness compares the two). PS_ENOTFOUND if the id is unknown. */
+/* The worker's clock and the smallest clock of the live workers that train
+ * (bounded staleness compares the two; the smallest is never above the
+ * worker's own). PS_ENOTFOUND if the id is unknown. */
 int ps_membership_clock(ps_membership *m, uint64_t id, uint64_t *clock, uint64_t *min_clock);
+/* Live workers that train (role "evaluator" is not counted). */
 int ps_membership_count(ps_membership *m);
 /* Copies up to max members into out; returns how many. */
 int ps_membership_list(ps_membership *m, ps_member *out, int max);

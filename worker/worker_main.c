@@ -40,6 +40,7 @@ typedef struct {
   const char *ps_addr, *job_path, *metrics_path, *data_dir, *host, *save_path, *device;
   int index, num_workers, chief, local, threads, timeout_ms, epochs, straggle_ms;
   int replicas, per_replica_batch;
+  int evaluator, max_evals, idle_evals; /* the evaluator role */
   ps_replicas *reps;
   int64_t max_steps;
   double log_interval, eval_interval, retry_s;
@@ -426,6 +427,52 @@ static int train(worker *w) {
   return rc;
 }
 
+/* The evaluator role (TensorFlow's `evaluator` task): pulls the current
+ * parameters every eval interval and evaluates the test split; pushes
+ * nothing and is not counted among the training workers. Stops on a
+ * signal, after --max-evals, or once the parameters have stopped changing
+ * for --idle-evals evaluations after they started to (training is over). */
+static int evaluate_loop(worker *w) {
+  char err[PS_ERRLEN];
+  double t0 = ps_now_s();
+  double interval = w->eval_interval > 0 ? w->eval_interval : 10.0;
+  uint64_t last = UINT64_MAX;
+  int idle = 0, n = 0, moved = 0;
+  double acc = 0;
+  float tl = 0;
+  PS_INFO("evaluator: every %.1f s on %d test examples", interval, w->test.n);
+  while (!atomic_load(&w->stop)) {
+    if (with_retry(w, "Pull", op_pull, err) != 0) {
+      PS_ERROR("%s", err);
+      return 1;
+    }
+    uint64_t v = 0;
+    for (int s = 0; s < ps_client_num_shards(w->client); s++) v += w->versions[s];
+    acc = evaluate(w, (int64_t)n, t0, &tl);
+    n++;
+    PS_INFO("evaluation %d: shard versions sum to %" PRIu64 ": test accuracy %.4f, test loss %.4f",
+            n, v, acc, (double)tl);
+    if (last != UINT64_MAX && v == last) {
+      idle++;
+    } else {
+      moved |= last != UINT64_MAX;
+      idle = 0;
+    }
+    last = v;
+    if (w->max_evals > 0 && n >= w->max_evals) break;
+    if (moved && idle >= w->idle_evals) {
+      PS_INFO("evaluator: no update in %d evaluations: training is over", idle);
+      break;
+    }
+    for (double waited = 0; waited < interval && !atomic_load(&w->stop); waited += 0.1)
+      ps_sleep_ms(100);
+  }
+  printf("final test accuracy %.4f (test loss %.4f, %d examples, evaluation %d)\n", acc,
+         (double)tl, w->test.n, n);
+  fflush(stdout);
+  return 0;
+}
+
 /* ---------------- set-up ---------------- */
 
 /* The host side of what is pulled and pushed: pinned memory when the
@@ -472,6 +519,12 @@ static void usage(FILE *f) {
           "                       TF_CONFIG's worker and chief lists, else 1)\n"
           "  --chief              evaluate the test split (default: TF_CONFIG type chief,\n"
           "                       or index 0 without TF_CONFIG)\n"
+          "  --evaluator          evaluate only: pull the parameters every eval interval and\n"
+          "                       evaluate the test split, push nothing (TF_CONFIG task\n"
+          "                       type evaluator does the same)\n"
+          "  --max-evals N        evaluator: stop after N evaluations (default: no limit)\n"
+          "  --idle-evals K       evaluator: stop once the parameters did not change for K\n"
+          "                       evaluations after they started to (default 3)\n"
           "  --local              train in this process, no servers (needs --job)\n"
           "  --job FILE           job file, for --local\n"
           "  --epochs N           passes over this worker's share (default: the job's)\n"
@@ -533,6 +586,7 @@ int main(int argc, char **argv) {
   w.eval_interval = -1;
   w.timeout_ms = 30000;
   w.retry_s = 60;
+  w.idle_evals = 3;
   w.threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
   if (w.threads < 1) w.threads = 1;
   int level = PS_LOG_INFO;
@@ -547,6 +601,8 @@ int main(int argc, char **argv) {
       {"retry-s", required_argument, 0, 'r'},     {"host", required_argument, 0, 'H'},
       {"straggle-ms", required_argument, 0, 'S'}, {"save-params", required_argument, 0, 'P'},
       {"device", required_argument, 0, 'D'},      {"replicas", required_argument, 0, 'R'},
+      {"evaluator", no_argument, 0, 'V'},         {"max-evals", required_argument, 0, 'X'},
+      {"idle-evals", required_argument, 0, 'I'},
       {"per-replica-batch", required_argument, 0, 'B'},
       {"log-level", required_argument, 0, 'v'},   {"help", no_argument, 0, 'h'},
       {0, 0, 0, 0}};
@@ -580,6 +636,9 @@ int main(int argc, char **argv) {
       case 'H': w.host = optarg; break;
       case 'P': w.save_path = optarg; break;
       case 'D': w.device = optarg; break;
+      case 'V': w.evaluator = 1; break;
+      case 'X': if (parse_int("--max-evals", optarg, 1, 1L << 30, &v)) return 2; w.max_evals = (int)v; break;
+      case 'I': if (parse_int("--idle-evals", optarg, 1, 1L << 30, &v)) return 2; w.idle_evals = (int)v; break;
       case 'R': if (parse_int("--replicas", optarg, 1, 256, &v)) return 2; w.replicas = (int)v; break;
       case 'B':
         if (parse_int("--per-replica-batch", optarg, 1, 65536, &v)) return 2;
@@ -619,9 +678,12 @@ int main(int argc, char **argv) {
       fprintf(stderr, "ps-worker: TF_CONFIG: %s\n", err);
       return 2;
     }
-    if (strcmp(cluster.task_type, "worker") != 0 && strcmp(cluster.task_type, "chief") != 0) {
-      fprintf(stderr, "ps-worker: TF_CONFIG names task type '%s'; ps-worker runs 'worker' or "
-                      "'chief'\n", cluster.task_type);
+    if (!strcmp(cluster.task_type, "evaluator")) {
+      w.evaluator = 1;
+    } else if (strcmp(cluster.task_type, "worker") != 0 &&
+               strcmp(cluster.task_type, "chief") != 0) {
+      fprintf(stderr, "ps-worker: TF_CONFIG names task type '%s'; ps-worker runs 'worker', "
+                      "'chief' or 'evaluator'\n", cluster.task_type);
       return 2;
     }
     if (cluster.n_ps == 0) {
@@ -635,6 +697,10 @@ int main(int argc, char **argv) {
     if (w.index < 0) w.index = is_chief ? 0 : cluster.task_index + cluster.n_chief;
     if (w.num_workers == 0) w.num_workers = cluster.n_workers + cluster.n_chief;
     if (w.chief < 0) w.chief = is_chief || (cluster.n_chief == 0 && cluster.task_index == 0);
+  }
+  if (w.evaluator) {
+    w.chief = 1; /* loads the test split and evaluates */
+    if (w.index < 0) w.index = 0;
   }
   if (w.local && !w.job_path) {
     fprintf(stderr, "ps-worker: --local needs --job FILE\n");
@@ -679,7 +745,7 @@ int main(int argc, char **argv) {
     if (w.chief < 0) w.chief = 1;
   } else {
     ps_client_opts co = {.host = w.host,
-                         .role = w.chief == 1 ? "chief" : "worker",
+                         .role = w.evaluator ? "evaluator" : w.chief == 1 ? "chief" : "worker",
                          .task_index = w.index,
                          .timeout_ms = w.timeout_ms,
                          .connect_timeout_ms = (int)(w.retry_s * 1000)};
@@ -706,7 +772,7 @@ int main(int argc, char **argv) {
   }
   if (w.num_workers == 0) w.num_workers = 1;
   /* With data leases the share of the data is decided by shard 0. */
-  if (w.rank >= w.num_workers && !(w.client && w.job.lease_chunk > 0)) {
+  if (w.rank >= w.num_workers && !(w.client && w.job.lease_chunk > 0) && !w.evaluator) {
     fprintf(stderr, "ps-worker: index %d but only %d workers share the data (--num-workers)\n",
             w.rank, w.num_workers);
     return 2;
@@ -815,13 +881,20 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
-  if (w.client && w.job.lease_chunk > 0)
+  if (w.evaluator && w.local) {
+    fprintf(stderr, "ps-worker: --evaluator evaluates what servers hold; it needs --ps, not "
+                    "--local\n");
+    return 2;
+  }
+  if (w.evaluator)
+    w.batcher = NULL; /* trains nothing */
+  else if (w.client && w.job.lease_chunk > 0)
     w.batcher = ps_batcher_create_source(&w.train, w.job.batch_size, w.job.seed, 4, lease_source,
                                          &w);
   else
     w.batcher = ps_batcher_create_ordered(&w.train, w.job.batch_size, w.rank, w.num_workers,
                                           w.job.seed, 4, w.job.shuffle);
-  if (!w.batcher) {
+  if (!w.batcher && !w.evaluator) {
     fprintf(stderr, "ps-worker: cannot start the input pipeline\n");
     return 1;
   }
@@ -830,7 +903,7 @@ int main(int argc, char **argv) {
     return 1;
   }
 
-  int result = train(&w);
+  int result = w.evaluator ? evaluate_loop(&w) : train(&w);
 
   stop_loop(&w);
   if (w.client) {

@@ -127,6 +127,37 @@ replicas)
   echo "replicas: final test accuracy $acc with 2 replicas"
   at_least "$acc" 0.90 || fail "accuracy $acc below 0.90"
   ;;
+evaluator)
+  # TensorFlow's evaluator role: evaluates what the shards hold while 2 sync
+  # workers train; it is not counted among the workers (sync steps go on
+  # without it) and stops by itself once training is over.
+  ports=$(free_ports 2)
+  for s in 0 1; do
+    "$build/ps-server" --job "$here/jobs/sync_equiv.json" --ps "$ports" --index "$s" \
+      >"$out/server-$s.log" 2>&1 &
+    pids+=($!)
+  done
+  "$build/ps-worker" --ps "${ports%%,*}" --evaluator --eval-interval 0.2 --idle-evals 3 \
+    --max-evals 300 --threads 1 --metrics "$out/evaluator.jsonl" >"$out/evaluator.log" 2>&1 &
+  epid=$!; pids+=($epid)
+  sleep 0.5
+  wpids=()
+  for k in 0 1; do
+    "$build/ps-worker" --ps "${ports%%,*}" --index "$k" --num-workers 2 --threads 1 \
+      --straggle-ms 20 >"$out/worker-$k.log" 2>&1 &
+    wpids+=($!); pids+=($!)
+  done
+  for k in 0 1; do wait "${wpids[$k]}" || { tail -5 "$out/worker-$k.log"; fail "worker $k failed"; }; done
+  for i in $(seq 1 300); do kill -0 "$epid" 2>/dev/null || break; sleep 0.1; done
+  kill -0 "$epid" 2>/dev/null && fail "the evaluator did not stop by itself"
+  wait "$epid" || { tail -5 "$out/evaluator.log"; fail "the evaluator failed"; }
+  "$build/ps-server" --status "${ports%%,*}" >"$out/status.json"
+  [ "$(status "$out/status.json" version)" = 40 ] || fail "sync did not apply its 40 steps"
+  grep -q "training is over" "$out/evaluator.log" || fail "the evaluator did not see training end"
+  n=$(grep -c test_accuracy "$out/evaluator.jsonl")
+  echo "evaluator: $n evaluations; $(grep '^final test accuracy' "$out/evaluator.log")"
+  [ "$n" -ge 3 ] || fail "only $n evaluations recorded"
+  ;;
 sync_equivalence)
   # sync with 2 workers, batch b each == 1 worker, batch 2b, same number of
   # updates, same examples in the same order (no shuffle, no dropout).

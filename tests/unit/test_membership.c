@@ -178,6 +178,14 @@ static void test_clocks(void) {
   CHECK(ps_membership_remove(m, b) == 0);
   CHECK(ps_membership_clock(m, a, &clock, &lo) == 0 && lo == 2); /* c is slowest now */
   CHECK(ps_membership_clock(m, b, &clock, &lo) == PS_ENOTFOUND);
+  /* an evaluator pushes nothing: it is not counted, and holds nobody back */
+  uint64_t e = 0;
+  int before = ps_membership_count(m);
+  CHECK(ps_membership_add(m, 0, "e", "evaluator", 0, 0, &e, NULL) == 0);
+  CHECK(ps_membership_count(m) == before);
+  for (int i = 0; i < 3; i++) CHECK(ps_membership_note_push(m, c, (uint64_t)i, 1) == 0);
+  CHECK(ps_membership_clock(m, c, &clock, &lo) == 0 && clock == 5 && lo == 5);
+  CHECK(ps_membership_clock(m, e, &clock, &lo) == 0 && lo <= clock);
   ps_membership_destroy(m);
 }
 
