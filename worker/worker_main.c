@@ -41,6 +41,7 @@ typedef struct {
   int index, num_workers, chief, local, threads, timeout_ms, epochs, straggle_ms;
   int replicas, per_replica_batch;
   int evaluator, max_evals, idle_evals; /* the evaluator role */
+  int overlap;  /* async/ssp: push and pull on a second thread while computing */
   ps_replicas *reps;
   int64_t max_steps;
   double log_interval, eval_interval, retry_s;
@@ -150,14 +151,15 @@ static void stop_loop(worker *w) {
 
 /* Retries op() with exponential backoff and jitter while the servers are
  * unreachable, for at most retry_s seconds. */
-static int with_retry(worker *w, const char *what, int (*op)(worker *, char *), char *err) {
+static int with_retry_ctx(worker *w, const char *what, int (*op)(void *, char *), void *ctx,
+                          char *err) {
   /* Unreachable servers, and shards that gave up holding a pull back. */
   double deadline = ps_now_s() + w->retry_s;
   int64_t backoff = 100;
   ps_rand r;
   ps_rand_seed(&r, (uint64_t)getpid() ^ (uint64_t)ps_now_ms());
   for (int attempt = 0;; attempt++) {
-    int rc = op(w, err);
+    int rc = op(ctx, err);
     if (rc == 0 || (rc != PS_EUNAVAIL && rc != PS_ETIMEDOUT) || atomic_load(&w->stop)) return rc;
     if (ps_now_s() + backoff / 1000.0 > deadline) return rc;
     int64_t sleep = backoff / 2 + (int64_t)ps_rand_below(&r, (uint64_t)backoff / 2 + 1);
@@ -165,6 +167,10 @@ static int with_retry(worker *w, const char *what, int (*op)(worker *, char *), 
     ps_sleep_ms(sleep);
     if (backoff < 5000) backoff *= 2;
   }
+}
+
+static int with_retry(worker *w, const char *what, int (*op)(worker *, char *), char *err) {
+  return with_retry_ctx(w, what, (int (*)(void *, char *))op, w, err);
 }
 
 static int op_pull(worker *w, char *err) {
@@ -253,6 +259,128 @@ static int lease_source(void *user, uint64_t *begin, uint32_t *count, uint64_t *
   return 1;
 }
 
+/* The host side of what is pulled and pushed: pinned memory when the
+ * backend is a GPU, so that its copies run at full speed and
+ * asynchronously; plain aligned memory otherwise. */
+static float *host_buffer(worker *w, size_t bytes) {
+#ifdef PS_WITH_CUDA
+  if (!w->ops->host_memory) {
+    void *p = NULL;
+    if (ps_cuda_host_alloc(&p, bytes) != 0) return NULL;
+    memset(p, 0, bytes);
+    return p;
+  }
+#endif
+  return ps_alloc(bytes);
+}
+
+static void host_buffer_free(worker *w, float *p) {
+  if (!p) return;
+#ifdef PS_WITH_CUDA
+  if (w->ops && !w->ops->host_memory) {
+    ps_cuda_host_free(p);
+    return;
+  }
+#endif
+  ps_free(p);
+}
+
+/* ---------------- overlap: communication beside compute ---------------- */
+
+/* One round of communication, run on the comm thread while the training
+ * thread computes the next step: push a gradient, report a finished lease,
+ * pull fresh parameters into the buffer the last step computed from. */
+typedef struct {
+  worker *w;
+  /* in */
+  const float *grads;
+  const uint64_t *base_versions;
+  uint64_t step;
+  int batch;
+  uint64_t lease_tag; /* a chunk finished with this push, or 0 */
+  float *pull_into;
+  uint64_t *pull_versions;
+  /* out */
+  int rc;
+  char err[PS_ERRLEN];
+  ps_push_result res;
+  int lease_counted, lease_reported;
+} comm_job;
+
+typedef struct {
+  uv_thread_t thread;
+  uv_mutex_t mu;
+  uv_cond_t cv;
+  comm_job *job; /* the job to run, or NULL */
+  int busy, quit;
+} comm_thread;
+
+static int comm_push(void *ctx, char *err) {
+  comm_job *j = ctx;
+  return ps_client_push(j->w->client, j->grads, j->base_versions, j->step, j->batch, &j->res,
+                        err);
+}
+
+static int comm_pull(void *ctx, char *err) {
+  comm_job *j = ctx;
+  return ps_client_pull(j->w->client, j->pull_into, j->pull_versions, NULL, err);
+}
+
+static void comm_run(comm_job *j) {
+  worker *w = j->w;
+  j->err[0] = '\0';
+  j->rc = with_retry_ctx(w, "Push", comm_push, j, j->err);
+  if (j->rc == 0 && j->lease_tag) {
+    ps_client_lease l;
+    j->lease_reported = 1;
+    j->lease_counted = ps_client_lease_call(w->client, j->lease_tag, 0, 0, &l, j->err) == 0 &&
+                       l.completed_counted;
+  }
+  if (j->rc == 0) j->rc = with_retry_ctx(w, "Pull", comm_pull, j, j->err);
+}
+
+static void comm_main(void *arg) {
+  comm_thread *c = arg;
+  uv_mutex_lock(&c->mu);
+  for (;;) {
+    while (!c->job && !c->quit) uv_cond_wait(&c->cv, &c->mu);
+    if (c->quit) break;
+    comm_job *j = c->job;
+    uv_mutex_unlock(&c->mu);
+    comm_run(j);
+    uv_mutex_lock(&c->mu);
+    c->job = NULL;
+    c->busy = 0;
+    uv_cond_broadcast(&c->cv);
+  }
+  uv_mutex_unlock(&c->mu);
+}
+
+static void comm_start_job(comm_thread *c, comm_job *j) {
+  uv_mutex_lock(&c->mu);
+  c->job = j;
+  c->busy = 1;
+  uv_cond_broadcast(&c->cv);
+  uv_mutex_unlock(&c->mu);
+}
+
+static void comm_wait(comm_thread *c) {
+  uv_mutex_lock(&c->mu);
+  while (c->busy) uv_cond_wait(&c->cv, &c->mu);
+  uv_mutex_unlock(&c->mu);
+}
+
+static void comm_stop(comm_thread *c) {
+  comm_wait(c);
+  uv_mutex_lock(&c->mu);
+  c->quit = 1;
+  uv_cond_broadcast(&c->cv);
+  uv_mutex_unlock(&c->mu);
+  uv_thread_join(&c->thread);
+  uv_cond_destroy(&c->cv);
+  uv_mutex_destroy(&c->mu);
+}
+
 static int train(worker *w) {
   char err[PS_ERRLEN];
   const size_t P = w->job.model.n_params;
@@ -276,6 +404,58 @@ static int train(worker *w) {
   }
   uint64_t chunks_done = 0, chunks_lost = 0;
 
+  /* Overlap: two parameter buffers (one computed from, one being pulled
+   * into) and two gradient buffers (one written, one being pushed). Step t
+   * computes from the parameters pulled while step t-1 computed, so its
+   * gradient is one version staler than without overlap. */
+  int overlap = w->overlap && !w->local && w->client;
+  if (overlap && w->job.mode_kind == PS_MODE_SYNC) {
+    /* A sync step's pull waits for the step this worker pushed: nothing to overlap. */
+    PS_INFO("overlap: off in sync mode");
+    overlap = 0;
+  }
+  comm_thread comm;
+  comm_job jobs[2];
+  float *pbuf[2] = {w->params, NULL}, *gbuf[2] = {w->grads, NULL};
+  uint64_t *vbuf[2] = {w->versions, NULL};
+  int job_pending = 0;
+  if (overlap) {
+    size_t nshards = (size_t)ps_client_num_shards(w->client);
+    pbuf[1] = host_buffer(w, P * sizeof(float));
+    gbuf[1] = host_buffer(w, P * sizeof(float));
+    vbuf[1] = calloc(nshards, sizeof(uint64_t));
+    memset(&comm, 0, sizeof comm);
+    int ok = pbuf[1] && gbuf[1] && vbuf[1];
+    if (ok && uv_mutex_init(&comm.mu) == 0) {
+      if (uv_cond_init(&comm.cv) == 0) {
+        if (uv_thread_create(&comm.thread, comm_main, &comm) != 0) {
+          uv_cond_destroy(&comm.cv);
+          uv_mutex_destroy(&comm.mu);
+          ok = 0;
+        }
+      } else {
+        uv_mutex_destroy(&comm.mu);
+        ok = 0;
+      }
+    } else {
+      ok = 0;
+    }
+    if (!ok) snprintf(err, sizeof err, "cannot set up the communication thread");
+    int started = ok;
+    if (ok && with_retry(w, "Pull", op_pull, err) != 0) ok = 0; /* into pbuf[0] */
+    if (!ok) {
+      PS_ERROR("%s", err);
+      if (started) comm_stop(&comm);
+      host_buffer_free(w, pbuf[1]);
+      host_buffer_free(w, gbuf[1]);
+      free(vbuf[1]);
+      return 1;
+    }
+    memcpy(pbuf[1], pbuf[0], P * sizeof(float));
+    memcpy(vbuf[1], vbuf[0], nshards * sizeof(uint64_t));
+    PS_INFO("overlap: pushes and pulls run beside compute (one version staler)");
+  }
+
   double t0 = ps_now_s(), last_log = t0, last_eval = t0;
   double sum_loss = 0, t_pull = 0, t_push = 0, t_comp = 0;
   int64_t n_ex = 0, n_correct = 0, n_steps = 0, total_ex = 0;
@@ -293,8 +473,18 @@ static int train(worker *w) {
       ps_batcher_release(w->batcher, b);
       break;
     }
+    int cur = (int)(step & 1);
+    if (overlap) {
+      w->params = pbuf[cur];
+      w->grads = gbuf[cur];
+      w->versions = vbuf[cur];
+      if (w->ops->host_memory) {
+        w->dparams = w->params;
+        w->dgrads = w->grads;
+      }
+    }
     double ta = ps_now_s();
-    if (!w->local && with_retry(w, "Pull", op_pull, err) != 0) {
+    if (!w->local && !overlap && with_retry(w, "Pull", op_pull, err) != 0) {
       PS_ERROR("%s", err);
       ps_batcher_release(w->batcher, b);
       rc = 1;
@@ -322,6 +512,39 @@ static int train(worker *w) {
     if (w->local) {
       w->opt->apply(&w->job.optim, (uint64_t)step + 1, w->job.optim.lr, w->params, w->slots,
                     w->grads, P);
+    } else if (overlap) {
+      /* Wait for the previous round (it filled the other parameter buffer,
+       * which the next step computes from), then start this step's. */
+      if (job_pending) {
+        comm_wait(&comm);
+        job_pending = 0;
+        comm_job *pj = &jobs[1 - cur];
+        if (pj->rc != 0) {
+          PS_ERROR("%s", pj->err);
+          ps_batcher_release(w->batcher, b);
+          rc = 1;
+          break;
+        }
+        stale_sum += pj->res.staleness_sum;
+        stale_n += (uint64_t)ps_client_num_shards(w->client);
+        if (pj->res.staleness_max > stale_max) stale_max = pj->res.staleness_max;
+        if (pj->lease_reported) {
+          if (pj->lease_counted) chunks_done++;
+          else chunks_lost++;
+        }
+      }
+      comm_job *j = &jobs[cur];
+      memset(j, 0, sizeof *j);
+      j->w = w;
+      j->grads = gbuf[cur];
+      j->base_versions = vbuf[cur];
+      j->step = (uint64_t)step;
+      j->batch = b->n;
+      j->lease_tag = leased && b->last_in_chunk ? b->tag : 0;
+      j->pull_into = pbuf[cur]; /* computed from; free now */
+      j->pull_versions = vbuf[cur];
+      comm_start_job(&comm, j);
+      job_pending = 1;
     } else {
       w->push_batch = b->n;
       w->push_step = (uint64_t)step;
@@ -346,7 +569,7 @@ static int train(worker *w) {
     n_correct += correct;
     n_steps++;
     int epoch = b->epoch;
-    if (leased && b->last_in_chunk) {
+    if (leased && b->last_in_chunk && !overlap) {
       /* Every example of the chunk went into a pushed gradient. */
       ps_client_lease l;
       err[0] = '\0';
@@ -396,11 +619,41 @@ static int train(worker *w) {
     if (w->chief && w->eval_interval > 0 && now - last_eval >= w->eval_interval &&
         step + 1 < total) {
       float tl;
+      if (overlap) { /* the buffer the comm thread is not writing */
+        w->params = pbuf[1 - cur];
+        w->versions = vbuf[1 - cur];
+      }
       double acc = evaluate(w, step + 1, t0, &tl);
       PS_INFO("step %" PRId64 ": test accuracy %.4f, test loss %.4f (%d examples)", step + 1, acc,
               (double)tl, w->test.n);
       last_eval = ps_now_s();
     }
+  }
+  if (overlap) {
+    if (job_pending) {
+      comm_wait(&comm);
+      comm_job *pj = &jobs[(step - 1) & 1];
+      if (pj->rc != 0 && rc == 0) {
+        PS_ERROR("%s", pj->err);
+        rc = 1;
+      }
+      if (pj->lease_reported) {
+        if (pj->lease_counted) chunks_done++;
+        else chunks_lost++;
+      }
+    }
+    comm_stop(&comm);
+    /* Back to the first buffers (freed by main); the others go now. */
+    w->params = pbuf[0];
+    w->grads = gbuf[0];
+    w->versions = vbuf[0];
+    if (w->ops->host_memory) {
+      w->dparams = w->params;
+      w->dgrads = w->grads;
+    }
+    host_buffer_free(w, pbuf[1]);
+    host_buffer_free(w, gbuf[1]);
+    free(vbuf[1]);
   }
   double elapsed = ps_now_s() - t0;
   if (rc == 0) {
@@ -475,32 +728,6 @@ static int evaluate_loop(worker *w) {
 
 /* ---------------- set-up ---------------- */
 
-/* The host side of what is pulled and pushed: pinned memory when the
- * backend is a GPU, so that its copies run at full speed and
- * asynchronously; plain aligned memory otherwise. */
-static float *host_buffer(worker *w, size_t bytes) {
-#ifdef PS_WITH_CUDA
-  if (!w->ops->host_memory) {
-    void *p = NULL;
-    if (ps_cuda_host_alloc(&p, bytes) != 0) return NULL;
-    memset(p, 0, bytes);
-    return p;
-  }
-#endif
-  return ps_alloc(bytes);
-}
-
-static void host_buffer_free(worker *w, float *p) {
-  if (!p) return;
-#ifdef PS_WITH_CUDA
-  if (w->ops && !w->ops->host_memory) {
-    ps_cuda_host_free(p);
-    return;
-  }
-#endif
-  ps_free(p);
-}
-
 static void usage(FILE *f) {
   fprintf(f,
           "Usage: ps-worker --ps HOST:PORT[,...] [options]\n"
@@ -547,6 +774,9 @@ static void usage(FILE *f) {
           "  --retry-s SEC        how long to retry unreachable servers (default 60)\n"
           "  --host NAME          name reported to the servers (default: hostname)\n"
           "  --save-params FILE   at the end, write the parameters there (raw float32)\n"
+          "  --overlap            async/ssp: push and pull on a second thread while the next\n"
+          "                       step computes (hides the servers' time; gradients are one\n"
+          "                       version staler)\n"
           "  --straggle-ms N      sleep N ms in every step: an artificial straggler, for\n"
           "                       comparing consistency modes\n"
           "  --log-level LEVEL    debug, info, warn or error (default info)\n"
@@ -601,7 +831,7 @@ int main(int argc, char **argv) {
       {"retry-s", required_argument, 0, 'r'},     {"host", required_argument, 0, 'H'},
       {"straggle-ms", required_argument, 0, 'S'}, {"save-params", required_argument, 0, 'P'},
       {"device", required_argument, 0, 'D'},      {"replicas", required_argument, 0, 'R'},
-      {"evaluator", no_argument, 0, 'V'},         {"max-evals", required_argument, 0, 'X'},
+      {"evaluator", no_argument, 0, 'V'},         {"overlap", no_argument, 0, 'O'},         {"max-evals", required_argument, 0, 'X'},
       {"idle-evals", required_argument, 0, 'I'},
       {"per-replica-batch", required_argument, 0, 'B'},
       {"log-level", required_argument, 0, 'v'},   {"help", no_argument, 0, 'h'},
@@ -637,6 +867,7 @@ int main(int argc, char **argv) {
       case 'P': w.save_path = optarg; break;
       case 'D': w.device = optarg; break;
       case 'V': w.evaluator = 1; break;
+      case 'O': w.overlap = 1; break;
       case 'X': if (parse_int("--max-evals", optarg, 1, 1L << 30, &v)) return 2; w.max_evals = (int)v; break;
       case 'I': if (parse_int("--idle-evals", optarg, 1, 1L << 30, &v)) return 2; w.idle_evals = (int)v; break;
       case 'R': if (parse_int("--replicas", optarg, 1, 256, &v)) return 2; w.replicas = (int)v; break;

@@ -2,8 +2,9 @@
 # Benchmarks, measured as ratios within one run (the machine is shared):
 #   transport: one worker pulls and pushes a 10M-float32 shard to one
 #              ps-server on loopback, against iperf3's single-stream TCP rate
-#   training:  examples/s of the quickstart CNN with 1 server + 1 worker,
-#              against the same model trained in-process (ps-worker --local)
+#   training:  examples/s of the quickstart CNN with 1 server + 1 worker
+#              (plain, and with --overlap), against the same model trained
+#              in-process (ps-worker --local)
 #   tests/bench/run.sh [transport|training|all] [BUILD_DIR]
 set -euo pipefail
 what=${1:-all}
@@ -46,7 +47,7 @@ eps() { sed -n 's/.*: \([0-9]*\) examples\/s$/\1/p' "$1" | tail -1; }
 training() {
   local steps=${BENCH_STEPS:-300}
   local job="$root/deploy/jobs/fashion_mnist_cnn.json"
-  local l=() c=()
+  local l=() c=() o=()
   # Interleaved pairs: whatever else the machine does hits both alike.
   for round in 1 2; do
     "$build/ps-worker" --local --job "$job" --max-steps "$steps" --eval-interval 0 \
@@ -59,15 +60,23 @@ training() {
       --log-interval 1000 >"$out/cluster-$round.log" 2>&1
     kill -TERM "$spid"; wait "$spid" || true
     c+=("$(eps "$out/cluster-$round.log")")
-    echo "round $round: local ${l[-1]} examples/s, 1 server + 1 worker ${c[-1]} examples/s"
+    p=$(port)
+    "$build/ps-server" --job "$job" --ps "127.0.0.1:$p" --index 0 >"$out/server-o$round.log" 2>&1 &
+    pids+=($!); spid=$!
+    "$build/ps-worker" --ps "127.0.0.1:$p" --max-steps "$steps" --eval-interval 0 --overlap \
+      --log-interval 1000 >"$out/overlap-$round.log" 2>&1
+    kill -TERM "$spid"; wait "$spid" || true
+    o+=("$(eps "$out/overlap-$round.log")")
+    echo "round $round: local ${l[-1]}, 1 server + 1 worker ${c[-1]}, with --overlap ${o[-1]} examples/s"
   done
-  python3 - "${l[@]}" "${c[@]}" <<'PY'
+  python3 - "${l[@]}" "${c[@]}" "${o[@]}" <<'PY'
 import sys
 v = [float(x) for x in sys.argv[1:]]
-n = len(v) // 2
-loc, clu = sum(v[:n]) / n, sum(v[n:]) / n
+n = len(v) // 3
+loc, clu, ovl = sum(v[:n]) / n, sum(v[n:2*n]) / n, sum(v[2*n:]) / n
 print(f"training: local {loc:.0f} examples/s, 1 server + 1 worker {clu:.0f} examples/s: "
-      f"ratio {clu/loc:.3f} (server overhead {100*(1-clu/loc):.1f}%)")
+      f"ratio {clu/loc:.3f} (server overhead {100*(1-clu/loc):.1f}%); with --overlap "
+      f"{ovl:.0f} examples/s: ratio {ovl/loc:.3f}")
 PY
 }
 

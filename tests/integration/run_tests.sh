@@ -127,6 +127,20 @@ replicas)
   echo "replicas: final test accuracy $acc with 2 replicas"
   at_least "$acc" 0.90 || fail "accuracy $acc below 0.90"
   ;;
+overlap)
+  # Pushes and pulls on a second thread while the next step computes: the
+  # run converges, and the shards see the extra version of staleness.
+  "$root/deploy/local-cluster.sh" --job "$here/jobs/overlap.json" --bin "$build" --workers 2 \
+    --out "$out" --timeout 120 --threads 1 -- --overlap >"$out/cluster.out" 2>&1 \
+    || { tail -20 "$out/cluster.out"; fail "the run failed"; }
+  grep -q "overlap: pushes and pulls run beside compute" "$out/worker-0.log" \
+    || fail "the worker did not overlap"
+  acc=$(final_accuracy "$out/worker-0.log")
+  smean=$(status "$out/status-0.json" staleness_mean)
+  echo "overlap: final test accuracy $acc; staleness mean $smean"
+  at_least "$acc" 0.90 || fail "accuracy $acc below 0.90"
+  at_least "$smean" 0.9 || fail "staleness $smean: the pushes were not one version staler"
+  ;;
 evaluator)
   # TensorFlow's evaluator role: evaluates what the shards hold while 2 sync
   # workers train; it is not counted among the workers (sync steps go on
