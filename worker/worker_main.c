@@ -169,16 +169,19 @@ static int with_retry_ctx(worker *w, const char *what, int (*op)(void *, char *)
   }
 }
 
-static int with_retry(worker *w, const char *what, int (*op)(worker *, char *), char *err) {
-  return with_retry_ctx(w, what, (int (*)(void *, char *))op, w, err);
+/* Retries op(w) (an op_* below, which takes the worker as its context). */
+static int with_retry(worker *w, const char *what, int (*op)(void *, char *), char *err) {
+  return with_retry_ctx(w, what, op, w, err);
 }
 
-static int op_pull(worker *w, char *err) {
+static int op_pull(void *ctx, char *err) {
+  worker *w = ctx;
   return ps_client_pull(w->client, w->params, w->versions,
                         w->job.mode_kind == PS_MODE_SYNC ? w->min_versions : NULL, err);
 }
 
-static int op_push(worker *w, char *err) {
+static int op_push(void *ctx, char *err) {
+  worker *w = ctx;
   int rc = ps_client_push(w->client, w->grads, w->versions, w->push_step, w->push_batch,
                           &w->push_res, err);
   /* sync: the next pull waits for the step this gradient was for (or, if
