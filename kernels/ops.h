@@ -95,11 +95,38 @@ struct ps_ops {
   void (*to_host)(void *ctx, void *dst_host, const void *src, size_t bytes);
   /* Backend memory to backend memory (no overlap, or dst == src). */
   void (*copy)(void *ctx, void *dst, const void *src, size_t bytes);
-  /* Waits until every op and copy called so far is done. */
+  /* Waits until every op and copy called so far (on both queues, see
+   * below) is done. */
   void (*sync)(void *ctx);
   /* 1 when the backend's memory is host memory (the cpu backend): host
    * buffers may then be handed to the ops as they are, without copies. */
   int host_memory;
+
+  /* ---- copies beside compute ----
+   * A second queue that carries copies while the ops compute (the cuda
+   * backend's copy stream). On the cpu backend these are the plain copies
+   * above, done on return (nothing when dst == src), and every ticket is
+   * done at once.
+   *
+   * to_device_async: host to backend memory on the copy queue. The ops
+   * called after it wait for this copy (and only for it), so it may run
+   * while the ops called before it still compute: dst must be memory that
+   * no op queued before it reads or writes. src_host must stay unchanged
+   * until sync returns.
+   * to_host_async: backend to host memory, of what the ops called before
+   * it wrote, on the copy queue (the ops called after it do not wait for
+   * it). Returns a ticket for ticket_done and ticket_wait (0: nothing
+   * queued, always done). dst_host holds the bytes once the ticket is
+   * done.
+   * ticket_done: 1 when the ticket's copy has landed; never waits.
+   * ticket_wait: waits until it has. */
+  void (*to_device_async)(void *ctx, void *dst, const void *src_host, size_t bytes);
+  uint64_t (*to_host_async)(void *ctx, void *dst_host, const void *src, size_t bytes);
+  int (*ticket_done)(void *ctx, uint64_t ticket);
+  void (*ticket_wait)(void *ctx, uint64_t ticket);
+
+  /* x[i] *= alpha for i < n (backend memory), in order with the ops. */
+  void (*scale)(void *ctx, size_t n, float alpha, float *x);
 };
 
 /* The CPU backend. threads > 0: the backend splits every op over that many

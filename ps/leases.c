@@ -168,7 +168,7 @@ static ps_leases *table_alloc(const ps_lease_config *cfg, uint32_t n_chunks, cha
 }
 
 ps_leases *ps_leases_create(const ps_lease_config *cfg, char *err) {
-  uint32_t n_chunks;
+  uint32_t n_chunks = 0;
   if (!cfg) {
     ps_seterr(err, PS_EINVAL, "leases: no configuration");
     return NULL;
@@ -758,7 +758,7 @@ ps_leases *ps_leases_load(const void *buf, size_t len, char *err) {
     return NULL;
   }
   char why[PS_ERRLEN];
-  uint32_t want_chunks;
+  uint32_t want_chunks = 0;
   if (check_config(&cfg, &want_chunks, why) != PS_OK) {
     ps_seterr(err, PS_EINVAL, "lease table blob: bad configuration (%s)", why);
     return NULL;

@@ -426,7 +426,10 @@ static void sync_try_step(server *sv) {
   uint64_t v = 0;
   int rc = ps_shard_sync_try_apply(sv->shard, quorum < 1 ? 1 : quorum, &v, err);
   if (rc < 0) PS_ERROR("cannot apply the step: %s", err);
-  if (rc == 1) recheck_waiters(sv);
+  if (rc == 1) {
+    PS_DEBUG("sync: step applied (quorum %d of %d live): version %" PRIu64, quorum, live, v);
+    recheck_waiters(sv);
+  }
 }
 
 static void handle_push(rpc_call *call, const ps_segview *req, void *user) {
@@ -457,8 +460,10 @@ static void handle_push(rpc_call *call, const ps_segview *req, void *user) {
       rc = ps_shard_push(sv->shard, r->base_version, r->offset, r->count, &tensor, &version,
                          &staleness, err);
     }
-    PS_DEBUG("push of %" PRIu64 " values in %d slices applied in %.2f ms", r->count, req->nsegs,
-             (ps_now_s() - t0) * 1e3);
+    PS_DEBUG("push of %" PRIu64 " values (step %" PRIu64 ", base version %" PRIu64
+             ") from worker %016" PRIx64 " in %d slices: %s in %.2f ms (%d in this step)",
+             r->count, r->step, r->base_version, r->header->worker_id, req->nsegs,
+             dropped ? "dropped" : "taken", (ps_now_s() - t0) * 1e3, have);
     if (rc != 0) {
       PS_WARN("push from worker %016" PRIx64 " refused: %s", r->header->worker_id, err);
       rpc_call_fail(call, rc == PS_ERANGE ? RPC_OUT_OF_RANGE : RPC_INVALID_ARGUMENT, "%s", err);

@@ -172,7 +172,7 @@ static int idx__read_pixels(idx_file *x, float *dst, size_t count, char *err) {
 /* Reads both open files into d (whose buffers the caller frees, also on
  * error). */
 static int idx__load(idx_file *im, idx_file *lb, int classes, ps_dataset *d, char *err) {
-  uint32_t idims[3], ldims[1];
+  uint32_t idims[3] = {0, 0, 0}, ldims[1] = {0};
   int rc = idx__header(im, IDX_MAGIC_IMAGES, idims, 3, err);
   if (!rc) rc = idx__header(lb, IDX_MAGIC_LABELS, ldims, 1, err);
   if (rc) return rc;

@@ -10,6 +10,7 @@
  * count. */
 #include "model.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -25,6 +26,10 @@ typedef struct {
   int32_t *argmax; /* maxpool: same size as out */
   float *mask;     /* dropout: same size as out */
   size_t in_size, out_size; /* per example */
+  /* Parameters: the layer reads [p_lo, p_hi) of the flat vector (empty
+   * when p_lo == p_hi), and needs [0, need) to have arrived in a staged
+   * step (the most any layer up to this one reads). */
+  size_t p_lo, p_hi, need;
 } layer_state;
 
 struct ps_model {
@@ -41,6 +46,16 @@ struct ps_model {
   float *x_dev;      /* (max_batch, in_size): the batch, copied in */
   uint8_t *y_dev;    /* (max_batch): its labels */
   float *probs_host; /* (max_batch, classes), host memory: probs copied out */
+  /* The staged step in progress (ps_model_step_*). */
+  struct {
+    const float *x;       /* the ops' copy of the batch */
+    const uint8_t *y;     /* the ops' copy of the labels */
+    const uint8_t *y_host;
+    const float *in;      /* the input of the next layer forward */
+    int n, next_layer, done;
+    uint64_t seed, step;
+    float loss;
+  } st;
 };
 
 static size_t layer_size(int c, int h, int w) { return (size_t)c * h * w; }
@@ -92,6 +107,17 @@ ps_model *ps_model_create(const ps_model_spec *spec, ps_ops *ops, int max_batch,
       s->out = backend_alloc(m, n_out * sizeof(float));
       if (!s->out) goto oom;
     }
+    if (L->type == PS_LAYER_CONV2D || L->type == PS_LAYER_DENSE) {
+      s->p_lo = L->w_off < L->b_off ? L->w_off : L->b_off;
+      size_t w_end = L->w_off + L->w_count, b_end = L->b_off + L->b_count;
+      s->p_hi = w_end > b_end ? w_end : b_end;
+    }
+    s->need = i > 0 && m->ls[i - 1].need > s->p_hi ? m->ls[i - 1].need : s->p_hi;
+    if (s->p_hi > s->p_lo && i > 0 && s->p_lo < m->ls[i - 1].need) {
+      ps_model_destroy(m);
+      ps_seterr(err, PS_EINVAL, "layer %d's parameters start before an earlier layer's end", i);
+      return NULL;
+    }
   }
   const size_t n_probs = (size_t)spec->classes * (size_t)max_batch;
   m->work = backend_alloc(m, (work ? work : 1) * sizeof(float));
@@ -133,56 +159,62 @@ void ps_model_destroy(ps_model *m) {
   free(m);
 }
 
-/* Runs the layers before the loss on n examples x (backend memory);
- * returns the logits. training: dropout active with masks from (seed,
+/* Runs layer i forward on n examples from `in` (backend memory); returns
+ * the layer's output (in itself for flatten; NULL for the loss layer, which
+ * the caller handles). training: dropout active with masks from (seed,
  * step, layer). */
+static const float *forward_layer(ps_model *m, int i, const float *params, const float *in, int n,
+                                  int training, uint64_t seed, uint64_t step) {
+  ps_ops *o = m->ops;
+  const ps_layer *L = &m->spec.layers[i];
+  layer_state *s = &m->ls[i];
+  size_t n_out = s->out_size * (size_t)n;
+  switch (L->type) {
+    case PS_LAYER_CONV2D: {
+      ps_conv_shape cs = s->conv;
+      cs.n = n;
+      o->conv2d_forward(o->ctx, &cs, in, params + L->w_off, params + L->b_off, s->out, m->work);
+      return s->out;
+    }
+    case PS_LAYER_MAXPOOL: {
+      ps_pool_shape ps = s->pool;
+      ps.n = n;
+      o->maxpool_forward(o->ctx, &ps, in, s->out, s->argmax);
+      return s->out;
+    }
+    case PS_LAYER_DENSE:
+      o->dense_forward(o->ctx, n, (int)s->in_size, L->units, in, params + L->w_off,
+                       params + L->b_off, s->out);
+      return s->out;
+    case PS_LAYER_RELU:
+      o->relu_forward(o->ctx, n_out, in, s->out);
+      return s->out;
+    case PS_LAYER_DROPOUT:
+      if (training && L->rate > 0.0f) {
+        /* One stream per (step, layer): a step can be replayed exactly. */
+        o->dropout_forward(o->ctx, n_out, L->rate, seed, step * PS_MAX_LAYERS + (uint64_t)i, in,
+                           s->out, s->mask);
+      } else {
+        o->copy(o->ctx, s->out, in, n_out * sizeof(float));
+      }
+      return s->out;
+    case PS_LAYER_FLATTEN:
+      return in; /* NCHW is already (N, C*H*W) in memory */
+    case PS_LAYER_SOFTMAX_XENT:
+      return NULL;
+  }
+  return in;
+}
+
+/* Runs the layers before the loss on n examples x (backend memory);
+ * returns the logits. */
 static const float *forward(ps_model *m, const float *params, const float *x, int n,
                             int training, uint64_t seed, uint64_t step) {
-  ps_ops *o = m->ops;
   const float *in = x;
   for (int i = 0; i < m->spec.n_layers; i++) {
-    const ps_layer *L = &m->spec.layers[i];
-    layer_state *s = &m->ls[i];
-    size_t n_out = s->out_size * (size_t)n;
-    switch (L->type) {
-      case PS_LAYER_CONV2D: {
-        ps_conv_shape cs = s->conv;
-        cs.n = n;
-        o->conv2d_forward(o->ctx, &cs, in, params + L->w_off, params + L->b_off, s->out, m->work);
-        in = s->out;
-        break;
-      }
-      case PS_LAYER_MAXPOOL: {
-        ps_pool_shape ps = s->pool;
-        ps.n = n;
-        o->maxpool_forward(o->ctx, &ps, in, s->out, s->argmax);
-        in = s->out;
-        break;
-      }
-      case PS_LAYER_DENSE:
-        o->dense_forward(o->ctx, n, (int)s->in_size, L->units, in, params + L->w_off,
-                         params + L->b_off, s->out);
-        in = s->out;
-        break;
-      case PS_LAYER_RELU:
-        o->relu_forward(o->ctx, n_out, in, s->out);
-        in = s->out;
-        break;
-      case PS_LAYER_DROPOUT:
-        if (training && L->rate > 0.0f) {
-          /* One stream per (step, layer): a step can be replayed exactly. */
-          o->dropout_forward(o->ctx, n_out, L->rate, seed, step * PS_MAX_LAYERS + (uint64_t)i, in,
-                             s->out, s->mask);
-        } else {
-          o->copy(o->ctx, s->out, in, n_out * sizeof(float));
-        }
-        in = s->out;
-        break;
-      case PS_LAYER_FLATTEN:
-        break; /* NCHW is already (N, C*H*W) in memory */
-      case PS_LAYER_SOFTMAX_XENT:
-        return in;
-    }
+    const float *out = forward_layer(m, i, params, in, n, training, seed, step);
+    if (!out) break;
+    in = out;
   }
   return in;
 }
@@ -226,18 +258,45 @@ static int count_correct(const float *probs, const uint8_t *y, int n, int k) {
   return correct;
 }
 
-float ps_model_train_step(ps_model *m, const float *params, const float *x, const uint8_t *y,
-                          int n, uint64_t seed, uint64_t step, float *grads, int *correct) {
-  ps_ops *o = m->ops;
-  const int k = m->spec.classes;
-  const uint8_t *y_host = y;
-  batch_in(m, x, y_host, n, &x, &y); /* from here on x, y are the ops' copies */
-  const float *logits = forward(m, params, x, n, 1, seed, step);
-  float loss = o->softmax_xent_forward(o->ctx, n, k, logits, y, m->probs);
-  if (correct) *correct = count_correct(probs_out(m, n), y_host, n, k);
+void ps_model_step_begin(ps_model *m, const float *x, const uint8_t *y, int n, uint64_t seed,
+                         uint64_t step) {
+  memset(&m->st, 0, sizeof m->st);
+  m->st.y_host = y;
+  m->st.n = n;
+  m->st.seed = seed;
+  m->st.step = step;
+  batch_in(m, x, y, n, &m->st.x, &m->st.y);
+  m->st.in = m->st.x;
+}
 
+void ps_model_step_forward(ps_model *m, const float *params, size_t avail) {
+  if (m->st.done) return;
+  ps_ops *o = m->ops;
+  for (; m->st.next_layer < m->spec.n_layers; m->st.next_layer++) {
+    int i = m->st.next_layer;
+    if (m->ls[i].need > avail) return; /* its parameters have not all arrived */
+    const float *out =
+        forward_layer(m, i, params, m->st.in, m->st.n, 1, m->st.seed, m->st.step);
+    if (!out) break;
+    m->st.in = out;
+  }
+  m->st.loss = o->softmax_xent_forward(o->ctx, m->st.n, m->spec.classes, m->st.in, m->st.y,
+                                       m->probs);
+  m->st.done = 1;
+}
+
+float ps_model_step_loss(const ps_model *m) { return m->st.done ? m->st.loss : NAN; }
+
+float ps_model_step_backward(ps_model *m, const float *params, float *grads,
+                             void (*ready)(void *user, size_t lo), void *user, int *correct) {
+  ps_ops *o = m->ops;
+  ps_model_step_forward(m, params, m->spec.n_params); /* whatever has not run yet */
+  const int k = m->spec.classes, n = m->st.n;
+  const float *x = m->st.x;
+  const uint8_t *y = m->st.y;
   float *dy = m->grad_a, *dx = m->grad_b;
   o->softmax_xent_backward(o->ctx, n, k, m->probs, y, dy);
+  size_t lo = m->spec.n_params; /* grads[lo, P) are written */
   for (int i = m->spec.n_layers - 1; i >= 0; i--) {
     const ps_layer *L = &m->spec.layers[i];
     layer_state *s = &m->ls[i];
@@ -285,12 +344,29 @@ float ps_model_train_step(ps_model *m, const float *params, const float *x, cons
       default:
         break;
     }
+    if (s->p_hi > s->p_lo && s->p_lo < lo) {
+      lo = s->p_lo;
+      /* The layers' parameters are laid out in layer order (checked at
+       * creation), so everything from here up is written. */
+      if (ready && lo > 0) ready(user, lo);
+    }
     if (first) break;
     float *t = dy;
     dy = dx;
     dx = t;
   }
-  return loss;
+  if (ready) ready(user, 0);
+  /* The arg-max count reads the probabilities back: after the whole
+   * backward pass is queued, so the device is not left idle meanwhile. */
+  if (correct) *correct = count_correct(probs_out(m, n), m->st.y_host, n, k);
+  return m->st.loss;
+}
+
+float ps_model_train_step(ps_model *m, const float *params, const float *x, const uint8_t *y,
+                          int n, uint64_t seed, uint64_t step, float *grads, int *correct) {
+  ps_model_step_begin(m, x, y, n, seed, step);
+  ps_model_step_forward(m, params, m->spec.n_params);
+  return ps_model_step_backward(m, params, grads, NULL, NULL, correct);
 }
 
 float ps_model_evaluate(ps_model *m, const float *params, const float *x, const uint8_t *y,

@@ -43,6 +43,31 @@ void ps_model_destroy(ps_model *m);
 float ps_model_train_step(ps_model *m, const float *params, const float *x, const uint8_t *y,
                           int n, uint64_t seed, uint64_t step, float *grads, int *correct);
 
+/* The same step in stages, so that the parameters can arrive and the
+ * gradient leave in ranges of the flat vector while the backend computes
+ * (the worker's pipelined step: a shard's range is copied to the device and
+ * the layers it completes run forward while later shards are still being
+ * pulled, and a shard's gradient is copied back and pushed while the
+ * backward pass goes on through earlier layers). The result is that of
+ * ps_model_train_step, bit for bit: the same ops run in the same order.
+ *
+ * begin: starts a step on n examples (host memory, as above; read before
+ * it returns). forward: runs forward every layer not yet run whose
+ * parameters lie in params[0, avail) (backend memory), stopping at the
+ * first that does not, and the loss once all have run; call it again as
+ * avail grows. backward: runs what forward left, then the backward pass,
+ * writing grads; after each layer with parameters, ready(user, lo) (ready
+ * may be NULL) says that grads[lo, P) are written, in the backend's order:
+ * an ops->to_host_async of that range called from ready sees them. The
+ * last call has lo == 0. Returns the mean loss; *correct as above. */
+void ps_model_step_begin(ps_model *m, const float *x, const uint8_t *y, int n, uint64_t seed,
+                         uint64_t step);
+void ps_model_step_forward(ps_model *m, const float *params, size_t avail);
+/* The mean loss of the step once forward has run every layer (NAN before). */
+float ps_model_step_loss(const ps_model *m);
+float ps_model_step_backward(ps_model *m, const float *params, float *grads,
+                             void (*ready)(void *user, size_t lo), void *user, int *correct);
+
 /* Forward only, without dropout, over any number of examples x, y (host
  * memory; processed in chunks of max_batch) with params (backend memory).
  * Returns the mean loss; *correct as above. */

@@ -45,7 +45,18 @@ struct ps_client {
   pthread_mutex_t reg_mu; /* serializes re-registration */
   atomic_int tensors_in_flight; /* zero-copy push buffers gRPC still holds */
   rpc_request **reqs;
+  /* The push round in progress (ps_client_push_begin .. push_end). */
+  struct {
+    uint64_t *versions; /* per shard */
+    uint64_t step;
+    int batch_size;
+    char *state;        /* per shard: PUSH_PENDING, PUSH_IN_FLIGHT, PUSH_DONE */
+    rpc_request **reqs; /* per shard, while in flight */
+    ps_push_result res;
+  } push;
 };
+
+enum { PUSH_PENDING = 0, PUSH_IN_FLIGHT = 1, PUSH_DONE = 2 };
 
 static void fill_header(const ps_client *c, Ps__RequestHeader *h) {
   ps__request_header__init(h);
@@ -185,7 +196,11 @@ ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char 
   c->nshards = (int)r->n_shards;
   c->shards = calloc((size_t)c->nshards, sizeof *c->shards);
   c->reqs = calloc((size_t)c->nshards, sizeof *c->reqs);
-  if (!c->job_json || !c->shards || !c->reqs) {
+  c->push.versions = calloc((size_t)c->nshards, sizeof *c->push.versions);
+  c->push.state = calloc((size_t)c->nshards, 1);
+  c->push.reqs = calloc((size_t)c->nshards, sizeof *c->push.reqs);
+  if (!c->job_json || !c->shards || !c->reqs || !c->push.versions || !c->push.state ||
+      !c->push.reqs) {
     protobuf_c_message_free_unpacked(&r->base, NULL);
     ps_seterr(err, PS_ENOMEM, "out of memory");
     goto fail;
@@ -227,6 +242,11 @@ void ps_client_destroy(ps_client *c) {
   for (int s = 0; s < c->nshards && c->shards; s++) rpc_channel_destroy(c->shards[s].ch);
   free(c->shards);
   free(c->reqs);
+  for (int s = 0; s < c->nshards && c->push.reqs; s++)
+    if (c->push.reqs[s]) rpc_request_free(c->push.reqs[s]); /* cancels it */
+  free(c->push.reqs);
+  free(c->push.versions);
+  free(c->push.state);
   free(c->job_json);
   if (c->q) rpc_queue_destroy(c->q);
   if (c->hb_q) rpc_queue_destroy(c->hb_q);
@@ -266,6 +286,12 @@ static int status_code(int st) {
 
 int ps_client_pull(ps_client *c, float *params, uint64_t *versions,
                    const uint64_t *min_versions, char *err) {
+  return ps_client_pull_ex(c, params, versions, min_versions, NULL, NULL, err);
+}
+
+int ps_client_pull_ex(ps_client *c, float *params, uint64_t *versions,
+                      const uint64_t *min_versions, ps_pull_ready_fn ready, void *user,
+                      char *err) {
   int rc = PS_OK;
   for (int attempt = 0; attempt < 2; attempt++) {
     int retry_shard = -1;
@@ -325,6 +351,9 @@ int ps_client_pull(ps_client *c, float *params, uint64_t *versions,
         } else {
           ps_segview_copy(&tensor, 0, params + c->shards[s].off, tensor.total);
           versions[s] = r->version;
+          /* In shard order, so [0, off + cnt) has arrived, unless an
+           * earlier shard failed (then nothing more is said this attempt). */
+          if (ready && rc == PS_OK) ready(user, attempt, s, c->shards[s].off + c->shards[s].cnt);
         }
         protobuf_c_message_free_unpacked(m, NULL);
       }
@@ -342,66 +371,83 @@ static void tensor_released(void *user) {
   atomic_fetch_sub(&c->tensors_in_flight, 1);
 }
 
-/* Pushes to the shards with todo[s] set; sets again[s] for the shards that
- * answered NOT_FOUND (they applied nothing). */
-static int push_shards(ps_client *c, const float *grads, const uint64_t *versions, uint64_t step,
-                       int batch_size, const char *todo, char *again, ps_push_result *res,
-                       char *err) {
-  for (int s = 0; s < c->nshards; s++) {
-    c->reqs[s] = NULL;
-    again[s] = 0;
-    if (!todo[s]) continue;
-    Ps__RequestHeader h;
-    fill_header(c, &h);
-    Ps__PushRequest req = PS__PUSH_REQUEST__INIT;
-    req.header = &h;
-    req.base_version = versions[s];
-    req.offset = c->shards[s].off;
-    req.count = c->shards[s].cnt;
-    req.step = step;
-    req.batch_size = (uint32_t)batch_size;
-    rpc_msg msg;
-    atomic_fetch_add(&c->tensors_in_flight, 1);
-    /* The gradient goes out without a copy; tensor_released counts it
-     * back, and the caller's buffer is not reused before that. */
-    if (wire_encode(&req.base, grads + c->shards[s].off, c->shards[s].cnt * sizeof(float),
-                    tensor_released, c, &msg) == 0)
-      c->reqs[s] = rpc_start(c->q, c->shards[s].ch, M_PUSH, &msg, c->opts.timeout_ms, 1, err);
-    else
-      atomic_fetch_sub(&c->tensors_in_flight, 1);
-    if (!c->reqs[s]) return ps_seterr(err, PS_EUNAVAIL, "cannot start Push on shard %d", s);
-  }
+int ps_client_push_begin(ps_client *c, const uint64_t *versions, uint64_t step,
+                         int batch_size) {
+  for (int s = 0; s < c->nshards; s++)
+    if (c->push.state[s] == PUSH_IN_FLIGHT) return PS_EINVAL; /* the last round is not over */
+  memcpy(c->push.versions, versions, (size_t)c->nshards * sizeof *versions);
+  memset(c->push.state, PUSH_PENDING, (size_t)c->nshards);
+  memset(&c->push.res, 0, sizeof c->push.res);
+  c->push.step = step;
+  c->push.batch_size = batch_size;
+  return PS_OK;
+}
+
+int ps_client_push_shard(ps_client *c, int s, const float *grads, char *err) {
+  if (s < 0 || s >= c->nshards)
+    return ps_seterr(err, PS_EINVAL, "no shard %d (%d shards)", s, c->nshards);
+  if (c->push.state[s] != PUSH_PENDING) return PS_OK;
+  Ps__RequestHeader h;
+  fill_header(c, &h);
+  Ps__PushRequest req = PS__PUSH_REQUEST__INIT;
+  req.header = &h;
+  req.base_version = c->push.versions[s];
+  req.offset = c->shards[s].off;
+  req.count = c->shards[s].cnt;
+  req.step = c->push.step;
+  req.batch_size = (uint32_t)c->push.batch_size;
+  rpc_msg msg;
+  rpc_request *r = NULL;
+  atomic_fetch_add(&c->tensors_in_flight, 1);
+  /* The gradient goes out without a copy; tensor_released counts it
+   * back, and the caller's buffer is not reused before that. */
+  if (wire_encode(&req.base, grads + c->shards[s].off, c->shards[s].cnt * sizeof(float),
+                  tensor_released, c, &msg) == 0)
+    r = rpc_start(c->q, c->shards[s].ch, M_PUSH, &msg, c->opts.timeout_ms, 1, err);
+  else
+    atomic_fetch_sub(&c->tensors_in_flight, 1);
+  if (!r) return ps_seterr(err, PS_EUNAVAIL, "cannot start Push on shard %d", s);
+  c->push.reqs[s] = r;
+  c->push.state[s] = PUSH_IN_FLIGHT;
+  return PS_OK;
+}
+
+/* Waits for every push in flight. A shard that answered NOT_FOUND (it
+ * applied nothing) goes back to pending and *again is set; other failures
+ * go back to pending too and the first one is returned. */
+static int push_wait_all(ps_client *c, int *again, char *err) {
   int rc = PS_OK;
+  *again = 0;
   for (int s = 0; s < c->nshards; s++) {
-    if (!c->reqs[s]) continue;
+    if (c->push.state[s] != PUSH_IN_FLIGHT) continue;
     char detail[PS_ERRLEN] = "";
     ps_segview view;
-    int st = rpc_wait(c->reqs[s], detail, &view);
+    int st = rpc_wait(c->push.reqs[s], detail, &view);
+    c->push.state[s] = PUSH_PENDING;
     if (st == RPC_OK) {
+      c->push.state[s] = PUSH_DONE;
       uint8_t small[256];
       if (view.total <= sizeof small && ps_segview_copy(&view, 0, small, view.total) == 0) {
         Ps__PushResponse *r = ps__push_response__unpack(NULL, view.total, small);
         if (r) {
-          if (res) {
-            res->staleness_sum += r->staleness;
-            if (r->staleness > res->staleness_max) res->staleness_max = r->staleness;
-            res->dropped += r->dropped;
-          }
+          c->push.res.staleness_sum += r->staleness;
+          if (r->staleness > c->push.res.staleness_max) c->push.res.staleness_max = r->staleness;
+          c->push.res.dropped += r->dropped;
           ps__push_response__free_unpacked(r, NULL);
         }
       }
     } else if (st == RPC_NOT_FOUND) {
-      again[s] = 1;
+      *again = 1;
     } else if (rc == PS_OK) {
       rc = ps_seterr(err, status_code(st), "Push to shard %d (%s): %s: %s", s, c->shards[s].addr,
                      rpc_status_name(st), detail);
     }
-    rpc_request_free(c->reqs[s]);
-    c->reqs[s] = NULL;
+    rpc_request_free(c->push.reqs[s]);
+    c->push.reqs[s] = NULL;
   }
-  /* Wait (bounded) until gRPC has let go of every gradient buffer. */
-  /* Usually at once; gRPC may drop its reference a moment after the
-   * call completes, so poll finely, for at most 10 s. */
+  /* Wait (bounded) until gRPC has let go of every gradient buffer.
+   * Usually at once; gRPC may drop its reference a moment after the call
+   * completes, so poll finely, for at most 10 s. */
   for (int i = 0; i < 200000 && atomic_load(&c->tensors_in_flight) > 0; i++) {
     struct timespec ts = {0, 50000};
     nanosleep(&ts, NULL);
@@ -412,30 +458,65 @@ static int push_shards(ps_client *c, const float *grads, const uint64_t *version
   return rc;
 }
 
-int ps_client_push(ps_client *c, const float *grads, const uint64_t *versions, uint64_t step,
-                   int batch_size, ps_push_result *res, char *err) {
-  if (res) memset(res, 0, sizeof *res);
-  char todo[c->nshards], again[c->nshards];
-  memset(todo, 1, sizeof todo);
-  int rc = push_shards(c, grads, versions, step, batch_size, todo, again, res, err);
+/* Starts every pending shard; stops at the first that cannot start. */
+static int push_start_pending(ps_client *c, const float *grads, char *err) {
+  for (int s = 0; s < c->nshards; s++) {
+    if (c->push.state[s] != PUSH_PENDING) continue;
+    int rc = ps_client_push_shard(c, s, grads, err);
+    if (rc != PS_OK) return rc;
+  }
+  return PS_OK;
+}
+
+int ps_client_push_end(ps_client *c, const float *grads, ps_push_result *res, char *err) {
+  int rc = push_start_pending(c, grads, err);
+  int again = 0;
+  char werr[PS_ERRLEN] = "";
+  int wrc = push_wait_all(c, &again, werr); /* also after a failed start: nothing left out */
+  if (rc == PS_OK && wrc != PS_OK) {
+    rc = wrc;
+    snprintf(err, PS_ERRLEN, "%s", werr);
+  }
   /* A shard that had forgotten this worker applied nothing from it:
    * register again and push that shard's slice once more. */
-  int any = 0;
-  for (int s = 0; s < c->nshards; s++) {
-    if (!again[s]) continue;
-    int r = reregister(c, c->q, s, err);
-    if (r != 0) return r;
-    any = 1;
-  }
-  if (any && rc == PS_OK) {
-    memcpy(todo, again, sizeof todo);
-    rc = push_shards(c, grads, versions, step, batch_size, todo, again, res, err);
-    for (int s = 0; s < c->nshards; s++)
-      if (again[s] && rc == PS_OK)
+  if (rc == PS_OK && again) {
+    for (int s = 0; s < c->nshards; s++) {
+      if (c->push.state[s] != PUSH_PENDING) continue;
+      int r = reregister(c, c->q, s, err);
+      if (r != 0) return r;
+    }
+    rc = push_start_pending(c, grads, err);
+    int again2 = 0;
+    wrc = push_wait_all(c, &again2, werr);
+    if (rc == PS_OK && wrc != PS_OK) {
+      rc = wrc;
+      snprintf(err, PS_ERRLEN, "%s", werr);
+    }
+    for (int s = 0; s < c->nshards && rc == PS_OK; s++)
+      if (again2 && c->push.state[s] == PUSH_PENDING)
         rc = ps_seterr(err, PS_ENOTFOUND, "shard %d refused this worker after it registered again",
                        s);
   }
+  if (res) *res = c->push.res;
   return rc;
+}
+
+int ps_client_push_pending(const ps_client *c) {
+  int n = 0;
+  for (int s = 0; s < c->nshards; s++) n += c->push.state[s] != PUSH_DONE;
+  return n;
+}
+
+int ps_client_push(ps_client *c, const float *grads, const uint64_t *versions, uint64_t step,
+                   int batch_size, ps_push_result *res, char *err) {
+  int rc = ps_client_push_begin(c, versions, step, batch_size);
+  if (rc != PS_OK) return ps_seterr(err, rc, "a push is still in flight");
+  return ps_client_push_end(c, grads, res, err);
+}
+
+void ps_client_shard_range(const ps_client *c, int s, size_t *off, size_t *cnt) {
+  *off = c->shards[s].off;
+  *cnt = c->shards[s].cnt;
 }
 
 int ps_client_heartbeat(ps_client *c, uint64_t step, char *err) {

@@ -41,6 +41,22 @@ int ps_client_heartbeat_timeout_ms(const ps_client *c);
 int ps_client_pull(ps_client *c, float *params, uint64_t *versions,
                    const uint64_t *min_versions, char *err);
 
+/* ps_client_pull, telling as the shards arrive: ready(user, attempt, s,
+ * avail) is called (on the calling thread) once shard s's range is in
+ * params, so that params[0, avail) has arrived (shards are read in order).
+ * attempt counts from 0; it grows when the pull starts over (a shard that
+ * had forgotten this worker, which registers again): what arrived in an
+ * earlier attempt is then read again. Nothing is said about the shards
+ * after one that failed. */
+typedef void (*ps_pull_ready_fn)(void *user, int attempt, int shard, size_t avail);
+int ps_client_pull_ex(ps_client *c, float *params, uint64_t *versions,
+                      const uint64_t *min_versions, ps_pull_ready_fn ready, void *user,
+                      char *err);
+
+/* Shard s's range of the flat vector: [off, off + cnt). The ranges tile
+ * [0, P) in shard order. */
+void ps_client_shard_range(const ps_client *c, int s, size_t *off, size_t *cnt);
+
 /* How long a shard may hold a pull back (the job's wait_timeout_ms in ssp
  * and sync modes): added to the pull's deadline. */
 void ps_client_set_wait_ms(ps_client *c, int wait_ms);
@@ -53,9 +69,28 @@ typedef struct {
 
 /* Pushes each shard its slice of grads (P floats) with the version it was
  * computed from. grads must not change until the call returns. res (may be
- * NULL) receives what the shards said: staleness and dropped gradients. */
+ * NULL) receives what the shards said: staleness and dropped gradients.
+ * The same as push_begin then push_end, below. */
 int ps_client_push(ps_client *c, const float *grads, const uint64_t *versions, uint64_t step,
                    int batch_size, ps_push_result *res, char *err);
+
+/* The same push in parts, so that a shard's slice can go out as soon as
+ * it is ready (while the rest of the gradient is still being computed):
+ *   begin: a new round with the versions the gradient was computed from
+ *     (PS_EINVAL while the last round still has calls in flight);
+ *   push_shard: starts shard s's call with its slice of grads (nothing if
+ *     it was started or done already this round);
+ *   push_end: starts the shards not started yet, waits for all, registers
+ *     again with a shard that forgot this worker and pushes it once more.
+ *     On an error the shards that failed stay pending and those that
+ *     applied the gradient are done: calling push_end again (a retry)
+ *     pushes only the pending ones, so no shard applies a gradient twice.
+ * grads must not change from the first push_shard until push_end returns.
+ * pending: the shards of the round not done yet. */
+int ps_client_push_begin(ps_client *c, const uint64_t *versions, uint64_t step, int batch_size);
+int ps_client_push_shard(ps_client *c, int s, const float *grads, char *err);
+int ps_client_push_end(ps_client *c, const float *grads, ps_push_result *res, char *err);
+int ps_client_push_pending(const ps_client *c);
 
 /* Heartbeat to every shard; a shard that no longer knows this worker is
  * registered with again. */

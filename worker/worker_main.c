@@ -42,6 +42,7 @@ typedef struct {
   int replicas, per_replica_batch;
   int evaluator, max_evals, idle_evals; /* the evaluator role */
   int overlap;  /* async/ssp: push and pull on a second thread while computing */
+  int pipeline; /* pull, compute and push of a step overlap shard by shard */
   ps_replicas *reps;
   int64_t max_steps;
   double log_interval, eval_interval, retry_s;
@@ -57,9 +58,7 @@ typedef struct {
   float *dparams, *dgrads; /* the backend's copies (the same buffers on the cpu) */
   uint64_t *versions;     /* per shard: the version pulled */
   uint64_t *min_versions; /* per shard: sync mode waits for the step pushed */
-  /* the push in progress */
-  int push_batch;
-  uint64_t push_step;
+  /* the last push's answers */
   ps_push_result push_res;
   int rank;
   /* local mode: the optimizer runs here */
@@ -180,10 +179,11 @@ static int op_pull(void *ctx, char *err) {
                         w->job.mode_kind == PS_MODE_SYNC ? w->min_versions : NULL, err);
 }
 
+/* The end of a push round started with ps_client_push_begin: a retry
+ * pushes only the shards that have not applied the gradient. */
 static int op_push(void *ctx, char *err) {
   worker *w = ctx;
-  int rc = ps_client_push(w->client, w->grads, w->versions, w->push_step, w->push_batch,
-                          &w->push_res, err);
+  int rc = ps_client_push_end(w->client, w->grads, &w->push_res, err);
   /* sync: the next pull waits for the step this gradient was for (or, if
    * it was dropped, for the step that went on without it: already done). */
   if (rc == 0)
@@ -320,8 +320,7 @@ typedef struct {
 
 static int comm_push(void *ctx, char *err) {
   comm_job *j = ctx;
-  return ps_client_push(j->w->client, j->grads, j->base_versions, j->step, j->batch, &j->res,
-                        err);
+  return ps_client_push_end(j->w->client, j->grads, &j->res, err);
 }
 
 static int comm_pull(void *ctx, char *err) {
@@ -332,7 +331,9 @@ static int comm_pull(void *ctx, char *err) {
 static void comm_run(comm_job *j) {
   worker *w = j->w;
   j->err[0] = '\0';
-  j->rc = with_retry_ctx(w, "Push", comm_push, j, j->err);
+  j->rc = ps_client_push_begin(w->client, j->base_versions, j->step, j->batch);
+  if (j->rc != 0) snprintf(j->err, sizeof j->err, "a push is still in flight");
+  if (j->rc == 0) j->rc = with_retry_ctx(w, "Push", comm_push, j, j->err);
   if (j->rc == 0 && j->lease_tag) {
     ps_client_lease l;
     j->lease_reported = 1;
@@ -384,6 +385,107 @@ static void comm_stop(comm_thread *c) {
   uv_mutex_destroy(&c->mu);
 }
 
+/* ---------------- the pipelined step ----------------
+ *
+ * Pull, compute and push of one step overlap, shard by shard, in the
+ * training thread (ps_model_step_* and ps_client_pull_ex/push_shard):
+ *  - as each shard's reply lands in the pinned host buffer, its range is
+ *    copied to the device on the copy queue, and every layer whose
+ *    parameters have all arrived is queued forward; the device computes the
+ *    first layers while later shards are still on the wire;
+ *  - the backward pass is queued in one go; as a layer's gradient is
+ *    written, the shards whose ranges are complete get copied back on the
+ *    copy queue, and each shard's push starts as soon as its copy has
+ *    landed, while the device goes on with earlier layers.
+ * The gradient and the parameters are those of the plain step, bit for bit
+ * (the integration test `pipeline` compares them). On the cpu backend the
+ * copies are nothing and the ops are done on return, so what overlaps is
+ * the pushes of the last layers' shards with the backward pass of the
+ * first ones (the shards apply while the worker computes). */
+typedef struct {
+  worker *w;
+  ps_batch *b;
+  uint64_t stream;
+  int attempt;
+  int nshards;
+  uint64_t *tickets; /* per shard: its gradient's copy to the host */
+  int to_copy;       /* shards >= to_copy have been copied (or queued) */
+  int to_push;       /* shards >= to_push have been pushed */
+  int backward_done;  /* the backward pass has written every gradient */
+  uint64_t early;     /* pushes started before it had */
+} pipe_step;
+
+static void pipe_begin(pipe_step *p) {
+  worker *w = p->w;
+  ps_model_step_begin(w->model, p->b->x, p->b->y, p->b->n, w->job.seed ^ 0xd0d0, p->stream);
+}
+
+static void pipe_pull_ready(void *user, int attempt, int shard, size_t avail) {
+  pipe_step *p = user;
+  worker *w = p->w;
+  if (attempt != p->attempt) {
+    /* The pull started over: so does the forward pass, once the ops that
+     * read the earlier attempt's parameters are done. */
+    w->ops->sync(w->ops->ctx);
+    pipe_begin(p);
+    p->attempt = attempt;
+  }
+  if (w->dparams != w->params) {
+    size_t off, cnt;
+    ps_client_shard_range(w->client, shard, &off, &cnt);
+    w->ops->to_device_async(w->ops->ctx, w->dparams + off, w->params + off, cnt * sizeof(float));
+  }
+  ps_model_step_forward(w->model, w->dparams, avail);
+}
+
+static int op_pull_pipelined(void *ctx, char *err) {
+  pipe_step *p = ctx;
+  worker *w = p->w;
+  w->ops->sync(w->ops->ctx); /* nothing queued may still read dparams */
+  pipe_begin(p);
+  p->attempt = 0;
+  return ps_client_pull_ex(w->client, w->params, w->versions,
+                           w->job.mode_kind == PS_MODE_SYNC ? w->min_versions : NULL,
+                           pipe_pull_ready, p, err);
+}
+
+/* Starts the pushes of the shards whose gradients have landed on the host,
+ * from the last shard down; wait: wait for each copy rather than stop at
+ * the first one still in flight. A push that cannot start now is started
+ * (and its failure reported) by ps_client_push_end. */
+static void pipe_push_landed(pipe_step *p, int wait) {
+  worker *w = p->w;
+  char err[PS_ERRLEN];
+  while (p->to_push > p->to_copy) {
+    int s = p->to_push - 1;
+    if (wait)
+      w->ops->ticket_wait(w->ops->ctx, p->tickets[s]);
+    else if (!w->ops->ticket_done(w->ops->ctx, p->tickets[s]))
+      return;
+    if (ps_client_push_shard(w->client, s, w->grads, err) == 0 && !p->backward_done) p->early++;
+    p->to_push = s;
+  }
+}
+
+/* The backward pass has written grads[lo, P). */
+static void pipe_grads_ready(void *user, size_t lo) {
+  pipe_step *p = user;
+  worker *w = p->w;
+  if (lo == 0) p->backward_done = 1;
+  while (p->to_copy > 0) {
+    int s = p->to_copy - 1;
+    size_t off, cnt;
+    ps_client_shard_range(w->client, s, &off, &cnt);
+    if (off < lo) break;
+    p->tickets[s] = w->dgrads != w->grads
+                        ? w->ops->to_host_async(w->ops->ctx, w->grads + off, w->dgrads + off,
+                                                cnt * sizeof(float))
+                        : 0;
+    p->to_copy = s;
+  }
+  pipe_push_landed(p, 0);
+}
+
 static int train(worker *w) {
   char err[PS_ERRLEN];
   const size_t P = w->job.model.n_params;
@@ -417,16 +519,30 @@ static int train(worker *w) {
     PS_INFO("overlap: off in sync mode");
     overlap = 0;
   }
+  /* The pipelined step: the plain step (not local, overlap or replicas),
+   * unless --pipeline off. */
+  int pipelined = w->pipeline && !w->local && w->client && !overlap && !w->reps;
+  int nshards = w->client ? ps_client_num_shards(w->client) : 0;
+  uint64_t *tickets = NULL, early_pushes = 0, all_pushes = 0;
+  if (pipelined) {
+    tickets = calloc((size_t)nshards, sizeof *tickets);
+    if (!tickets) {
+      PS_ERROR("out of memory");
+      return 1;
+    }
+    PS_INFO("pipeline: each shard's parameters go to the compute as they arrive, and its "
+            "gradient out as soon as it is computed");
+  }
   comm_thread comm;
   comm_job jobs[2];
   float *pbuf[2] = {w->params, NULL}, *gbuf[2] = {w->grads, NULL};
   uint64_t *vbuf[2] = {w->versions, NULL};
   int job_pending = 0;
   if (overlap) {
-    size_t nshards = (size_t)ps_client_num_shards(w->client);
+    size_t ns = (size_t)nshards;
     pbuf[1] = host_buffer(w, P * sizeof(float));
     gbuf[1] = host_buffer(w, P * sizeof(float));
-    vbuf[1] = calloc(nshards, sizeof(uint64_t));
+    vbuf[1] = calloc(ns, sizeof(uint64_t));
     memset(&comm, 0, sizeof comm);
     int ok = pbuf[1] && gbuf[1] && vbuf[1];
     if (ok && uv_mutex_init(&comm.mu) == 0) {
@@ -455,7 +571,7 @@ static int train(worker *w) {
       return 1;
     }
     memcpy(pbuf[1], pbuf[0], P * sizeof(float));
-    memcpy(vbuf[1], vbuf[0], nshards * sizeof(uint64_t));
+    memcpy(vbuf[1], vbuf[0], ns * sizeof(uint64_t));
     PS_INFO("overlap: pushes and pulls run beside compute (one version staler)");
   }
 
@@ -486,71 +602,44 @@ static int train(worker *w) {
         w->dgrads = w->grads;
       }
     }
-    double ta = ps_now_s();
-    if (!w->local && !overlap && with_retry(w, "Pull", op_pull, err) != 0) {
-      PS_ERROR("%s", err);
-      ps_batcher_release(w->batcher, b);
-      rc = 1;
-      break;
-    }
-    double tb = ps_now_s();
-    int correct = 0;
-    if (w->dparams != w->params) ps_model_params_to_device(w->model, w->dparams, w->params);
+    double ta = ps_now_s(), tb, tc, td;
     uint64_t stream = (uint64_t)step * 1024 + (uint64_t)w->rank;
-    float loss = w->reps ? ps_replicas_train_step(w->reps, w->dparams, b->x, b->y, b->n,
-                                                  w->job.seed ^ 0xd0d0, stream, w->dgrads,
-                                                  &correct)
-                         : ps_model_train_step(w->model, w->dparams, b->x, b->y, b->n,
-                                               w->job.seed ^ 0xd0d0, stream, w->dgrads, &correct);
-    if (w->dgrads != w->grads) ps_model_params_to_host(w->model, w->grads, w->dgrads);
-    if (w->straggle_ms > 0) ps_sleep_ms(w->straggle_ms); /* an artificial straggler */
-    double tc = ps_now_s();
-    if (!isfinite(loss)) {
-      PS_ERROR("step %" PRId64 ": the loss is %f; the gradient is not pushed. Lower the "
-               "learning rate.", step, (double)loss);
-      ps_batcher_release(w->batcher, b);
-      rc = 1;
-      break;
-    }
-    if (w->local) {
-      w->opt->apply(&w->job.optim, (uint64_t)step + 1, w->job.optim.lr, w->params, w->slots,
-                    w->grads, P);
-    } else if (overlap) {
-      /* Wait for the previous round (it filled the other parameter buffer,
-       * which the next step computes from), then start this step's. */
-      if (job_pending) {
-        comm_wait(&comm);
-        job_pending = 0;
-        comm_job *pj = &jobs[1 - cur];
-        if (pj->rc != 0) {
-          PS_ERROR("%s", pj->err);
-          ps_batcher_release(w->batcher, b);
-          rc = 1;
-          break;
-        }
-        stale_sum += pj->res.staleness_sum;
-        stale_n += (uint64_t)ps_client_num_shards(w->client);
-        if (pj->res.staleness_max > stale_max) stale_max = pj->res.staleness_max;
-        if (pj->lease_reported) {
-          if (pj->lease_counted) chunks_done++;
-          else chunks_lost++;
-        }
+    int correct = 0;
+    float loss;
+    if (pipelined) {
+      pipe_step p = {.w = w, .b = b, .stream = stream, .nshards = nshards, .tickets = tickets,
+                     .to_copy = nshards, .to_push = nshards};
+      if (with_retry_ctx(w, "Pull", op_pull_pipelined, &p, err) != 0) {
+        PS_ERROR("%s", err);
+        ps_batcher_release(w->batcher, b);
+        rc = 1;
+        break;
       }
-      comm_job *j = &jobs[cur];
-      memset(j, 0, sizeof *j);
-      j->w = w;
-      j->grads = gbuf[cur];
-      j->base_versions = vbuf[cur];
-      j->step = (uint64_t)step;
-      j->batch = b->n;
-      j->lease_tag = leased && b->last_in_chunk ? b->tag : 0;
-      j->pull_into = pbuf[cur]; /* computed from; free now */
-      j->pull_versions = vbuf[cur];
-      comm_start_job(&comm, j);
-      job_pending = 1;
-    } else {
-      w->push_batch = b->n;
-      w->push_step = (uint64_t)step;
+      tb = ps_now_s();
+      /* An artificial straggler: here, before the first push can start, so
+       * that every shard's gradient is late (and, as in the plain step,
+       * after a sync pull was granted). */
+      if (w->straggle_ms > 0) ps_sleep_ms(w->straggle_ms);
+      ps_model_step_forward(w->model, w->dparams, P); /* done already: every shard arrived */
+      loss = ps_model_step_loss(w->model);
+      if (!isfinite(loss)) {
+        PS_ERROR("step %" PRId64 ": the loss is %f; the gradient is not pushed. Lower the "
+                 "learning rate.", step, (double)loss);
+        ps_batcher_release(w->batcher, b);
+        rc = 1;
+        break;
+      }
+      if (ps_client_push_begin(w->client, w->versions, (uint64_t)step, b->n) != 0) {
+        PS_ERROR("a push is still in flight");
+        ps_batcher_release(w->batcher, b);
+        rc = 1;
+        break;
+      }
+      ps_model_step_backward(w->model, w->dparams, w->dgrads, pipe_grads_ready, &p, &correct);
+      pipe_push_landed(&p, 1);
+      early_pushes += p.early;
+      all_pushes += (uint64_t)nshards;
+      tc = ps_now_s();
       if (with_retry(w, "Push", op_push, err) != 0) {
         PS_ERROR("%s", err);
         ps_batcher_release(w->batcher, b);
@@ -558,11 +647,86 @@ static int train(worker *w) {
         break;
       }
       stale_sum += w->push_res.staleness_sum;
-      stale_n += (uint64_t)ps_client_num_shards(w->client);
+      stale_n += (uint64_t)nshards;
       if (w->push_res.staleness_max > stale_max) stale_max = w->push_res.staleness_max;
       dropped += w->push_res.dropped > 0;
+      td = ps_now_s();
+    } else {
+      if (!w->local && !overlap && with_retry(w, "Pull", op_pull, err) != 0) {
+        PS_ERROR("%s", err);
+        ps_batcher_release(w->batcher, b);
+        rc = 1;
+        break;
+      }
+      tb = ps_now_s();
+      if (w->dparams != w->params) ps_model_params_to_device(w->model, w->dparams, w->params);
+      loss = w->reps ? ps_replicas_train_step(w->reps, w->dparams, b->x, b->y, b->n,
+                                                    w->job.seed ^ 0xd0d0, stream, w->dgrads,
+                                                    &correct)
+                           : ps_model_train_step(w->model, w->dparams, b->x, b->y, b->n,
+                                                 w->job.seed ^ 0xd0d0, stream, w->dgrads, &correct);
+      if (w->dgrads != w->grads) ps_model_params_to_host(w->model, w->grads, w->dgrads);
+      if (w->straggle_ms > 0) ps_sleep_ms(w->straggle_ms); /* an artificial straggler */
+      tc = ps_now_s();
+      if (!isfinite(loss)) {
+        PS_ERROR("step %" PRId64 ": the loss is %f; the gradient is not pushed. Lower the "
+                 "learning rate.", step, (double)loss);
+        ps_batcher_release(w->batcher, b);
+        rc = 1;
+        break;
+      }
+      if (w->local) {
+        w->opt->apply(&w->job.optim, (uint64_t)step + 1, w->job.optim.lr, w->params, w->slots,
+                      w->grads, P);
+      } else if (overlap) {
+        /* Wait for the previous round (it filled the other parameter buffer,
+         * which the next step computes from), then start this step's. */
+        if (job_pending) {
+          comm_wait(&comm);
+          job_pending = 0;
+          comm_job *pj = &jobs[1 - cur];
+          if (pj->rc != 0) {
+            PS_ERROR("%s", pj->err);
+            ps_batcher_release(w->batcher, b);
+            rc = 1;
+            break;
+          }
+          stale_sum += pj->res.staleness_sum;
+          stale_n += (uint64_t)ps_client_num_shards(w->client);
+          if (pj->res.staleness_max > stale_max) stale_max = pj->res.staleness_max;
+          if (pj->lease_reported) {
+            if (pj->lease_counted) chunks_done++;
+            else chunks_lost++;
+          }
+        }
+        comm_job *j = &jobs[cur];
+        memset(j, 0, sizeof *j);
+        j->w = w;
+        j->grads = gbuf[cur];
+        j->base_versions = vbuf[cur];
+        j->step = (uint64_t)step;
+        j->batch = b->n;
+        j->lease_tag = leased && b->last_in_chunk ? b->tag : 0;
+        j->pull_into = pbuf[cur]; /* computed from; free now */
+        j->pull_versions = vbuf[cur];
+        comm_start_job(&comm, j);
+        job_pending = 1;
+      } else {
+        int brc = ps_client_push_begin(w->client, w->versions, (uint64_t)step, b->n);
+        if (brc != 0) snprintf(err, sizeof err, "a push is still in flight");
+        if (brc != 0 || with_retry(w, "Push", op_push, err) != 0) {
+          PS_ERROR("%s", err);
+          ps_batcher_release(w->batcher, b);
+          rc = 1;
+          break;
+        }
+        stale_sum += w->push_res.staleness_sum;
+        stale_n += (uint64_t)ps_client_num_shards(w->client);
+        if (w->push_res.staleness_max > stale_max) stale_max = w->push_res.staleness_max;
+        dropped += w->push_res.dropped > 0;
+      }
+      td = ps_now_s();
     }
-    double td = ps_now_s();
     t_pull += tb - ta;
     t_comp += tc - tb;
     t_push += td - tc;
@@ -658,7 +822,11 @@ static int train(worker *w) {
     host_buffer_free(w, gbuf[1]);
     free(vbuf[1]);
   }
+  free(tickets);
   double elapsed = ps_now_s() - t0;
+  if (pipelined && all_pushes)
+    PS_INFO("pipeline: %" PRIu64 " of %" PRIu64 " shard pushes started while the backward pass "
+            "was still running", early_pushes, all_pushes);
   if (rc == 0) {
     if (leased)
       PS_INFO("leases: %" PRIu64 " chunk(s) done and counted, %" PRIu64 " not counted", chunks_done,
@@ -780,6 +948,10 @@ static void usage(FILE *f) {
           "  --overlap            async/ssp: push and pull on a second thread while the next\n"
           "                       step computes (hides the servers' time; gradients are one\n"
           "                       version staler)\n"
+          "  --pipeline on|off    overlap one step's pull, compute and push shard by shard:\n"
+          "                       the first layers compute while later shards arrive, and a\n"
+          "                       shard's gradient goes out while earlier layers compute\n"
+          "                       (default on; the same results either way)\n"
           "  --straggle-ms N      sleep N ms in every step: an artificial straggler, for\n"
           "                       comparing consistency modes\n"
           "  --log-level LEVEL    debug, info, warn or error (default info)\n"
@@ -820,6 +992,7 @@ int main(int argc, char **argv) {
   w.timeout_ms = 30000;
   w.retry_s = 60;
   w.idle_evals = 3;
+  w.pipeline = 1;
   w.threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
   if (w.threads < 1) w.threads = 1;
   int level = PS_LOG_INFO;
@@ -835,7 +1008,7 @@ int main(int argc, char **argv) {
       {"straggle-ms", required_argument, 0, 'S'}, {"save-params", required_argument, 0, 'P'},
       {"device", required_argument, 0, 'D'},      {"replicas", required_argument, 0, 'R'},
       {"evaluator", no_argument, 0, 'V'},         {"overlap", no_argument, 0, 'O'},         {"max-evals", required_argument, 0, 'X'},
-      {"idle-evals", required_argument, 0, 'I'},
+      {"idle-evals", required_argument, 0, 'I'},  {"pipeline", required_argument, 0, 'Q'},
       {"per-replica-batch", required_argument, 0, 'B'},
       {"log-level", required_argument, 0, 'v'},   {"help", no_argument, 0, 'h'},
       {0, 0, 0, 0}};
@@ -871,6 +1044,13 @@ int main(int argc, char **argv) {
       case 'D': w.device = optarg; break;
       case 'V': w.evaluator = 1; break;
       case 'O': w.overlap = 1; break;
+      case 'Q':
+        if (strcmp(optarg, "on") != 0 && strcmp(optarg, "off") != 0) {
+          fprintf(stderr, "ps-worker: --pipeline wants on or off, not '%s'\n", optarg);
+          return 2;
+        }
+        w.pipeline = strcmp(optarg, "on") == 0;
+        break;
       case 'X': if (parse_int("--max-evals", optarg, 1, 1L << 30, &v)) return 2; w.max_evals = (int)v; break;
       case 'I': if (parse_int("--idle-evals", optarg, 1, 1L << 30, &v)) return 2; w.idle_evals = (int)v; break;
       case 'R': if (parse_int("--replicas", optarg, 1, 256, &v)) return 2; w.replicas = (int)v; break;

@@ -759,6 +759,27 @@ static void cpu_mem_copy(void *ctx, void *dst, const void *src, size_t bytes) {
 
 static void cpu_sync(void *ctx) { (void)ctx; }
 
+static uint64_t cpu_to_host_async(void *ctx, void *dst, const void *src, size_t bytes) {
+  cpu_mem_copy(ctx, dst, src, bytes);
+  return 0;
+}
+
+static int cpu_ticket_done(void *ctx, uint64_t ticket) {
+  (void)ctx;
+  (void)ticket;
+  return 1;
+}
+
+static void cpu_ticket_wait(void *ctx, uint64_t ticket) {
+  (void)ctx;
+  (void)ticket;
+}
+
+static void cpu_scale(void *ctx, size_t n, float alpha, float *x) {
+  (void)ctx;
+  for (size_t i = 0; i < n; i++) x[i] *= alpha;
+}
+
 /* ---- the table ---- */
 
 /* Stops and joins the workers that were started, then frees everything. */
@@ -832,6 +853,11 @@ ps_ops *ps_ops_cpu_create(int threads) {
       .copy = cpu_mem_copy,
       .sync = cpu_sync,
       .host_memory = 1,
+      .to_device_async = cpu_mem_copy,
+      .to_host_async = cpu_to_host_async,
+      .ticket_done = cpu_ticket_done,
+      .ticket_wait = cpu_ticket_wait,
+      .scale = cpu_scale,
   };
   return &be->ops;
 

@@ -63,6 +63,16 @@ typedef struct {
   ps_ops ops; /* ops.ctx points back at this struct */
   int device;
   cudaStream_t stream; /* every op and copy of the backend, in order */
+  /* Copies beside compute (to_device_async, to_host_async): their own
+   * stream, ordered against `stream` with events. A ticket t is the event
+   * tickets[t % N_TICKETS] recorded after its copy; when that event has
+   * since been recorded again, waiting for it waits for a later copy on
+   * the same stream, which is never too short. */
+  cudaStream_t copy_stream;
+  cudaEvent_t h2d_done;     /* recorded on copy_stream after each to_device_async */
+  cudaEvent_t compute_mark; /* recorded on stream before each to_host_async */
+  cudaEvent_t tickets[64];
+  uint64_t last_ticket;
   cudnnHandle_t cudnn;
   cublasHandle_t cublas;
   void *work; /* cuDNN workspace: the largest any plan needs */
@@ -98,11 +108,19 @@ static void zero_async(cuda_backend *be, void *p, size_t bytes) {
   if (p && bytes) CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, be->stream));
 }
 
-/* Frees p once the work queued on the stream (which may still read it) is
+enum { N_TICKETS = 64 };
+
+/* Waits for both streams. */
+static void sync_streams(cuda_backend *be) {
+  CUDA_CHECK(cudaStreamSynchronize(be->stream));
+  CUDA_CHECK(cudaStreamSynchronize(be->copy_stream));
+}
+
+/* Frees p once the work queued on the streams (which may still read it) is
  * done. */
 static void free_after_stream(cuda_backend *be, void *p) {
   if (!p) return;
-  CUDA_CHECK(cudaStreamSynchronize(be->stream));
+  sync_streams(be);
   CUDA_CHECK(cudaFree(p));
 }
 
@@ -740,7 +758,56 @@ static void cuda_copy(void *ctx, void *dst, const void *src, size_t bytes) {
     CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, be->stream));
 }
 
-static void cuda_sync(void *ctx) { CUDA_CHECK(cudaStreamSynchronize(enter(ctx)->stream)); }
+static void cuda_sync(void *ctx) { sync_streams(enter(ctx)); }
+
+static void cuda_to_device_async(void *ctx, void *dst, const void *src_host, size_t bytes) {
+  cuda_backend *be = enter(ctx);
+  if (!bytes) return;
+  CUDA_CHECK(cudaMemcpyAsync(dst, src_host, bytes, cudaMemcpyHostToDevice, be->copy_stream));
+  CUDA_CHECK(cudaEventRecord(be->h2d_done, be->copy_stream));
+  /* The ops queued from now on wait for this copy, and for nothing else
+   * on the copy stream queued after it. */
+  CUDA_CHECK(cudaStreamWaitEvent(be->stream, be->h2d_done, 0));
+}
+
+static uint64_t cuda_to_host_async(void *ctx, void *dst_host, const void *src, size_t bytes) {
+  cuda_backend *be = enter(ctx);
+  if (!bytes) return 0;
+  CUDA_CHECK(cudaEventRecord(be->compute_mark, be->stream));
+  CUDA_CHECK(cudaStreamWaitEvent(be->copy_stream, be->compute_mark, 0));
+  CUDA_CHECK(cudaMemcpyAsync(dst_host, src, bytes, cudaMemcpyDeviceToHost, be->copy_stream));
+  uint64_t t = ++be->last_ticket;
+  CUDA_CHECK(cudaEventRecord(be->tickets[t % N_TICKETS], be->copy_stream));
+  return t;
+}
+
+static int cuda_ticket_done(void *ctx, uint64_t ticket) {
+  cuda_backend *be = enter(ctx);
+  if (ticket == 0) return 1;
+  cudaError_t e = cudaEventQuery(be->tickets[ticket % N_TICKETS]);
+  if (e == cudaErrorNotReady) {
+    (void)cudaGetLastError(); /* not an error: clear it */
+    return 0;
+  }
+  CUDA_CHECK(e);
+  return 1;
+}
+
+static void cuda_ticket_wait(void *ctx, uint64_t ticket) {
+  cuda_backend *be = enter(ctx);
+  if (ticket) CUDA_CHECK(cudaEventSynchronize(be->tickets[ticket % N_TICKETS]));
+}
+
+static __global__ void scale_kernel(size_t n, float alpha, float *x) {
+  GRID_STRIDE(i, n) x[i] *= alpha;
+}
+
+static void cuda_scale(void *ctx, size_t n, float alpha, float *x) {
+  cuda_backend *be = enter(ctx);
+  if (!n) return;
+  scale_kernel<<<blocks_for(n), THREADS, 0, be->stream>>>(n, alpha, x);
+  CUDA_CHECK_LAUNCH();
+}
 
 /* ---- creation and destruction ---- */
 
@@ -757,6 +824,12 @@ static void cuda_sync(void *ctx) { CUDA_CHECK(cudaStreamSynchronize(enter(ctx)->
   } while (0)
 static void cuda_free_backend(cuda_backend *be, bool strict) {
   if (be->stream) RELEASE(CUDA_CHECK, cudaStreamSynchronize(be->stream));
+  if (be->copy_stream) RELEASE(CUDA_CHECK, cudaStreamSynchronize(be->copy_stream));
+  for (int i = 0; i < N_TICKETS; i++)
+    if (be->tickets[i]) RELEASE(CUDA_CHECK, cudaEventDestroy(be->tickets[i]));
+  if (be->h2d_done) RELEASE(CUDA_CHECK, cudaEventDestroy(be->h2d_done));
+  if (be->compute_mark) RELEASE(CUDA_CHECK, cudaEventDestroy(be->compute_mark));
+  if (be->copy_stream) RELEASE(CUDA_CHECK, cudaStreamDestroy(be->copy_stream));
   for (int i = 0; i < be->n_plans; i++) conv_plan_destroy(&be->plans[i]);
   free(be->plans);
   if (be->work) RELEASE(CUDA_CHECK, cudaFree(be->work));
@@ -833,6 +906,11 @@ extern "C" ps_ops *ps_ops_cuda_create(int device, char *err) {
   } while (0)
   TRY(cudaSetDevice(device));
   TRY(cudaStreamCreateWithFlags(&be->stream, cudaStreamNonBlocking));
+  TRY(cudaStreamCreateWithFlags(&be->copy_stream, cudaStreamNonBlocking));
+  TRY(cudaEventCreateWithFlags(&be->h2d_done, cudaEventDisableTiming));
+  TRY(cudaEventCreateWithFlags(&be->compute_mark, cudaEventDisableTiming));
+  for (int i = 0; i < N_TICKETS; i++)
+    TRY(cudaEventCreateWithFlags(&be->tickets[i], cudaEventDisableTiming));
   TRY(cudnnCreate(&be->cudnn));
   TRY(cudnnSetStream(be->cudnn, be->stream));
   TRY(cublasCreate(&be->cublas));
@@ -867,6 +945,11 @@ extern "C" ps_ops *ps_ops_cuda_create(int device, char *err) {
   be->ops.copy = cuda_copy;
   be->ops.sync = cuda_sync;
   be->ops.host_memory = 0;
+  be->ops.to_device_async = cuda_to_device_async;
+  be->ops.to_host_async = cuda_to_host_async;
+  be->ops.ticket_done = cuda_ticket_done;
+  be->ops.ticket_wait = cuda_ticket_wait;
+  be->ops.scale = cuda_scale;
   return &be->ops;
 }
 
@@ -937,9 +1020,7 @@ extern "C" void ps_cuda_memset_zero(ps_ops *ops, void *dst_dev, size_t bytes) {
   zero_async(backend_of(ops), dst_dev, bytes);
 }
 
-extern "C" void ps_cuda_sync(ps_ops *ops) {
-  CUDA_CHECK(cudaStreamSynchronize(backend_of(ops)->stream));
-}
+extern "C" void ps_cuda_sync(ps_ops *ops) { sync_streams(backend_of(ops)); }
 
 extern "C" int ps_cuda_device_name(int device, char *name, size_t len, size_t *total_bytes) {
   if (name && len) name[0] = '\0';

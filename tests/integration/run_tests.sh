@@ -199,6 +199,42 @@ print(f"sync_equivalence: {len(a)} parameters, largest relative difference {wors
 assert worst < 1e-4, worst
 PY
   ;;
+pipeline)
+  # The pipelined step (each shard's parameters go to the compute as they
+  # arrive, each shard's gradient out as soon as it is written) computes
+  # what the plain step does: one worker, 3 shards, dropout and momentum,
+  # 30 steps with --pipeline on and off end with the same parameter bytes.
+  for mode in on off; do
+    "$root/deploy/local-cluster.sh" --job "$here/jobs/pipeline.json" --bin "$build" \
+      --servers 3 --workers 1 --out "$out/$mode" --timeout 120 --threads 1 -- \
+      --pipeline "$mode" --save-params "$out/$mode.bin" >"$out/$mode.out" 2>&1 \
+      || { tail -20 "$out/$mode.out"; fail "the run with --pipeline $mode failed"; }
+  done
+  grep -q "pipeline: each shard" "$out/on/worker-0.log" || fail "the pipelined step was not used"
+  if grep -q "pipeline: each shard" "$out/off/worker-0.log"; then fail "--pipeline off was ignored"; fi
+  # The layout puts shards 1 and 2 in the dense layers: their pushes start
+  # before the convolution's backward pass, in every step.
+  early=$(sed -n 's/.*pipeline: \([0-9]*\) of \([0-9]*\) shard pushes started while.*/\1 \2/p' \
+    "$out/on/worker-0.log")
+  echo "pipeline: early pushes / all pushes: ${early:-none}"
+  [ "$early" = "60 90" ] || fail "expected 60 of 90 pushes to start during the backward pass"
+  for s in 0 1 2; do
+    v=$(status "$out/on/status-$s.json" version)
+    [ "$v" = 30 ] || fail "shard $s applied $v steps with the pipeline, expected 30"
+  done
+  python3 - "$out" <<'PY' || fail "parameters differ"
+import struct, sys
+out = sys.argv[1]
+def load(p):
+    b = open(p, "rb").read()
+    return struct.unpack("<%df" % (len(b) // 4), b)
+a, b = load(f"{out}/on.bin"), load(f"{out}/off.bin")
+assert len(a) == len(b) and len(a) > 0
+diff = sum(x != y for x, y in zip(a, b))
+print(f"pipeline: {len(a)} parameters after 30 steps over 3 shards, {diff} differ")
+assert diff == 0, f"{diff} parameters differ"
+PY
+  ;;
 ssp_bound)
   # ssp:1 with 3 workers, one a straggler: the servers' records show no pull
   # granted more than 1 step ahead of the slowest live worker, and that the

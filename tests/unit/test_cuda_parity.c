@@ -488,6 +488,88 @@ static void test_relu(void) {
   }
 }
 
+/* ---- scale ---- */
+
+static void test_scale(void) {
+  static const size_t sizes[] = {1, 1000, 100003};
+  static const float alphas[] = {0.25f, -3.0f, 1.0f / 3.0f};
+  char what[96];
+  for (size_t t = 0; t < sizeof sizes / sizeof sizes[0]; t++) {
+    const size_t n = sizes[t], bytes = n * sizeof(float);
+    float *x = uniform_floats(n, -5, 5);
+    float *want = host_alloc(bytes);
+    memcpy(want, x, bytes);
+    ref.ops->scale(ref.ops->ctx, n, alphas[t], want);
+    float *d_x = s_upload(&dut, x, bytes);
+    dut.ops->scale(dut.ops->ctx, n, alphas[t], d_x);
+    float *got = s_fetch(&dut, d_x, bytes);
+    snprintf(what, sizeof what, "scale n%zu by %g", n, (double)alphas[t]);
+    check_bits(what, got, want, n); /* one rounded product each */
+    free(x), free(want), free(got);
+    s_free(&dut, d_x);
+  }
+}
+
+/* ---- copies beside compute ----
+ * The pipelined step's pattern, many times over: pieces of a vector go in
+ * with to_device_async, an op reads each piece after it (and must see it),
+ * pieces come back with to_host_async after an op wrote them, and the host
+ * waits on tickets, more of them than the backend keeps events for. */
+
+/* Host memory for the copies: pinned on the device side, so that they are
+ * truly asynchronous. */
+static void *s_host_alloc(const side *s, size_t bytes) {
+  if (!s->on_device) return host_alloc(bytes);
+  void *p = NULL;
+  if (ps_cuda_host_alloc(&p, bytes) != 0) die("out of pinned host memory");
+  return p;
+}
+
+static void s_host_free(const side *s, void *p) {
+  if (s->on_device)
+    ps_cuda_host_free(p);
+  else
+    free(p);
+}
+
+static void test_async_copies(void) {
+  enum { PIECES = 150, PIECE = 4099 }; /* more tickets than the 64 events */
+  const size_t n = (size_t)PIECES * PIECE, bytes = n * sizeof(float);
+  float *src = s_host_alloc(&dut, bytes), *back = s_host_alloc(&dut, bytes);
+  float *x = uniform_floats(n, -1, 1);
+  memcpy(src, x, bytes);
+  for (size_t i = 0; i < n; i++) back[i] = NAN;
+  float *d = s_nans(&dut, n);
+  uint64_t *tickets = host_alloc(PIECES * sizeof(uint64_t));
+  for (int k = 0; k < PIECES; k++) {
+    float *dp = d + (size_t)k * PIECE;
+    dut.ops->to_device_async(dut.ops->ctx, dp, src + (size_t)k * PIECE, PIECE * sizeof(float));
+    dut.ops->relu_forward(dut.ops->ctx, PIECE, dp, dp); /* must read the piece just copied */
+    dut.ops->scale(dut.ops->ctx, PIECE, 2.0f, dp);
+    tickets[k] =
+        dut.ops->to_host_async(dut.ops->ctx, back + (size_t)k * PIECE, dp, PIECE * sizeof(float));
+    CHECK(dut.on_device ? tickets[k] != 0 : tickets[k] == 0);
+  }
+  /* Waiting in reverse order, on tickets whose events were recorded again
+   * since, must still wait long enough. */
+  int bad = 0;
+  for (int k = PIECES - 1; k >= 0; k--) {
+    dut.ops->ticket_wait(dut.ops->ctx, tickets[k]);
+    CHECK(dut.ops->ticket_done(dut.ops->ctx, tickets[k]));
+    for (size_t i = 0; i < PIECE; i++) {
+      const size_t j = (size_t)k * PIECE + i;
+      const float want = x[j] > 0.0f ? 2.0f * x[j] : 0.0f;
+      bad += memcmp(&back[j], &want, sizeof want) != 0;
+    }
+  }
+  CHECK_MSG(bad == 0, "async copies: %d of %zu values wrong", bad, n);
+  CHECK(dut.ops->ticket_done(dut.ops->ctx, 0));
+  dut.ops->sync(dut.ops->ctx);
+  free(x), free(tickets);
+  s_free(&dut, d);
+  s_host_free(&dut, src), s_host_free(&dut, back);
+}
+
 /* ---- dropout ---- */
 
 typedef struct {
@@ -940,6 +1022,8 @@ int main(void) {
   if (!ref.ops || !dut.ops) die("cannot create a backend");
 
   RUN(test_relu);
+  RUN(test_scale);
+  RUN(test_async_copies);
   RUN(test_dropout);
   RUN(test_maxpool);
   RUN(test_dense);

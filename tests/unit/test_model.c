@@ -353,7 +353,7 @@ static void test_sgd_lowers_loss(void) {
  * blocks, then runs the CPU op. Copies to the host are queued and land at
  * the next op or sync. alloc fails on purpose at call number fail_at. */
 
-enum { MAX_BLOCKS = 256, MAX_PENDING = 16 };
+enum { MAX_BLOCKS = 256, MAX_PENDING = 16, MAX_ASYNC = 64 };
 
 typedef struct {
   ps_ops ops; /* ops.ctx points back here */
@@ -369,6 +369,17 @@ typedef struct {
     size_t bytes;
   } pending[MAX_PENDING];
   int n_pending;
+  /* to_host_async: a copy of the bytes when it was called, landing in dst
+   * only at ticket_wait, the second ticket_done asked of it, or sync. */
+  struct {
+    void *dst;
+    void *bytes_then;
+    size_t bytes;
+    uint64_t ticket;
+    int asked;
+  } async[MAX_ASYNC];
+  int n_async;
+  uint64_t last_ticket;
   int allocs;  /* alloc calls so far */
   int fail_at; /* the alloc call that fails (0-based); -1: none */
   int bad;     /* pointer checks that failed */
@@ -587,7 +598,61 @@ static void fk_copy(void *ctx, void *dst, const void *src, size_t bytes) {
   if (bytes && dst != src) memcpy(dst, src, bytes);
 }
 
-static void fk_sync(void *ctx) { (void)enter(ctx); }
+/* Lands the asynchronous copies up to ticket t, in order. */
+static void land(fake_dev *f, uint64_t t) {
+  int k = 0;
+  for (int i = 0; i < f->n_async; i++) {
+    if (f->async[i].ticket <= t) {
+      memcpy(f->async[i].dst, f->async[i].bytes_then, f->async[i].bytes);
+      free(f->async[i].bytes_then);
+    } else {
+      f->async[k++] = f->async[i];
+    }
+  }
+  f->n_async = k;
+}
+
+static void fk_sync(void *ctx) { land(enter(ctx), UINT64_MAX); }
+
+static void fk_to_device_async(void *ctx, void *dst, const void *src_host, size_t bytes) {
+  fk_to_device(ctx, dst, src_host, bytes);
+}
+
+static uint64_t fk_to_host_async(void *ctx, void *dst_host, const void *src, size_t bytes) {
+  fake_dev *f = enter(ctx);
+  need(f, src, bytes, 0, "to_host_async src");
+  if (bytes && in_block(f, dst_host, 1)) {
+    f->bad++;
+    fprintf(stderr, "stand-in device: to_host_async into device memory\n");
+  }
+  if (!bytes) return 0;
+  if (f->n_async == MAX_ASYNC) land(f, f->async[0].ticket);
+  void *then = xalloc(bytes);
+  memcpy(then, src, bytes);
+  f->async[f->n_async].dst = dst_host;
+  f->async[f->n_async].bytes_then = then;
+  f->async[f->n_async].bytes = bytes;
+  f->async[f->n_async].ticket = ++f->last_ticket;
+  f->async[f->n_async].asked = 0;
+  f->n_async++;
+  return f->last_ticket;
+}
+
+static int fk_ticket_done(void *ctx, uint64_t ticket) {
+  fake_dev *f = enter(ctx);
+  for (int i = 0; i < f->n_async; i++)
+    if (f->async[i].ticket == ticket && !f->async[i].asked++) return 0; /* not yet, once */
+  land(f, ticket);
+  return 1;
+}
+
+static void fk_ticket_wait(void *ctx, uint64_t ticket) { land(enter(ctx), ticket); }
+
+static void fk_scale(void *ctx, size_t n, float alpha, float *x) {
+  fake_dev *f = enter(ctx);
+  need(f, x, n * F4, 0, "scale x");
+  f->cpu->scale(f->cpu->ctx, n, alpha, x);
+}
 
 static void fk_destroy(ps_ops *ops) { (void)ops; }
 
@@ -619,6 +684,11 @@ static void fake_init(fake_dev *f, ps_ops *cpu) {
       .copy = fk_copy,
       .sync = fk_sync,
       .host_memory = 0,
+      .to_device_async = fk_to_device_async,
+      .to_host_async = fk_to_host_async,
+      .ticket_done = fk_ticket_done,
+      .ticket_wait = fk_ticket_wait,
+      .scale = fk_scale,
   };
 }
 
@@ -686,6 +756,182 @@ static void device_path_case(const char *what, const ps_model_spec *spec) {
   ps_model_destroy(dev);
   CHECK_MSG(f.bad == 0, "%s: %d bad pointers on the stand-in device", what, f.bad);
   CHECK_MSG(f.n_blocks == 0, "%s: %d device blocks not freed", what, f.n_blocks);
+  cpu->destroy(cpu);
+}
+
+/* The staged step (ps_model_step_*) as the pipelined worker drives it:
+ * the parameters arrive in `pieces` ranges (copied to the backend with
+ * to_device_async as each lands; what has not arrived is NaN, so a layer
+ * run too early poisons the loss), and each ready(lo) sends grads[lo, sent)
+ * back with to_host_async into a NaN-filled host buffer. Loss, correct
+ * count and gradient equal ps_model_train_step's on the CPU bit for bit;
+ * the ranges said ready hold their final values when said; the last says
+ * lo == 0. */
+typedef struct {
+  ps_ops *ops;
+  float *grads_dev, *grads_host;
+  const float *want; /* the final gradient */
+  size_t P, sent;    /* grads[sent, P) have been sent back */
+  uint64_t tickets[64];
+  int n_tickets, calls, bad_order, early_wrong, last_lo_zero;
+  int direct; /* the backend's memory can be read here, and its ops are done on return */
+} staged_ready;
+
+static void staged_on_ready(void *user, size_t lo) {
+  staged_ready *r = user;
+  r->calls++;
+  r->last_lo_zero = lo == 0;
+  if (lo >= r->sent) {
+    r->bad_order += lo > r->sent;
+    return;
+  }
+  /* The cpu backend and the stand-in run an op before returning: the range
+   * said ready already holds its final bytes. */
+  if (r->direct && !same_bits(r->grads_dev + lo, r->want + lo, (r->sent - lo) * sizeof(float)))
+    r->early_wrong++;
+  if (r->grads_dev != r->grads_host && r->n_tickets < 64)
+    r->tickets[r->n_tickets++] = r->ops->to_host_async(
+        r->ops->ctx, r->grads_host + lo, r->grads_dev + lo, (r->sent - lo) * sizeof(float));
+  r->sent = lo;
+}
+
+/* dev == NULL: on the cpu backend (on_fake 0) or the stand-in (1), against
+ * the cpu backend's plain step. dev (a real device; on_fake 1): against the
+ * plain step on dev itself, since the staged step runs the same ops in the
+ * same order. */
+static void staged_case(const char *what, const ps_model_spec *spec, int on_fake, int pieces,
+                        ps_ops *dev) {
+  char err[PS_ERRLEN];
+  ps_ops *cpu = ps_ops_cpu_create(1);
+  CHECK(cpu != NULL);
+  if (!cpu) return;
+  fake_dev f;
+  fake_init(&f, cpu);
+  ps_ops *ops = dev ? dev : on_fake ? &f.ops : cpu;
+  const int n = 5;
+  ps_model *ref = ps_model_create(spec, dev ? dev : cpu, n, err);
+  ps_model *m = ps_model_create(spec, ops, n, err);
+  CHECK_MSG(ref && m, "%s", err);
+  const size_t P = spec->n_params;
+  float *params = make_params(spec, 33), *want = xalloc(P * sizeof(float));
+  float *d_params = m ? ps_model_alloc_params(m) : NULL;
+  float *d_grads = m ? ps_model_alloc_params(m) : NULL;
+  float *host_grads = on_fake ? xalloc(P * sizeof(float)) : d_grads;
+  float *host_params = on_fake ? xalloc(P * sizeof(float)) : d_params;
+  if (ref && m && d_params && d_grads) {
+    float *x;
+    uint8_t *y;
+    make_batch(spec, n, &x, &y);
+    int c_want = -1, c_got = -2;
+    float l_want;
+    if (dev) {
+      ps_model_params_to_device(m, d_params, params);
+      l_want = ps_model_train_step(ref, d_params, x, y, n, 7, 3, d_grads, &c_want);
+      ps_model_params_to_host(m, want, d_grads);
+    } else {
+      l_want = ps_model_train_step(ref, params, x, y, n, 7, 3, want, &c_want);
+    }
+    /* Nothing has arrived: NaN everywhere, on both sides. */
+    for (size_t j = 0; j < P; j++) host_params[j] = host_grads[j] = NAN;
+    if (on_fake) {
+      ps_model_params_to_device(m, d_params, host_params);
+      ps_model_params_to_device(m, d_grads, host_grads);
+    }
+    ps_model_step_begin(m, x, y, n, 7, 3);
+    CHECK(isnan(ps_model_step_loss(m)));
+    size_t avail = 0;
+    for (int k = 1; k <= pieces; k++) {
+      size_t end = P * (size_t)k / (size_t)pieces;
+      memcpy(host_params + avail, params + avail, (end - avail) * sizeof(float));
+      ops->to_device_async(ops->ctx, d_params + avail, host_params + avail,
+                           (end - avail) * sizeof(float));
+      avail = end;
+      ps_model_step_forward(m, d_params, avail);
+      if (k < pieces) CHECK(isnan(ps_model_step_loss(m)) || end == P);
+    }
+    CHECK_MSG(same_bits(&l_want, &(float){ps_model_step_loss(m)}, sizeof(float)),
+              "%s: loss after forward %.9g, want %.9g", what, (double)ps_model_step_loss(m),
+              (double)l_want);
+    staged_ready r = {.ops = ops, .grads_dev = d_grads, .grads_host = host_grads, .want = want,
+                      .P = P, .sent = P, .direct = dev == NULL};
+    const float l_got = ps_model_step_backward(m, d_params, d_grads, staged_on_ready, &r, &c_got);
+    CHECK_MSG(same_bits(&l_want, &l_got, sizeof(float)) && c_want == c_got,
+              "%s: loss %.9g vs %.9g, correct %d vs %d", what, (double)l_got, (double)l_want,
+              c_got, c_want);
+    CHECK_MSG(r.calls >= 2 && r.last_lo_zero && r.bad_order == 0 && r.sent == 0,
+              "%s: %d ready calls, last lo 0: %d, %d out of order, %zu not sent", what, r.calls,
+              r.last_lo_zero, r.bad_order, r.sent);
+    CHECK_MSG(r.early_wrong == 0, "%s: %d ranges said ready before they were", what,
+              r.early_wrong);
+    CHECK(r.n_tickets == (on_fake ? r.calls : 0)); /* one per range sent; none on the cpu */
+    for (int t = 0; t < r.n_tickets; t++) {
+      ops->ticket_wait(ops->ctx, r.tickets[t]);
+      CHECK(ops->ticket_done(ops->ctx, r.tickets[t]));
+    }
+    CHECK_MSG(same_bits(host_grads, want, P * sizeof(float)), "%s: gradients differ", what);
+    free(x), free(y);
+  }
+  if (on_fake) free(host_grads), free(host_params);
+  if (m) ps_model_free_params(m, d_params), ps_model_free_params(m, d_grads);
+  free(params), free(want);
+  ps_model_destroy(ref);
+  ps_model_destroy(m);
+  CHECK_MSG(f.bad == 0 && f.n_async == 0, "%s: %d bad pointers, %d copies not landed", what,
+            f.bad, f.n_async);
+  cpu->destroy(cpu);
+}
+
+static void test_staged_step(void) {
+  ps_model_spec conv, dense;
+  const int pieces[] = {1, 2, 3, 7};
+  for (int on_fake = 0; on_fake <= 1; on_fake++)
+    for (int k = 0; k < 4; k++) {
+      char what[96];
+      if (conv_spec(0.5f, &conv) == 0) {
+        snprintf(what, sizeof what, "conv, dropout, %s, %d pieces", on_fake ? "device" : "cpu",
+                 pieces[k]);
+        staged_case(what, &conv, on_fake, pieces[k], NULL);
+      }
+      if (dense_spec(&dense) == 0) {
+        snprintf(what, sizeof what, "flatten-first, %s, %d pieces", on_fake ? "device" : "cpu",
+                 pieces[k]);
+        staged_case(what, &dense, on_fake, pieces[k], NULL);
+      }
+    }
+}
+
+/* The stand-in's asynchronous copies land only when waited for; tickets
+ * say so; the cpu backend's land at once. */
+static void test_async_copies(void) {
+  ps_ops *cpu = ps_ops_cpu_create(1);
+  CHECK(cpu != NULL);
+  if (!cpu) return;
+  fake_dev f;
+  fake_init(&f, cpu);
+  float *d = f.ops.alloc(f.ops.ctx, 8 * sizeof(float));
+  float src[8] = {1, -2, 3, -4, 5, -6, 7, -8}, back[8] = {0};
+  f.ops.to_device_async(f.ops.ctx, d, src, sizeof src);
+  f.ops.relu_forward(f.ops.ctx, 8, d, d);
+  f.ops.scale(f.ops.ctx, 8, 0.5f, d);
+  uint64_t t = f.ops.to_host_async(f.ops.ctx, back, d, sizeof back);
+  CHECK(t != 0 && back[0] == 0.0f);
+  f.ops.relu_forward(f.ops.ctx, 8, d, d); /* after the copy: not in it */
+  CHECK(!f.ops.ticket_done(f.ops.ctx, t) && back[0] == 0.0f);
+  f.ops.ticket_wait(f.ops.ctx, t);
+  CHECK(f.ops.ticket_done(f.ops.ctx, t));
+  const float want[8] = {0.5f, 0, 1.5f, 0, 2.5f, 0, 3.5f, 0};
+  CHECK(same_bits(back, want, sizeof want));
+  f.ops.free(f.ops.ctx, d);
+  CHECK(f.bad == 0 && f.n_blocks == 0);
+  /* The cpu backend: done at once, ticket 0. */
+  float h[4] = {1, 2, 3, 4}, o[4] = {0};
+  cpu->to_device_async(cpu->ctx, o, h, sizeof h);
+  CHECK(same_bits(o, h, sizeof h));
+  cpu->scale(cpu->ctx, 4, -2.0f, o);
+  float r[4] = {0};
+  CHECK(cpu->to_host_async(cpu->ctx, r, o, sizeof o) == 0 && cpu->ticket_done(cpu->ctx, 0));
+  cpu->ticket_wait(cpu->ctx, 0);
+  CHECK(r[0] == -2.0f && r[3] == -8.0f);
   cpu->destroy(cpu);
 }
 
@@ -925,6 +1171,9 @@ static void test_cuda_against_cpu(void) {
   }
   ps_model_destroy(mc);
   ps_model_destroy(mg);
+  /* The staged step with copies beside compute, against the plain step on
+   * the device: bit for bit. */
+  if (gpu) staged_case("conv, dropout, cuda, 3 pieces", &spec, 1, 3, gpu);
   if (cpu) cpu->destroy(cpu);
   if (gpu) gpu->destroy(gpu);
 }
@@ -937,6 +1186,8 @@ int main(void) {
   RUN(test_dropout_replay);
   RUN(test_sgd_lowers_loss);
   RUN(test_device_path);
+  RUN(test_staged_step);
+  RUN(test_async_copies);
   RUN(test_out_of_memory);
   RUN(test_device_cpu);
   RUN(test_device_auto);
