@@ -8,6 +8,11 @@
 #include "../common/util.h"
 #include "../kernels/ops.h"
 #include "model.h"
+#ifdef PS_WITH_CUDA
+#include "../kernels/cuda/cuda_device.h"
+#include "../kernels/cuda/nccl_comm.h"
+#include "../kernels/cuda/ops_cuda.h"
+#endif
 
 /* Range boundaries of the gradient sum are rounded to this many floats (64
  * bytes) so that two threads never write the same cache line. */
@@ -20,9 +25,13 @@
 typedef struct {
   ps_replicas *owner;
   int index;
-  ps_ops *ops;     /* ps_ops_cpu_create(1): computes in this replica's thread */
+  ps_ops *ops;     /* this replica's own backend (cpu: computes in this replica's thread) */
   ps_model *model; /* activations for ceil(max_batch / R) examples */
-  float *grads;    /* (P) own gradient; replica 0 writes into the caller's instead */
+  float *grads;    /* (P) own gradient, host memory; replica 0 writes into the caller's */
+  /* Backends whose memory is not host memory: the parameters and the
+   * gradient in it (P floats each), and zeros to send when the replica has
+   * no examples in a step summed by NCCL. */
+  float *d_params, *d_grads, *zeros;
   pthread_t tid;
   /* This step's slice and results, set by the caller before the wake-up
    * and read back after the last thread is done (both under mu). */
@@ -53,6 +62,8 @@ struct ps_replicas {
   const uint8_t *y;
   uint64_t seed, step;
   float *grads; /* the caller's (P); replica 0's gradient, then the sum */
+  int device;   /* the replicas' backends hold their memory apart from the host */
+  void *nccl;   /* ps_nccl: the device sum (NULL: through host memory) */
 };
 
 /* ---- the gradient sum ----
@@ -111,15 +122,53 @@ static void sum_gradients(ps_replicas *r, size_t b, size_t e) {
 
 /* ---- the threads ---- */
 
+#ifdef PS_WITH_CUDA
+/* The device sum (NCCL, one replica per GPU): every replica's parameters
+ * come from replica 0's copy, every gradient is weighted on its device,
+ * and the sum lands in replica 0's, which goes to the caller. */
+static void compute_replica_nccl(ps_replicas *r, replica *rp, uint64_t stream) {
+  ps_ops *o = rp->ops;
+  const size_t bytes = r->P * sizeof(float);
+  if (rp->index == 0) o->to_device(o->ctx, rp->d_params, r->params, bytes);
+  ps_nccl_broadcast(r->nccl, rp->index, o, rp->d_params, r->P);
+  const float *send = rp->zeros; /* a replica without examples adds nothing */
+  if (rp->n > 0) {
+    rp->loss = ps_model_train_step(rp->model, rp->d_params, r->x + (size_t)rp->first * r->in_size,
+                                   r->y + rp->first, rp->n, r->seed, stream, rp->d_grads,
+                                   &rp->correct);
+    o->scale(o->ctx, r->P, rp->weight, rp->d_grads);
+    send = rp->d_grads;
+  }
+  ps_nccl_reduce_sum(r->nccl, rp->index, o, send, rp->d_grads, r->P);
+  if (rp->index == 0) o->to_host(o->ctx, r->grads, rp->d_grads, bytes);
+  o->sync(o->ctx);
+}
+#endif
+
 static void compute_replica(ps_replicas *r, replica *rp) {
   rp->loss = 0.0f;
   rp->correct = 0;
-  if (rp->n == 0) return;
-  float *g = rp->index == 0 ? r->grads : rp->grads;
   /* Dropout stream step*R + index: R == 1 keeps ps_model_train_step's. */
   const uint64_t stream = r->step * (uint64_t)r->R + (uint64_t)rp->index;
-  rp->loss = ps_model_train_step(rp->model, r->params, r->x + (size_t)rp->first * r->in_size,
-                                 r->y + rp->first, rp->n, r->seed, stream, g, &rp->correct);
+#ifdef PS_WITH_CUDA
+  if (r->nccl) {
+    compute_replica_nccl(r, rp, stream);
+    return;
+  }
+#endif
+  if (rp->n == 0) return;
+  float *g = rp->index == 0 ? r->grads : rp->grads;
+  const float *x = r->x + (size_t)rp->first * r->in_size;
+  if (!r->device) {
+    rp->loss = ps_model_train_step(rp->model, r->params, x, r->y + rp->first, rp->n, r->seed,
+                                   stream, g, &rp->correct);
+    return;
+  }
+  /* On a device, summed through host memory: parameters in, gradient out. */
+  ps_model_params_to_device(rp->model, rp->d_params, r->params);
+  rp->loss = ps_model_train_step(rp->model, rp->d_params, x, r->y + rp->first, rp->n, r->seed,
+                                 stream, rp->d_grads, &rp->correct);
+  ps_model_params_to_host(rp->model, g, rp->d_grads);
 }
 
 static void *replica_main(void *arg) {
@@ -145,7 +194,7 @@ static void *replica_main(void *arg) {
       while (r->computing > 0) pthread_cond_wait(&r->computed, &r->mu);
     pthread_mutex_unlock(&r->mu);
 
-    if (r->R > 1) {
+    if (r->R > 1 && !r->nccl) {
       size_t b, e;
       sum_range(r->P, rp->index, r->R, &b, &e);
       sum_gradients(r, b, e);
@@ -168,9 +217,17 @@ static void free_replicas(ps_replicas *r) {
     pthread_mutex_unlock(&r->mu);
     for (int i = 0; i < r->started; i++) pthread_join(r->reps[i].tid, NULL);
   }
+#ifdef PS_WITH_CUDA
+  ps_nccl_destroy(r->nccl);
+#endif
   if (r->reps) {
     for (int i = 0; i < r->R; i++) {
       replica *rp = &r->reps[i];
+      if (rp->model) {
+        ps_model_free_params(rp->model, rp->d_params);
+        ps_model_free_params(rp->model, rp->d_grads);
+        ps_model_free_params(rp->model, rp->zeros);
+      }
       ps_model_destroy(rp->model);
       if (rp->ops) rp->ops->destroy(rp->ops);
       ps_free(rp->grads);
@@ -184,8 +241,22 @@ static void free_replicas(ps_replicas *r) {
   free(r);
 }
 
+/* One compute thread: the replica's own. This also sets OpenBLAS to one
+ * thread, process-wide (see replicas.h). */
+static ps_ops *cpu_backend(int i, void *user, char *err) {
+  (void)user;
+  ps_ops *o = ps_ops_cpu_create(1);
+  if (!o) ps_seterr(err, PS_ENOMEM, "replica %d: cannot create a cpu backend", i);
+  return o;
+}
+
 ps_replicas *ps_replicas_create(const ps_model_spec *spec, int R, int max_batch, char *err) {
-  if (!spec || R < 1 || max_batch < 1) {
+  return ps_replicas_create_with(spec, R, max_batch, cpu_backend, NULL, err);
+}
+
+ps_replicas *ps_replicas_create_with(const ps_model_spec *spec, int R, int max_batch,
+                                     ps_replica_backend_fn make, void *user, char *err) {
+  if (!spec || R < 1 || max_batch < 1 || !make) {
     ps_seterr(err, PS_EINVAL,
               "replicas: need a spec, R >= 1 and max_batch >= 1 (got R=%d, "
               "max_batch=%d)",
@@ -229,10 +300,11 @@ ps_replicas *ps_replicas_create(const ps_model_spec *spec, int R, int max_batch,
     replica *rp = &r->reps[i];
     rp->owner = r;
     rp->index = i;
-    /* One compute thread: this replica's own. This also sets OpenBLAS to
-     * one thread, process-wide (see replicas.h). */
-    rp->ops = ps_ops_cpu_create(1);
-    if (!rp->ops) goto oom;
+    rp->ops = make(i, user, err);
+    if (!rp->ops) {
+      free_replicas(r);
+      return NULL; /* err says why */
+    }
     rp->model = ps_model_create(&r->spec, rp->ops, per_replica, err);
     if (!rp->model) {
       free_replicas(r);
@@ -241,6 +313,12 @@ ps_replicas *ps_replicas_create(const ps_model_spec *spec, int R, int max_batch,
     if (i > 0) {
       rp->grads = ps_alloc((r->P ? r->P : 1) * sizeof(float));
       if (!rp->grads) goto oom;
+    }
+    if (!rp->ops->host_memory) {
+      r->device = 1;
+      rp->d_params = ps_model_alloc_params(rp->model);
+      rp->d_grads = ps_model_alloc_params(rp->model);
+      if (!rp->d_params || !rp->d_grads) goto oom;
     }
   }
   for (int i = 0; i < R; i++) {
@@ -263,6 +341,57 @@ void ps_replicas_destroy(ps_replicas *r) {
 }
 
 int ps_replicas_count(const ps_replicas *r) { return r->R; }
+
+int ps_replicas_on_device(const ps_replicas *r) { return r->device; }
+
+int ps_replicas_nccl(const ps_replicas *r) { return r->nccl != NULL; }
+
+#ifdef PS_WITH_CUDA
+typedef struct {
+  int ndev;
+} cuda_make_ctx;
+
+static ps_ops *cuda_backend(int i, void *user, char *err) {
+  const cuda_make_ctx *c = user;
+  return ps_ops_cuda_create(i % c->ndev, err);
+}
+
+ps_replicas *ps_replicas_create_cuda(const ps_model_spec *spec, int R, int max_batch, char *err) {
+  char why[128] = "";
+  cuda_make_ctx c = {ps_cuda_device_count(why)};
+  if (c.ndev == 0) {
+    ps_seterr(err, PS_EINVAL, "replicas on cuda: no CUDA device (%s)", why);
+    return NULL;
+  }
+  ps_replicas *r = ps_replicas_create_with(spec, R, max_batch, cuda_backend, &c, err);
+  if (!r || R == 1 || R > c.ndev || R > 256) return r; /* several on a GPU: through the host */
+  int devices[256];
+  for (int i = 0; i < R; i++) devices[i] = i;
+  char nerr[PS_ERRLEN] = "";
+  ps_nccl *g = ps_nccl_create(R, devices, nerr);
+  if (!g) {
+    PS_WARN("replicas: %s; the gradients are summed through host memory", nerr);
+    return r;
+  }
+  for (int i = 0; i < R; i++) {
+    replica *rp = &r->reps[i];
+    rp->zeros = ps_model_alloc_params(rp->model); /* zeroed by alloc */
+    if (!rp->zeros) {
+      ps_nccl_destroy(g);
+      PS_WARN("replicas: out of device memory for NCCL's zeros; summing through host memory");
+      return r;
+    }
+  }
+  r->nccl = g; /* the threads read it at the next step (under the step's mutex) */
+  return r;
+}
+#else
+ps_replicas *ps_replicas_create_cuda(const ps_model_spec *spec, int R, int max_batch, char *err) {
+  (void)spec, (void)R, (void)max_batch;
+  ps_seterr(err, PS_EINVAL, "this ps-worker was built without CUDA (WITH_CUDA=OFF)");
+  return NULL;
+}
+#endif
 
 /* ---- a step ---- */
 

@@ -1,5 +1,6 @@
-/* Mirrored replicas inside one worker (CPU): R copies of the model, each on
- * its own thread with its own CPU backend, activations and gradient buffer
+/* Mirrored replicas inside one worker: R copies of the model, each on its
+ * own thread with its own backend (a CPU backend, or a GPU: see
+ * ps_replicas_create_cuda), activations and gradient buffer
  * (replica 0's is the caller's grads, which it overwrites anyway), run on
  * contiguous slices of one batch; their gradients are combined into the
  * gradient of the whole batch's mean loss before the push.
@@ -25,6 +26,7 @@
 #include <stdint.h>
 
 #include "../common/model_spec.h"
+#include "../kernels/ops.h"
 
 typedef struct ps_replicas ps_replicas;
 
@@ -33,6 +35,31 @@ typedef struct ps_replicas ps_replicas;
  * with a message in err (may be NULL) on a bad argument or when memory or a
  * thread cannot be had; nothing is left running then. spec is copied. */
 ps_replicas *ps_replicas_create(const ps_model_spec *spec, int R, int max_batch, char *err);
+
+/* Replica i's backend (a new one each call: the replica owns it and
+ * destroys it); NULL with a message in err. */
+typedef ps_ops *(*ps_replica_backend_fn)(int i, void *user, char *err);
+
+/* R replicas on backends from make. Replicas whose backend's memory is not
+ * host memory keep parameters and gradient on it: each step copies the
+ * caller's parameters in and its gradient out, and the gradients are summed
+ * in host memory as on the cpu. */
+ps_replicas *ps_replicas_create_with(const ps_model_spec *spec, int R, int max_batch,
+                                     ps_replica_backend_fn make, void *user, char *err);
+
+/* R replicas on the CUDA devices, replica i on device i % (devices
+ * visible). With 1 < R <= devices (one replica per GPU) and NCCL built in,
+ * replica 0's parameters are broadcast to the others with NCCL and the
+ * weighted gradients summed onto replica 0 with an NCCL reduce, so only one
+ * vector crosses to the host each way; otherwise (or when NCCL cannot set
+ * up, which is logged) every replica copies in and out and the sum is in
+ * host memory. NULL with a message without a device or without CUDA. */
+ps_replicas *ps_replicas_create_cuda(const ps_model_spec *spec, int R, int max_batch, char *err);
+
+/* Whether the replicas compute on a device (their memory is not host
+ * memory), and whether NCCL sums their gradients. */
+int ps_replicas_on_device(const ps_replicas *r);
+int ps_replicas_nccl(const ps_replicas *r);
 
 /* Stops and joins the threads and frees everything. NULL is a no-op. */
 void ps_replicas_destroy(ps_replicas *r);

@@ -659,13 +659,15 @@ static int train(worker *w) {
         break;
       }
       tb = ps_now_s();
-      if (w->dparams != w->params) ps_model_params_to_device(w->model, w->dparams, w->params);
-      loss = w->reps ? ps_replicas_train_step(w->reps, w->dparams, b->x, b->y, b->n,
-                                                    w->job.seed ^ 0xd0d0, stream, w->dgrads,
-                                                    &correct)
-                           : ps_model_train_step(w->model, w->dparams, b->x, b->y, b->n,
-                                                 w->job.seed ^ 0xd0d0, stream, w->dgrads, &correct);
-      if (w->dgrads != w->grads) ps_model_params_to_host(w->model, w->grads, w->dgrads);
+      if (w->reps) { /* host memory in and out; each replica copies what it needs */
+        loss = ps_replicas_train_step(w->reps, w->params, b->x, b->y, b->n, w->job.seed ^ 0xd0d0,
+                                      stream, w->grads, &correct);
+      } else {
+        if (w->dparams != w->params) ps_model_params_to_device(w->model, w->dparams, w->params);
+        loss = ps_model_train_step(w->model, w->dparams, b->x, b->y, b->n, w->job.seed ^ 0xd0d0,
+                                   stream, w->dgrads, &correct);
+        if (w->dgrads != w->grads) ps_model_params_to_host(w->model, w->grads, w->dgrads);
+      }
       if (w->straggle_ms > 0) ps_sleep_ms(w->straggle_ms); /* an artificial straggler */
       tc = ps_now_s();
       if (!isfinite(loss)) {
@@ -931,9 +933,11 @@ static void usage(FILE *f) {
           "  --device D           cpu, cuda or cuda:N (default: cuda when this build has the\n"
           "                       CUDA backend and a GPU is present, else cpu)\n"
           "  --threads N          compute threads (default: the number of cores)\n"
-          "  --replicas R         R mirrored replicas of the model, one per thread (cpu):\n"
+          "  --replicas R         R mirrored replicas of the model, one per thread on the\n"
+          "                       cpu, one per GPU on cuda (replica i on GPU i %% count):\n"
           "                       the batch is split across them and their gradients\n"
-          "                       summed before one push per shard (default 1)\n"
+          "                       summed (NCCL across GPUs) before one push per shard\n"
+          "                       (default 1)\n"
           "  --per-replica-batch N  batch per replica; the global batch is N*R (default:\n"
           "                       the job's batch_size is the global batch)\n"
           "  --eval-interval SEC  seconds between evaluations by the chief (default: the\n"
@@ -1201,11 +1205,6 @@ int main(int argc, char **argv) {
     PS_INFO("batch: global batch %d split over %d replicas (about %d each)", w.job.batch_size,
             w.replicas, (w.job.batch_size + w.replicas - 1) / w.replicas);
   }
-  if (w.replicas > 1 && !w.ops->host_memory) {
-    fprintf(stderr, "ps-worker: --replicas > 1 runs on the cpu backend (one replica per thread); "
-                    "use --device cpu\n");
-    return 2;
-  }
   if (w.epochs < 0) w.epochs = w.job.epochs;
   if (w.max_steps < 0) w.max_steps = w.job.max_steps;
   if (w.eval_interval < 0) w.eval_interval = w.job.eval_interval_s;
@@ -1245,7 +1244,14 @@ int main(int argc, char **argv) {
 
   w.model = ps_model_create(spec, w.ops, w.job.batch_size, err);
   if (w.replicas > 1) {
-    w.reps = ps_replicas_create(spec, w.replicas, w.job.batch_size, err);
+    w.reps = w.ops->host_memory
+                 ? ps_replicas_create(spec, w.replicas, w.job.batch_size, err)
+                 : ps_replicas_create_cuda(spec, w.replicas, w.job.batch_size, err);
+    if (w.reps)
+      PS_INFO("replicas: %d, %s", w.replicas,
+              !ps_replicas_on_device(w.reps) ? "one per cpu thread, summed in host memory"
+              : ps_replicas_nccl(w.reps)     ? "one per GPU, summed on the GPUs with NCCL"
+                                             : "on the GPUs, summed in host memory");
     if (!w.reps) {
       fprintf(stderr, "ps-worker: %s\n", err);
       return 1;

@@ -964,6 +964,10 @@ static cuda_backend *backend_of(ps_ops *ops) {
 
 extern "C" void ps_cuda_make_current(ps_ops *ops) { (void)backend_of(ops); }
 
+extern "C" void *ps_cuda_stream(ps_ops *ops) { return (void *)backend_of(ops)->stream; }
+
+extern "C" int ps_cuda_device_of(ps_ops *ops) { return backend_of(ops)->device; }
+
 extern "C" int ps_cuda_alloc(void **p, size_t bytes) {
   *p = NULL;
   if (bytes == 0) return 0;

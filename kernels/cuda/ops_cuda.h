@@ -76,6 +76,11 @@ int ps_cuda_device_name(int device, char *name, size_t len, size_t *total_bytes)
  * calls this once before allocating its buffers). */
 void ps_cuda_make_current(ps_ops *ops);
 
+/* The backend's compute stream (a cudaStream_t), for libraries that queue
+ * work in order with its ops (NCCL), and its device index. */
+void *ps_cuda_stream(ps_ops *ops);
+int ps_cuda_device_of(ps_ops *ops);
+
 /* Device memory on the calling thread's current device. *p = NULL and 0
  * for bytes == 0; PS_ENOMEM (and *p = NULL) when the device is out of
  * memory, which leaves the device usable. Any other failure aborts. */

@@ -5,7 +5,9 @@
 #   training:  examples/s of the quickstart CNN with 1 server + 1 worker
 #              (plain, and with --overlap), against the same model trained
 #              in-process (ps-worker --local)
-#   tests/bench/run.sh [transport|training|all] [BUILD_DIR]
+#   pipeline:  examples/s of the quickstart CNN with BENCH_SHARDS (default 4)
+#              servers + 1 worker, --pipeline on against off
+#   tests/bench/run.sh [transport|training|pipeline|all] [BUILD_DIR]
 set -euo pipefail
 what=${1:-all}
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -84,9 +86,46 @@ print(f"training, medians over {n} rounds: local {statistics.median(loc):.0f} ex
 PY
 }
 
+# One run of S servers + 1 worker; WORKER-ARGS... go to the worker; the
+# log goes to $out/NAME.log.
+cluster_run() {
+  local name=$1 shards=$2; shift 2
+  local job="$root/deploy/jobs/fashion_mnist_cnn.json" addrs="" spids=()
+  for s in $(seq 1 "$shards"); do addrs+="${addrs:+,}127.0.0.1:$(port)"; done
+  for s in $(seq 0 $((shards - 1))); do
+    "$build/ps-server" --job "$job" --ps "$addrs" --index "$s" >"$out/$name-server-$s.log" 2>&1 &
+    pids+=($!); spids+=($!)
+  done
+  "$build/ps-worker" --ps "${addrs%%,*}" --eval-interval 0 --log-interval 1000 "$@" \
+    >"$out/$name.log" 2>&1
+  for p in "${spids[@]}"; do kill -TERM "$p"; wait "$p" || true; done
+}
+
+pipeline() {
+  local steps=${BENCH_STEPS:-300} shards=${BENCH_SHARDS:-4}
+  local on=() off=()
+  for round in $(seq 1 "${BENCH_ROUNDS:-5}"); do
+    cluster_run "on-$round" "$shards" --max-steps "$steps" --pipeline on
+    on+=("$(eps "$out/on-$round.log")")
+    cluster_run "off-$round" "$shards" --max-steps "$steps" --pipeline off
+    off+=("$(eps "$out/off-$round.log")")
+    echo "round $round: $shards servers + 1 worker: --pipeline on ${on[-1]}, off ${off[-1]} examples/s"
+  done
+  python3 - "${on[@]}" "${off[@]}" <<'PY'
+import statistics, sys
+v = [float(x) for x in sys.argv[1:]]
+n = len(v) // 2
+on, off = v[:n], v[n:]
+r = statistics.median(a / b for a, b in zip(on, off))
+print(f"pipeline, medians over {n} rounds: on {statistics.median(on):.0f} examples/s, "
+      f"off {statistics.median(off):.0f}; on/off within rounds {r:.3f}")
+PY
+}
+
 case "$what" in
   transport) transport ;;
   training) training ;;
-  all) transport; training ;;
-  *) echo "usage: tests/bench/run.sh [transport|training|all] [BUILD_DIR]" >&2; exit 2 ;;
+  pipeline) pipeline ;;
+  all) transport; training; pipeline ;;
+  *) echo "usage: tests/bench/run.sh [transport|training|pipeline|all] [BUILD_DIR]" >&2; exit 2 ;;
 esac

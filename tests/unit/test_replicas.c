@@ -35,6 +35,10 @@
 #include "../../worker/model.h"
 #include "../../worker/replicas.h"
 #include "check.h"
+#include "fake_device.h"
+#ifdef PS_WITH_CUDA
+#include "../../kernels/cuda/cuda_device.h"
+#endif
 
 static int verbose;
 
@@ -486,6 +490,95 @@ static void test_training_converges(void) {
   ps_dataset_free(&test);
 }
 
+/* Replicas whose backends hold their memory apart from the host (here the
+ * stand-in device of fake_device.h, which checks every pointer): each
+ * copies the parameters in and its gradient out, and the sum is the host
+ * sum of the cpu replicas, so the results equal theirs bit for bit, with
+ * dropout, odd batches and batches smaller than R. */
+static ps_ops *make_fake(int i, void *user, char *err) {
+  (void)user;
+  ps_ops *o = fake_dev_create();
+  if (!o) snprintf(err, PS_ERRLEN, "replica %d: cannot create the stand-in device", i);
+  return o;
+}
+
+static void test_device_replicas(void) {
+  ps_model_spec spec;
+  if (load_model("tests/integration/jobs/synthetic.json", &spec, NULL) != 0) return;
+  problem p = make_problem(&spec, 32, 17);
+  const struct { int R, n; } cases[] = {{1, 32}, {2, 32}, {3, 31}, {3, 2}, {2, 1}};
+  for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+    const int R = cases[c].R, n = cases[c].n;
+    char err[PS_ERRLEN], what[64];
+    snprintf(what, sizeof what, "stand-in device R=%d n=%d", R, n);
+    ps_replicas *cpu = ps_replicas_create(&spec, R, 32, err);
+    ps_replicas *dev = ps_replicas_create_with(&spec, R, 32, make_fake, NULL, err);
+    CHECK_MSG(cpu && dev, "%s: %s", what, err);
+    if (cpu && dev) {
+      CHECK(!ps_replicas_on_device(cpu) && ps_replicas_on_device(dev) && !ps_replicas_nccl(dev));
+      for (uint64_t step = 0; step < 2; step++) {
+        step_result want = replicas_step(cpu, &p, n, 3, step);
+        step_result got = replicas_step(dev, &p, n, 3, step);
+        CHECK_MSG(bitwise_equal(&got, &want, p.P), "%s step %d: differs from the cpu replicas",
+                  what, (int)step);
+        free(want.grads);
+        free(got.grads);
+      }
+    }
+    ps_replicas_destroy(cpu);
+    ps_replicas_destroy(dev);
+  }
+  /* A backend that cannot be made: NULL and the factory's message. */
+  char err[PS_ERRLEN] = "";
+  CHECK(ps_replicas_create_with(&spec, 2, 8, NULL, NULL, err) == NULL && err[0]);
+  free_problem(&p);
+}
+
+/* On the GPUs (one replica per GPU, NCCL when there are several): against
+ * one model on the cpu, within the tolerance of the CUDA parity test's
+ * end-to-end check. Skipped (and said so) without a device. */
+static void test_cuda_replicas(void) {
+#ifdef PS_WITH_CUDA
+  char why[128] = "";
+  const int devices = ps_cuda_device_count(why);
+  if (devices == 0) {
+    printf("SKIPPED: replicas on cuda: no CUDA device (%s)\n", why);
+    return;
+  }
+  ps_model_spec loaded;
+  if (load_model("tests/integration/jobs/synthetic.json", &loaded, NULL) != 0) return;
+  ps_model_spec spec = without_dropout(&loaded);
+  problem p = make_problem(&spec, 48, 29);
+  step_result want = reference_step(&p, 48, 1, 2);
+  const int Rs[] = {1, 2, devices > 2 ? devices : 3};
+  for (int k = 0; k < 3; k++) {
+    char err[PS_ERRLEN];
+    ps_replicas *r = ps_replicas_create_cuda(&spec, Rs[k], 48, err);
+    CHECK_MSG(r != NULL, "R=%d: %s", Rs[k], err);
+    if (!r) continue;
+    CHECK(ps_replicas_on_device(r));
+    step_result got = replicas_step(r, &p, 48, 1, 2);
+    double worst = 0.0, scale = 0.0;
+    for (size_t j = 0; j < p.P; j++) {
+      double d = fabs((double)got.grads[j] - want.grads[j]);
+      if (d > worst) worst = d;
+      if (fabs((double)want.grads[j]) > scale) scale = fabs((double)want.grads[j]);
+    }
+    printf("replicas on cuda: R=%d (%d device(s), %s): largest difference %.3g of %.3g\n",
+           Rs[k], devices, ps_replicas_nccl(r) ? "NCCL" : "host sum", worst, scale);
+    CHECK_MSG(worst <= 1e-3 * scale, "R=%d: gradient off by %.3g (largest entry %.3g)", Rs[k],
+              worst, scale);
+    CHECK_NEAR(got.loss, want.loss, 1e-6, 1e-4);
+    free(got.grads);
+    ps_replicas_destroy(r);
+  }
+  free(want.grads);
+  free_problem(&p);
+#else
+  printf("SKIPPED: replicas on cuda: built without CUDA (WITH_CUDA=OFF)\n");
+#endif
+}
+
 int main(void) {
   verbose = getenv("TEST_REPLICAS_VERBOSE") != NULL;
   RUN(test_one_replica_is_the_model);
@@ -495,5 +588,7 @@ int main(void) {
   RUN(test_repeated_steps);
   RUN(test_lifecycle_and_errors);
   RUN(test_training_converges);
+  RUN(test_device_replicas);
+  RUN(test_cuda_replicas);
   return check_summary();
 }
