@@ -2,8 +2,13 @@
 # GPU benchmark, for a machine with a CUDA device and a CUDA build:
 #   - examples/s per GPU of the quickstart CNN and of a larger CNN, trained
 #     in-process (ps-worker --local --device cuda);
-#   - the same with 1 ps-server + 1 ps-worker on loopback, and the share of
-#     each step spent waiting on the servers (pull + push time / step time).
+#   - the same with 2 ps-servers + 1 ps-worker on loopback, with the
+#     pipelined step (--pipeline on, the default) and without, and the share
+#     of each step spent waiting on the servers (pull + push time / step
+#     time; with the pipeline, the forward pass run while pulling counts as
+#     compute, and pushes that went out during the backward pass cost no
+#     push time);
+#   - with several GPUs, --replicas over all of them (NCCL) against one.
 # Exits 77 (skipped) with the reason when no device is there.
 #   tests/bench/gpu.sh [BUILD_DIR] [STEPS]
 set -euo pipefail
@@ -18,29 +23,60 @@ probe=$("$build/ps-worker" --device cuda --local --job "$root/tests/integration/
   echo "SKIPPED: $(echo "$probe" | grep -o 'device cuda.*' | head -1)"; exit 77; }
 echo "$probe" | grep "device:" | head -1
 port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-for job in fashion_mnist_cnn fashion_mnist_larger_cnn; do
-  j="$root/deploy/jobs/$job.json"
-  "$build/ps-worker" --device cuda --local --job "$j" --max-steps "$steps" --eval-interval 0 \
-    --log-interval 1000 >"$out/$job-local.log" 2>&1
-  p=$(port)
-  "$build/ps-server" --job "$j" --ps "127.0.0.1:$p" --index 0 --threads 4 >"$out/$job-server.log" 2>&1 &
-  pids+=($!); spid=$!
-  "$build/ps-worker" --device cuda --ps "127.0.0.1:$p" --max-steps "$steps" --eval-interval 0 \
-    --log-interval 2 --metrics "$out/$job.jsonl" >"$out/$job-ps.log" 2>&1
-  kill -TERM "$spid"; wait "$spid" || true
-  python3 - "$out" "$job" <<'PY'
+
+# cluster NAME JOB WORKER-ARGS...: 2 servers + 1 worker; metrics in NAME.jsonl
+cluster() {
+  local name=$1 j=$2; shift 2
+  local addrs="127.0.0.1:$(port),127.0.0.1:$(port)" spids=()
+  for s in 0 1; do
+    "$build/ps-server" --job "$j" --ps "$addrs" --index "$s" --threads 4 \
+      >"$out/$name-server-$s.log" 2>&1 &
+    pids+=($!); spids+=($!)
+  done
+  "$build/ps-worker" --device cuda --ps "${addrs%%,*}" --max-steps "$steps" --eval-interval 0 \
+    --log-interval 2 --metrics "$out/$name.jsonl" "$@" >"$out/$name.log" 2>&1
+  for p in "${spids[@]}"; do kill -TERM "$p"; wait "$p" || true; done
+}
+
+report() {
+  python3 - "$out" "$@" <<'PY'
 import json, re, sys
-out, job = sys.argv[1], sys.argv[2]
+out, job, names = sys.argv[1], sys.argv[2], sys.argv[3:]
 def eps(path):
     for line in open(path):
         m = re.match(r"trained .*: (\d+) examples/s", line)
         if m: return float(m.group(1))
     return float("nan")
-recs = [json.loads(l) for l in open(f"{out}/{job}.jsonl") if "pull_ms" in l]
-wait = sum(r["pull_ms"] + r["push_ms"] for r in recs)
-total = sum(r["pull_ms"] + r["push_ms"] + r["compute_ms"] for r in recs)
-print(f"{job}: local {eps(f'{out}/{job}-local.log'):.0f} examples/s; 1 server + 1 worker "
-      f"{eps(f'{out}/{job}-ps.log'):.0f} examples/s; waiting on the servers "
-      f"{100 * wait / total if total else float('nan'):.1f}% of each step")
+line = [f"{job}: local {eps(f'{out}/{job}-local.log'):.0f} examples/s"]
+for n in names:
+    recs = [json.loads(l) for l in open(f"{out}/{n}.jsonl") if "pull_ms" in l]
+    wait = sum(r["pull_ms"] + r["push_ms"] for r in recs)
+    total = sum(r["pull_ms"] + r["push_ms"] + r["compute_ms"] for r in recs)
+    share = 100 * wait / total if total else float("nan")
+    mode = n.split("-pipeline-")[1]
+    line.append(f"2 servers + 1 worker, --pipeline {mode}: {eps(f'{out}/{n}.log'):.0f} examples/s, "
+                f"waiting {share:.1f}% of each step")
+print("; ".join(line))
 PY
+}
+
+for job in fashion_mnist_cnn fashion_mnist_larger_cnn; do
+  j="$root/deploy/jobs/$job.json"
+  "$build/ps-worker" --device cuda --local --job "$j" --max-steps "$steps" --eval-interval 0 \
+    --log-interval 1000 >"$out/$job-local.log" 2>&1
+  cluster "$job-pipeline-off" "$j" --pipeline off
+  cluster "$job-pipeline-on" "$j" --pipeline on
+  report "$job" "$job-pipeline-off" "$job-pipeline-on"
 done
+
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+if [ "${gpus:-0}" -ge 2 ]; then
+  j="$root/deploy/jobs/fashion_mnist_larger_cnn.json"
+  for r in 1 "$gpus"; do
+    "$build/ps-worker" --device cuda --local --job "$j" --max-steps "$steps" --eval-interval 0 \
+      --replicas "$r" --per-replica-batch 64 --log-interval 1000 >"$out/replicas-$r.log" 2>&1
+    grep "replicas:\|^trained" "$out/replicas-$r.log" || true
+  done
+else
+  echo "replicas across GPUs: skipped, ${gpus:-0} GPU(s)"
+fi

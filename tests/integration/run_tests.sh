@@ -203,8 +203,9 @@ pipeline)
   # The pipelined step (each shard's parameters go to the compute as they
   # arrive, each shard's gradient out as soon as it is written) computes
   # what the plain step does: one worker, 3 shards, dropout and momentum,
-  # 30 steps with --pipeline on and off end with the same parameter bytes.
-  for mode in on off; do
+  # 30 steps with --pipeline on, off and auto (off on the cpu) end with the
+  # same parameter bytes.
+  for mode in on off auto; do
     "$root/deploy/local-cluster.sh" --job "$here/jobs/pipeline.json" --bin "$build" \
       --servers 3 --workers 1 --out "$out/$mode" --timeout 120 --threads 1 -- \
       --pipeline "$mode" --save-params "$out/$mode.bin" >"$out/$mode.out" 2>&1 \
@@ -212,6 +213,7 @@ pipeline)
   done
   grep -q "pipeline: each shard" "$out/on/worker-0.log" || fail "the pipelined step was not used"
   if grep -q "pipeline: each shard" "$out/off/worker-0.log"; then fail "--pipeline off was ignored"; fi
+  if grep -q "pipeline: each shard" "$out/auto/worker-0.log"; then fail "auto pipelined on the cpu"; fi
   # The layout puts shards 1 and 2 in the dense layers: their pushes start
   # before the convolution's backward pass, in every step.
   early=$(sed -n 's/.*pipeline: \([0-9]*\) of \([0-9]*\) shard pushes started while.*/\1 \2/p' \
@@ -230,6 +232,7 @@ def load(p):
     return struct.unpack("<%df" % (len(b) // 4), b)
 a, b = load(f"{out}/on.bin"), load(f"{out}/off.bin")
 assert len(a) == len(b) and len(a) > 0
+assert load(f"{out}/auto.bin") == b, "auto differs from off"
 diff = sum(x != y for x, y in zip(a, b))
 print(f"pipeline: {len(a)} parameters after 30 steps over 3 shards, {diff} differ")
 assert diff == 0, f"{diff} parameters differ"
