@@ -293,8 +293,12 @@ int ps_client_pull_ex(ps_client *c, float *params, uint64_t *versions,
                       const uint64_t *min_versions, ps_pull_ready_fn ready, void *user,
                       char *err) {
   int rc = PS_OK;
+  char forgot[c->nshards];
   for (int attempt = 0; attempt < 2; attempt++) {
-    int retry_shard = -1;
+    int any_forgot = 0;
+    memset(forgot, 0, sizeof forgot);
+    /* Starting over: said before anything of this attempt is written. */
+    if (ready && attempt > 0) ready(user, attempt, -1, 0);
     for (int s = 0; s < c->nshards; s++) {
       Ps__RequestHeader h;
       fill_header(c, &h);
@@ -319,7 +323,7 @@ int ps_client_pull_ex(ps_client *c, float *params, uint64_t *versions,
       ps_segview view;
       int st = rpc_wait(c->reqs[s], detail, &view);
       if (st != RPC_OK) {
-        if (st == RPC_NOT_FOUND && retry_shard < 0) retry_shard = s;
+        if (st == RPC_NOT_FOUND) forgot[s] = any_forgot = 1;
         if (rc == PS_OK)
           rc = ps_seterr(err, status_code(st), "Pull from shard %d (%s): %s: %s", s,
                          c->shards[s].addr, rpc_status_name(st), detail);
@@ -360,8 +364,16 @@ int ps_client_pull_ex(ps_client *c, float *params, uint64_t *versions,
       free(tsegs);
       rpc_request_free(c->reqs[s]);
     }
-    if (rc == PS_OK || retry_shard < 0 || attempt == 1) break;
-    if (reregister(c, c->q, retry_shard, err) != 0) break;
+    if (rc == PS_OK || !any_forgot || attempt == 1) break;
+    /* Every shard that had forgotten this worker (a long pause makes them
+     * all forget it): register again, then pull once more. */
+    int rr = PS_OK;
+    for (int s = 0; s < c->nshards && rr == PS_OK; s++)
+      if (forgot[s]) rr = reregister(c, c->q, s, err);
+    if (rr != PS_OK) {
+      rc = rr;
+      break;
+    }
   }
   return rc;
 }

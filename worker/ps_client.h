@@ -44,9 +44,10 @@ int ps_client_pull(ps_client *c, float *params, uint64_t *versions,
 /* ps_client_pull, telling as the shards arrive: ready(user, attempt, s,
  * avail) is called (on the calling thread) once shard s's range is in
  * params, so that params[0, avail) has arrived (shards are read in order).
- * attempt counts from 0; it grows when the pull starts over (a shard that
- * had forgotten this worker, which registers again): what arrived in an
- * earlier attempt is then read again. Nothing is said about the shards
+ * attempt counts from 0; the pull starts over when a shard had forgotten
+ * this worker (which registers again): ready(user, attempt, -1, 0) says so
+ * before anything of the new attempt is written into params, and what
+ * arrived before is then read again. Nothing is said about the shards
  * after one that failed. */
 typedef void (*ps_pull_ready_fn)(void *user, int attempt, int shard, size_t avail);
 int ps_client_pull_ex(ps_client *c, float *params, uint64_t *versions,

@@ -424,12 +424,16 @@ static void pipe_begin(pipe_step *p) {
 static void pipe_pull_ready(void *user, int attempt, int shard, size_t avail) {
   pipe_step *p = user;
   worker *w = p->w;
-  if (attempt != p->attempt) {
-    /* The pull started over: so does the forward pass, once the ops that
-     * read the earlier attempt's parameters are done. */
+  if (shard < 0) {
+    /* The pull starts over: so does the forward pass, once the copies and
+     * ops that read the earlier attempt's parameters are done (before the
+     * new attempt writes over them). */
+    PS_INFO("pipeline: the pull starts over (attempt %d); so does the step's forward pass",
+            attempt + 1);
     w->ops->sync(w->ops->ctx);
     pipe_begin(p);
     p->attempt = attempt;
+    return;
   }
   if (w->dparams != w->params) {
     size_t off, cnt;

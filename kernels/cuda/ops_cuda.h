@@ -44,6 +44,14 @@
  * stream. Code above the backend uses these and runs on either backend;
  * the ps_cuda_* helpers below remain for code that is CUDA-only.
  *
+ * Copies beside compute (to_device_async, to_host_async, ticket_done,
+ * ticket_wait): a second stream of the backend's, ordered against the
+ * compute stream with events (an h2d is waited for by the ops queued after
+ * it; a d2h waits for the ops queued before it); tickets are events from a
+ * ring of 64, and a ticket whose event was recorded again since is waited
+ * for through the later copy, which is never too short. sync and free wait
+ * for both streams. scale is a kernel on the compute stream.
+ *
  * Threads: as for the CPU backend, one op at a time per backend. Any thread
  * may call it: each op makes the backend's device current first. */
 #ifndef PS_KERNELS_CUDA_OPS_CUDA_H

@@ -28,7 +28,8 @@ start_server() { # index, log suffix
 }
 start_worker() { # k
   "$build/ps-worker" --ps "${ports%%,*}" --threads 1 --straggle-ms 25 --timeout-ms 2000 \
-    --retry-s 60 --log-interval 1 $([ "$1" -eq 0 ] && echo --chief) >"$out/worker-$1.log" 2>&1 &
+    --retry-s 60 --log-interval 1 $([ "$1" -eq 0 ] && echo --chief) \
+    $([ $(( $1 % 2 )) -eq 1 ] && echo --pipeline on) >"$out/worker-$1.log" 2>&1 &
   pids+=($!)
   wpid[$1]=$!
 }

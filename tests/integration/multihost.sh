@@ -46,7 +46,7 @@ pids+=($!); spid=$!
 for k in 1 2; do
   ip netns exec "$tag-w$k" "$build/ps-worker" --ps "198.18.$k.1:$port" --index $((k - 1)) \
     --num-workers 2 --threads 1 --straggle-ms 40 --timeout-ms 2000 --retry-s 60 \
-    --log-interval 1 >"$out/worker-$k.log" 2>&1 &
+    --log-interval 1 $([ "$k" -eq 1 ] && echo --pipeline on) >"$out/worker-$k.log" 2>&1 &
   pids+=($!)
 done
 wpids=("${pids[1]}" "${pids[2]}")
