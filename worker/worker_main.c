@@ -494,6 +494,15 @@ static void pipe_grads_ready(void *user, size_t lo) {
   pipe_push_landed(p, 0);
 }
 
+/* Adds what the shards said of one push to the interval's counts. */
+static void count_push(const ps_push_result *r, int nshards, uint64_t *stale_sum,
+                       uint64_t *stale_n, uint64_t *stale_max, uint64_t *dropped) {
+  *stale_sum += r->staleness_sum;
+  *stale_n += (uint64_t)nshards;
+  if (r->staleness_max > *stale_max) *stale_max = r->staleness_max;
+  if (dropped) *dropped += r->dropped > 0;
+}
+
 static int train(worker *w) {
   char err[PS_ERRLEN];
   const size_t P = w->job.model.n_params;
@@ -659,10 +668,7 @@ static int train(worker *w) {
         rc = 1;
         break;
       }
-      stale_sum += w->push_res.staleness_sum;
-      stale_n += (uint64_t)nshards;
-      if (w->push_res.staleness_max > stale_max) stale_max = w->push_res.staleness_max;
-      dropped += w->push_res.dropped > 0;
+      count_push(&w->push_res, nshards, &stale_sum, &stale_n, &stale_max, &dropped);
       td = ps_now_s();
       /* The forward pass ran inside the pull: its time counts as compute. */
       tb -= p.forward_s;
@@ -708,9 +714,7 @@ static int train(worker *w) {
             rc = 1;
             break;
           }
-          stale_sum += pj->res.staleness_sum;
-          stale_n += (uint64_t)ps_client_num_shards(w->client);
-          if (pj->res.staleness_max > stale_max) stale_max = pj->res.staleness_max;
+          count_push(&pj->res, nshards, &stale_sum, &stale_n, &stale_max, NULL);
           if (pj->lease_reported) {
             if (pj->lease_counted) chunks_done++;
             else chunks_lost++;
@@ -737,10 +741,7 @@ static int train(worker *w) {
           rc = 1;
           break;
         }
-        stale_sum += w->push_res.staleness_sum;
-        stale_n += (uint64_t)ps_client_num_shards(w->client);
-        if (w->push_res.staleness_max > stale_max) stale_max = w->push_res.staleness_max;
-        dropped += w->push_res.dropped > 0;
+        count_push(&w->push_res, nshards, &stale_sum, &stale_n, &stale_max, &dropped);
       }
       td = ps_now_s();
     }
