@@ -358,8 +358,13 @@ float ps_model_step_backward(ps_model *m, const float *params, float *grads,
   if (ready) ready(user, 0);
   /* The arg-max count reads the probabilities back: after the whole
    * backward pass is queued, so the device is not left idle meanwhile. */
-  if (correct) *correct = count_correct(probs_out(m, n), m->st.y_host, n, k);
+  if (correct) *correct = ps_model_step_correct(m);
   return m->st.loss;
+}
+
+int ps_model_step_correct(ps_model *m) {
+  if (!m->st.done) return 0;
+  return count_correct(probs_out(m, m->st.n), m->st.y_host, m->st.n, m->spec.classes);
 }
 
 float ps_model_train_step(ps_model *m, const float *params, const float *x, const uint8_t *y,

@@ -67,6 +67,12 @@ void ps_model_step_forward(ps_model *m, const float *params, size_t avail);
 float ps_model_step_loss(const ps_model *m);
 float ps_model_step_backward(ps_model *m, const float *params, float *grads,
                              void (*ready)(void *user, size_t lo), void *user, int *correct);
+/* The number of the step's examples whose arg-max matched the label (what
+ * *correct receives above). It reads the probabilities back, so it waits
+ * for the backend to finish what was queued: a caller with copies to wait
+ * for (and pushes to start as they land) passes correct == NULL to
+ * backward and asks here afterwards. */
+int ps_model_step_correct(ps_model *m);
 
 /* Forward only, without dropout, over any number of examples x, y (host
  * memory; processed in chunks of max_batch) with params (backend memory).

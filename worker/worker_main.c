@@ -411,7 +411,7 @@ typedef struct {
   uint64_t *tickets; /* per shard: its gradient's copy to the host */
   int to_copy;       /* shards >= to_copy have been copied (or queued) */
   int to_push;       /* shards >= to_push have been pushed */
-  int backward_done;  /* the backward pass has written every gradient */
+  int backward_done;  /* the backward pass has been queued whole */
   uint64_t early;     /* pushes started before it had */
   double forward_s;   /* time in the forward pass while pulling */
 } pipe_step;
@@ -470,7 +470,11 @@ static void pipe_push_landed(pipe_step *p, int wait) {
       w->ops->ticket_wait(w->ops->ctx, p->tickets[s]);
     else if (!w->ops->ticket_done(w->ops->ctx, p->tickets[s]))
       return;
-    if (ps_client_push_shard(w->client, s, w->grads, err) == 0 && !p->backward_done) p->early++;
+    /* Early: the backward pass is still being queued, or (on a device)
+     * still computing: the first layers' gradient, copied back last, has
+     * not landed. */
+    int running = !p->backward_done || !w->ops->ticket_done(w->ops->ctx, p->tickets[0]);
+    if (ps_client_push_shard(w->client, s, w->grads, err) == 0 && running) p->early++;
     p->to_push = s;
   }
 }
@@ -657,8 +661,13 @@ static int train(worker *w) {
         rc = 1;
         break;
       }
-      ps_model_step_backward(w->model, w->dparams, w->dgrads, pipe_grads_ready, &p, &correct);
+      /* The whole backward pass is queued before anything waits; then each
+       * shard's push starts as its gradient lands, while the device still
+       * computes the earlier layers; the arg-max count, which waits for the
+       * device, comes last. */
+      ps_model_step_backward(w->model, w->dparams, w->dgrads, pipe_grads_ready, &p, NULL);
       pipe_push_landed(&p, 1);
+      correct = ps_model_step_correct(w->model);
       early_pushes += p.early;
       all_pushes += (uint64_t)nshards;
       tc = ps_now_s();
