@@ -9,12 +9,13 @@
 #include <string.h>
 
 #include "../common/util.h"
+#include "../kernels/emu/ops_emu.h"
 #ifdef PS_WITH_CUDA
 #include "../kernels/cuda/cuda_device.h"
 #include "../kernels/cuda/ops_cuda.h"
 #endif
 
-typedef enum { DEVICE_AUTO, DEVICE_CPU, DEVICE_CUDA } device_kind;
+typedef enum { DEVICE_AUTO, DEVICE_CPU, DEVICE_CUDA, DEVICE_EMU } device_kind;
 
 /* The largest CUDA index accepted by the parser; far above any machine,
  * low enough that the digits cannot overflow an int. */
@@ -32,6 +33,10 @@ static int parse_spec(const char *spec, device_kind *kind, int *index, char *err
     *kind = DEVICE_CPU;
     return 0;
   }
+  if (strcmp(spec, "emu") == 0) {
+    *kind = DEVICE_EMU;
+    return 0;
+  }
   *kind = DEVICE_CUDA;
   if (strcmp(spec, "cuda") == 0) return 0;
   if (strncmp(spec, "cuda:", 5) == 0 && spec[5] != '\0') {
@@ -43,7 +48,8 @@ static int parse_spec(const char *spec, device_kind *kind, int *index, char *err
       return 0;
     }
   }
-  return ps_seterr(err, PS_EINVAL, "bad device '%s': expected auto, cpu, cuda or cuda:N", spec);
+  return ps_seterr(err, PS_EINVAL, "bad device '%s': expected auto, cpu, cuda, cuda:N or emu",
+                   spec);
 }
 
 static void set_desc(char *desc, size_t desc_len, const char *fmt, ...)
@@ -93,6 +99,15 @@ ps_ops *ps_device_open(const char *spec, int cpu_threads, char *desc, size_t des
   if (desc && desc_len) desc[0] = '\0';
   if (parse_spec(spec, &kind, &index, err) != 0) return NULL;
   if (kind == DEVICE_CPU) return open_cpu(cpu_threads, "", desc, desc_len, err);
+  if (kind == DEVICE_EMU) {
+    ps_ops *ops = ps_ops_emu_create(cpu_threads);
+    if (!ops)
+      ps_seterr(err, PS_ENOMEM, "cannot create the emulated device: out of memory or threads");
+    else
+      set_desc(desc, desc_len, "emu (cpu ops on emulated device memory, %d thread%s)",
+               cpu_threads > 1 ? cpu_threads : 1, cpu_threads > 1 ? "s" : "");
+    return ops;
+  }
 #ifdef PS_WITH_CUDA
   char why[128] = "";
   const int count = ps_cuda_device_count(why);

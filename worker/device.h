@@ -7,6 +7,9 @@
  *   "cuda"         CUDA device 0 (an error if there is none)
  *   "cuda:N"       CUDA device N, N a decimal index (of the devices that
  *                  CUDA_VISIBLE_DEVICES leaves)
+ *   "emu"          the emulated device (kernels/emu/ops_emu.h): the cpu ops
+ *                  behind device-like memory, to run and check a GPU
+ *                  worker's code paths where there is no GPU
  *
  * Anything else ("gpu", "cuda:x", "cuda:", "CPU") is malformed. Compiles in
  * both builds: without WITH_CUDA, asking for cuda is an error that says so. */

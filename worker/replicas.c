@@ -7,6 +7,7 @@
 
 #include "../common/util.h"
 #include "../kernels/ops.h"
+#include "../kernels/emu/ops_emu.h"
 #include "model.h"
 #ifdef PS_WITH_CUDA
 #include "../kernels/cuda/cuda_device.h"
@@ -343,6 +344,24 @@ void ps_replicas_destroy(ps_replicas *r) {
 int ps_replicas_count(const ps_replicas *r) { return r->R; }
 
 int ps_replicas_on_device(const ps_replicas *r) { return r->device; }
+
+static ps_ops *emu_backend(int i, void *user, char *err) {
+  (void)user;
+  ps_ops *o = ps_ops_emu_create(1);
+  if (!o) ps_seterr(err, PS_ENOMEM, "replica %d: cannot create an emulated device", i);
+  return o;
+}
+
+ps_replicas *ps_replicas_create_for(const ps_model_spec *spec, int R, int max_batch,
+                                    const char *backend, char *err) {
+  if (backend && strcmp(backend, "cuda") == 0)
+    return ps_replicas_create_cuda(spec, R, max_batch, err);
+  if (backend && strcmp(backend, "emu") == 0)
+    return ps_replicas_create_with(spec, R, max_batch, emu_backend, NULL, err);
+  if (!backend || strcmp(backend, "cpu") == 0) return ps_replicas_create(spec, R, max_batch, err);
+  ps_seterr(err, PS_EINVAL, "replicas: no backend '%s' (cpu, cuda or emu)", backend);
+  return NULL;
+}
 
 int ps_replicas_nccl(const ps_replicas *r) { return r->nccl != NULL; }
 

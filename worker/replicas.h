@@ -56,6 +56,12 @@ ps_replicas *ps_replicas_create_with(const ps_model_spec *spec, int R, int max_b
  * host memory. NULL with a message without a device or without CUDA. */
 ps_replicas *ps_replicas_create_cuda(const ps_model_spec *spec, int R, int max_batch, char *err);
 
+/* R replicas on the kind of backend named (a backend's ops->name): "cpu"
+ * (ps_replicas_create), "cuda" (ps_replicas_create_cuda) or "emu" (the
+ * emulated device of kernels/emu, one one-thread backend per replica). */
+ps_replicas *ps_replicas_create_for(const ps_model_spec *spec, int R, int max_batch,
+                                    const char *backend, char *err);
+
 /* Whether the replicas compute on a device (their memory is not host
  * memory), and whether NCCL sums their gradients. */
 int ps_replicas_on_device(const ps_replicas *r);

@@ -265,9 +265,13 @@ static int lease_source(void *user, uint64_t *begin, uint32_t *count, uint64_t *
 /* The host side of what is pulled and pushed: pinned memory when the
  * backend is a GPU, so that its copies run at full speed and
  * asynchronously; plain aligned memory otherwise. */
+#ifdef PS_WITH_CUDA
+static int on_cuda(const worker *w) { return w->ops && strcmp(w->ops->name, "cuda") == 0; }
+#endif
+
 static float *host_buffer(worker *w, size_t bytes) {
 #ifdef PS_WITH_CUDA
-  if (!w->ops->host_memory) {
+  if (on_cuda(w)) {
     void *p = NULL;
     if (ps_cuda_host_alloc(&p, bytes) != 0) return NULL;
     memset(p, 0, bytes);
@@ -280,7 +284,7 @@ static float *host_buffer(worker *w, size_t bytes) {
 static void host_buffer_free(worker *w, float *p) {
   if (!p) return;
 #ifdef PS_WITH_CUDA
-  if (w->ops && !w->ops->host_memory) {
+  if (on_cuda(w)) {
     ps_cuda_host_free(p);
     return;
   }
@@ -956,7 +960,10 @@ static void usage(FILE *f) {
           "  --max-steps N        stop after N steps (default: the job's, 0 = no limit)\n"
           "  --data-dir DIR       where the IDX files are (default: the job's)\n"
           "  --device D           cpu, cuda or cuda:N (default: cuda when this build has the\n"
-          "                       CUDA backend and a GPU is present, else cpu)\n"
+          "                       CUDA backend and a GPU is present, else cpu); emu: the cpu\n"
+          "                       ops on emulated device memory, which runs a GPU worker's\n"
+          "                       code paths (copies, pipeline, replicas) where there is no\n"
+          "                       GPU, for checking; slower than cpu\n"
           "  --threads N          compute threads (default: the number of cores)\n"
           "  --replicas R         R mirrored replicas of the model, one per thread on the\n"
           "                       cpu, one per GPU on cuda (replica i on GPU i %% count):\n"
@@ -1270,14 +1277,12 @@ int main(int argc, char **argv) {
 
   w.model = ps_model_create(spec, w.ops, w.job.batch_size, err);
   if (w.replicas > 1) {
-    w.reps = w.ops->host_memory
-                 ? ps_replicas_create(spec, w.replicas, w.job.batch_size, err)
-                 : ps_replicas_create_cuda(spec, w.replicas, w.job.batch_size, err);
+    w.reps = ps_replicas_create_for(spec, w.replicas, w.job.batch_size, w.ops->name, err);
     if (w.reps)
       PS_INFO("replicas: %d, %s", w.replicas,
               !ps_replicas_on_device(w.reps) ? "one per cpu thread, summed in host memory"
               : ps_replicas_nccl(w.reps)     ? "one per GPU, summed on the GPUs with NCCL"
-                                             : "on the GPUs, summed in host memory");
+                                             : "on devices, summed in host memory");
     if (!w.reps) {
       fprintf(stderr, "ps-worker: %s\n", err);
       return 1;

@@ -251,6 +251,37 @@ print(f"pipeline: {len(a)} parameters after 30 steps over 3 shards, {diff} diffe
 assert diff == 0, f"{diff} parameters differ"
 PY
   ;;
+device_paths)
+  # A GPU worker's code paths (parameters and gradients in device memory,
+  # copies each way, the copy queue and tickets of the pipelined step,
+  # replicas that copy in and out, --overlap's buffers) on the emulated
+  # device, whose memory checks every pointer and whose copies land late:
+  # each run ends with the parameter bytes of the same run on the cpu.
+  run() { # name worker-args...
+    local name=$1; shift
+    "$root/deploy/local-cluster.sh" --job "$here/jobs/pipeline.json" --bin "$build" \
+      --servers 3 --workers 1 --out "$out/$name" --timeout 120 --threads 1 -- \
+      --save-params "$out/$name.bin" "$@" >"$out/$name.out" 2>&1 \
+      || { tail -20 "$out/$name.out"; fail "the run $name ($*) failed"; }
+  }
+  run cpu --device cpu
+  run emu-pipeline --device emu --pipeline on
+  run emu-plain --device emu --pipeline off
+  run cpu-replicas --device cpu --replicas 2
+  run emu-replicas --device emu --replicas 2
+  run cpu-overlap --device cpu --overlap
+  run emu-overlap --device emu --overlap
+  grep -q "device: emu" "$out/emu-pipeline/worker-0.log" || fail "the emulated device was not used"
+  grep -q "pipeline: each shard" "$out/emu-pipeline/worker-0.log" || fail "no pipelined step"
+  grep -q "replicas: 2, on devices" "$out/emu-replicas/worker-0.log" || fail "no device replicas"
+  for pair in "cpu emu-pipeline" "cpu emu-plain" "cpu-replicas emu-replicas" \
+              "cpu-overlap emu-overlap"; do
+    set -- $pair
+    cmp -s "$out/$1.bin" "$out/$2.bin" || fail "$2 ended with other parameters than $1"
+    echo "device_paths: $2 == $1, bit for bit"
+  done
+  cmp -s "$out/cpu.bin" "$out/cpu-overlap.bin" && fail "overlap changed nothing: the comparison cannot tell"
+  ;;
 ssp_bound)
   # ssp:1 with 3 workers, one a straggler: the servers' records show no pull
   # granted more than 1 step ahead of the slowest live worker, and that the

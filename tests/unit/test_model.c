@@ -1,4 +1,4 @@
-/* worker/model.h on the CPU backend, its device path on a stand-in device,
+/* worker/model.h on the CPU backend, its device path on a emulated device,
  * and the device chooser (worker/device.h).
  *
  *  - Gradient: ps_model_train_step's gradient of every parameter of two
@@ -22,14 +22,15 @@
  *    draws other masks.
  *  - Learning: 30 SGD steps on learnable data bring the loss below half.
  *  - The device path (the code for backends whose memory is not host
- *    memory) runs here on a stand-in: the CPU ops behind a table with
- *    host_memory = 0 that checks every pointer given to an op lies, with its
- *    whole extent, inside a block from its alloc (so a host pointer or a
- *    short buffer is caught), and that copies host->device and back go the
- *    right way; to_host lands only at the next op or sync, as on a stream.
- *    Its steps must equal the CPU backend's bit for bit (the same kernels
- *    on the same values), and every block must be freed.
- *  - Out of memory: the stand-in's alloc fails at every call in turn; the
+ *    memory) runs here on the emulated device (kernels/emu): the CPU ops
+ *    behind a table with host_memory = 0 that aborts unless every pointer
+ *    given to an op lies, with its whole extent, inside a block from its
+ *    alloc (so a host pointer or a short buffer is caught), and unless
+ *    copies host->device and back go the right way; copies to the host
+ *    land late, as on a stream. Its steps must equal the CPU backend's bit
+ *    for bit (the same kernels on the same values), and every block must
+ *    be freed.
+ *  - Out of memory: the emulated device's alloc fails at every call in turn; the
  *    model must report it and free what it had.
  *  - The device chooser: "cpu", "auto" (the cpu without a device), "cuda"
  *    (an error without one: the build or the device), malformed names.
@@ -346,24 +347,46 @@ static void test_sgd_lowers_loss(void) {
   if (ops) ops->destroy(ops);
 }
 
-#include "fake_device.h"
+#include "../../kernels/emu/ops_emu.h"
+
+/* The emulated device (kernels/emu): blocks allocated now, copies to the
+ * host not landed. */
+static int emu_blocks(const ps_ops *o) {
+  ps_emu_counts c;
+  ps_ops_emu_counts(o, &c);
+  return c.blocks;
+}
+static int emu_pending(const ps_ops *o) {
+  ps_emu_counts c;
+  ps_ops_emu_counts(o, &c);
+  return c.pending;
+}
+static int emu_allocs(const ps_ops *o) {
+  ps_emu_counts c;
+  ps_ops_emu_counts(o, &c);
+  return c.allocs;
+}
 
 /* Train steps (with and without dropout, full and partial batches) and
- * evaluations in several chunks on the stand-in, against the CPU backend
+ * evaluations in several chunks on the emulated device, against the CPU backend
  * itself: bit for bit. */
 static void device_path_case(const char *what, const ps_model_spec *spec) {
   char err[PS_ERRLEN];
   ps_ops *cpu = ps_ops_cpu_create(1);
   CHECK(cpu != NULL);
   if (!cpu) return;
-  fake_dev f;
-  fake_init(&f, cpu);
+  ps_ops *emu = ps_ops_emu_create(1);
+  CHECK(emu != NULL);
+  if (!emu) {
+    cpu->destroy(cpu);
+    return;
+  }
   const int max_batch = 6, n_eval = 15;
   ps_model *host = ps_model_create(spec, cpu, max_batch, err);
-  ps_model *dev = ps_model_create(spec, &f.ops, max_batch, err);
+  ps_model *dev = ps_model_create(spec, emu, max_batch, err);
   CHECK_MSG(host && dev, "%s", err);
   if (host && dev) {
-    CHECK(ps_model_ops(dev) == &f.ops && ps_model_ops(host) == cpu);
+    CHECK(ps_model_ops(dev) == emu && ps_model_ops(host) == cpu);
     const size_t P = spec->n_params;
     float *params = make_params(spec, 21);
     float *g_host = xalloc(P * sizeof(float)), *g_back = xalloc(P * sizeof(float));
@@ -410,8 +433,8 @@ static void device_path_case(const char *what, const ps_model_spec *spec) {
   }
   ps_model_destroy(host);
   ps_model_destroy(dev);
-  CHECK_MSG(f.bad == 0, "%s: %d bad pointers on the stand-in device", what, f.bad);
-  CHECK_MSG(f.n_blocks == 0, "%s: %d device blocks not freed", what, f.n_blocks);
+  CHECK_MSG(emu_blocks(emu) == 0, "%s: %d device blocks not freed", what, emu_blocks(emu));
+  emu->destroy(emu);
   cpu->destroy(cpu);
 }
 
@@ -441,7 +464,7 @@ static void staged_on_ready(void *user, size_t lo) {
     r->bad_order += lo > r->sent;
     return;
   }
-  /* The cpu backend and the stand-in run an op before returning: the range
+  /* The cpu backend and the emulated device run an op before returning: the range
    * said ready already holds its final bytes. */
   if (r->direct && !same_bits(r->grads_dev + lo, r->want + lo, (r->sent - lo) * sizeof(float)))
     r->early_wrong++;
@@ -451,19 +474,23 @@ static void staged_on_ready(void *user, size_t lo) {
   r->sent = lo;
 }
 
-/* dev == NULL: on the cpu backend (on_fake 0) or the stand-in (1), against
- * the cpu backend's plain step. dev (a real device; on_fake 1): against the
+/* dev == NULL: on the cpu backend (on_emu 0) or the emulated device (1), against
+ * the cpu backend's plain step. dev (a real device; on_emu 1): against the
  * plain step on dev itself, since the staged step runs the same ops in the
  * same order. */
-static void staged_case(const char *what, const ps_model_spec *spec, int on_fake, int pieces,
+static void staged_case(const char *what, const ps_model_spec *spec, int on_emu, int pieces,
                         ps_ops *dev) {
   char err[PS_ERRLEN];
   ps_ops *cpu = ps_ops_cpu_create(1);
   CHECK(cpu != NULL);
   if (!cpu) return;
-  fake_dev f;
-  fake_init(&f, cpu);
-  ps_ops *ops = dev ? dev : on_fake ? &f.ops : cpu;
+  ps_ops *emu = dev || !on_emu ? NULL : ps_ops_emu_create(1);
+  ps_ops *ops = dev ? dev : on_emu ? emu : cpu;
+  CHECK(ops != NULL);
+  if (!ops) {
+    cpu->destroy(cpu);
+    return;
+  }
   const int n = 5;
   ps_model *ref = ps_model_create(spec, dev ? dev : cpu, n, err);
   ps_model *m = ps_model_create(spec, ops, n, err);
@@ -472,8 +499,8 @@ static void staged_case(const char *what, const ps_model_spec *spec, int on_fake
   float *params = make_params(spec, 33), *want = xalloc(P * sizeof(float));
   float *d_params = m ? ps_model_alloc_params(m) : NULL;
   float *d_grads = m ? ps_model_alloc_params(m) : NULL;
-  float *host_grads = on_fake ? xalloc(P * sizeof(float)) : d_grads;
-  float *host_params = on_fake ? xalloc(P * sizeof(float)) : d_params;
+  float *host_grads = on_emu ? xalloc(P * sizeof(float)) : d_grads;
+  float *host_params = on_emu ? xalloc(P * sizeof(float)) : d_params;
   if (ref && m && d_params && d_grads) {
     float *x;
     uint8_t *y;
@@ -489,7 +516,7 @@ static void staged_case(const char *what, const ps_model_spec *spec, int on_fake
     }
     /* Nothing has arrived: NaN everywhere, on both sides. */
     for (size_t j = 0; j < P; j++) host_params[j] = host_grads[j] = NAN;
-    if (on_fake) {
+    if (on_emu) {
       ps_model_params_to_device(m, d_params, host_params);
       ps_model_params_to_device(m, d_grads, host_grads);
     }
@@ -519,7 +546,7 @@ static void staged_case(const char *what, const ps_model_spec *spec, int on_fake
               r.last_lo_zero, r.bad_order, r.sent);
     CHECK_MSG(r.early_wrong == 0, "%s: %d ranges said ready before they were", what,
               r.early_wrong);
-    CHECK(r.n_tickets == (on_fake ? r.calls : 0)); /* one per range sent; none on the cpu */
+    CHECK(r.n_tickets == (on_emu ? r.calls : 0)); /* one per range sent; none on the cpu */
     for (int t = 0; t < r.n_tickets; t++) {
       ops->ticket_wait(ops->ctx, r.tickets[t]);
       CHECK(ops->ticket_done(ops->ctx, r.tickets[t]));
@@ -527,58 +554,67 @@ static void staged_case(const char *what, const ps_model_spec *spec, int on_fake
     CHECK_MSG(same_bits(host_grads, want, P * sizeof(float)), "%s: gradients differ", what);
     free(x), free(y);
   }
-  if (on_fake) free(host_grads), free(host_params);
+  if (on_emu) free(host_grads), free(host_params);
   if (m) ps_model_free_params(m, d_params), ps_model_free_params(m, d_grads);
   free(params), free(want);
   ps_model_destroy(ref);
   ps_model_destroy(m);
-  CHECK_MSG(f.bad == 0 && f.n_async == 0, "%s: %d bad pointers, %d copies not landed", what,
-            f.bad, f.n_async);
+  if (emu) {
+    CHECK_MSG(emu_pending(emu) == 0 && emu_blocks(emu) == 0,
+              "%s: %d copies not landed, %d blocks not freed", what, emu_pending(emu),
+              emu_blocks(emu));
+    emu->destroy(emu);
+  }
   cpu->destroy(cpu);
 }
 
 static void test_staged_step(void) {
   ps_model_spec conv, dense;
   const int pieces[] = {1, 2, 3, 7};
-  for (int on_fake = 0; on_fake <= 1; on_fake++)
+  for (int on_emu = 0; on_emu <= 1; on_emu++)
     for (int k = 0; k < 4; k++) {
       char what[96];
       if (conv_spec(0.5f, &conv) == 0) {
-        snprintf(what, sizeof what, "conv, dropout, %s, %d pieces", on_fake ? "device" : "cpu",
+        snprintf(what, sizeof what, "conv, dropout, %s, %d pieces", on_emu ? "device" : "cpu",
                  pieces[k]);
-        staged_case(what, &conv, on_fake, pieces[k], NULL);
+        staged_case(what, &conv, on_emu, pieces[k], NULL);
       }
       if (dense_spec(&dense) == 0) {
-        snprintf(what, sizeof what, "flatten-first, %s, %d pieces", on_fake ? "device" : "cpu",
+        snprintf(what, sizeof what, "flatten-first, %s, %d pieces", on_emu ? "device" : "cpu",
                  pieces[k]);
-        staged_case(what, &dense, on_fake, pieces[k], NULL);
+        staged_case(what, &dense, on_emu, pieces[k], NULL);
       }
     }
 }
 
-/* The stand-in's asynchronous copies land only when waited for; tickets
+/* The emulated device's asynchronous copies land only when waited for; tickets
  * say so; the cpu backend's land at once. */
 static void test_async_copies(void) {
   ps_ops *cpu = ps_ops_cpu_create(1);
   CHECK(cpu != NULL);
   if (!cpu) return;
-  fake_dev f;
-  fake_init(&f, cpu);
-  float *d = f.ops.alloc(f.ops.ctx, 8 * sizeof(float));
+  ps_ops *e = ps_ops_emu_create(1);
+  CHECK(e != NULL);
+  if (!e) {
+    cpu->destroy(cpu);
+    return;
+  }
+  float *d = e->alloc(e->ctx, 8 * sizeof(float));
   float src[8] = {1, -2, 3, -4, 5, -6, 7, -8}, back[8] = {0};
-  f.ops.to_device_async(f.ops.ctx, d, src, sizeof src);
-  f.ops.relu_forward(f.ops.ctx, 8, d, d);
-  f.ops.scale(f.ops.ctx, 8, 0.5f, d);
-  uint64_t t = f.ops.to_host_async(f.ops.ctx, back, d, sizeof back);
+  e->to_device_async(e->ctx, d, src, sizeof src);
+  e->relu_forward(e->ctx, 8, d, d);
+  e->scale(e->ctx, 8, 0.5f, d);
+  uint64_t t = e->to_host_async(e->ctx, back, d, sizeof back);
   CHECK(t != 0 && back[0] == 0.0f);
-  f.ops.relu_forward(f.ops.ctx, 8, d, d); /* after the copy: not in it */
-  CHECK(!f.ops.ticket_done(f.ops.ctx, t) && back[0] == 0.0f);
-  f.ops.ticket_wait(f.ops.ctx, t);
-  CHECK(f.ops.ticket_done(f.ops.ctx, t));
+  e->relu_forward(e->ctx, 8, d, d); /* after the copy: not in it */
+  CHECK(!e->ticket_done(e->ctx, t) && back[0] == 0.0f);
+  e->ticket_wait(e->ctx, t);
+  CHECK(e->ticket_done(e->ctx, t));
   const float want[8] = {0.5f, 0, 1.5f, 0, 2.5f, 0, 3.5f, 0};
   CHECK(same_bits(back, want, sizeof want));
-  f.ops.free(f.ops.ctx, d);
-  CHECK(f.bad == 0 && f.n_blocks == 0);
+  e->free(e->ctx, d);
+  CHECK(emu_blocks(e) == 0 && emu_pending(e) == 0);
+  e->destroy(e);
   /* The cpu backend: done at once, ticket 0. */
   float h[4] = {1, 2, 3, 4}, o[4] = {0};
   cpu->to_device_async(cpu->ctx, o, h, sizeof h);
@@ -598,7 +634,7 @@ static void test_device_path(void) {
   if (dense_spec(&dense) == 0) device_path_case("flatten-first model", &dense);
 }
 
-/* Every allocation of ps_model_create fails in turn (on the stand-in, which
+/* Every allocation of ps_model_create fails in turn (on the emulated device, which
  * has the most of them): NULL, a message, nothing left allocated. */
 static void test_out_of_memory(void) {
   ps_model_spec spec;
@@ -606,35 +642,41 @@ static void test_out_of_memory(void) {
   ps_ops *cpu = ps_ops_cpu_create(1);
   CHECK(cpu != NULL);
   if (!cpu) return;
-  fake_dev f;
   int failures = 0;
   for (int at = 0; at < 100; at++) {
-    fake_init(&f, cpu);
-    f.fail_at = at;
+    ps_ops *e = ps_ops_emu_create(1);
+    if (!e) break;
+    ps_ops_emu_fail_alloc_at(e, at);
     char err[PS_ERRLEN] = "";
-    ps_model *m = ps_model_create(&spec, &f.ops, 8, err);
+    ps_model *m = ps_model_create(&spec, e, 8, err);
+    int done = m != NULL;
     if (m) { /* every allocation has had its turn */
-      CHECK(f.allocs == at);
+      CHECK(emu_allocs(e) == at);
       ps_model_destroy(m);
-      CHECK(f.n_blocks == 0);
-      break;
+      CHECK(emu_blocks(e) == 0);
+    } else {
+      failures++;
+      CHECK_MSG(strstr(err, "out of") != NULL, "at %d: '%s'", at, err);
+      CHECK_MSG(emu_blocks(e) == 0, "at %d: %d blocks left", at, emu_blocks(e));
     }
-    failures++;
-    CHECK_MSG(strstr(err, "out of") != NULL, "at %d: '%s'", at, err);
-    CHECK_MSG(f.n_blocks == 0, "at %d: %d blocks left", at, f.n_blocks);
+    e->destroy(e);
+    if (done) break;
   }
   CHECK(failures > 5);
   /* The helpers report it too. */
-  fake_init(&f, cpu);
+  ps_ops *e = ps_ops_emu_create(1);
   char err[PS_ERRLEN];
-  ps_model *m = ps_model_create(&spec, &f.ops, 8, err);
+  ps_model *m = e ? ps_model_create(&spec, e, 8, err) : NULL;
   CHECK(m != NULL);
   if (m) {
-    f.fail_at = f.allocs;
+    ps_ops_emu_fail_alloc_at(e, emu_allocs(e));
     CHECK(ps_model_alloc_params(m) == NULL);
     ps_model_destroy(m);
   }
-  CHECK(f.n_blocks == 0 && f.bad == 0);
+  if (e) {
+    CHECK(emu_blocks(e) == 0);
+    e->destroy(e);
+  }
   cpu->destroy(cpu);
 }
 

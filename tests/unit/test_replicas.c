@@ -35,7 +35,6 @@
 #include "../../worker/model.h"
 #include "../../worker/replicas.h"
 #include "check.h"
-#include "fake_device.h"
 #ifdef PS_WITH_CUDA
 #include "../../kernels/cuda/cuda_device.h"
 #endif
@@ -491,17 +490,10 @@ static void test_training_converges(void) {
 }
 
 /* Replicas whose backends hold their memory apart from the host (here the
- * stand-in device of fake_device.h, which checks every pointer): each
+ * emulated device of kernels/emu, which checks every pointer): each
  * copies the parameters in and its gradient out, and the sum is the host
  * sum of the cpu replicas, so the results equal theirs bit for bit, with
  * dropout, odd batches and batches smaller than R. */
-static ps_ops *make_fake(int i, void *user, char *err) {
-  (void)user;
-  ps_ops *o = fake_dev_create();
-  if (!o) snprintf(err, PS_ERRLEN, "replica %d: cannot create the stand-in device", i);
-  return o;
-}
-
 static void test_device_replicas(void) {
   ps_model_spec spec;
   if (load_model("tests/integration/jobs/synthetic.json", &spec, NULL) != 0) return;
@@ -510,9 +502,9 @@ static void test_device_replicas(void) {
   for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
     const int R = cases[c].R, n = cases[c].n;
     char err[PS_ERRLEN], what[64];
-    snprintf(what, sizeof what, "stand-in device R=%d n=%d", R, n);
+    snprintf(what, sizeof what, "emulated device R=%d n=%d", R, n);
     ps_replicas *cpu = ps_replicas_create(&spec, R, 32, err);
-    ps_replicas *dev = ps_replicas_create_with(&spec, R, 32, make_fake, NULL, err);
+    ps_replicas *dev = ps_replicas_create_for(&spec, R, 32, "emu", err);
     CHECK_MSG(cpu && dev, "%s: %s", what, err);
     if (cpu && dev) {
       CHECK(!ps_replicas_on_device(cpu) && ps_replicas_on_device(dev) && !ps_replicas_nccl(dev));
@@ -531,6 +523,8 @@ static void test_device_replicas(void) {
   /* A backend that cannot be made: NULL and the factory's message. */
   char err[PS_ERRLEN] = "";
   CHECK(ps_replicas_create_with(&spec, 2, 8, NULL, NULL, err) == NULL && err[0]);
+  err[0] = '\0';
+  CHECK(ps_replicas_create_for(&spec, 2, 8, "tpu", err) == NULL && strstr(err, "tpu"));
   free_problem(&p);
 }
 
