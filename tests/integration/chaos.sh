@@ -4,7 +4,9 @@
 # holds the leases) and restart it from its checkpoint, SIGSTOP a worker for
 # longer than the heartbeat time-out and SIGCONT it. The run must complete
 # and reach its accuracy threshold, and shard 0's records must show every
-# chunk of every epoch completed exactly once.
+# chunk of every epoch completed exactly once. Worker 1 (and the one that
+# replaces a killed worker) runs the pipelined step; worker 2 computes on
+# the emulated device (--device emu), with its pipelined step.
 #   chaos.sh BUILD_DIR
 set -uo pipefail
 build=$(cd "$1" && pwd)
@@ -29,7 +31,8 @@ start_server() { # index, log suffix
 start_worker() { # k
   "$build/ps-worker" --ps "${ports%%,*}" --threads 1 --straggle-ms 25 --timeout-ms 2000 \
     --retry-s 60 --log-interval 1 $([ "$1" -eq 0 ] && echo --chief) \
-    $([ $(( $1 % 2 )) -eq 1 ] && echo --pipeline on) >"$out/worker-$1.log" 2>&1 &
+    $([ $(( $1 % 2 )) -eq 1 ] && echo --pipeline on) $([ "$1" -eq 2 ] && echo --device emu) \
+    >"$out/worker-$1.log" 2>&1 &
   pids+=($!)
   wpid[$1]=$!
 }
