@@ -11,6 +11,8 @@
 #   - with several GPUs, --replicas over all of them (NCCL) against one.
 # Exits 77 (skipped) with the reason when no device is there.
 #   tests/bench/gpu.sh [BUILD_DIR] [STEPS]
+# DATA_DIR (optional): where the Fashion-MNIST files are, when not in the
+# job's data_dir.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 build=$(cd "${1:-$root/build}" && pwd)
@@ -34,7 +36,8 @@ cluster() {
     pids+=($!); spids+=($!)
   done
   "$build/ps-worker" --device cuda --ps "${addrs%%,*}" --max-steps "$steps" --eval-interval 0 \
-    --log-interval 2 --metrics "$out/$name.jsonl" "$@" >"$out/$name.log" 2>&1
+    --log-interval 2 --metrics "$out/$name.jsonl" ${DATA_DIR:+--data-dir "$DATA_DIR"} "$@" \
+    >"$out/$name.log" 2>&1
   for p in "${spids[@]}"; do kill -TERM "$p"; wait "$p" || true; done
 }
 
@@ -63,7 +66,7 @@ PY
 for job in fashion_mnist_cnn fashion_mnist_larger_cnn; do
   j="$root/deploy/jobs/$job.json"
   "$build/ps-worker" --device cuda --local --job "$j" --max-steps "$steps" --eval-interval 0 \
-    --log-interval 1000 >"$out/$job-local.log" 2>&1
+    --log-interval 1000 ${DATA_DIR:+--data-dir "$DATA_DIR"} >"$out/$job-local.log" 2>&1
   cluster "$job-pipeline-off" "$j" --pipeline off
   cluster "$job-pipeline-on" "$j" --pipeline on
   report "$job" "$job-pipeline-off" "$job-pipeline-on"
@@ -74,7 +77,8 @@ if [ "${gpus:-0}" -ge 2 ]; then
   j="$root/deploy/jobs/fashion_mnist_larger_cnn.json"
   for r in 1 "$gpus"; do
     "$build/ps-worker" --device cuda --local --job "$j" --max-steps "$steps" --eval-interval 0 \
-      --replicas "$r" --per-replica-batch 64 --log-interval 1000 >"$out/replicas-$r.log" 2>&1
+      --replicas "$r" --per-replica-batch 64 --log-interval 1000 ${DATA_DIR:+--data-dir "$DATA_DIR"} \
+      >"$out/replicas-$r.log" 2>&1
     grep "replicas:\|^trained" "$out/replicas-$r.log" || true
   done
 else

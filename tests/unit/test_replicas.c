@@ -58,8 +58,15 @@ static float rand_unit(void) { /* [0, 1) */
 
 /* A path under the source tree: this file's path minus its own tail, so
  * that the test finds the job files from CTest's build directory (absolute
- * __FILE__) and from the repository root (relative __FILE__). */
+ * __FILE__) and from the repository root (relative __FILE__); or under
+ * $PS_SOURCE_DIR when set (a copy of the tree elsewhere, as on a GPU
+ * machine that runs a bundled build). */
 static void source_path(const char *rel, char *out, size_t len) {
+  const char *env = getenv("PS_SOURCE_DIR");
+  if (env && *env) {
+    snprintf(out, len, "%s/%s", env, rel);
+    return;
+  }
   const char *self = __FILE__, *tail = "tests/unit/test_replicas.c";
   size_t n = strlen(self), t = strlen(tail);
   size_t root = n >= t && strcmp(self + n - t, tail) == 0 ? n - t : 0;

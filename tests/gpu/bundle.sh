@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Packs what a GPU machine without this project's dependencies needs to run
+# its GPU tests and benchmark (tests/gpu/on_device.sh): a CUDA build's
+# programs and tests, the shared libraries they need that a CUDA image does
+# not have (gRPC and its dependencies, protobuf-c, libuv, OpenBLAS, jansson),
+# and the Fashion-MNIST files. The CUDA libraries themselves (cudart,
+# cuBLAS, cuDNN, NCCL) are not packed: the machine has them. Writes
+# .gpu/bundle.tar.xz (ignored by git), well under 64 MiB.
+#   tests/gpu/bundle.sh [BUILD_DIR]     (default build-gpu; built if need be)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+build=${1:-build-gpu}
+command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
+cmake -S . -B "$build" -DWITH_CUDA=ON -DPS_WERROR=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+cmake --build "$build" -j"$(nproc)" >/dev/null
+grep -q '^WITH_CUDA:BOOL=ON' "$build/CMakeCache.txt" || { echo "bundle: $build has no CUDA backend" >&2; exit 1; }
+stage=$(mktemp -d /tmp/ps-gpu-bundle.XXXXXX)
+trap 'rm -rf "$stage"' EXIT
+mkdir -p "$stage/bin" "$stage/lib" "$stage/data"
+progs=(ps-server ps-worker ps-export test_cuda_parity test_model test_replicas bench_replicas client_rounds)
+for p in "${progs[@]}"; do cp "$build/$p" "$stage/bin/"; done
+# Every library the programs load, but the C runtime and CUDA's.
+for p in "${progs[@]}"; do ldd "$build/$p"; done | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u |
+  grep -Ev '/(libc|libm|libdl|libpthread|librt|ld-linux-x86-64|libstdc\+\+|libgcc_s)\.so' |
+  grep -Ev '/lib(cuda|cudart|cublas|cublasLt|cudnn[a-z_]*|nccl)\.so' |
+  while read -r lib; do cp -L "$lib" "$stage/lib/"; done
+cp /usr/share/datasets/fashion-mnist/*.gz "$stage/data/"
+mkdir -p .gpu
+grep -qx '/.gpu/' .gitignore 2>/dev/null || echo '/.gpu/' >>.gitignore
+tar -C "$stage" -cJf .gpu/bundle.tar.xz .
+echo "bundle: .gpu/bundle.tar.xz, $(du -h .gpu/bundle.tar.xz | cut -f1): ${#progs[@]} programs," \
+  "$(ls "$stage/lib" | wc -l) libraries, the data set"

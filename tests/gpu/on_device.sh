@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# On a GPU machine, from the repository root, with .gpu/bundle.tar.xz made
+# by tests/gpu/bundle.sh here (carry .gpu): the GPU tests, a check that the
+# pipelined step on the GPU gives the plain step's parameters bit for bit,
+# and the GPU benchmark. Results go to stdout and, when OUT is set, to
+# $OUT/gpu.log. Each part is bounded in time.
+#   tests/gpu/on_device.sh [STEPS]    (benchmark steps, default 300)
+set -uo pipefail
+root=$(pwd)
+steps=${1:-300}
+b=/tmp/ps-gpu
+rm -rf "$b" && mkdir -p "$b" && tar -C "$b" -xJf .gpu/bundle.tar.xz || exit 1
+# The CUDA libraries: the system's, else those of the Python packages there.
+extra=$(python3 - <<'PY' 2>/dev/null
+import glob, os, sys
+dirs = set()
+for p in sys.path:
+    for lib in glob.glob(os.path.join(p, "nvidia", "*", "lib")):
+        dirs.add(lib)
+print(":".join(sorted(dirs)))
+PY
+)
+cuda_lib=""
+for d in /usr/local/cuda/lib64 /usr/local/cuda/lib; do [ -d "$d" ] && cuda_lib="$cuda_lib:$d"; done
+export LD_LIBRARY_PATH="$b/lib${extra:+:$extra}$cuda_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+log=${OUT:+$OUT/gpu.log}
+say() { echo "$*"; [ -n "$log" ] && echo "$*" >>"$log"; return 0; }
+run() { # name timeout command...
+  local name=$1 t=$2; shift 2
+  say "== $name: $*"
+  local o; o=$(timeout "$t" "$@" 2>&1); local rc=$?
+  say "$o"
+  say "== $name: exit $rc"
+  return $rc
+}
+fails=0
+nvidia-smi -L 2>&1 | while read -r l; do say "$l"; done
+for p in ps-worker test_cuda_parity; do
+  missing=$(ldd "$b/bin/$p" | grep "not found")
+  [ -z "$missing" ] || say "missing libraries for $p: $missing"
+done
+run test_cuda_parity 300 "$b/bin/test_cuda_parity" || fails=$((fails + 1))
+# test_replicas reads job files from the repository (PS_SOURCE_DIR).
+(cd "$root" && run test_model 300 "$b/bin/test_model") || fails=$((fails + 1))
+(cd "$root" && PS_SOURCE_DIR="$root" run test_replicas 300 "$b/bin/test_replicas") ||
+  fails=$((fails + 1))
+# The pipelined step on the GPU against the plain one: 3 shards, 30 steps.
+port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+for mode in on off; do
+  addrs="127.0.0.1:$(port),127.0.0.1:$(port),127.0.0.1:$(port)"
+  spids=()
+  for s in 0 1 2; do
+    "$b/bin/ps-server" --job tests/integration/jobs/pipeline.json --ps "$addrs" --index "$s" \
+      >"$b/server-$mode-$s.log" 2>&1 &
+    spids+=($!)
+  done
+  run "pipeline $mode" 120 "$b/bin/ps-worker" --device cuda --ps "${addrs%%,*}" --num-workers 1 \
+    --pipeline "$mode" --save-params "$b/$mode.bin" --log-interval 1 || fails=$((fails + 1))
+  for p in "${spids[@]}"; do kill -TERM "$p" 2>/dev/null; wait "$p"; done
+done
+if cmp -s "$b/on.bin" "$b/off.bin"; then say "pipeline on == off on the GPU, bit for bit"
+else say "FAIL: the pipelined step on the GPU ended with other parameters"; fails=$((fails + 1)); fi
+# The benchmark (the data set from the bundle).
+DATA_DIR="$b/data" run gpu.sh 540 bash tests/bench/gpu.sh "$b/bin" "$steps" || fails=$((fails + 1))
+say "on_device: $fails part(s) failed"
+exit $((fails > 0))
