@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Installs the Debian packages the build, the tests and the quickstart need.
+# Installs the Debian packages the build, the tests and the quickstart need,
+# and any named on the command line (tests/fuzz/run.sh asks for clang).
 # Idempotent: quiet when everything is already there. Uses sudo when not root.
+#   deploy/install-deps.sh [PACKAGE...]
 set -euo pipefail
 
 packages=(
@@ -9,6 +11,7 @@ packages=(
   libuv1-dev libopenblas-dev libjansson-dev zlib1g-dev
   dataset-fashion-mnist
   iproute2 iperf3 gnuplot-nox python3
+  "$@"
 )
 
 missing=()
