@@ -3,12 +3,12 @@
 # UndefinedBehaviorSanitizer) and runs each for SECONDS (default 60),
 # starting from the seeds in tests/fuzz/seeds/TARGET. A crash, a leak or a
 # sanitizer report fails the run and leaves the input in the output folder.
-#   tests/fuzz/run.sh [SECONDS] [TARGET...]   (targets: wire job leases)
+#   tests/fuzz/run.sh [SECONDS] [TARGET...]   (targets: wire job leases ckpt)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 secs=${1:-60}
 shift || true
-targets=("${@:-wire job leases}")
+targets=("${@:-wire job leases ckpt}")
 read -r -a targets <<<"${targets[*]}"
 build=build-fuzz
 deploy/install-deps.sh clang libclang-rt-14-dev
@@ -22,7 +22,7 @@ for t in "${targets[@]}"; do
   case "$t" in
     wire) libs=("$build/libps_rpc.a" "$build/libps_proto.a" "$build/libps_util.a") ;;
     job) libs=("$build/libps_spec.a" "$build/libps_util.a") ;;
-    leases) libs=("$build/libps_shardlib.a" "$build/libps_spec.a" "$build/libps_util.a") ;;
+    leases | ckpt) libs=("$build/libps_shardlib.a" "$build/libps_spec.a" "$build/libps_util.a") ;;
     *) echo "fuzz: no target '$t'" >&2; exit 2 ;;
   esac
   # shellcheck disable=SC2086
@@ -35,5 +35,6 @@ for t in "${targets[@]}"; do
      -print_final_stats=1 "corpus-$t" 2>"$out/$t.log") ||
     { tail -40 "$out/$t.log"; echo "fuzz: $t FAILED; inputs and log in $out" >&2; exit 1; }
   grep -E "stat::number_of_executed_units|cov:" "$out/$t.log" | tail -2
+  rm -rf /dev/shm/ps-fuzz-ckpt.* /tmp/ps-fuzz-ckpt.* # the ckpt target's files
 done
 rm -rf "$out"
