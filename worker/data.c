@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <uv.h>
 #include <zlib.h>
@@ -37,6 +38,7 @@ typedef struct {
   gzFile f;
   const char *path;
   const char *kind;
+  uint64_t disk_bytes; /* the file's size on disk */
 } idx_file;
 
 static int idx__open(idx_file *x, const char *path, const char *kind, char *err) {
@@ -52,7 +54,41 @@ static int idx__open(idx_file *x, const char *path, const char *kind, char *err)
   }
   /* A larger buffer than zlib's 8 KiB default halves the load time. */
   gzbuffer(x->f, 1 << 18);
+  struct stat st;
+  x->disk_bytes = stat(path, &st) == 0 ? (uint64_t)st.st_size : UINT64_MAX;
   return PS_OK;
+}
+
+/* Deflate expands at most about 1032:1; anything above this is a header
+ * that promises more than the file can hold. */
+#define GZIP_MAX_RATIO 1100
+
+/* Whether the file holds the `data` bytes its header promises after the
+ * `hdr` bytes of the header: exactly that on disk for a plain file (with
+ * the messages reading would give), at most GZIP_MAX_RATIO times the disk
+ * size for gzip. Checked before allocating, so a damaged header costs an
+ * error, not gigabytes of memory. */
+static int idx__can_hold(idx_file *x, uint64_t hdr, uint64_t data, const char *what, char *err) {
+  if (x->disk_bytes == UINT64_MAX) return PS_OK; /* not a regular file: reading will tell */
+  if (gzdirect(x->f)) {
+    if (x->disk_bytes < hdr + data)
+      return ps_seterr(err, PS_EINVAL,
+                       "%s file '%s': truncated: %s needs %llu bytes, only %llu present", x->kind,
+                       x->path, what, (unsigned long long)data,
+                       (unsigned long long)(x->disk_bytes - hdr));
+    if (x->disk_bytes > hdr + data)
+      return ps_seterr(err, PS_EINVAL,
+                       "%s file '%s': data continues past the size its header gives; "
+                       "header and payload disagree",
+                       x->kind, x->path);
+    return PS_OK;
+  }
+  if ((hdr + data) / GZIP_MAX_RATIO <= x->disk_bytes) return PS_OK;
+  return ps_seterr(err, PS_EINVAL,
+                   "%s file '%s': its header describes %llu bytes of %s, more than %llu "
+                   "compressed bytes can hold; the header is corrupt",
+                   x->kind, x->path, (unsigned long long)data, what,
+                   (unsigned long long)x->disk_bytes);
 }
 
 static void idx__close(idx_file *x) {
@@ -195,6 +231,9 @@ static int idx__load(idx_file *im, idx_file *lb, int classes, ps_dataset *d, cha
     return ps_seterr(err, PS_ERANGE, "image file '%s': %u x %zu pixels do not fit in memory",
                      im->path, n, dim);
   }
+  rc = idx__can_hold(im, 16, (uint64_t)n * dim, "the pixel data", err);
+  if (!rc) rc = idx__can_hold(lb, 8, n, "the label data", err);
+  if (rc) return rc;
   d->n = (int)n;
   d->c = 1;
   d->h = (int)rows;

@@ -176,6 +176,20 @@ static void test_idx_errors(void) {
   CHECK(write_idx(bad, 0, 0x801, ldims, 1, small_labels, SMALL_N - 1) == 0);
   expect_load_error(ip, bad, 5, "truncated", "the label data needs 5 bytes, only 4");
 
+  /* A header that promises far more than the file holds (60000 images of
+   * 28 x 28 in 60 bytes of pixels): refused before anything that size is
+   * allocated, plain or compressed. */
+  uint32_t huge[3] = {60000, 28, 28}, huge_labels[1] = {60000};
+  tmp_path(bad, "huge-header");
+  CHECK(write_idx(bad, 0, 0x803, huge, 3, small_pixels, sizeof small_pixels) == 0);
+  tmp_path(lp, "huge-labels");
+  CHECK(write_idx(lp, 0, 0x801, huge_labels, 1, small_labels, SMALL_N) == 0);
+  expect_load_error(bad, lp, 5, "truncated", "needs 47040000 bytes, only 60 present");
+  tmp_path(bad, "huge-header.gz");
+  CHECK(write_idx(bad, 1, 0x803, huge, 3, small_pixels, sizeof small_pixels) == 0);
+  expect_load_error(bad, lp, 5, "huge-header.gz", "the header is corrupt");
+  tmp_path(lp, "ok-labels");
+
   /* A gzip stream cut short (no trailer, part of the deflate data gone). */
   tmp_path(bad, "cut.gz");
   CHECK(write_idx(bad, 1, 0x803, idims, 3, small_pixels, sizeof small_pixels) == 0);
