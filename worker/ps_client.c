@@ -480,15 +480,23 @@ static int push_start_pending(ps_client *c, const float *grads, char *err) {
   return PS_OK;
 }
 
-int ps_client_push_end(ps_client *c, const float *grads, ps_push_result *res, char *err) {
+/* Starts every pending shard and waits for every call in flight (also
+ * after a failed start: nothing is left out); the first error is returned.
+ * *again as for push_wait_all. */
+static int push_round(ps_client *c, const float *grads, int *again, char *err) {
   int rc = push_start_pending(c, grads, err);
-  int again = 0;
   char werr[PS_ERRLEN] = "";
-  int wrc = push_wait_all(c, &again, werr); /* also after a failed start: nothing left out */
+  int wrc = push_wait_all(c, again, werr);
   if (rc == PS_OK && wrc != PS_OK) {
     rc = wrc;
     snprintf(err, PS_ERRLEN, "%s", werr);
   }
+  return rc;
+}
+
+int ps_client_push_end(ps_client *c, const float *grads, ps_push_result *res, char *err) {
+  int again = 0;
+  int rc = push_round(c, grads, &again, err);
   /* A shard that had forgotten this worker applied nothing from it:
    * register again and push that shard's slice once more. */
   if (rc == PS_OK && again) {
@@ -497,15 +505,9 @@ int ps_client_push_end(ps_client *c, const float *grads, ps_push_result *res, ch
       int r = reregister(c, c->q, s, err);
       if (r != 0) return r;
     }
-    rc = push_start_pending(c, grads, err);
-    int again2 = 0;
-    wrc = push_wait_all(c, &again2, werr);
-    if (rc == PS_OK && wrc != PS_OK) {
-      rc = wrc;
-      snprintf(err, PS_ERRLEN, "%s", werr);
-    }
+    rc = push_round(c, grads, &again, err);
     for (int s = 0; s < c->nshards && rc == PS_OK; s++)
-      if (again2 && c->push.state[s] == PUSH_PENDING)
+      if (again && c->push.state[s] == PUSH_PENDING)
         rc = ps_seterr(err, PS_ENOTFOUND, "shard %d refused this worker after it registered again",
                        s);
   }

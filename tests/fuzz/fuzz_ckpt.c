@@ -16,29 +16,13 @@
 
 #include "../../common/util.h"
 #include "../../ps/checkpoint.h"
+#include "fuzz_util.h"
 
 static char dir[256];
 
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
   (void)argc, (void)argv;
-  snprintf(dir, sizeof dir, "%s/ps-fuzz-ckpt.%d", access("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp",
-           (int)getpid());
-  char cmd[320];
-  snprintf(cmd, sizeof cmd, "rm -rf '%s' && mkdir -p '%s'", dir, dir);
-  return system(cmd) == 0 ? 0 : 1;
-}
-
-static uint64_t take(const uint8_t **p, size_t *n, int bytes) {
-  uint64_t v = 0;
-  for (int i = 0; i < bytes && *n > 0; i++, (*p)++, (*n)--) v |= (uint64_t)**p << (8 * i);
-  return v;
-}
-
-static void write_file(const char *path, const void *buf, size_t len) {
-  FILE *f = fopen(path, "wb");
-  if (!f) abort();
-  if (len && fwrite(buf, 1, len, f) != len) abort();
-  fclose(f);
+  return fuzz_make_dir("ps-fuzz-ckpt", dir, sizeof dir);
 }
 
 static void *read_file(const char *path, size_t *len) {
@@ -74,32 +58,35 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   char path[PS_CKPT_PATHLEN];
   if (mode == 0) {
     snprintf(path, sizeof path, "%s/raw.ckpt", dir);
-    write_file(path, data, size);
+    fuzz_write_file(path, data, size);
     (void)accepted(path);
     return 0;
   }
   /* A valid checkpoint from the input. */
   ps_ckpt ck;
   memset(&ck, 0, sizeof ck);
-  const size_t P = 1 + take(&data, &size, 2) % 3000;
-  const size_t begin = take(&data, &size, 2) % P;
-  const size_t end = begin + take(&data, &size, 2) % (P - begin + 1);
-  ck.meta = (ps_ckpt_meta){.index = 0, .num_shards = 1 + (int)(take(&data, &size, 1) % 4),
-                           .P = P, .begin = begin, .end = end,
-                           .version = take(&data, &size, 4)};
+  const size_t P = 1 + fuzz_take(&data, &size, 2) % 3000;
+  const size_t begin = fuzz_take(&data, &size, 2) % P;
+  const size_t end = begin + fuzz_take(&data, &size, 2) % (P - begin + 1);
+  ck.meta = (ps_ckpt_meta){.index = 0,
+                           .num_shards = 1 + (int)(fuzz_take(&data, &size, 1) % 4),
+                           .P = P,
+                           .begin = begin,
+                           .end = end,
+                           .version = fuzz_take(&data, &size, 4)};
   snprintf(ck.meta.optimizer, sizeof ck.meta.optimizer, "adam");
-  snprintf(ck.meta.job_id, sizeof ck.meta.job_id, "fuzz-%u", (unsigned)take(&data, &size, 1));
-  ck.n_slots = (int)(take(&data, &size, 1) % 3);
+  snprintf(ck.meta.job_id, sizeof ck.meta.job_id, "fuzz-%u", (unsigned)fuzz_take(&data, &size, 1));
+  ck.n_slots = (int)(fuzz_take(&data, &size, 1) % 3);
   const size_t n = end - begin;
   float *arrays = calloc((n ? n : 1) * (size_t)(1 + ck.n_slots), sizeof(float));
   if (!arrays) return 0;
   for (size_t i = 0; i < n * (size_t)(1 + ck.n_slots); i++)
-    arrays[i] = (float)(int32_t)take(&data, &size, 2) / 256.0f;
+    arrays[i] = (float)(int32_t)fuzz_take(&data, &size, 2) / 256.0f;
   ck.params = arrays;
   for (int k = 0; k < ck.n_slots; k++) ck.slots[k] = arrays + n * (size_t)(1 + k);
   uint8_t extra[64];
-  ck.extra_len = take(&data, &size, 1) % sizeof extra;
-  for (size_t i = 0; i < ck.extra_len; i++) extra[i] = (uint8_t)take(&data, &size, 1);
+  ck.extra_len = fuzz_take(&data, &size, 1) % sizeof extra;
+  for (size_t i = 0; i < ck.extra_len; i++) extra[i] = (uint8_t)fuzz_take(&data, &size, 1);
   ck.extra = ck.extra_len ? extra : NULL;
   char err[PS_ERRLEN] = "";
   if (ps_ckpt_write(dir, &ck, 1, path, err) != 0) abort(); /* a valid one must be written */
@@ -117,14 +104,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   /* One byte changed, or the file cut short: refused. */
   size_t len;
   uint8_t *file = read_file(path, &len);
-  const uint64_t where = take(&data, &size, 4) % len, how = take(&data, &size, 1);
+  const uint64_t where = fuzz_take(&data, &size, 4) % len, how = fuzz_take(&data, &size, 1);
   char bad[PS_CKPT_PATHLEN + 16];
   snprintf(bad, sizeof bad, "%s/bad.ckpt", dir);
   if (how & 1) {
-    write_file(bad, file, where); /* cut short */
+    fuzz_write_file(bad, file, where); /* cut short */
   } else {
     file[where] ^= (uint8_t)(how | 2);
-    write_file(bad, file, len);
+    fuzz_write_file(bad, file, len);
   }
   if (accepted(bad)) abort(); /* damage went unnoticed */
   free(file);

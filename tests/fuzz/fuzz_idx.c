@@ -13,16 +13,13 @@
 
 #include "../../common/util.h"
 #include "../../worker/data.h"
+#include "fuzz_util.h"
 
 static char dir[256];
 
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
   (void)argc, (void)argv;
-  snprintf(dir, sizeof dir, "%s/ps-fuzz-idx.%d", access("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp",
-           (int)getpid());
-  char cmd[320];
-  snprintf(cmd, sizeof cmd, "rm -rf '%s' && mkdir -p '%s'", dir, dir);
-  return system(cmd) == 0 ? 0 : 1;
+  return fuzz_make_dir("ps-fuzz-idx", dir, sizeof dir);
 }
 
 static void write_file(const char *path, const uint8_t *buf, size_t len, int gz) {
@@ -33,10 +30,7 @@ static void write_file(const char *path, const uint8_t *buf, size_t len, int gz)
     gzclose(f);
     return;
   }
-  FILE *f = fopen(path, "wb");
-  if (!f) abort();
-  if (len && fwrite(buf, 1, len, f) != len) abort();
-  fclose(f);
+  fuzz_write_file(path, buf, len);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {

@@ -13,12 +13,7 @@
 
 #include "../../common/util.h"
 #include "../../ps/leases.h"
-
-static uint64_t take(const uint8_t **p, size_t *n, int bytes) {
-  uint64_t v = 0;
-  for (int i = 0; i < bytes && *n > 0; i++, (*p)++, (*n)--) v |= (uint64_t)**p << (8 * i);
-  return v;
-}
+#include "fuzz_util.h"
 
 static void load_or_refuse(const void *buf, size_t len) {
   char err[PS_ERRLEN] = "";
@@ -42,11 +37,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     return 0;
   }
   ps_lease_config cfg = {
-      .n_examples = 1 + take(&data, &size, 2) % 5000,
-      .chunk_size = 1 + (uint32_t)(take(&data, &size, 1) % 300),
-      .epochs = (uint32_t)(take(&data, &size, 1) % 4),
-      .seed = take(&data, &size, 2),
-      .max_per_worker = 1 + (uint32_t)(take(&data, &size, 1) % 3),
+      .n_examples = 1 + fuzz_take(&data, &size, 2) % 5000,
+      .chunk_size = 1 + (uint32_t)(fuzz_take(&data, &size, 1) % 300),
+      .epochs = (uint32_t)(fuzz_take(&data, &size, 1) % 4),
+      .seed = fuzz_take(&data, &size, 2),
+      .max_per_worker = 1 + (uint32_t)(fuzz_take(&data, &size, 1) % 3),
   };
   char err[PS_ERRLEN] = "";
   ps_leases *t = ps_leases_create(&cfg, err);
@@ -57,23 +52,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   uint64_t held[8] = {0};
   int64_t now = 0;
   for (int step = 0; step < 200 && size >= 2; step++) {
-    const uint8_t op = (uint8_t)take(&data, &size, 1);
+    const uint8_t op = (uint8_t)fuzz_take(&data, &size, 1);
     const uint64_t w = 1 + op % 8;
-    now += (int64_t)take(&data, &size, 1) * 10;
+    now += (int64_t)fuzz_take(&data, &size, 1) * 10;
     ps_lease l;
     switch ((op >> 3) % 4) {
       case 0:
         if (ps_leases_acquire(t, w, now, &l) == 0) held[w - 1] = l.lease_id;
         break;
-      case 1:
-        (void)ps_leases_complete(t, w, held[w - 1], now);
-        break;
-      case 2:
-        (void)ps_leases_release_worker(t, w);
-        break;
-      case 3:
-        (void)ps_leases_expire(t, now, 500);
-        break;
+      case 1: (void)ps_leases_complete(t, w, held[w - 1], now); break;
+      case 2: (void)ps_leases_release_worker(t, w); break;
+      case 3: (void)ps_leases_expire(t, now, 500); break;
     }
   }
   void *blob = NULL, *again = NULL;
@@ -85,7 +74,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     ps_leases_destroy(u);
     free(again);
     if (len > 0) {
-      const uint64_t where = take(&data, &size, 2), what = take(&data, &size, 1);
+      const uint64_t where = fuzz_take(&data, &size, 2), what = fuzz_take(&data, &size, 1);
       ((uint8_t *)blob)[where % len] ^= (uint8_t)(what | 1);
       load_or_refuse(blob, len);
       load_or_refuse(blob, where % len); /* truncated */

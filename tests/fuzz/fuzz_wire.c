@@ -53,11 +53,11 @@ static void round_trip(const uint8_t *data, size_t size) {
   ps_seg tsegs[1];
   ps_segview tensor;
   char err[PS_ERRLEN] = "";
-  Ps__PushRequest *r = (Ps__PushRequest *)wire_decode(&ps__push_request__descriptor, &view, tsegs,
-                                                      1, &tensor, err);
-  if (!r || !r->header || r->header->worker_id != h.worker_id || r->base_version != req.base_version ||
-      r->offset != req.offset || r->count != req.count || r->step != req.step ||
-      r->batch_size != req.batch_size || tensor.total != size - 8)
+  Ps__PushRequest *r =
+      (Ps__PushRequest *)wire_decode(&ps__push_request__descriptor, &view, tsegs, 1, &tensor, err);
+  if (!r || !r->header || r->header->worker_id != h.worker_id ||
+      r->base_version != req.base_version || r->offset != req.offset || r->count != req.count ||
+      r->step != req.step || r->batch_size != req.batch_size || tensor.total != size - 8)
     abort();
   uint8_t *back = malloc(tensor.total ? tensor.total : 1);
   if (!back || ps_segview_copy(&tensor, 0, back, tensor.total) != 0 ||

@@ -37,6 +37,16 @@ trained_s() { sed -n 's/^trained .* in \([0-9.]*\) s:.*/\1/p' "$1" | tail -1; }
 # at_least A B: A >= B
 at_least() { python3 -c "import sys; sys.exit(0 if float('$1') >= float('$2') else 1)"; }
 
+# pipeline_run NAME WORKER-ARGS...: jobs/pipeline.json on 3 shards and one
+# worker; logs in $out/NAME/, the final parameters in $out/NAME.bin.
+pipeline_run() {
+  local name=$1; shift
+  "$root/deploy/local-cluster.sh" --job "$here/jobs/pipeline.json" --bin "$build" \
+    --servers 3 --workers 1 --out "$out/$name" --timeout 120 --threads 1 -- \
+    --save-params "$out/$name.bin" "$@" >"$out/$name.out" 2>&1 \
+    || { tail -20 "$out/$name.out"; fail "the run $name ($*) failed"; }
+}
+
 case "$name" in
 synthetic)
   # 2 shards, 2 workers, a small CNN on the synthetic set: seconds.
@@ -205,12 +215,7 @@ pipeline)
   # what the plain step does: one worker, 3 shards, dropout and momentum,
   # 30 steps with --pipeline on, off and auto (off on the cpu) end with the
   # same parameter bytes.
-  for mode in on off auto; do
-    "$root/deploy/local-cluster.sh" --job "$here/jobs/pipeline.json" --bin "$build" \
-      --servers 3 --workers 1 --out "$out/$mode" --timeout 120 --threads 1 -- \
-      --pipeline "$mode" --save-params "$out/$mode.bin" >"$out/$mode.out" 2>&1 \
-      || { tail -20 "$out/$mode.out"; fail "the run with --pipeline $mode failed"; }
-  done
+  for mode in on off auto; do pipeline_run "$mode" --pipeline "$mode"; done
   grep -q "pipeline: each shard" "$out/on/worker-0.log" || fail "the pipelined step was not used"
   if grep -q "pipeline: each shard" "$out/off/worker-0.log"; then fail "--pipeline off was ignored"; fi
   if grep -q "pipeline: each shard" "$out/auto/worker-0.log"; then fail "auto pipelined on the cpu"; fi
@@ -257,20 +262,13 @@ device_paths)
   # replicas that copy in and out, --overlap's buffers) on the emulated
   # device, whose memory checks every pointer and whose copies land late:
   # each run ends with the parameter bytes of the same run on the cpu.
-  run() { # name worker-args...
-    local name=$1; shift
-    "$root/deploy/local-cluster.sh" --job "$here/jobs/pipeline.json" --bin "$build" \
-      --servers 3 --workers 1 --out "$out/$name" --timeout 120 --threads 1 -- \
-      --save-params "$out/$name.bin" "$@" >"$out/$name.out" 2>&1 \
-      || { tail -20 "$out/$name.out"; fail "the run $name ($*) failed"; }
-  }
-  run cpu --device cpu
-  run emu-pipeline --device emu --pipeline on
-  run emu-plain --device emu --pipeline off
-  run cpu-replicas --device cpu --replicas 2
-  run emu-replicas --device emu --replicas 2
-  run cpu-overlap --device cpu --overlap
-  run emu-overlap --device emu --overlap
+  pipeline_run cpu --device cpu
+  pipeline_run emu-pipeline --device emu --pipeline on
+  pipeline_run emu-plain --device emu --pipeline off
+  pipeline_run cpu-replicas --device cpu --replicas 2
+  pipeline_run emu-replicas --device emu --replicas 2
+  pipeline_run cpu-overlap --device cpu --overlap
+  pipeline_run emu-overlap --device emu --overlap
   grep -q "device: emu" "$out/emu-pipeline/worker-0.log" || fail "the emulated device was not used"
   grep -q "pipeline: each shard" "$out/emu-pipeline/worker-0.log" || fail "no pipelined step"
   grep -q "replicas: 2, on devices" "$out/emu-replicas/worker-0.log" || fail "no device replicas"

@@ -349,22 +349,12 @@ static void test_sgd_lowers_loss(void) {
 
 #include "../../kernels/emu/ops_emu.h"
 
-/* The emulated device (kernels/emu): blocks allocated now, copies to the
- * host not landed. */
-static int emu_blocks(const ps_ops *o) {
+/* The emulated device's counts (kernels/emu): alloc calls so far, blocks
+ * allocated now, copies to the host not landed. */
+static ps_emu_counts emu_counts(const ps_ops *o) {
   ps_emu_counts c;
   ps_ops_emu_counts(o, &c);
-  return c.blocks;
-}
-static int emu_pending(const ps_ops *o) {
-  ps_emu_counts c;
-  ps_ops_emu_counts(o, &c);
-  return c.pending;
-}
-static int emu_allocs(const ps_ops *o) {
-  ps_emu_counts c;
-  ps_ops_emu_counts(o, &c);
-  return c.allocs;
+  return c;
 }
 
 /* Train steps (with and without dropout, full and partial batches) and
@@ -433,7 +423,8 @@ static void device_path_case(const char *what, const ps_model_spec *spec) {
   }
   ps_model_destroy(host);
   ps_model_destroy(dev);
-  CHECK_MSG(emu_blocks(emu) == 0, "%s: %d device blocks not freed", what, emu_blocks(emu));
+  CHECK_MSG(emu_counts(emu).blocks == 0, "%s: %d device blocks not freed", what,
+            emu_counts(emu).blocks);
   emu->destroy(emu);
   cpu->destroy(cpu);
 }
@@ -560,9 +551,9 @@ static void staged_case(const char *what, const ps_model_spec *spec, int on_emu,
   ps_model_destroy(ref);
   ps_model_destroy(m);
   if (emu) {
-    CHECK_MSG(emu_pending(emu) == 0 && emu_blocks(emu) == 0,
-              "%s: %d copies not landed, %d blocks not freed", what, emu_pending(emu),
-              emu_blocks(emu));
+    CHECK_MSG(emu_counts(emu).pending == 0 && emu_counts(emu).blocks == 0,
+              "%s: %d copies not landed, %d blocks not freed", what, emu_counts(emu).pending,
+              emu_counts(emu).blocks);
     emu->destroy(emu);
   }
   cpu->destroy(cpu);
@@ -613,7 +604,7 @@ static void test_async_copies(void) {
   const float want[8] = {0.5f, 0, 1.5f, 0, 2.5f, 0, 3.5f, 0};
   CHECK(same_bits(back, want, sizeof want));
   e->free(e->ctx, d);
-  CHECK(emu_blocks(e) == 0 && emu_pending(e) == 0);
+  CHECK(emu_counts(e).blocks == 0 && emu_counts(e).pending == 0);
   e->destroy(e);
   /* The cpu backend: done at once, ticket 0. */
   float h[4] = {1, 2, 3, 4}, o[4] = {0};
@@ -651,13 +642,13 @@ static void test_out_of_memory(void) {
     ps_model *m = ps_model_create(&spec, e, 8, err);
     int done = m != NULL;
     if (m) { /* every allocation has had its turn */
-      CHECK(emu_allocs(e) == at);
+      CHECK(emu_counts(e).allocs == at);
       ps_model_destroy(m);
-      CHECK(emu_blocks(e) == 0);
+      CHECK(emu_counts(e).blocks == 0);
     } else {
       failures++;
       CHECK_MSG(strstr(err, "out of") != NULL, "at %d: '%s'", at, err);
-      CHECK_MSG(emu_blocks(e) == 0, "at %d: %d blocks left", at, emu_blocks(e));
+      CHECK_MSG(emu_counts(e).blocks == 0, "at %d: %d blocks left", at, emu_counts(e).blocks);
     }
     e->destroy(e);
     if (done) break;
@@ -669,12 +660,12 @@ static void test_out_of_memory(void) {
   ps_model *m = e ? ps_model_create(&spec, e, 8, err) : NULL;
   CHECK(m != NULL);
   if (m) {
-    ps_ops_emu_fail_alloc_at(e, emu_allocs(e));
+    ps_ops_emu_fail_alloc_at(e, emu_counts(e).allocs);
     CHECK(ps_model_alloc_params(m) == NULL);
     ps_model_destroy(m);
   }
   if (e) {
-    CHECK(emu_blocks(e) == 0);
+    CHECK(emu_counts(e).blocks == 0);
     e->destroy(e);
   }
   cpu->destroy(cpu);
