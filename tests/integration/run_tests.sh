@@ -94,6 +94,12 @@ bad_input)
   "$build/ps-server" --job "$here/jobs/synthetic.json" --ps 127.0.0.1:1 --index 3 >"$out/i.log" 2>&1 && fail "index outside the list accepted"
   "$build/ps-worker" --ps nonsense >"$out/w.log" 2>&1 && fail "ps-worker accepted a bad address"
   grep -q "HOST:PORT" "$out/w.log" || fail "bad-address message unclear"
+  "$build/ps-worker" --ps 127.0.0.1:1 --pipeline sometimes >"$out/p.log" 2>&1 \
+    && fail "ps-worker accepted --pipeline sometimes"
+  grep -q "on, off or auto" "$out/p.log" || fail "bad --pipeline message unclear"
+  "$build/ps-worker" --local --job "$here/jobs/synthetic.json" --device tpu >"$out/d.log" 2>&1 \
+    && fail "ps-worker accepted --device tpu"
+  grep -q "cuda:N or emu" "$out/d.log" || fail "bad --device message does not list emu"
   # A checkpoint directory holding only a corrupt checkpoint of this job:
   # the shard refuses to start (rather than silently start afresh) and says why.
   mkdir -p "$out/ckpt"
