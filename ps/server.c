@@ -1,0 +1,267 @@
+/* ps-server's life: builds the parts from the options (cluster spec, job,
+ * shard, membership, metrics, checkpoint restore, RPC server and its
+ * methods), runs the libuv loop on the main thread (the timers that drop
+ * silent workers, print progress lines and metrics, and write checkpoints;
+ * SIGINT/SIGTERM stop it) and shuts down in order. */
+#include "server.h"
+
+#include <inttypes.h>
+#include <jansson.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---------------- the loop (main thread) ---------------- */
+
+static void on_sweep(uv_timer_t *t) {
+  ps_server *sv = t->data;
+  uint64_t dropped[64];
+  int n = ps_membership_sweep(sv->members, ps_now_ms(), sv->job.heartbeat_timeout_ms, dropped, 64);
+  for (int i = 0; i < n && i < 64; i++) {
+    PS_WARN("worker %016" PRIx64 " silent for more than %d ms: dropped; %d live", dropped[i],
+            sv->job.heartbeat_timeout_ms, ps_membership_count(sv->members));
+    ps_service_release_leases(sv, dropped[i]);
+  }
+  pthread_mutex_lock(&sv->lease_mu);
+  if (sv->leases) {
+    int e = ps_leases_expire(sv->leases, ps_now_ms(), 2 * (int64_t)sv->job.heartbeat_timeout_ms);
+    if (e > 0) PS_WARN("leases: %d chunk(s) not renewed in time: back in the pool", e);
+  }
+  pthread_mutex_unlock(&sv->lease_mu);
+  if (n > 0 && sv->job.mode_kind == PS_MODE_SYNC) ps_sync_try_step(sv);
+  ps_waits_recheck(sv); /* deadlines, and pulls the dropped workers held back */
+}
+
+static void on_report(uv_timer_t *t) {
+  ps_server *sv = t->data;
+  ps_shard_stats st;
+  ps_shard_stats_get(sv->shard, &st);
+  double now = ps_now_s(), dt = now - sv->last_report_s;
+  if (dt <= 0) dt = 1e-9;
+  double push_rate = (double)(st.pushes - sv->last_pushes) / dt;
+  double pull_rate = (double)(st.pulls - sv->last_pulls) / dt;
+  int live = ps_membership_count(sv->members);
+  if (st.pushes != sv->last_pushes || st.pulls != sv->last_pulls)
+    PS_INFO("version %" PRIu64 " | %.1f pushes/s %.1f pulls/s | staleness mean %.2f max %" PRIu64
+            " | %d workers | %" PRIu64 " refused | %" PRIu64 " dropped | %.1f ms/step",
+            st.version, push_rate, pull_rate, st.staleness_mean, st.staleness_max, live,
+            st.rejected, st.dropped, st.step_time_ms);
+  if (sv->metrics) {
+    json_t *rec = json_object();
+    json_object_set_new(rec, "shard", json_integer(sv->index));
+    json_object_set_new(rec, "version", json_integer((json_int_t)st.version));
+    json_object_set_new(rec, "pushes", json_integer((json_int_t)st.pushes));
+    json_object_set_new(rec, "pulls", json_integer((json_int_t)st.pulls));
+    json_object_set_new(rec, "rejected", json_integer((json_int_t)st.rejected));
+    json_object_set_new(rec, "pushes_per_sec", json_real(push_rate));
+    json_object_set_new(rec, "staleness_mean", json_real(st.staleness_mean));
+    json_object_set_new(rec, "staleness_max", json_integer((json_int_t)st.staleness_max));
+    json_t *hist = json_array();
+    int last = PS_STALENESS_BUCKETS - 1;
+    while (last > 0 && st.staleness_hist[last] == 0) last--;
+    for (int i = 0; i <= last; i++)
+      json_array_append_new(hist, json_integer((json_int_t)st.staleness_hist[i]));
+    json_object_set_new(rec, "staleness_hist", hist);
+    json_object_set_new(rec, "workers", json_integer(live));
+    json_object_set_new(rec, "dropped", json_integer((json_int_t)st.dropped));
+    json_object_set_new(rec, "step_time_ms", json_real(st.step_time_ms));
+    pthread_mutex_lock(&sv->wait_mu);
+    uint64_t done = sv->waits - (uint64_t)sv->n_waiting;
+    json_object_set_new(rec, "waits", json_integer((json_int_t)sv->waits));
+    json_object_set_new(rec, "wait_ms_mean",
+                        json_real(done ? sv->wait_ms_total / (double)done : 0));
+    json_object_set_new(rec, "ssp_max_lead", json_integer((json_int_t)sv->ssp_max_lead));
+    pthread_mutex_unlock(&sv->wait_mu);
+    ps_metrics_write(sv->metrics, rec);
+    json_decref(rec);
+  }
+  sv->last_pushes = st.pushes;
+  sv->last_pulls = st.pulls;
+  sv->last_report_s = now;
+}
+
+static void on_signal(uv_signal_t *s, int signum) {
+  ps_server *sv = s->data;
+  PS_INFO("%s: stopping", signum == SIGINT ? "SIGINT" : "SIGTERM");
+  uv_stop(&sv->loop);
+}
+
+/* ---------------- start and stop ---------------- */
+
+/* Where this shard is in the cluster: from --ps and --index, or from
+ * TF_CONFIG. Returns 0, or the exit code 2 with a message on stderr. */
+static int resolve_cluster(ps_server *sv, const ps_server_opts *o) {
+  char err[PS_ERRLEN];
+  int index = o->index;
+  if (o->ps_list) {
+    if (ps_cluster_parse_ps_list(o->ps_list, &sv->cluster, err) != 0) {
+      fprintf(stderr, "ps-server: --ps: %s\n", err);
+      return 2;
+    }
+    if (index < 0) {
+      fprintf(stderr, "ps-server: --index is required with --ps\n");
+      return 2;
+    }
+  } else if (getenv("TF_CONFIG")) {
+    if (ps_cluster_from_tf_config(getenv("TF_CONFIG"), &sv->cluster, err) != 0) {
+      fprintf(stderr, "ps-server: TF_CONFIG: %s\n", err);
+      return 2;
+    }
+    if (strcmp(sv->cluster.task_type, "ps") != 0) {
+      fprintf(stderr, "ps-server: TF_CONFIG names task type '%s'; ps-server runs task type 'ps'\n",
+              sv->cluster.task_type);
+      return 2;
+    }
+    if (index < 0) index = sv->cluster.task_index;
+  } else {
+    fprintf(stderr, "ps-server: give --ps LIST --index N, or set TF_CONFIG (see --help)\n");
+    return 2;
+  }
+  if (index >= sv->cluster.n_ps) {
+    fprintf(stderr, "ps-server: index %d is outside the %d shards given\n", index,
+            sv->cluster.n_ps);
+    return 2;
+  }
+  sv->index = index;
+  return 0;
+}
+
+/* Loads the job and builds the shard, the membership table and the metrics
+ * file, then restores the checkpoints. Returns 0, or the exit code (2: job
+ * or metrics file, 1: shard or checkpoints) with a message on stderr. */
+static int build_shard(ps_server *sv, const ps_server_opts *o) {
+  char err[PS_ERRLEN];
+  char prog[32];
+  snprintf(prog, sizeof prog, "ps-server[%d]", sv->index);
+  ps_log_init(prog, o->log_level);
+
+  if (ps_job_load(o->job_path, &sv->job, &sv->job_text, err) != 0) {
+    fprintf(stderr, "ps-server: %s\n", err);
+    return 2;
+  }
+  sv->shard = ps_shard_create(&sv->job, sv->index, sv->cluster.n_ps, err);
+  if (!sv->shard) {
+    fprintf(stderr, "ps-server: %s\n", err);
+    return 1;
+  }
+  sv->members = ps_membership_create();
+  pthread_mutex_init(&sv->wait_mu, NULL);
+  pthread_mutex_init(&sv->lease_mu, NULL);
+  if (o->metrics_path) {
+    sv->metrics = ps_metrics_open(o->metrics_path, err);
+    if (!sv->metrics) {
+      fprintf(stderr, "ps-server: %s\n", err);
+      return 2;
+    }
+  }
+  char desc[512];
+  ps_model_spec_describe(&sv->job.model, desc, sizeof desc);
+  PS_INFO("job '%s': %s", sv->job.job_id, desc);
+  if (o->ckpt_dir) {
+    sv->ckpt_dir = o->ckpt_dir;
+    sv->ckpt_secs = o->ckpt_secs;
+    sv->ckpt_updates = o->ckpt_updates;
+    sv->ckpt_keep = o->ckpt_keep;
+    if (ps_server_ckpt_restore(sv, err) != 0) {
+      fprintf(stderr, "ps-server: %s\n", err);
+      return 1;
+    }
+  }
+  PS_INFO("shard %d of %d holds [%zu, %zu) (%zu values, %.1f MB), optimizer %s lr %g, mode %s",
+          sv->index, sv->cluster.n_ps, ps_shard_begin(sv->shard), ps_shard_end(sv->shard),
+          ps_shard_end(sv->shard) - ps_shard_begin(sv->shard),
+          (ps_shard_end(sv->shard) - ps_shard_begin(sv->shard)) * 4.0 / 1e6, sv->job.optim.name,
+          (double)sv->job.optim.lr, sv->job.mode);
+  return 0;
+}
+
+/* Initializes the loop, then creates the RPC server, registers the methods
+ * and starts serving. Returns 0, or the exit code 1 with a message on
+ * stderr. */
+static int start_rpc(ps_server *sv, const ps_server_opts *o) {
+  char err[PS_ERRLEN];
+  /* libuv first: its loop and signal handlers do not use gRPC. */
+  uv_loop_init(&sv->loop);
+  rpc_global_init();
+  const char *addr = o->listen_addr ? o->listen_addr : sv->cluster.ps[sv->index];
+  rpc_server_opts so = {.threads = o->threads};
+  int port = 0;
+  sv->rpc = rpc_server_create(addr, &so, &port, err);
+  if (!sv->rpc) {
+    fprintf(stderr, "ps-server: %s\n", err);
+    return 1;
+  }
+  ps_service_register(sv, sv->rpc);
+  if (rpc_server_start(sv->rpc, err) != 0) {
+    fprintf(stderr, "ps-server: %s\n", err);
+    return 1;
+  }
+  sv->start_s = sv->last_report_s = ps_now_s();
+  sv->log_interval_s = o->log_interval;
+  PS_INFO("listening on %s (port %d), %d threads", addr, port, o->threads);
+  return 0;
+}
+
+/* Starts the loop's timers (sweep, report, checkpoints) and signals. */
+static void start_timers(ps_server *sv, const ps_server_opts *o) {
+  uv_timer_init(&sv->loop, &sv->sweep_timer);
+  sv->sweep_timer.data = sv;
+  int sweep_ms = sv->job.heartbeat_timeout_ms / 4 > 0 ? sv->job.heartbeat_timeout_ms / 4 : 1;
+  uv_timer_start(&sv->sweep_timer, on_sweep, (uint64_t)sweep_ms, (uint64_t)sweep_ms);
+  uv_timer_init(&sv->loop, &sv->report_timer);
+  sv->report_timer.data = sv;
+  uint64_t rep_ms = (uint64_t)(o->log_interval * 1000);
+  uv_timer_start(&sv->report_timer, on_report, rep_ms, rep_ms);
+  if (sv->ckpt_dir) {
+    uv_timer_init(&sv->loop, &sv->ckpt_timer);
+    sv->ckpt_timer.data = sv;
+    sv->ckpt_last_s = ps_now_s();
+    uv_timer_start(&sv->ckpt_timer, ps_server_ckpt_on_timer, 1000, 1000);
+  }
+  uv_signal_init(&sv->loop, &sv->sigint);
+  sv->sigint.data = sv;
+  uv_signal_start(&sv->sigint, on_signal, SIGINT);
+  uv_signal_init(&sv->loop, &sv->sigterm);
+  sv->sigterm.data = sv;
+  uv_signal_start(&sv->sigterm, on_signal, SIGTERM);
+}
+
+/* After the loop has stopped: the last progress line, the RPC server
+ * stopped, the handles closed, the final checkpoint, everything freed.
+ * Returns the exit code: 1 when the final checkpoint failed, else 0. */
+static int shut_down(ps_server *sv) {
+  on_report(&sv->report_timer);
+  rpc_server_shutdown(sv->rpc); /* answers the waiting pulls CANCELLED */
+  rpc_server_destroy(sv->rpc);
+  ps_waits_free(sv);
+  uv_close((uv_handle_t *)&sv->sweep_timer, NULL);
+  uv_close((uv_handle_t *)&sv->report_timer, NULL);
+  uv_close((uv_handle_t *)&sv->sigint, NULL);
+  uv_close((uv_handle_t *)&sv->sigterm, NULL);
+  if (sv->ckpt_dir) uv_close((uv_handle_t *)&sv->ckpt_timer, NULL);
+  uv_run(&sv->loop, UV_RUN_DEFAULT); /* also finishes a checkpoint under way */
+  /* No more updates can come: the final checkpoint holds everything applied. */
+  int exit_code = 0;
+  if (sv->ckpt_dir && ps_server_ckpt_write_now(sv) != 0) exit_code = 1;
+  uv_loop_close(&sv->loop);
+  ps_shard_destroy(sv->shard);
+  ps_leases_destroy(sv->leases);
+  ps_membership_destroy(sv->members);
+  ps_metrics_close(sv->metrics);
+  free(sv->job_text);
+  rpc_global_shutdown();
+  PS_INFO("stopped");
+  return exit_code;
+}
+
+int ps_server_run(const ps_server_opts *o) {
+  static ps_server sv;
+  int rc = resolve_cluster(&sv, o);
+  if (rc == 0) rc = build_shard(&sv, o);
+  if (rc == 0) rc = start_rpc(&sv, o);
+  if (rc != 0) return rc;
+  start_timers(&sv, o);
+  uv_run(&sv.loop, UV_RUN_DEFAULT);
+  return shut_down(&sv);
+}

@@ -1,0 +1,210 @@
+/* ps-server's insides: the server's state (ps_server), the options it runs
+ * from (ps_server_opts), and the functions its files share.
+ *
+ *   server_main.c  the command line: options, --status, then ps_server_run
+ *   server.c       the server's life: build the parts, the loop's timers,
+ *                  signals, run, orderly shutdown
+ *   service.c      the RPC handlers (Register, Heartbeat, Leave, Pull, Push,
+ *                  Status, Lease)
+ *   sync.c         pulls that wait (ssp, sync) and the sync step
+ *   server_ckpt.c  when and what the server checkpoints, restore at start
+ *   status_cli.c   the --status client
+ *
+ * Threads: gRPC's completion queue is served by a pool of threads (the
+ * handlers of service.c run there, against the thread-safe shard and
+ * membership); the main thread runs a libuv loop that owns the timers
+ * (dropping silent workers, progress lines and metrics, checkpoints) and
+ * the signals (SIGINT/SIGTERM stop the server cleanly). */
+#ifndef PS_PS_SERVER_H
+#define PS_PS_SERVER_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "../common/cluster.h"
+#include "../common/job.h"
+#include "../common/metrics.h"
+#include "../common/rpc.h"
+#include "../common/util.h"
+#include "checkpoint.h"
+#include "leases.h"
+#include "membership.h"
+#include "shard.h"
+
+/* The parsed command line of a server (the strings are borrowed: they must
+ * outlive ps_server_run). */
+typedef struct {
+  const char *job_path;     /* required */
+  const char *ps_list;      /* NULL: the cluster comes from TF_CONFIG */
+  int index;                /* -1: not given */
+  const char *listen_addr;  /* NULL: this shard's entry in the list */
+  const char *metrics_path; /* NULL: no metrics */
+  int threads;
+  int log_level;
+  double log_interval;  /* seconds between progress lines and metrics */
+  const char *ckpt_dir; /* NULL: no checkpoints */
+  double ckpt_secs;
+  int64_t ckpt_updates;  /* 0: not by count */
+  int ckpt_keep;
+  const char *status_addr; /* --status: print that shard's Status and exit */
+} ps_server_opts;
+
+/* A pull that waits on the server (defined in sync.c). */
+typedef struct ps_waiter ps_waiter;
+
+/* service.c's methods, each bound to its server (the user pointer of the
+ * method's RPC handler). */
+typedef struct ps_method ps_method;
+enum { PS_SERVICE_METHODS = 7 };
+typedef struct {
+  struct ps_server *sv;
+  const ps_method *method;
+} ps_method_binding;
+
+typedef struct ps_server {
+  ps_job job;
+  char *job_text;
+  ps_cluster cluster;
+  int index;
+  ps_shard *shard;
+  ps_membership *members;
+  rpc_server *rpc;
+  ps_method_binding methods[PS_SERVICE_METHODS];
+  ps_metrics *metrics;
+  double start_s;
+  double log_interval_s;
+  uv_loop_t loop;
+  uv_timer_t sweep_timer, report_timer;
+  uv_signal_t sigint, sigterm;
+  /* pulls waiting (ssp, sync) and what they waited */
+  pthread_mutex_t wait_mu;
+  ps_waiter *waiters;
+  int n_waiting;
+  uint64_t waits;
+  double wait_ms_total;
+  uint64_t ssp_max_lead;
+  int sync_started; /* sync: min_workers have registered once */
+  /* data leases (shard 0, when the job has lease_chunk): made at the first
+   * Lease request, which says how many examples the data set has */
+  pthread_mutex_t lease_mu;
+  ps_leases *leases;
+  /* checkpoints */
+  const char *ckpt_dir;
+  double ckpt_secs;      /* write every this many seconds (0: not by time) */
+  uint64_t ckpt_updates; /* ... or every this many updates (0: not by count) */
+  int ckpt_keep;
+  int ckpt_busy; /* a write is under way on the work queue */
+  double ckpt_last_s;
+  uint64_t ckpt_last_version;
+  uv_timer_t ckpt_timer;
+  uv_work_t ckpt_work;
+  ps_ckpt ckpt_state; /* the copy being written */
+  int ckpt_rc;
+  char ckpt_path[PS_CKPT_PATHLEN], ckpt_err[PS_ERRLEN];
+  /* for rates in progress lines */
+  uint64_t last_pushes, last_pulls;
+  double last_report_s;
+} ps_server;
+
+/* ---------------- server.c ---------------- */
+
+/* Runs a server from the options (o->job_path must be set) until SIGINT or
+ * SIGTERM, then shuts it down in order (final progress line, RPC server
+ * stopped, final checkpoint). Returns the process's exit code: 0 after a
+ * clean stop; 2 for a bad cluster spec (--ps, --index, TF_CONFIG), job file
+ * or metrics file; 1 when the shard, the checkpoint restore, the RPC server
+ * or the final checkpoint failed (a message on stderr, or in the log for
+ * the final checkpoint). A failure before the loop runs returns at once,
+ * without freeing what was built: the process is meant to exit. Call it
+ * once per process. */
+int ps_server_run(const ps_server_opts *o);
+
+/* ---------------- service.c ---------------- */
+
+/* Registers the ParameterServer methods (Register, Heartbeat, Leave, Pull,
+ * Push, Status, Lease) on rpc, answered against sv; call it before
+ * rpc_server_start. A method rpc_server_add_method refuses (no memory) is
+ * not reported: it stays unregistered and its calls are answered
+ * UNIMPLEMENTED. */
+void ps_service_register(ps_server *sv, rpc_server *rpc);
+
+/* Answers a pull with the current snapshot of [offset, offset + count),
+ * sent without a copy. When the shard refuses the pull (a range outside
+ * it, or no memory for a partial copy) the call is answered OUT_OF_RANGE
+ * with the shard's message; no memory to encode the reply,
+ * RESOURCE_EXHAUSTED. The call is answered in every case; the shard's
+ * values are unchanged (a granted pull is counted). */
+void ps_service_serve_pull(ps_server *sv, rpc_call *call, size_t offset, size_t count);
+
+/* Gives the data leases a departed worker held back to the pool (logs how
+ * many). Nothing happens when the shard has no lease table or the worker
+ * held none. */
+void ps_service_release_leases(ps_server *sv, uint64_t worker);
+
+/* ---------------- sync.c ---------------- */
+
+/* What ps_waits_add did with a pull (besides PS_ENOTFOUND and PS_ENOMEM). */
+enum {
+  PS_PULL_NOW = 0,   /* it may be answered now: the caller serves it */
+  PS_PULL_WAITS = 1, /* it waits in the list; ps_waits_recheck answers it */
+};
+
+/* Decides, under wait_mu, whether the worker's pull may be answered now
+ * (async: always; ssp: the worker is at most ssp_k steps ahead of the
+ * slowest; sync: the shard's version has reached min_version) and queues it
+ * to wait otherwise (the call then belongs to the list, with a deadline of
+ * wait_timeout_ms). Returns PS_PULL_NOW or PS_PULL_WAITS; PS_ENOTFOUND when
+ * the worker is not registered, PS_ENOMEM when the waiter cannot be
+ * allocated: in those cases nothing is queued and the caller answers the
+ * call. */
+int ps_waits_add(ps_server *sv, rpc_call *call, uint64_t worker, uint64_t min_version,
+                 size_t offset, size_t count);
+
+/* Answers the waiting pulls that may go now, fails those past their
+ * deadline (ABORTED) or whose worker is gone (NOT_FOUND). Called after
+ * anything that can release a pull (an update, a worker leaving or timed
+ * out) and by the sweep timer. Never fails. */
+void ps_waits_recheck(ps_server *sv);
+
+/* Frees the waiters still in the list without answering them: at shutdown,
+ * after rpc_server_shutdown has cancelled their calls. */
+void ps_waits_free(ps_server *sv);
+
+/* sync: applies the current step if enough gradients are in (the quorum:
+ * live workers - backup_workers, once min_workers have registered);
+ * releases the pulls waiting for it. A failure to apply is logged and
+ * leaves the step pending. */
+void ps_sync_try_step(ps_server *sv);
+
+/* ---------------- server_ckpt.c ---------------- */
+
+/* Restores the shard from the newest valid checkpoints of the job in
+ * sv->ckpt_dir (whatever number of shards wrote them), and shard 0's data
+ * leases with them. 0 also when there is none (a fresh start); an error
+ * code with a message in err (PS_ERRLEN bytes) when there are some but none
+ * is usable, or no memory: the shard then keeps its initial parameters
+ * (but for a lease state that cannot be read, where the parameters are
+ * already restored). */
+int ps_server_ckpt_restore(ps_server *sv, char *err);
+
+/* Writes a checkpoint of the shard now, on the calling thread, keeping the
+ * newest ckpt_keep. Returns 0, or an error code (logged); the shard is
+ * unchanged either way. */
+int ps_server_ckpt_write_now(ps_server *sv);
+
+/* The checkpoint timer's callback (t->data is the server), every second:
+ * when a checkpoint is due (by time or by updates) it takes a copy and
+ * writes it on the loop's work queue. Failures are logged. */
+void ps_server_ckpt_on_timer(uv_timer_t *t);
+
+/* ---------------- status_cli.c ---------------- */
+
+/* Asks the shard at addr for its Status and prints it on stdout as JSON.
+ * Returns the process's exit code: 0, or 1 with a message on stderr (no
+ * answer within timeout_ms, an error status, a malformed reply; no message
+ * when the request cannot be encoded for want of memory). */
+int ps_status_print(const char *addr, int timeout_ms);
+
+#endif

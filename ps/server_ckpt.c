@@ -1,0 +1,158 @@
+/* When and what ps-server checkpoints: a consistent copy of the shard (and
+ * shard 0's data leases), written now on the calling thread (at shutdown)
+ * or by the loop's timer on the work queue, and the restore at start. The
+ * file format is checkpoint.c's. */
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "server.h"
+
+/* A consistent copy of the shard's state, ready for ps_ckpt_write; the
+ * arrays are freed by ckpt_state_free. */
+static int ckpt_capture(ps_server *sv, ps_ckpt *ck) {
+  memset(ck, 0, sizeof *ck);
+  size_t n = ps_shard_end(sv->shard) - ps_shard_begin(sv->shard);
+  ck->n_slots = ps_shard_n_slots(sv->shard);
+  ck->params = ps_alloc((n ? n : 1) * sizeof(float));
+  int ok = ck->params != NULL;
+  for (int k = 0; k < ck->n_slots; k++) {
+    ck->slots[k] = ps_alloc((n ? n : 1) * sizeof(float));
+    ok = ok && ck->slots[k];
+  }
+  if (!ok) return PS_ENOMEM;
+  ps_shard_export_state(sv->shard, ck->params, ck->slots, &ck->meta.version);
+  ck->meta.index = sv->index;
+  ck->meta.num_shards = sv->cluster.n_ps;
+  ck->meta.P = sv->job.model.n_params;
+  ck->meta.begin = ps_shard_begin(sv->shard);
+  ck->meta.end = ps_shard_end(sv->shard);
+  snprintf(ck->meta.optimizer, sizeof ck->meta.optimizer, "%s", ps_shard_optimizer(sv->shard));
+  snprintf(ck->meta.job_id, sizeof ck->meta.job_id, "%s", sv->job.job_id);
+  /* Shard 0 keeps the data-lease state with its parameters. */
+  pthread_mutex_lock(&sv->lease_mu);
+  int rc = sv->leases ? ps_leases_save(sv->leases, &ck->extra, &ck->extra_len) : PS_OK;
+  pthread_mutex_unlock(&sv->lease_mu);
+  return rc;
+}
+
+static void ckpt_state_free(ps_ckpt *ck) {
+  ps_free(ck->params);
+  for (int k = 0; k < PS_CKPT_MAX_SLOTS; k++) ps_free(ck->slots[k]);
+  free(ck->extra);
+  memset(ck, 0, sizeof *ck);
+}
+
+/* Writes a checkpoint now, on the calling thread. */
+int ps_server_ckpt_write_now(ps_server *sv) {
+  ps_ckpt ck;
+  char path[PS_CKPT_PATHLEN], err[PS_ERRLEN];
+  double t0 = ps_now_s();
+  int rc = ckpt_capture(sv, &ck);
+  if (rc == 0) rc = ps_ckpt_write(sv->ckpt_dir, &ck, sv->ckpt_keep, path, err);
+  else snprintf(err, sizeof err, "out of memory for the checkpoint's copy");
+  if (rc == 0)
+    PS_INFO("checkpoint: version %" PRIu64 " written to %s (%.0f ms)", ck.meta.version, path,
+            (ps_now_s() - t0) * 1e3);
+  else
+    PS_ERROR("checkpoint failed: %s", err);
+  ckpt_state_free(&ck);
+  return rc;
+}
+
+static void ckpt_run(uv_work_t *req) {
+  ps_server *sv = req->data;
+  sv->ckpt_rc = ps_ckpt_write(sv->ckpt_dir, &sv->ckpt_state, sv->ckpt_keep, sv->ckpt_path,
+                              sv->ckpt_err);
+}
+
+static void ckpt_done(uv_work_t *req, int status) {
+  ps_server *sv = req->data;
+  if (sv->ckpt_rc == 0)
+    PS_INFO("checkpoint: version %" PRIu64 " written to %s", sv->ckpt_state.meta.version,
+            sv->ckpt_path);
+  else
+    PS_ERROR("checkpoint failed: %s", sv->ckpt_err);
+  ckpt_state_free(&sv->ckpt_state);
+  sv->ckpt_busy = 0;
+}
+
+/* Every second: is a checkpoint due (by time or by updates)? The copy is
+ * taken here (a few memcpy), the writing and fsyncs run on the work queue
+ * so that the loop never blocks on the disk. */
+void ps_server_ckpt_on_timer(uv_timer_t *t) {
+  ps_server *sv = t->data;
+  if (sv->ckpt_busy) return;
+  ps_shard_stats st;
+  ps_shard_stats_get(sv->shard, &st);
+  double now = ps_now_s();
+  int due = (sv->ckpt_secs > 0 && now - sv->ckpt_last_s >= sv->ckpt_secs) ||
+            (sv->ckpt_updates > 0 && st.version - sv->ckpt_last_version >= sv->ckpt_updates);
+  if (!due || st.version == sv->ckpt_last_version) return;
+  if (ckpt_capture(sv, &sv->ckpt_state) != 0) {
+    PS_ERROR("checkpoint: out of memory for the copy");
+    ckpt_state_free(&sv->ckpt_state);
+    return;
+  }
+  sv->ckpt_busy = 1;
+  sv->ckpt_last_s = now;
+  sv->ckpt_last_version = sv->ckpt_state.meta.version;
+  sv->ckpt_work.data = sv;
+  uv_queue_work(&sv->loop, &sv->ckpt_work, ckpt_run, ckpt_done);
+}
+
+/* Restores the shard from the newest valid checkpoints of the job in the
+ * directory (whatever number of shards wrote them). 0 also when there is
+ * none (a fresh start); an error when there are some but none is usable. */
+int ps_server_ckpt_restore(ps_server *sv, char *err) {
+  size_t n = ps_shard_end(sv->shard) - ps_shard_begin(sv->shard);
+  int n_slots = ps_shard_n_slots(sv->shard);
+  float *params = ps_alloc((n ? n : 1) * sizeof(float));
+  float *slots[PS_CKPT_MAX_SLOTS] = {0};
+  int ok = params != NULL;
+  for (int k = 0; k < n_slots; k++) ok = ok && (slots[k] = ps_alloc((n ? n : 1) * sizeof(float)));
+  int rc = PS_ENOMEM;
+  if (!ok) {
+    snprintf(err, PS_ERRLEN, "out of memory restoring the checkpoint");
+  } else {
+    ps_ckpt_source src = {.dir = sv->ckpt_dir,
+                          .job_id = sv->job.job_id,
+                          .P = sv->job.model.n_params,
+                          .optimizer = ps_shard_optimizer(sv->shard)};
+    ps_ckpt_restored got;
+    rc = ps_ckpt_load_range(&src, ps_shard_begin(sv->shard), ps_shard_end(sv->shard), params,
+                            slots, n_slots, sv->index == 0, &got, err);
+    if (rc == PS_ENOTFOUND) {
+      PS_INFO("checkpoint: none of job '%s' in %s: starting from the initial parameters",
+              sv->job.job_id, sv->ckpt_dir);
+      rc = 0;
+    } else if (rc == 0) {
+      ps_shard_restore_state(sv->shard, params, slots, got.version);
+      sv->ckpt_last_version = got.version;
+      PS_INFO("checkpoint: restored [%zu, %zu) at version %" PRIu64 " from %d file(s) written by "
+              "%d shard(s)",
+              ps_shard_begin(sv->shard), ps_shard_end(sv->shard), got.version, got.files_used,
+              got.num_shards);
+      if (got.extra && sv->job.lease_chunk > 0) {
+        sv->leases = ps_leases_load(got.extra, got.extra_len, err);
+        if (!sv->leases) {
+          free(got.extra);
+          rc = PS_EINVAL;
+          goto out;
+        }
+        ps_lease_stats ls;
+        ps_leases_stats(sv->leases, &ls);
+        PS_INFO("checkpoint: data leases restored: epoch %u, %u of %u chunks done (leases "
+                "outstanding at the checkpoint go back to the pool)",
+                ls.epoch, ls.chunks_done, ls.chunks);
+      }
+      free(got.extra);
+    }
+  }
+out:
+  ps_free(params);
+  for (int k = 0; k < PS_CKPT_MAX_SLOTS; k++) ps_free(slots[k]);
+  return rc;
+}

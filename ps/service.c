@@ -1,0 +1,475 @@
+/* ps-server's RPC handlers (Register, Heartbeat, Leave, Pull, Push, Status,
+ * Lease): each decodes its request, checks the header and answers. They run
+ * on gRPC's server threads, against the thread-safe shard and membership;
+ * pulls that must wait are handed to sync.c. Also the table that registers
+ * them on the RPC server, and the release of a departed worker's leases. */
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../common/wire.h"
+#include "proto/ps.pb-c.h"
+#include "server.h"
+
+/* One call, decoded and checked, as a handler sees it. */
+typedef struct {
+  ps_server *sv;
+  rpc_call *call;
+  const ProtobufCMessage *msg; /* the method's request message */
+  const ps_segview *req;       /* the request's bytes */
+  const ps_segview *tensor;    /* its field 15 (empty when absent) */
+} request;
+
+/* Decodes a request; on failure answers INVALID_ARGUMENT and returns NULL.
+ * *tensor views field 15 (empty when absent); *tsegs must be freed. */
+static ProtobufCMessage *decode_request(rpc_call *call, const ps_segview *req,
+                                        const ProtobufCMessageDescriptor *desc, ps_seg **tsegs,
+                                        ps_segview *tensor) {
+  int max = req->nsegs > 0 ? req->nsegs : 1;
+  *tsegs = malloc((size_t)max * sizeof(ps_seg));
+  if (!*tsegs) {
+    rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
+    return NULL;
+  }
+  char err[PS_ERRLEN];
+  ProtobufCMessage *m = wire_decode(desc, req, *tsegs, max, tensor, err);
+  if (!m) {
+    rpc_call_fail(call, RPC_INVALID_ARGUMENT, "malformed %s: %s", desc->short_name, err);
+    free(*tsegs);
+    *tsegs = NULL;
+  }
+  return m;
+}
+
+/* Checks protocol version and job id. need_worker: the worker must be
+ * registered here (it is marked seen). Answers the call and returns -1 on
+ * failure. */
+static int check_header(ps_server *sv, rpc_call *call, const Ps__RequestHeader *h,
+                        const char *method, int need_worker, uint64_t step) {
+  if (!h) {
+    rpc_call_fail(call, RPC_INVALID_ARGUMENT, "%s request has no header", method);
+    return -1;
+  }
+  if (h->protocol_version != PS_PROTOCOL_VERSION) {
+    rpc_call_fail(call, RPC_FAILED_PRECONDITION,
+                  "protocol version mismatch: client speaks version %u, shard %d speaks %u",
+                  h->protocol_version, sv->index, PS_PROTOCOL_VERSION);
+    return -1;
+  }
+  const char *jid = h->job_id ? h->job_id : "";
+  if (need_worker && strcmp(jid, sv->job.job_id) != 0) {
+    rpc_call_fail(call, RPC_FAILED_PRECONDITION,
+                  "job id mismatch: client is in job '%s', shard %d serves job '%s'", jid,
+                  sv->index, sv->job.job_id);
+    return -1;
+  }
+  if (need_worker &&
+      ps_membership_touch(sv->members, h->worker_id, step, ps_now_ms()) == PS_ENOTFOUND) {
+    rpc_call_fail(call, RPC_NOT_FOUND,
+                  "worker %016" PRIx64
+                  " is not registered with shard %d (never registered, left, or silent for "
+                  "more than %d ms): register again",
+                  h->worker_id, sv->index, sv->job.heartbeat_timeout_ms);
+    return -1;
+  }
+  return 0;
+}
+
+static void reply_small(rpc_call *call, const ProtobufCMessage *m) {
+  rpc_msg out;
+  if (wire_encode(m, NULL, 0, NULL, NULL, &out) != 0) {
+    rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory encoding the reply");
+    return;
+  }
+  rpc_call_reply(call, &out);
+}
+
+static void handle_register(const request *q) {
+  ps_server *sv = q->sv;
+  rpc_call *call = q->call;
+  const Ps__RegisterRequest *r = (const Ps__RegisterRequest *)q->msg;
+  uint64_t id = r->header->worker_id;
+  const char *jid = r->header->job_id ? r->header->job_id : "";
+  if (id != 0 && strcmp(jid, sv->job.job_id) != 0) {
+    rpc_call_fail(call, RPC_FAILED_PRECONDITION,
+                  "job id mismatch: worker %016" PRIx64 " is in job '%s', shard %d serves job '%s'",
+                  id, jid, sv->index, sv->job.job_id);
+    return;
+  }
+  Ps__RegisterResponse resp = PS__REGISTER_RESPONSE__INIT;
+  char *shards[PS_MAX_TASKS];
+  for (int i = 0; i < sv->cluster.n_ps; i++) shards[i] = sv->cluster.ps[i];
+  resp.n_shards = (size_t)sv->cluster.n_ps;
+  resp.shards = shards;
+  resp.shard_index = (uint32_t)sv->index;
+  resp.param_count = sv->job.model.n_params;
+  resp.range_offset = ps_shard_begin(sv->shard);
+  resp.range_count = ps_shard_end(sv->shard) - ps_shard_begin(sv->shard);
+  resp.heartbeat_timeout_ms = (uint32_t)sv->job.heartbeat_timeout_ms;
+  resp.job_id = sv->job.job_id;
+  if (id == 0 && sv->index != 0) {
+    /* Ids come from shard 0: send the worker there. */
+    reply_small(call, &resp.base);
+    return;
+  }
+  uint64_t new_id = 0;
+  int rank = 0;
+  int rc = ps_membership_add(sv->members, id, r->host ? r->host : "", r->role ? r->role : "",
+                             r->task_index, ps_now_ms(), &new_id, &rank);
+  if (rc != 0) {
+    rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "cannot register worker: %s", ps_strerror(rc));
+    return;
+  }
+  PS_INFO("worker %016" PRIx64 " registered (host %s, role %s, task %d, rank %d); %d live",
+          new_id, r->host ? r->host : "?", r->role ? r->role : "?", r->task_index, rank,
+          ps_membership_count(sv->members));
+  resp.worker_id = new_id;
+  resp.worker_rank = (uint32_t)rank;
+  resp.job_json = sv->job_text;
+  reply_small(call, &resp.base);
+  if (sv->job.mode_kind == PS_MODE_SYNC) ps_sync_try_step(sv);
+}
+
+static void handle_heartbeat(const request *q) {
+  ps_server *sv = q->sv;
+  rpc_call *call = q->call;
+  const Ps__HeartbeatRequest *r = (const Ps__HeartbeatRequest *)q->msg;
+  pthread_mutex_lock(&sv->lease_mu);
+  if (sv->leases) ps_leases_renew(sv->leases, r->header->worker_id, ps_now_ms());
+  pthread_mutex_unlock(&sv->lease_mu);
+  ps_shard_stats st;
+  ps_shard_stats_get(sv->shard, &st);
+  Ps__HeartbeatResponse resp = PS__HEARTBEAT_RESPONSE__INIT;
+  resp.version = st.version;
+  reply_small(call, &resp.base);
+}
+
+static void handle_leave(const request *q) {
+  ps_server *sv = q->sv;
+  rpc_call *call = q->call;
+  const Ps__LeaveRequest *r = (const Ps__LeaveRequest *)q->msg;
+  ps_membership_remove(sv->members, r->header->worker_id);
+  ps_service_release_leases(sv, r->header->worker_id);
+  PS_INFO("worker %016" PRIx64 " left; %d live", r->header->worker_id,
+          ps_membership_count(sv->members));
+  Ps__LeaveResponse resp = PS__LEAVE_RESPONSE__INIT;
+  reply_small(call, &resp.base);
+  /* One fewer worker: a smaller quorum, or a new slowest clock. */
+  if (sv->job.mode_kind == PS_MODE_SYNC) ps_sync_try_step(sv);
+  ps_waits_recheck(sv);
+}
+
+static void release_snapshot(void *user) { ps_snapshot_unref(user); }
+
+/* Answers a pull with the current snapshot, sent without a copy. */
+void ps_service_serve_pull(ps_server *sv, rpc_call *call, size_t offset, size_t count) {
+  char err[PS_ERRLEN];
+  ps_snapshot *snap = ps_shard_pull(sv->shard, offset, count, err);
+  if (!snap) {
+    rpc_call_fail(call, RPC_OUT_OF_RANGE, "%s", err);
+    return;
+  }
+  Ps__PullResponse resp = PS__PULL_RESPONSE__INIT;
+  resp.version = snap->version;
+  resp.offset = snap->begin;
+  resp.count = snap->count;
+  rpc_msg out;
+  /* gRPC drops the reference when it has sent the values. */
+  if (wire_encode(&resp.base, snap->values, snap->count * sizeof(float), release_snapshot, snap,
+                  &out) != 0) {
+    ps_snapshot_unref(snap);
+    rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory encoding the reply");
+    return;
+  }
+  rpc_call_reply(call, &out);
+}
+
+static void handle_pull(const request *q) {
+  ps_server *sv = q->sv;
+  rpc_call *call = q->call;
+  const Ps__PullRequest *r = (const Ps__PullRequest *)q->msg;
+  int rc = ps_waits_add(sv, call, r->header->worker_id, r->min_version, r->offset, r->count);
+  if (rc == PS_PULL_NOW)
+    ps_service_serve_pull(sv, call, r->offset, r->count);
+  else if (rc == PS_ENOTFOUND)
+    rpc_call_fail(call, RPC_NOT_FOUND, "worker %016" PRIx64 " is not registered with shard %d",
+                  r->header->worker_id, sv->index);
+  else if (rc == PS_ENOMEM)
+    rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
+}
+
+static void handle_push(const request *q) {
+  ps_server *sv = q->sv;
+  rpc_call *call = q->call;
+  const Ps__PushRequest *r = (const Ps__PushRequest *)q->msg;
+  char err[PS_ERRLEN];
+  uint64_t version = 0, staleness = 0;
+  double t0 = ps_now_s();
+  int dropped = 0, have = 0, rc;
+  if (sv->job.mode_kind == PS_MODE_SYNC) {
+    rc = ps_shard_sync_add(sv->shard, r->header->worker_id, r->base_version, r->offset,
+                           r->count, q->tensor, &dropped, &have, err);
+    if (rc == 0) {
+      ps_shard_stats st;
+      ps_shard_stats_get(sv->shard, &st);
+      version = st.version;
+      if (dropped)
+        PS_DEBUG("dropped a late gradient of step %" PRIu64 " from worker %016" PRIx64
+                 " (step %" PRIu64 " is under way)",
+                 r->base_version, r->header->worker_id, version);
+    }
+  } else {
+    rc = ps_shard_push(sv->shard, r->base_version, r->offset, r->count, q->tensor, &version,
+                       &staleness, err);
+  }
+  PS_DEBUG("push of %" PRIu64 " values (step %" PRIu64 ", base version %" PRIu64
+           ") from worker %016" PRIx64 " in %d slices: %s in %.2f ms (%d in this step)",
+           r->count, r->step, r->base_version, r->header->worker_id, q->req->nsegs,
+           dropped ? "dropped" : "taken", (ps_now_s() - t0) * 1e3, have);
+  if (rc != 0) {
+    PS_WARN("push from worker %016" PRIx64 " refused: %s", r->header->worker_id, err);
+    rpc_call_fail(call, rc == PS_ERANGE ? RPC_OUT_OF_RANGE : RPC_INVALID_ARGUMENT, "%s", err);
+  } else {
+    ps_membership_note_push(sv->members, r->header->worker_id, r->step, ps_now_ms());
+    Ps__PushResponse resp = PS__PUSH_RESPONSE__INIT;
+    resp.version = version;
+    resp.staleness = staleness;
+    resp.dropped = dropped;
+    reply_small(call, &resp.base);
+    if (sv->job.mode_kind == PS_MODE_SYNC)
+      ps_sync_try_step(sv);
+    else if (sv->job.mode_kind == PS_MODE_SSP)
+      ps_waits_recheck(sv); /* a clock moved */
+  }
+}
+
+static void handle_status(const request *q) {
+  ps_server *sv = q->sv;
+  rpc_call *call = q->call;
+  ps_shard_stats st;
+  ps_shard_stats_get(sv->shard, &st);
+  Ps__StatusResponse resp = PS__STATUS_RESPONSE__INIT;
+  resp.shard_index = (uint32_t)sv->index;
+  resp.num_shards = (uint32_t)sv->cluster.n_ps;
+  resp.range_offset = ps_shard_begin(sv->shard);
+  resp.range_count = ps_shard_end(sv->shard) - ps_shard_begin(sv->shard);
+  resp.version = st.version;
+  resp.pushes = st.pushes;
+  resp.pulls = st.pulls;
+  resp.rejected = st.rejected;
+  resp.staleness_mean = st.staleness_mean;
+  resp.staleness_max = st.staleness_max;
+  resp.n_staleness_hist = PS_STALENESS_BUCKETS;
+  resp.staleness_hist = st.staleness_hist;
+  resp.workers_dropped = ps_membership_dropped_total(sv->members);
+  resp.job_id = sv->job.job_id;
+  resp.mode = sv->job.mode;
+  resp.uptime_s = ps_now_s() - sv->start_s;
+  resp.dropped = st.dropped;
+  resp.step_time_ms = st.step_time_ms;
+  resp.sync_pending = (uint32_t)st.sync_pending;
+  resp.backup_workers = (uint32_t)sv->job.backup_workers;
+  resp.live_workers = (uint32_t)ps_membership_count(sv->members);
+  pthread_mutex_lock(&sv->wait_mu);
+  resp.waits = sv->waits;
+  resp.waiting_now = (uint32_t)sv->n_waiting;
+  resp.ssp_max_lead = sv->ssp_max_lead;
+  uint64_t done = sv->waits - (uint64_t)sv->n_waiting;
+  resp.wait_ms_mean = done ? sv->wait_ms_total / (double)done : 0.0;
+  pthread_mutex_unlock(&sv->wait_mu);
+  Ps__LeaseEpoch le[1 + PS_LEASE_HISTORY], *lep[1 + PS_LEASE_HISTORY];
+  pthread_mutex_lock(&sv->lease_mu);
+  ps_leases *lt = sv->leases;
+  pthread_mutex_unlock(&sv->lease_mu);
+  if (lt) {
+    ps_lease_stats ls;
+    ps_leases_stats(lt, &ls);
+    int ne = 0;
+    for (int i = -1; i < ls.n_history; i++) {
+      const ps_lease_epoch_record *e = i < 0 ? &ls.current : &ls.history[i];
+      if (i < 0 && ls.finished) continue; /* nothing under way */
+      ps__lease_epoch__init(&le[ne]);
+      le[ne].epoch = e->epoch;
+      le[ne].finished = e->finished;
+      le[ne].chunks = e->chunks;
+      le[ne].chunks_completed = e->chunks_completed;
+      le[ne].chunks_once = e->chunks_once;
+      le[ne].examples_completed = e->examples_completed;
+      le[ne].examples_handed_out = e->examples_handed_out;
+      le[ne].examples_rehanded = e->examples_rehanded;
+      le[ne].reclaims = e->reclaims;
+      lep[ne] = &le[ne];
+      ne++;
+    }
+    resp.n_lease_epochs = (size_t)ne;
+    resp.lease_epochs = lep;
+  }
+  enum { MAXW = 1024 };
+  ps_member *mem = calloc(MAXW, sizeof *mem);
+  Ps__WorkerInfo *wi = calloc(MAXW, sizeof *wi);
+  Ps__WorkerInfo **wp = calloc(MAXW, sizeof *wp);
+  if (!mem || !wi || !wp) {
+    rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
+  } else {
+    int n = ps_membership_list(sv->members, mem, MAXW);
+    int64_t now = ps_now_ms();
+    for (int i = 0; i < n; i++) {
+      ps__worker_info__init(&wi[i]);
+      wi[i].worker_id = mem[i].id;
+      wi[i].host = mem[i].host;
+      wi[i].role = mem[i].role;
+      wi[i].task_index = mem[i].task_index;
+      wi[i].step = mem[i].step;
+      wi[i].pushes = mem[i].pushes;
+      wi[i].ms_since_seen = (uint64_t)(now - mem[i].last_seen_ms);
+      wi[i].clock = mem[i].clock;
+      wp[i] = &wi[i];
+    }
+    resp.n_workers = (size_t)n;
+    resp.workers = wp;
+    reply_small(call, &resp.base);
+  }
+  free(mem);
+  free(wi);
+  free(wp);
+}
+
+static void handle_lease(const request *q) {
+  ps_server *sv = q->sv;
+  rpc_call *call = q->call;
+  const Ps__LeaseRequest *r = (const Ps__LeaseRequest *)q->msg;
+  if (sv->index != 0) {
+    rpc_call_fail(call, RPC_FAILED_PRECONDITION, "data leases come from shard 0, this is shard %d",
+                  sv->index);
+    return;
+  }
+  if (sv->job.lease_chunk <= 0) {
+    rpc_call_fail(call, RPC_FAILED_PRECONDITION,
+                  "job '%s' does not lease its data (lease_chunk is 0)", sv->job.job_id);
+    return;
+  }
+  pthread_mutex_lock(&sv->lease_mu);
+  if (!sv->leases && r->dataset_size > 0) {
+    ps_lease_config cfg = {.n_examples = r->dataset_size,
+                           .chunk_size = (uint32_t)sv->job.lease_chunk,
+                           .epochs = (uint32_t)sv->job.epochs,
+                           .seed = sv->job.seed,
+                           .max_per_worker = 2};
+    char err[PS_ERRLEN];
+    sv->leases = ps_leases_create(&cfg, err);
+    if (!sv->leases) {
+      pthread_mutex_unlock(&sv->lease_mu);
+      rpc_call_fail(call, RPC_INVALID_ARGUMENT, "cannot lease %" PRIu64 " examples: %s",
+                    r->dataset_size, err);
+      return;
+    }
+    PS_INFO("leases: %" PRIu64 " examples in chunks of %d, %d epoch(s)", r->dataset_size,
+            sv->job.lease_chunk, sv->job.epochs);
+  }
+  ps_leases *t = sv->leases;
+  pthread_mutex_unlock(&sv->lease_mu);
+  if (!t) {
+    rpc_call_fail(call, RPC_INVALID_ARGUMENT, "the first Lease request must give dataset_size");
+    return;
+  }
+  ps_lease_stats st;
+  ps_leases_stats(t, &st);
+  if (r->dataset_size && r->dataset_size != st.config.n_examples) {
+    rpc_call_fail(call, RPC_FAILED_PRECONDITION,
+                  "this worker's data set has %" PRIu64 " training examples, the lease table %" PRIu64,
+                  r->dataset_size, st.config.n_examples);
+    return;
+  }
+  uint64_t wid = r->header->worker_id;
+  int64_t now = ps_now_ms();
+  Ps__LeaseResponse resp = PS__LEASE_RESPONSE__INIT;
+  if (r->complete_lease) {
+    int rc = ps_leases_complete(t, wid, r->complete_lease, now);
+    resp.completed_counted = rc == PS_OK;
+    if (rc != PS_OK)
+      PS_INFO("lease %" PRIx64 " of worker %016" PRIx64 " finished but not counted: %s",
+              r->complete_lease, wid, ps_leases_strerror(rc));
+  }
+  resp.status = 1;
+  if (r->want_next) {
+    ps_lease l;
+    int rc = ps_leases_acquire(t, wid, now, &l);
+    if (rc == PS_OK) {
+      resp.status = 0;
+      resp.lease_id = l.lease_id;
+      resp.epoch = l.epoch;
+      resp.chunk = l.chunk;
+      resp.begin = l.begin;
+      resp.count = l.count;
+    } else if (rc == PS_LEASE_FINISHED) {
+      resp.status = 2;
+    } else if (rc < 0) {
+      rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "lease: %s", ps_leases_strerror(rc));
+      return;
+    } /* WAIT and FULL: ask again later */
+  }
+  reply_small(call, &resp.base);
+}
+
+/* Gives the data a departed worker held back to the others. */
+void ps_service_release_leases(ps_server *sv, uint64_t worker) {
+  pthread_mutex_lock(&sv->lease_mu);
+  ps_leases *t = sv->leases;
+  pthread_mutex_unlock(&sv->lease_mu);
+  if (!t) return;
+  int n = ps_leases_release_worker(t, worker);
+  if (n > 0) PS_INFO("leases: %d chunk(s) of worker %016" PRIx64 " back in the pool", n, worker);
+}
+
+/* The methods: what each needs of its caller, and its handler. */
+struct ps_method {
+  const char *path;
+  const ProtobufCMessageDescriptor *desc;
+  const char *name;
+  /* The caller must be a registered worker of this job (it is marked
+   * seen); heartbeat: its step is recorded too. */
+  int need_worker, heartbeat;
+  void (*handle)(const request *q);
+};
+
+static const ps_method methods[PS_SERVICE_METHODS] = {
+    {"/ps.ParameterServer/Register", &ps__register_request__descriptor, "Register", 0, 0,
+     handle_register},
+    {"/ps.ParameterServer/Heartbeat", &ps__heartbeat_request__descriptor, "Heartbeat", 1, 1,
+     handle_heartbeat},
+    {"/ps.ParameterServer/Leave", &ps__leave_request__descriptor, "Leave", 1, 0, handle_leave},
+    {"/ps.ParameterServer/Pull", &ps__pull_request__descriptor, "Pull", 1, 0, handle_pull},
+    {"/ps.ParameterServer/Push", &ps__push_request__descriptor, "Push", 1, 0, handle_push},
+    {"/ps.ParameterServer/Status", &ps__status_request__descriptor, "Status", 0, 0, handle_status},
+    {"/ps.ParameterServer/Lease", &ps__lease_request__descriptor, "Lease", 1, 0, handle_lease},
+};
+
+/* Every call: decode the request, check its header (and the worker, where
+ * the method needs one), run the method's handler, free the request. */
+static void dispatch(rpc_call *call, const ps_segview *req, void *user) {
+  const ps_method_binding *b = user;
+  const ps_method *m = b->method;
+  ps_seg *tsegs;
+  ps_segview tensor;
+  ProtobufCMessage *msg = decode_request(call, req, m->desc, &tsegs, &tensor);
+  if (!msg) return;
+  /* Every request message has its header in field 1. */
+  const ProtobufCFieldDescriptor *hf = protobuf_c_message_descriptor_get_field(m->desc, 1);
+  const Ps__RequestHeader *h = *(Ps__RequestHeader *const *)((const char *)msg + hf->offset);
+  uint64_t step = m->heartbeat ? ((const Ps__HeartbeatRequest *)msg)->step
+                  : m->need_worker ? UINT64_MAX : 0;
+  if (check_header(b->sv, call, h, m->name, m->need_worker, step) == 0) {
+    request q = {.sv = b->sv, .call = call, .msg = msg, .req = req, .tensor = &tensor};
+    m->handle(&q);
+  }
+  protobuf_c_message_free_unpacked(msg, NULL);
+  free(tsegs);
+}
+
+void ps_service_register(ps_server *sv, rpc_server *rpc) {
+  for (int i = 0; i < PS_SERVICE_METHODS; i++) {
+    sv->methods[i] = (ps_method_binding){.sv = sv, .method = &methods[i]};
+    rpc_server_add_method(rpc, methods[i].path, dispatch, &sv->methods[i]);
+  }
+}

@@ -1,0 +1,174 @@
+/* ps-server's pulls that wait on the server (ssp: for the slowest worker to
+ * catch up; sync: for the step to be applied): the list of waiters behind
+ * wait_mu, the test of whether a pull may go, answering or failing the
+ * waiters, and the sync step that releases them. */
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdlib.h>
+
+#include "server.h"
+
+/* A pull that waits on the server (ssp: for the slowest worker to catch
+ * up; sync: for the step to be applied). */
+struct ps_waiter {
+  rpc_call *call;
+  uint64_t worker, min_version;
+  size_t offset, count;
+  int64_t since_ms, deadline_ms;
+  struct ps_waiter *next;
+};
+
+/* May the worker's pull be answered now? Called with wait_mu held.
+ * *known is 0 when the worker is no longer registered. */
+static int pull_ready(ps_server *sv, uint64_t worker, uint64_t min_version, int *known) {
+  *known = 1;
+  switch (sv->job.mode_kind) {
+    case PS_MODE_SSP: {
+      uint64_t clock = 0, lo = 0;
+      if (ps_membership_clock(sv->members, worker, &clock, &lo) != 0) {
+        *known = 0;
+        return 0;
+      }
+      uint64_t lead = clock - lo;
+      if (lead > (uint64_t)sv->job.ssp_k) return 0;
+      /* The servers' own record that the bound held at every grant. */
+      if (lead > sv->ssp_max_lead) sv->ssp_max_lead = lead;
+      return 1;
+    }
+    case PS_MODE_SYNC: {
+      ps_shard_stats st;
+      ps_shard_stats_get(sv->shard, &st);
+      return st.version >= min_version;
+    }
+    default:
+      return 1;
+  }
+}
+
+/* Answers the waiting pulls that may go now, fails those past their
+ * deadline or whose worker is gone. Called after anything that can
+ * release a pull (an update, a worker leaving or timed out) and by the
+ * timer. */
+void ps_waits_recheck(ps_server *sv) {
+  int64_t now = ps_now_ms();
+  ps_waiter *go = NULL, *fail = NULL, *gone = NULL;
+  pthread_mutex_lock(&sv->wait_mu);
+  for (ps_waiter **pp = &sv->waiters; *pp;) {
+    ps_waiter *w = *pp;
+    int known = 1;
+    ps_waiter **dest = NULL;
+    if (pull_ready(sv, w->worker, w->min_version, &known))
+      dest = &go;
+    else if (!known)
+      dest = &gone;
+    else if (now >= w->deadline_ms)
+      dest = &fail;
+    if (dest) {
+      *pp = w->next;
+      w->next = *dest;
+      *dest = w;
+      sv->n_waiting--;
+      sv->wait_ms_total += (double)(now - w->since_ms);
+    } else {
+      pp = &w->next;
+    }
+  }
+  pthread_mutex_unlock(&sv->wait_mu);
+  while (go) {
+    ps_waiter *w = go;
+    go = w->next;
+    ps_service_serve_pull(sv, w->call, w->offset, w->count);
+    free(w);
+  }
+  while (gone) {
+    ps_waiter *w = gone;
+    gone = w->next;
+    rpc_call_fail(w->call, RPC_NOT_FOUND,
+                  "worker %016" PRIx64 " was dropped by shard %d while its pull waited: register "
+                  "again",
+                  w->worker, sv->index);
+    free(w);
+  }
+  while (fail) {
+    ps_waiter *w = fail;
+    fail = w->next;
+    ps_shard_stats st;
+    ps_shard_stats_get(sv->shard, &st);
+    if (sv->job.mode_kind == PS_MODE_SYNC)
+      rpc_call_fail(w->call, RPC_ABORTED,
+                    "shard %d: waited %" PRId64 " ms for step %" PRIu64
+                    " to be applied; %d of %d gradients are in (live workers %d, backup %d)",
+                    sv->index, now - w->since_ms, w->min_version - 1, st.sync_pending,
+                    ps_membership_count(sv->members) - sv->job.backup_workers,
+                    ps_membership_count(sv->members), sv->job.backup_workers);
+    else
+      rpc_call_fail(w->call, RPC_ABORTED,
+                    "shard %d: waited %" PRId64 " ms for the slowest worker to come within %d "
+                    "steps of worker %016" PRIx64,
+                    sv->index, now - w->since_ms, sv->job.ssp_k, w->worker);
+    free(w);
+  }
+}
+
+int ps_waits_add(ps_server *sv, rpc_call *call, uint64_t worker, uint64_t min_version,
+                 size_t offset, size_t count) {
+  int known = 1, ready;
+  ps_waiter *w = NULL;
+  pthread_mutex_lock(&sv->wait_mu);
+  ready = pull_ready(sv, worker, min_version, &known);
+  if (!ready && known) {
+    w = calloc(1, sizeof *w);
+    if (w) {
+      w->call = call;
+      w->worker = worker;
+      w->min_version = min_version;
+      w->offset = offset;
+      w->count = count;
+      w->since_ms = ps_now_ms();
+      w->deadline_ms = w->since_ms + sv->job.wait_timeout_ms;
+      w->next = sv->waiters;
+      sv->waiters = w;
+      sv->n_waiting++;
+      sv->waits++;
+    }
+  }
+  pthread_mutex_unlock(&sv->wait_mu);
+  if (ready) return PS_PULL_NOW;
+  if (!known) return PS_ENOTFOUND;
+  return w ? PS_PULL_WAITS : PS_ENOMEM;
+}
+
+void ps_waits_free(ps_server *sv) {
+  while (sv->waiters) {
+    ps_waiter *w = sv->waiters;
+    sv->waiters = w->next;
+    free(w);
+  }
+}
+
+/* sync: applies the current step if enough gradients are in; releases the
+ * pulls waiting for it. */
+void ps_sync_try_step(ps_server *sv) {
+  int live = ps_membership_count(sv->members);
+  /* Steps start once the job's min_workers are in, so that the first to
+   * register does not run the first steps alone; after that the quorum
+   * follows the live workers (a dead one does not hold the others). */
+  pthread_mutex_lock(&sv->wait_mu);
+  if (!sv->sync_started && live >= sv->job.min_workers) {
+    sv->sync_started = 1;
+    PS_INFO("sync: %d workers registered (min_workers %d): steps begin", live,
+            sv->job.min_workers);
+  }
+  int started = sv->sync_started;
+  pthread_mutex_unlock(&sv->wait_mu);
+  if (!started) return;
+  int quorum = live - sv->job.backup_workers;
+  char err[PS_ERRLEN];
+  uint64_t v = 0;
+  int rc = ps_shard_sync_try_apply(sv->shard, quorum < 1 ? 1 : quorum, &v, err);
+  if (rc < 0) PS_ERROR("cannot apply the step: %s", err);
+  if (rc == 1) {
+    PS_DEBUG("sync: step applied (quorum %d of %d live): version %" PRIu64, quorum, live, v);
+    ps_waits_recheck(sv);
+  }
+}

@@ -1,0 +1,56 @@
+/* The compute of a step (one model or mirrored replicas) and the choice of
+ * the step kind (see step.h). */
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+
+#include "../common/util.h"
+#include "step.h"
+
+const ps_step_kind *ps_step_choose(ps_worker *w) {
+  if (w->o.local) return &ps_step_local;
+  int overlap = w->o.overlap;
+  if (overlap && w->job.mode_kind == PS_MODE_SYNC) {
+    /* A sync step's pull waits for the step this worker pushed: nothing to overlap. */
+    PS_INFO("overlap: off in sync mode");
+    overlap = 0;
+  }
+  if (overlap) return &ps_step_overlap;
+  /* auto: on where the compute leaves the host's cores free (a GPU); on
+   * the cpu the shards applying early pushes would compete with the
+   * backward pass for the cores when they share the host (measured: no
+   * gain, up to 7% loss with 4 local shards on 2 cores). Replicas compute
+   * a whole step at a time, so they take the plain step. */
+  int want = w->o.pipeline == PS_PIPELINE_AUTO ? !w->ops->host_memory
+                                               : w->o.pipeline == PS_PIPELINE_ON;
+  if (want && !w->reps) return &ps_step_pipeline;
+  return &ps_step_plain;
+}
+
+uint64_t ps_step_stream(const ps_worker *w, int64_t step) {
+  return (uint64_t)step * 1024 + (uint64_t)w->rank;
+}
+
+int ps_step_check_loss(int64_t step, float loss, char *err) {
+  if (isfinite(loss)) return 0;
+  snprintf(err, PS_ERRLEN,
+           "step %" PRId64 ": the loss is %f; the gradient is not pushed. Lower the learning rate.",
+           step, (double)loss);
+  return -1;
+}
+
+float ps_compute_step(ps_worker *w, int64_t step, const ps_batch *b, int *correct) {
+  uint64_t stream = ps_step_stream(w, step);
+  float loss;
+  if (w->reps) { /* host memory in and out; each replica copies what it needs */
+    loss = ps_replicas_train_step(w->reps, w->params, b->x, b->y, b->n, w->job.seed ^ 0xd0d0,
+                                  stream, w->grads, correct);
+  } else {
+    if (w->dparams != w->params) ps_model_params_to_device(w->model, w->dparams, w->params);
+    loss = ps_model_train_step(w->model, w->dparams, b->x, b->y, b->n, w->job.seed ^ 0xd0d0,
+                               stream, w->dgrads, correct);
+    if (w->dgrads != w->grads) ps_model_params_to_host(w->model, w->grads, w->dgrads);
+  }
+  if (w->o.straggle_ms > 0) ps_sleep_ms(w->o.straggle_ms); /* an artificial straggler */
+  return loss;
+}

@@ -1,0 +1,148 @@
+/* A training worker's data source: the static share or leases from shard 0
+ * (see source.h). */
+#include "source.h"
+
+#include <inttypes.h>
+#include <stdlib.h>
+
+#include "../common/util.h"
+
+struct ps_source {
+  ps_batcher *batcher;
+  int batch, n_examples;
+  int64_t total_steps;
+  /* leases */
+  ps_client *client; /* NULL for the static share */
+  double retry_s;
+  atomic_int *stop;
+  atomic_uint_fast64_t chunks_done, chunks_lost;
+};
+
+ps_source *ps_source_share(const ps_dataset *train, int batch, int rank, int num_workers,
+                           uint64_t seed, int shuffle, int epochs, int64_t max_steps) {
+  ps_source *s = calloc(1, sizeof *s);
+  if (!s) return NULL;
+  s->batch = batch;
+  s->n_examples = train->n;
+  s->batcher = ps_batcher_create_ordered(train, batch, rank, num_workers, seed, 4, shuffle);
+  if (!s->batcher) {
+    free(s);
+    return NULL;
+  }
+  int epoch_size = ps_batcher_epoch_size(s->batcher);
+  int64_t steps_per_epoch = (epoch_size + batch - 1) / batch;
+  s->total_steps = steps_per_epoch * epochs;
+  if (max_steps > 0 && max_steps < s->total_steps) s->total_steps = max_steps;
+  return s;
+}
+
+/* The batcher's chunk source in lease mode: asks shard 0 for the next
+ * chunk, waiting while every chunk left is leased to someone else. */
+static int next_chunk(void *user, uint64_t *begin, uint32_t *count, uint64_t *tag, int *epoch) {
+  ps_source *s = user;
+  char err[PS_ERRLEN];
+  double give_up = ps_now_s() + s->retry_s;
+  int64_t backoff = 50;
+  while (!atomic_load(s->stop)) {
+    ps_client_lease l;
+    int rc = ps_client_lease_call(s->client, 0, 1, (uint64_t)s->n_examples, &l, err);
+    if (rc == 0 && l.status == 0) {
+      *begin = l.begin;
+      *count = l.count;
+      *tag = l.lease_id;
+      *epoch = l.epoch;
+      return 0;
+    }
+    if (rc == 0 && l.status == 2) return 1; /* the last epoch is done */
+    if (rc != 0) {
+      if ((rc != PS_EUNAVAIL && rc != PS_ETIMEDOUT) || ps_now_s() > give_up) {
+        PS_ERROR("%s", err);
+        return -1;
+      }
+      PS_WARN("%s; retrying", err);
+    } else {
+      give_up = ps_now_s() + s->retry_s; /* waiting for others' chunks is progress */
+    }
+    ps_sleep_ms(backoff);
+    if (backoff < 1000) backoff *= 2;
+  }
+  return 1;
+}
+
+ps_source *ps_source_leases(const ps_dataset *train, int batch, uint64_t seed, ps_client *client,
+                            double retry_s, atomic_int *stop, int64_t max_steps) {
+  ps_source *s = calloc(1, sizeof *s);
+  if (!s) return NULL;
+  s->batch = batch;
+  s->n_examples = train->n;
+  s->client = client;
+  s->retry_s = retry_s;
+  s->stop = stop;
+  /* The data comes chunk by chunk from shard 0 until its last epoch. */
+  s->total_steps = max_steps > 0 ? max_steps : INT64_MAX;
+  s->batcher = ps_batcher_create_source(train, batch, seed, 4, next_chunk, s);
+  if (!s->batcher) {
+    free(s);
+    return NULL;
+  }
+  return s;
+}
+
+void ps_source_log_plan(const ps_source *s, int lease_chunk, int epochs) {
+  if (s->client) {
+    PS_INFO("training: data leased from shard 0 in chunks of %d examples, %d epoch(s) over "
+            "the %d examples for the whole cluster, batch %d",
+            lease_chunk, epochs, s->n_examples, s->batch);
+  } else {
+    int epoch_size = ps_batcher_epoch_size(s->batcher);
+    int64_t steps_per_epoch = (epoch_size + s->batch - 1) / s->batch;
+    PS_INFO("training: %d examples in this worker's share, %" PRId64 " steps per epoch, %" PRId64
+            " steps, batch %d",
+            epoch_size, steps_per_epoch, s->total_steps, s->batch);
+  }
+}
+
+int64_t ps_source_total_steps(const ps_source *s) { return s->total_steps; }
+
+int ps_source_next(ps_source *s, ps_batch **out) {
+  ps_batch *b = NULL;
+  if (ps_batcher_next(s->batcher, &b) != 0) return -1;
+  if (b->n == 0) { /* leases: no more data */
+    ps_batcher_release(s->batcher, b);
+    return 1;
+  }
+  *out = b;
+  return 0;
+}
+
+void ps_source_release(ps_source *s, ps_batch *b) { ps_batcher_release(s->batcher, b); }
+
+void ps_source_chunk_done(ps_source *s, uint64_t lease) {
+  if (!s->client) return;
+  /* Every example of the chunk went into a pushed gradient. */
+  ps_client_lease l;
+  char err[PS_ERRLEN] = "";
+  if (ps_client_lease_call(s->client, lease, 0, 0, &l, err) == 0 && l.completed_counted) {
+    atomic_fetch_add(&s->chunks_done, 1);
+  } else {
+    atomic_fetch_add(&s->chunks_lost, 1);
+    PS_WARN("chunk of lease %" PRIx64 " finished but not counted (%s)", lease,
+            err[0] ? err : "the lease had expired and went to another worker");
+  }
+}
+
+void ps_source_batch_done(ps_source *s, const ps_batch *b) {
+  if (s->client && b->last_in_chunk) ps_source_chunk_done(s, b->tag);
+}
+
+void ps_source_log_summary(const ps_source *s) {
+  if (s->client)
+    PS_INFO("leases: %" PRIu64 " chunk(s) done and counted, %" PRIu64 " not counted",
+            (uint64_t)atomic_load(&s->chunks_done), (uint64_t)atomic_load(&s->chunks_lost));
+}
+
+void ps_source_destroy(ps_source *s) {
+  if (!s) return;
+  ps_batcher_destroy(s->batcher);
+  free(s);
+}

@@ -1,0 +1,53 @@
+/* Where a training worker's batches come from: its static share of the
+ * data set (examples i % num_workers == rank, every epoch), or chunks
+ * leased from shard 0 (elastic: every example once per epoch whatever the
+ * churn). Either way batches are filled ahead on the batcher's thread. */
+#ifndef PS_WORKER_SOURCE_H
+#define PS_WORKER_SOURCE_H
+
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include "data.h"
+#include "ps_client.h"
+
+typedef struct ps_source ps_source;
+
+/* The static share, for `epochs` passes (shuffled per epoch unless
+ * shuffle is 0); max_steps > 0 stops earlier. NULL when the pipeline
+ * cannot start. */
+ps_source *ps_source_share(const ps_dataset *train, int batch, int rank, int num_workers,
+                           uint64_t seed, int shuffle, int epochs, int64_t max_steps);
+
+/* Chunks leased from shard 0 through client until its last epoch;
+ * unreachable shards are retried for retry_s seconds; *stop (set by a
+ * signal) ends the asking. The client must outlive the source. NULL when
+ * the pipeline cannot start. */
+ps_source *ps_source_leases(const ps_dataset *train, int batch, uint64_t seed, ps_client *client,
+                            double retry_s, atomic_int *stop, int64_t max_steps);
+
+/* Logs what the source will deliver (examples, steps, epochs). */
+void ps_source_log_plan(const ps_source *s, int lease_chunk, int epochs);
+
+/* Steps it will deliver at most (INT64_MAX when the leases decide). */
+int64_t ps_source_total_steps(const ps_source *s);
+
+/* The next batch, valid until ps_source_release: 0; 1 when there is no
+ * more data (nothing to release); -1 when the input pipeline failed. */
+int ps_source_next(ps_source *s, ps_batch **out);
+void ps_source_release(ps_source *s, ps_batch *b);
+
+/* The gradient of b was applied by every shard: when b ends a leased
+ * chunk, the chunk is reported done to shard 0. */
+void ps_source_batch_done(ps_source *s, const ps_batch *b);
+/* The same for a chunk by its lease (any thread). */
+void ps_source_chunk_done(ps_source *s, uint64_t lease);
+
+/* Leases: logs how many finished chunks shard 0 counted (nothing for a
+ * static share). */
+void ps_source_log_summary(const ps_source *s);
+
+/* Stops the batcher's thread (and its lease calls); frees. NULL is fine. */
+void ps_source_destroy(ps_source *s);
+
+#endif

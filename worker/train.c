@@ -1,0 +1,165 @@
+/* The training loop: a batch from the data source, one step of the kind
+ * chosen at the start, the progress line and metrics on schedule, the
+ * chief's evaluation on schedule; at the end the final pull, the saved
+ * parameters and the final evaluation. */
+#include <errno.h>
+#include <inttypes.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "../common/util.h"
+#include "step.h"
+
+/* What the progress line of one interval sums up. */
+typedef struct {
+  double last_log, sum_loss, t_pull, t_comp, t_push;
+  int64_t n_ex, n_correct, n_steps;
+  uint64_t stale_sum, stale_n, stale_max, dropped;
+} progress;
+
+static void progress_add(progress *p, const ps_step_result *r, int n, int nshards) {
+  p->t_pull += r->pull_s;
+  p->t_comp += r->compute_s;
+  p->t_push += r->push_s;
+  p->sum_loss += (double)r->loss * n;
+  p->n_ex += n;
+  p->n_correct += r->correct;
+  p->n_steps++;
+  if (r->pushed) {
+    p->stale_sum += r->res.staleness_sum;
+    p->stale_n += (uint64_t)nshards;
+    if (r->res.staleness_max > p->stale_max) p->stale_max = r->res.staleness_max;
+    if (r->count_dropped) p->dropped += r->res.dropped > 0;
+  }
+}
+
+/* The progress line and metrics record; then a new interval. */
+static void progress_report(ps_worker *w, progress *p, int64_t step, int64_t total, int epoch,
+                            double now) {
+  double dt = now - p->last_log;
+  double eps = p->n_ex / (dt > 0 ? dt : 1e-9);
+  double smean = p->stale_n ? (double)p->stale_sum / p->stale_n : 0.0;
+  double ms = 1e3 / p->n_steps;
+  char drop_note[48] = "";
+  if (w->job.mode_kind == PS_MODE_SYNC)
+    snprintf(drop_note, sizeof drop_note, " | %" PRIu64 " dropped", p->dropped);
+  char of_total[32] = "";
+  if (total != INT64_MAX) snprintf(of_total, sizeof of_total, "/%" PRId64, total);
+  PS_INFO("step %" PRId64 "%s epoch %d | loss %.4f acc %.3f | %.0f ex/s | "
+          "staleness %.2f max %" PRIu64 "%s | pull %.1f compute %.1f push %.1f ms/step",
+          step, of_total, epoch, p->sum_loss / p->n_ex, (double)p->n_correct / p->n_ex, eps, smean,
+          p->stale_max, drop_note, p->t_pull * ms, p->t_comp * ms, p->t_push * ms);
+  if (w->metrics) {
+    json_t *rec = json_pack(
+        "{s:i,s:I,s:i,s:f,s:f,s:f,s:f,s:I,s:I,s:f,s:f,s:f}", "worker", w->rank, "step",
+        (json_int_t)step, "epoch", epoch, "loss", p->sum_loss / p->n_ex, "train_accuracy",
+        (double)p->n_correct / p->n_ex, "examples_per_sec", eps, "staleness_mean", smean,
+        "staleness_max", (json_int_t)p->stale_max, "dropped", (json_int_t)p->dropped, "pull_ms",
+        p->t_pull * ms, "compute_ms", p->t_comp * ms, "push_ms", p->t_push * ms);
+    ps_metrics_write(w->metrics, rec);
+    json_decref(rec);
+  }
+  memset(p, 0, sizeof *p);
+  p->last_log = now;
+}
+
+/* Writes the parameters as raw little-endian float32, fsynced. */
+static int save_params(ps_worker *w, const char *path) {
+  FILE *f = fopen(path, "wb");
+  if (!f) {
+    PS_ERROR("cannot write '%s': %s", path, strerror(errno));
+    return 1;
+  }
+  size_t P = w->job.model.n_params;
+  int bad = fwrite(w->params, sizeof(float), P, f) != P;
+  bad |= fflush(f) != 0 || fsync(fileno(f)) != 0;
+  bad |= fclose(f) != 0;
+  if (bad) {
+    PS_ERROR("cannot write '%s'", path);
+    return 1;
+  }
+  PS_INFO("wrote the %zu parameters to %s", P, path);
+  return 0;
+}
+
+/* After the last step: the final pull, --save-params, the chief's final
+ * evaluation. */
+static int finish(ps_worker *w, int64_t steps, int64_t examples, double t0) {
+  char err[PS_ERRLEN];
+  double elapsed = ps_now_s() - t0;
+  ps_source_log_summary(w->source);
+  printf("trained %" PRId64 " steps, %" PRId64 " examples in %.1f s: %.0f examples/s\n", steps,
+         examples, elapsed, examples / (elapsed > 0 ? elapsed : 1e-9));
+  if ((w->o.chief || w->o.save_path) && w->client && ps_worker_pull(w, err) != 0) {
+    PS_ERROR("final pull: %s", err);
+    return 1;
+  }
+  if (w->o.save_path && save_params(w, w->o.save_path) != 0) return 1;
+  if (w->o.chief) {
+    float tl;
+    double acc = ps_worker_evaluate(w, steps, t0, &tl);
+    printf("final test accuracy %.4f (test loss %.4f, %d examples)\n", acc, (double)tl, w->test.n);
+  }
+  fflush(stdout);
+  return 0;
+}
+
+int ps_worker_train(ps_worker *w) {
+  char err[PS_ERRLEN];
+  ps_source_log_plan(w->source, w->job.lease_chunk, w->job.epochs);
+  const int64_t total = ps_source_total_steps(w->source);
+  const ps_step_kind *kind = ps_step_choose(w);
+  void *state = NULL;
+  if (kind->begin(w, &state, err) != 0) {
+    PS_ERROR("%s", err);
+    return 1;
+  }
+  double t0 = ps_now_s(), last_eval = t0;
+  progress p = {.last_log = t0};
+  int64_t total_ex = 0, step = 0;
+  int rc = 0;
+  for (; step < total && !atomic_load(&w->stop); step++) {
+    ps_batch *b = NULL;
+    int src = ps_source_next(w->source, &b);
+    if (src != 0) {
+      if (src < 0) {
+        PS_ERROR("the input pipeline failed");
+        rc = 1;
+      }
+      break;
+    }
+    ps_step_result r = {0};
+    if (kind->run(state, step, b, &r, err) != 0) {
+      PS_ERROR("%s", err);
+      ps_source_release(w->source, b);
+      rc = 1;
+      break;
+    }
+    progress_add(&p, &r, b->n, w->nshards);
+    total_ex += b->n;
+    int epoch = b->epoch;
+    if (r.applied) ps_source_batch_done(w->source, b);
+    ps_source_release(w->source, b);
+    atomic_store(&w->step, (uint64_t)step + 1);
+
+    double now = ps_now_s();
+    if (now - p.last_log >= w->o.log_interval || step + 1 == total)
+      progress_report(w, &p, step + 1, total, epoch, now);
+    if (w->o.chief && w->o.eval_interval > 0 && now - last_eval >= w->o.eval_interval &&
+        step + 1 < total) {
+      float tl;
+      if (kind->eval_params) kind->eval_params(state);
+      double acc = ps_worker_evaluate(w, step + 1, t0, &tl);
+      PS_INFO("step %" PRId64 ": test accuracy %.4f, test loss %.4f (%d examples)", step + 1, acc,
+              (double)tl, w->test.n);
+      last_eval = ps_now_s();
+    }
+  }
+  if (kind->end(state, rc == 0, err) != 0) {
+    PS_ERROR("%s", err);
+    rc = 1;
+  }
+  return rc == 0 ? finish(w, step, total_ex, t0) : rc;
+}

@@ -1,0 +1,289 @@
+/* Building and tearing down a worker's parts (see worker.h), and the
+ * helpers its steps share: retries, pull, the end of a push, host buffers. */
+#include "worker.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "../common/rng.h"
+#include "../common/util.h"
+#include "device.h"
+#ifdef PS_WITH_CUDA
+#include "../kernels/cuda/ops_cuda.h"
+#endif
+
+/* ---------------- helpers of the steps ---------------- */
+
+int ps_worker_retry(ps_worker *w, const char *what, ps_worker_op op, void *ctx, char *err) {
+  /* Unreachable servers, and shards that gave up holding a pull back. */
+  double deadline = ps_now_s() + w->o.retry_s;
+  int64_t backoff = 100;
+  ps_rand r;
+  ps_rand_seed(&r, (uint64_t)getpid() ^ (uint64_t)ps_now_ms());
+  for (int attempt = 0;; attempt++) {
+    int rc = op(ctx, err);
+    if (rc == 0 || (rc != PS_EUNAVAIL && rc != PS_ETIMEDOUT) || atomic_load(&w->stop)) return rc;
+    if (ps_now_s() + backoff / 1000.0 > deadline) return rc;
+    int64_t sleep = backoff / 2 + (int64_t)ps_rand_below(&r, (uint64_t)backoff / 2 + 1);
+    PS_WARN("%s failed (%s); retrying in %" PRId64 " ms", what, err, sleep);
+    ps_sleep_ms(sleep);
+    if (backoff < 5000) backoff *= 2;
+  }
+}
+
+static int op_pull(void *ctx, char *err) {
+  ps_worker *w = ctx;
+  return ps_client_pull(w->client, w->params, w->versions,
+                        w->job.mode_kind == PS_MODE_SYNC ? w->min_versions : NULL, err);
+}
+
+int ps_worker_pull(ps_worker *w, char *err) { return ps_worker_retry(w, "Pull", op_pull, w, err); }
+
+static int op_push(void *ctx, char *err) {
+  ps_worker *w = ctx;
+  int rc = ps_client_push_end(w->client, w->grads, &w->push_res, err);
+  /* sync: the next pull waits for the step this gradient was for (or, if
+   * it was dropped, for the step that went on without it: already done). */
+  if (rc == 0)
+    for (int s = 0; s < w->nshards; s++) w->min_versions[s] = w->versions[s] + 1;
+  return rc;
+}
+
+int ps_worker_push_end(ps_worker *w, char *err) {
+  return ps_worker_retry(w, "Push", op_push, w, err);
+}
+
+#ifdef PS_WITH_CUDA
+static int on_cuda(const ps_worker *w) { return w->ops && strcmp(w->ops->name, "cuda") == 0; }
+#endif
+
+float *ps_worker_host_buffer(ps_worker *w, size_t bytes) {
+#ifdef PS_WITH_CUDA
+  if (on_cuda(w)) {
+    void *p = NULL;
+    if (ps_cuda_host_alloc(&p, bytes) != 0) return NULL;
+    memset(p, 0, bytes);
+    return p;
+  }
+#else
+  (void)w;
+#endif
+  return ps_alloc(bytes);
+}
+
+void ps_worker_host_buffer_free(ps_worker *w, float *p) {
+  if (!p) return;
+#ifdef PS_WITH_CUDA
+  if (on_cuda(w)) {
+    ps_cuda_host_free(p);
+    return;
+  }
+#else
+  (void)w;
+#endif
+  ps_free(p);
+}
+
+/* ---------------- set-up ---------------- */
+
+/* The job: from the servers (registering with them), or from the file
+ * with --local; then the options the job fills in. */
+static int setup_job(ps_worker *w, char *err) {
+  ps_worker_opts *o = &w->o;
+  if (o->local) {
+    if (ps_job_load(o->job_path, &w->job, &w->job_text, err) != 0) {
+      fprintf(stderr, "ps-worker: %s\n", err);
+      return 2;
+    }
+    w->rank = o->index >= 0 ? o->index : 0;
+    if (o->chief < 0) o->chief = 1;
+  } else {
+    ps_client_opts co = {.host = o->host,
+                         .role = o->evaluator ? "evaluator" : o->chief == 1 ? "chief" : "worker",
+                         .task_index = o->index,
+                         .timeout_ms = o->timeout_ms,
+                         .connect_timeout_ms = (int)(o->retry_s * 1000)};
+    w->client = ps_client_connect(o->ps_addr, &co, err);
+    if (!w->client) {
+      fprintf(stderr, "ps-worker: %s\n", err);
+      return 1;
+    }
+    w->nshards = ps_client_num_shards(w->client);
+    if (ps_job_parse(ps_client_job_json(w->client), &w->job, err) != 0) {
+      fprintf(stderr, "ps-worker: the job from %s does not parse: %s\n", o->ps_addr, err);
+      return 1;
+    }
+    if (ps_client_param_count(w->client) != w->job.model.n_params) {
+      fprintf(stderr, "ps-worker: the servers hold %zu values, the job's model has %zu\n",
+              ps_client_param_count(w->client), w->job.model.n_params);
+      return 1;
+    }
+    w->rank = o->index >= 0 ? o->index : ps_client_rank(w->client);
+    if (w->job.mode_kind != PS_MODE_ASYNC) ps_client_set_wait_ms(w->client, w->job.wait_timeout_ms);
+    if (o->chief < 0) o->chief = !o->have_tf_config && w->rank == 0;
+    PS_INFO("registered as worker %016" PRIx64 " (rank %d) with %d shards of job '%s', mode %s",
+            ps_client_worker_id(w->client), w->rank, w->nshards, w->job.job_id, w->job.mode);
+  }
+  if (o->num_workers == 0) o->num_workers = 1;
+  /* With data leases the share of the data is decided by shard 0. */
+  if (w->rank >= o->num_workers && !(w->client && w->job.lease_chunk > 0) && !o->evaluator) {
+    fprintf(stderr, "ps-worker: index %d but only %d workers share the data (--num-workers)\n",
+            w->rank, o->num_workers);
+    return 2;
+  }
+  if (o->per_replica_batch > 0) {
+    int global = o->per_replica_batch * o->replicas;
+    PS_INFO("batch: %d per replica x %d replica(s) = global batch %d (the job says %d)",
+            o->per_replica_batch, o->replicas, global, w->job.batch_size);
+    w->job.batch_size = global;
+  } else if (o->replicas > 1) {
+    PS_INFO("batch: global batch %d split over %d replicas (about %d each)", w->job.batch_size,
+            o->replicas, (w->job.batch_size + o->replicas - 1) / o->replicas);
+  }
+  if (o->epochs < 0) o->epochs = w->job.epochs;
+  if (o->max_steps < 0) o->max_steps = w->job.max_steps;
+  if (o->eval_interval < 0) o->eval_interval = w->job.eval_interval_s;
+  return 0;
+}
+
+/* The training split (and the test split for the chief), checked against
+ * the model's input. */
+static int setup_data(ps_worker *w, char *err) {
+  const ps_model_spec *spec = &w->job.model;
+  double tl = ps_now_s();
+  int rc;
+  if (!strcmp(w->job.dataset, "synthetic")) {
+    rc = ps_dataset_synthetic(w->job.synthetic_train, spec->in_c, spec->in_h, spec->in_w,
+                              spec->classes, w->job.seed, 0, &w->train);
+    if (rc == 0)
+      rc = ps_dataset_synthetic(w->job.synthetic_test, spec->in_c, spec->in_h, spec->in_w,
+                                spec->classes, w->job.seed, 1, &w->test);
+    if (rc != 0) snprintf(err, PS_ERRLEN, "cannot make the synthetic data set");
+  } else {
+    const char *dir = w->o.data_dir ? w->o.data_dir : w->job.data_dir;
+    rc = ps_dataset_load_named(w->job.dataset, dir, 1, &w->train, err);
+    if (rc == 0 && w->o.chief) rc = ps_dataset_load_named(w->job.dataset, dir, 0, &w->test, err);
+  }
+  if (rc != 0) {
+    fprintf(stderr, "ps-worker: %s\n", err);
+    return 1;
+  }
+  if (w->train.c != spec->in_c || w->train.h != spec->in_h || w->train.w != spec->in_w ||
+      w->train.classes != spec->classes) {
+    fprintf(stderr, "ps-worker: the data set has examples %dx%dx%d in %d classes; the model wants "
+                    "%dx%dx%d in %d\n",
+            w->train.c, w->train.h, w->train.w, w->train.classes, spec->in_c, spec->in_h,
+            spec->in_w, spec->classes);
+    return 1;
+  }
+  PS_INFO("data: %s, %d train / %d test examples (%.1f s to load)", w->job.dataset, w->train.n,
+          w->test.n, ps_now_s() - tl);
+  return 0;
+}
+
+/* The models (training, replicas, the chief's evaluation) and the buffers
+ * of what is pulled and pushed. */
+static int setup_compute(ps_worker *w, char *err) {
+  const ps_model_spec *spec = &w->job.model;
+  err[0] = '\0';
+  w->model = ps_model_create(spec, w->ops, w->job.batch_size, err);
+  if (w->o.replicas > 1) {
+    w->reps = ps_replicas_create_for(spec, w->o.replicas, w->job.batch_size, w->ops->name, err);
+    if (!w->reps) {
+      fprintf(stderr, "ps-worker: %s\n", err);
+      return 1;
+    }
+    PS_INFO("replicas: %d, %s", w->o.replicas,
+            !ps_replicas_on_device(w->reps) ? "one per cpu thread, summed in host memory"
+            : ps_replicas_nccl(w->reps)     ? "one per GPU, summed on the GPUs with NCCL"
+                                            : "on devices, summed in host memory");
+  }
+  w->eval_model = w->o.chief ? ps_model_create(spec, w->ops, 500, err) : NULL;
+  const size_t P = spec->n_params;
+  size_t ns = w->nshards > 0 ? (size_t)w->nshards : 1;
+  w->params = ps_worker_host_buffer(w, P * sizeof(float));
+  w->grads = ps_worker_host_buffer(w, P * sizeof(float));
+  w->versions = calloc(ns, sizeof(uint64_t));
+  w->min_versions = calloc(ns, sizeof(uint64_t));
+  w->dparams = w->params;
+  w->dgrads = w->grads;
+  if (w->model && !w->ops->host_memory) {
+    w->dparams = ps_model_alloc_params(w->model);
+    w->dgrads = ps_model_alloc_params(w->model);
+  }
+  if (!w->model || (w->o.chief && !w->eval_model) || !w->params || !w->grads || !w->versions ||
+      !w->min_versions || !w->dparams || !w->dgrads) {
+    fprintf(stderr, "ps-worker: %s\n", err[0] ? err : "out of memory");
+    return 1;
+  }
+  char desc[512];
+  ps_model_spec_describe(spec, desc, sizeof desc);
+  PS_INFO("model: %s; device %s%s", desc, w->device_desc,
+          w->o.chief ? "; chief: evaluates the test split" : "");
+  return 0;
+}
+
+int ps_worker_setup(ps_worker *w) {
+  char err[PS_ERRLEN];
+  ps_worker_opts *o = &w->o;
+  /* The device first: the first log line says where this worker computes. */
+  w->ops = ps_device_open(o->device, o->threads, w->device_desc, sizeof w->device_desc, err);
+  if (!w->ops) {
+    fprintf(stderr, "ps-worker: --device %s: %s\n", o->device ? o->device : "auto", err);
+    return 2;
+  }
+  PS_INFO("device: %s", w->device_desc);
+  int rc = setup_job(w, err);
+  if (rc == 0) rc = setup_data(w, err);
+  if (rc == 0) rc = setup_compute(w, err);
+  if (rc != 0) return rc;
+  if (o->metrics_path) {
+    w->metrics = ps_metrics_open(o->metrics_path, err);
+    if (!w->metrics) {
+      fprintf(stderr, "ps-worker: %s\n", err);
+      return 2;
+    }
+  }
+  if (!o->evaluator) {
+    if (w->client && w->job.lease_chunk > 0)
+      w->source = ps_source_leases(&w->train, w->job.batch_size, w->job.seed, w->client,
+                                   o->retry_s, &w->stop, o->max_steps);
+    else
+      w->source = ps_source_share(&w->train, w->job.batch_size, w->rank, o->num_workers,
+                                  w->job.seed, w->job.shuffle, o->epochs, o->max_steps);
+    if (!w->source) {
+      fprintf(stderr, "ps-worker: cannot start the input pipeline\n");
+      return 1;
+    }
+  }
+  return 0;
+}
+
+void ps_worker_teardown(ps_worker *w) {
+  ps_worker_loop_stop(w);
+  /* The batcher's thread may be asking shard 0 for a lease: it stops
+   * before the client it uses goes. */
+  atomic_store(&w->stop, 1);
+  ps_source_destroy(w->source);
+  if (w->client) {
+    ps_client_leave(w->client);
+    ps_client_destroy(w->client);
+  }
+  ps_replicas_destroy(w->reps);
+  if (w->model && w->dparams != w->params) ps_model_free_params(w->model, w->dparams);
+  if (w->model && w->dgrads != w->grads) ps_model_free_params(w->model, w->dgrads);
+  ps_model_destroy(w->model);
+  ps_model_destroy(w->eval_model);
+  ps_worker_host_buffer_free(w, w->params); /* before the backend they may belong to */
+  ps_worker_host_buffer_free(w, w->grads);
+  if (w->ops) w->ops->destroy(w->ops);
+  free(w->versions);
+  free(w->min_versions);
+  ps_dataset_free(&w->train);
+  ps_dataset_free(&w->test);
+  ps_metrics_close(w->metrics);
+  free(w->job_text);
+}

@@ -1,0 +1,111 @@
+/* One ps-worker process: its parts, built by ps_worker_setup from the
+ * options, and the helpers the step kinds share.
+ *
+ * Threads: the training thread runs the loop (train.c) and the steps
+ * (step_*.c); the loop thread (loop.c) owns the heartbeat timer and the
+ * signals; the input pipeline fills batches on a third (source.c); the
+ * overlapped step has a communication thread of its own. */
+#ifndef PS_WORKER_WORKER_H
+#define PS_WORKER_WORKER_H
+
+#include <stdatomic.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "../common/job.h"
+#include "../common/metrics.h"
+#include "../kernels/ops.h"
+#include "data.h"
+#include "model.h"
+#include "ps_client.h"
+#include "replicas.h"
+#include "source.h"
+#include "worker_options.h"
+
+typedef struct ps_worker {
+  ps_worker_opts o; /* resolved: epochs, max_steps, eval_interval from the job */
+  ps_job job;       /* batch_size is the global batch */
+  char *job_text;
+  int rank;         /* this worker's index in the data (and in metrics) */
+  ps_client *client; /* NULL with --local */
+  int nshards;       /* 0 with --local */
+  ps_ops *ops;
+  char device_desc[256];
+  ps_model *model, *eval_model; /* eval_model: the chief's, for the test split */
+  ps_replicas *reps;            /* NULL with one replica */
+  ps_dataset train, test;
+  ps_source *source;            /* NULL for the evaluator */
+  ps_metrics *metrics;
+  /* What is pulled and pushed: host buffers (pinned on a GPU), and the
+   * backend's copies (the same buffers when the backend computes in host
+   * memory). The overlapped step swaps them between its two sets. */
+  float *params, *grads;
+  float *dparams, *dgrads;
+  uint64_t *versions;     /* per shard: the version pulled */
+  uint64_t *min_versions; /* per shard: sync mode waits for the step pushed */
+  ps_push_result push_res; /* the last push's answers */
+  /* shared with the loop thread */
+  atomic_int stop;
+  atomic_uint_fast64_t step;
+  struct {
+    uv_loop_t loop;
+    uv_thread_t thread;
+    uv_timer_t hb_timer;
+    uv_signal_t sigint, sigterm;
+    uv_async_t quit;
+    uv_work_t hb_work;
+    int hb_busy, running;
+  } ev;
+} ps_worker;
+
+/* Builds the parts from the options: the device, the job (from the
+ * servers, or the file with --local), the data, the models, the buffers,
+ * metrics and the data source. Returns 0, or the process's exit code (1 or
+ * 2) with the message printed; what was built is freed by
+ * ps_worker_teardown either way. */
+int ps_worker_setup(ps_worker *w);
+
+/* Stops the threads in order (the data source's before the client it
+ * uses), leaves the servers, frees everything. Safe on a partial setup. */
+void ps_worker_teardown(ps_worker *w);
+
+/* The loop thread: heartbeats (not with --local) and SIGINT/SIGTERM,
+ * which set w->stop. 0, or -1 when the thread cannot start. */
+int ps_worker_loop_start(ps_worker *w);
+void ps_worker_loop_stop(ps_worker *w);
+
+/* Training: steps until the data or max_steps is done or a signal came;
+ * then the final pull, --save-params and the chief's final evaluation.
+ * Returns the exit code. */
+int ps_worker_train(ps_worker *w);
+
+/* The evaluator role: evaluates what the servers hold every eval interval
+ * until training is over. Returns the exit code. */
+int ps_worker_evaluator_run(ps_worker *w);
+
+/* Evaluates w->params on the test split; writes a metrics record. Returns
+ * the accuracy; *loss_out (may be NULL) the mean loss. */
+double ps_worker_evaluate(ps_worker *w, int64_t step, double t0, float *loss_out);
+
+/* Retries op(ctx, err) with exponential backoff and jitter while the
+ * servers are unreachable (or a shard gave up holding a pull back), for at
+ * most --retry-s seconds, and not after a signal. Returns op's last code. */
+typedef int (*ps_worker_op)(void *ctx, char *err);
+int ps_worker_retry(ps_worker *w, const char *what, ps_worker_op op, void *ctx, char *err);
+
+/* Pulls every shard into w->params and w->versions, retrying; in sync
+ * mode each shard answers once the step this worker pushed is applied. */
+int ps_worker_pull(ps_worker *w, char *err);
+
+/* Ends the push round started with ps_client_push_begin (from w->grads),
+ * retrying only the shards that have not applied it; the answers go to
+ * w->push_res and the next sync pull waits for the step pushed. */
+int ps_worker_push_end(ps_worker *w, char *err);
+
+/* Host memory for what crosses to the servers: pinned when the backend is
+ * a GPU (fast, asynchronous copies), plain aligned memory otherwise; NULL
+ * when it cannot be had. */
+float *ps_worker_host_buffer(ps_worker *w, size_t bytes);
+void ps_worker_host_buffer_free(ps_worker *w, float *p);
+
+#endif

@@ -1,0 +1,190 @@
+/* ps-worker's flags, described once, and TF_CONFIG merged into them. */
+#include "worker_options.h"
+
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "../common/options.h"
+#include "../common/util.h"
+
+#define O(field) offsetof(ps_worker_opts, field)
+
+/* in the order of ps_pipeline_mode */
+static const char *const pipeline_choices[] = {"on", "off", "auto", NULL};
+static const char *const level_choices[] = {"debug", "info", "warn", "error", NULL};
+
+static const ps_option worker_flags[] = {
+    {"ps", "LIST", PS_OPT_STR, O(ps_addr), .help =
+     "a server address (the first entry of a comma-separated list is contacted; the job and "
+     "every shard's address come from shard 0)"},
+    {"index", "N", PS_OPT_INT, O(index), 0, 100000, .def_doc = "the registration order",
+     .help = "this worker's task index: its share of the data is the examples `i` with "
+     "`i % num_workers == N`"},
+    {"num-workers", "N", PS_OPT_INT, O(num_workers), 1, 100000,
+     .def_doc = "`TF_CONFIG`'s worker and chief entries, else 1",
+     .help = "how many workers share the data"},
+    {"chief", NULL, PS_OPT_FLAG, O(chief), .def_doc = "`TF_CONFIG` type `chief`, or index 0",
+     .help = "evaluate the test split"},
+    {"evaluator", NULL, PS_OPT_FLAG, O(evaluator), .help =
+     "evaluate only (the `evaluator` role, also `TF_CONFIG` task type `evaluator`): pull the "
+     "parameters every `--eval-interval` seconds (10 when the job says 0) and evaluate the test "
+     "split; pushes nothing and is not counted among the workers"},
+    {"max-evals", "N", PS_OPT_INT, O(max_evals), 1, 1 << 30, .def_doc = "no limit",
+     .help = "evaluator: stop after N evaluations"},
+    {"idle-evals", "K", PS_OPT_INT, O(idle_evals), 1, 1 << 30, .def = "3", .help =
+     "evaluator: stop once the parameters did not change for K evaluations after they started to"},
+    {"local", NULL, PS_OPT_FLAG, O(local), .help =
+     "train in this process with no servers (needs `--job`): the baseline the benchmark "
+     "compares with"},
+    {"job", "FILE", PS_OPT_STR, O(job_path), .help = "the job file, for `--local`"},
+    {"epochs", "N", PS_OPT_INT, O(epochs), 1, 1000000, .def_doc = "the job's",
+     .help = "passes over this worker's share of the data"},
+    {"max-steps", "N", PS_OPT_I64, O(max_steps), 0, (double)(1LL << 40),
+     .def_doc = "the job's", .help = "stop after N steps; 0: no limit"},
+    {"data-dir", "DIR", PS_OPT_STR, O(data_dir), .def_doc = "the job's",
+     .help = "where the IDX files are"},
+    {"device", "D", PS_OPT_STR, O(device), .def_doc = "`auto`", .help =
+     "`cpu`, `cuda` or `cuda:N`; `auto` is `cuda` when the build has the CUDA backend and a GPU "
+     "is present, else `cpu` (the first log line says which). `emu`: the emulated device, the "
+     "cpu ops on memory that is not the host's (every pointer checked, copies to the host "
+     "landing late as on a stream), which runs a GPU worker's code paths where there is no GPU; "
+     "for checking, not for speed"},
+    {"threads", "N", PS_OPT_INT, O(threads), 0, 256, .def_doc = "the number of cores",
+     .help = "compute threads; the launcher gives each worker cores/workers"},
+    {"replicas", "R", PS_OPT_INT, O(replicas), 1, 256, .def = "1", .help =
+     "R mirrored replicas: one per thread on the cpu, one per GPU on cuda (replica `i` on GPU "
+     "`i % count`); the batch is split across them and their gradients summed (NCCL reduce "
+     "onto replica 0 when each has its own GPU, else in host memory) before one push per shard"},
+    {"per-replica-batch", "N", PS_OPT_INT, O(per_replica_batch), 1, 65536,
+     .def_doc = "the job's `batch_size` is the global batch",
+     .help = "the batch of each replica; the global batch is `N*R`, said in the log"},
+    {"eval-interval", "SEC", PS_OPT_SECS, O(eval_interval), 0, .def_doc = "the job's "
+     "`eval_interval_s`", .help = "seconds between the chief's evaluations; 0: only at the end"},
+    {"log-interval", "SEC", PS_OPT_SECS, O(log_interval), 0, .def = "5",
+     .help = "seconds between progress lines"},
+    {"metrics", "FILE", PS_OPT_STR, O(metrics_path), .help =
+     "append JSON Lines: per interval `time`, `worker`, `step`, `epoch`, `loss`, "
+     "`train_accuracy`, `examples_per_sec`, `staleness_mean`, `staleness_max`, `dropped`, "
+     "`pull_ms`, `compute_ms`, `push_ms`; per evaluation `test_accuracy`, `test_loss`, "
+     "`elapsed_s`, `updates`"},
+    {"timeout-ms", "MS", PS_OPT_INT, O(timeout_ms), 1, 3600000, .def = "30000",
+     .help = "deadline of every call to a server"},
+    {"retry-s", "SEC", PS_OPT_SECS, O(retry_s), 0, .def = "60", .help =
+     "how long to retry unreachable servers, with exponential backoff and jitter"},
+    {"host", "NAME", PS_OPT_STR, O(host), .def_doc = "the host name",
+     .help = "name reported to the servers"},
+    {"save-params", "FILE", PS_OPT_STR, O(save_path), .help =
+     "at the end, pull and write the parameters (raw little-endian float32, fsynced)"},
+    {"overlap", NULL, PS_OPT_FLAG, O(overlap), .help =
+     "async/ssp: push and pull on a second thread while the next step computes; gradients are "
+     "one version staler (with plain SGD or Adam; momentum 0.9 on top of that staleness "
+     "diverged in our runs)"},
+    {"pipeline", "MODE", PS_OPT_CHOICE, O(pipeline), .choices = pipeline_choices, .def = "auto",
+     .help = "`on`, `off` or `auto`: pipeline each step shard by shard (the first layers compute "
+     "while later shards arrive; a shard's gradient goes out while earlier layers compute). "
+     "`auto` is on for a GPU worker, whose host cores are free while the device computes, and "
+     "off on the cpu, where shards on the same host applying early pushes compete with the "
+     "backward pass for the cores. Either way the same gradients and parameters, bit for bit"},
+    {"straggle-ms", "N", PS_OPT_INT, O(straggle_ms), 0, 3600000, .def = "0",
+     .help = "sleep N ms in every step: an artificial straggler, for comparing consistency modes"},
+    {"log-level", "L", PS_OPT_CHOICE, O(log_level), .choices = level_choices, .def = "info",
+     .help = "`debug`, `info`, `warn` or `error`"},
+};
+
+static const ps_optspec worker_spec = {
+    .prog = "ps-worker",
+    .synopsis =
+        "Usage: ps-worker --ps HOST:PORT[,...] [options]\n"
+        "       ps-worker (with TF_CONFIG set, task type worker, chief or evaluator) [options]\n"
+        "       ps-worker --local --job FILE [options]\n"
+        "\n"
+        "Trains the job served by the ps-server processes: pulls the parameters,\n"
+        "computes gradients on this worker's share of the data, pushes them.\n",
+    .opts = worker_flags,
+    .n_opts = (int)(sizeof worker_flags / sizeof worker_flags[0]),
+    .footer = "SIGINT or SIGTERM: the worker finishes its step, leaves the servers and exits.",
+};
+
+/* Without --ps: the cluster and this task from TF_CONFIG. The chief counts
+ * as task 0 and the workers follow it, as in TensorFlow. */
+static int merge_tf_config(ps_worker_opts *o) {
+  const char *tf = getenv("TF_CONFIG");
+  if (!tf) {
+    fprintf(stderr, "ps-worker: give --ps HOST:PORT, set TF_CONFIG, or use --local --job FILE "
+                    "(see --help)\n");
+    return 2;
+  }
+  static ps_cluster cluster;
+  char err[PS_ERRLEN];
+  if (ps_cluster_from_tf_config(tf, &cluster, err) != 0) {
+    fprintf(stderr, "ps-worker: TF_CONFIG: %s\n", err);
+    return 2;
+  }
+  if (!strcmp(cluster.task_type, "evaluator")) {
+    o->evaluator = 1;
+  } else if (strcmp(cluster.task_type, "worker") != 0 && strcmp(cluster.task_type, "chief") != 0) {
+    fprintf(stderr, "ps-worker: TF_CONFIG names task type '%s'; ps-worker runs 'worker', "
+                    "'chief' or 'evaluator'\n", cluster.task_type);
+    return 2;
+  }
+  if (cluster.n_ps == 0) {
+    fprintf(stderr, "ps-worker: TF_CONFIG has no ps addresses\n");
+    return 2;
+  }
+  o->have_tf_config = 1;
+  o->ps_addr = cluster.ps[0];
+  int is_chief = !strcmp(cluster.task_type, "chief");
+  if (o->index < 0) o->index = is_chief ? 0 : cluster.task_index + cluster.n_chief;
+  if (o->num_workers == 0) o->num_workers = cluster.n_workers + cluster.n_chief;
+  if (o->chief < 0) o->chief = is_chief || (cluster.n_chief == 0 && cluster.task_index == 0);
+  return 0;
+}
+
+int ps_worker_opts_parse(ps_worker_opts *o, int argc, char **argv) {
+  memset(o, 0, sizeof *o);
+  o->index = -1;
+  o->chief = -1;
+  o->epochs = -1;
+  o->max_steps = -1;
+  o->eval_interval = -1;
+  o->threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
+  if (o->threads < 1) o->threads = 1;
+  if (ps_options_defaults(&worker_spec, o) != 0) return 2;
+  int rc = ps_options_parse(&worker_spec, argc, argv, o);
+  if (rc != 0) return rc;
+
+  if (!o->local && !o->ps_addr && (rc = merge_tf_config(o)) != 0) return rc;
+  if (o->evaluator) {
+    o->chief = 1; /* loads the test split and evaluates */
+    if (o->index < 0) o->index = 0;
+  }
+  if (o->local && !o->job_path) {
+    fprintf(stderr, "ps-worker: --local needs --job FILE\n");
+    return 2;
+  }
+  if (o->evaluator && o->local) {
+    fprintf(stderr, "ps-worker: --evaluator evaluates what servers hold; it needs --ps, not "
+                    "--local\n");
+    return 2;
+  }
+  if (o->ps_addr) {
+    /* Only the first address of a list is needed. */
+    snprintf(o->ps_first, sizeof o->ps_first, "%s", o->ps_addr);
+    char *comma = strchr(o->ps_first, ',');
+    if (comma) *comma = '\0';
+    char host[PS_ADDR_LEN];
+    int port;
+    if (ps_parse_hostport(o->ps_first, host, sizeof host, &port) != 0 || port == 0) {
+      fprintf(stderr, "ps-worker: '%s' is not a server address HOST:PORT\n", o->ps_first);
+      return 2;
+    }
+    o->ps_addr = o->ps_first;
+  }
+  snprintf(o->hostname, sizeof o->hostname, "localhost");
+  gethostname(o->hostname, sizeof o->hostname - 1);
+  if (!o->host) o->host = o->hostname;
+  return 0;
+}
