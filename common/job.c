@@ -122,6 +122,7 @@ static void set_defaults(ps_job *job) {
   job->synthetic_test = 512;
   job->eval_interval_s = 30.0;
   job->heartbeat_timeout_ms = 10000;
+  job->max_workers = 256;
 }
 
 static int parse_job_id(json_t *root, ps_job *job, char *err) {
@@ -272,6 +273,12 @@ static int parse_mode(json_t *root, ps_job *job, char *err) {
   v = 0;
   if ((rc = get_int(root, "lease_chunk", "lease_chunk", 0, 1 << 24, &v, err))) return rc;
   job->lease_chunk = (int)v;
+  v = job->max_workers;
+  if ((rc = get_int(root, "max_workers", "max_workers", 1, 4096, &v, err))) return rc;
+  job->max_workers = (int)v;
+  if (job->min_workers > job->max_workers)
+    return ps_seterr(err, PS_EINVAL, "'min_workers' (%d) is above 'max_workers' (%d)",
+                     job->min_workers, job->max_workers);
   json_t *sh = json_object_get(root, "shuffle");
   if (sh) {
     if (!json_is_boolean(sh)) return ps_seterr(err, PS_EINVAL, "'shuffle' must be true or false");
@@ -284,7 +291,7 @@ static int parse_root(json_t *root, ps_job *job, char *err) {
   if (!json_is_object(root)) return ps_seterr(err, PS_EINVAL, "the job must be a JSON object");
   static const char *const known =
       "job_id, model, optimizer, seed, batch_size, epochs, max_steps, mode, backup_workers, "
-      "min_workers, lease_chunk, "
+      "min_workers, max_workers, lease_chunk, "
       "staleness_aware_lr, wait_timeout_ms, shuffle, dataset, eval_interval_s, "
       "heartbeat_timeout_ms";
   int rc;

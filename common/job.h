@@ -57,6 +57,7 @@ typedef struct {
   int synthetic_train, synthetic_test;
   double eval_interval_s;
   int heartbeat_timeout_ms;
+  int max_workers;     /* registered at once on a shard (evaluators included); default 256 */
 } ps_job;
 
 /* Parses a job from JSON text, filling defaults for absent optional fields.

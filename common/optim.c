@@ -11,13 +11,23 @@
  * sqrtf: with the default -fmath-errno GCC keeps sqrtf scalar (it may have
  * to set errno), so adagrad and adam vectorize only under -fno-math-errno,
  * which makes an adam push about twice as fast (3.3M values: 7 ms instead
- * of 13-17 ms on the 2-core machine). */
+ * of 13-17 ms on the 2-core machine).
+ *
+ * Bounds: each optimizer's *_bound says, from bounds on what goes in, how
+ * large anything its apply computes can get. Each float operation rounds
+ * by a factor of at most 1 + 2^-24 (plus 2^-149 near zero); up() adds
+ * 2^-20 and 2^-100 to every bound, well above what the few operations
+ * behind one value can add. A shard that finds every bound within FLT_MAX
+ * knows the update stays finite without looking at it. */
 #include "optim.h"
 
 #include <math.h>
 #include <string.h>
 
 #define PS_OPTIM_BLOCK 16
+
+static double up(double x) { return x * (1.0 + 0x1p-20) + 0x1p-100; }
+static double max2(double a, double b) { return a > b ? a : b; }
 
 static float zero_slot_init(const ps_optim_config *cfg, int slot) {
   (void)cfg;
@@ -45,6 +55,13 @@ static void sgd_apply(const ps_optim_config *cfg, uint64_t t, float lr, float *p
   for (; i + PS_OPTIM_BLOCK <= n; i += PS_OPTIM_BLOCK)
     sgd_run(param + i, grad + i, PS_OPTIM_BLOCK, lr);
   sgd_run(param + i, grad + i, n - i, lr);
+}
+
+static void sgd_bound(const ps_optim_config *cfg, uint64_t t, float lr, double g,
+                      ps_optim_bounds *b) {
+  (void)cfg;
+  (void)t;
+  b->param = up(b->param + (double)lr * g);
 }
 
 /* ---- momentum: v = mu*v + g; p -= lr*v (nesterov: p -= lr*(g + mu*v)) ---- */
@@ -85,6 +102,20 @@ static void momentum_apply(const ps_optim_config *cfg, uint64_t t, float lr, flo
   }
 }
 
+static void momentum_bound(const ps_optim_config *cfg, uint64_t t, float lr, double g,
+                           ps_optim_bounds *b) {
+  (void)t;
+  const double mu = fabs((double)cfg->momentum);
+  const double v = up(mu * b->slot[0] + g);
+  if (cfg->nesterov) {
+    const double step = up(g + mu * v); /* g + mu*v */
+    b->param = max2(up(b->param + (double)lr * step), step);
+  } else {
+    b->param = up(b->param + (double)lr * v);
+  }
+  b->slot[0] = v;
+}
+
 /* ---- adagrad: a += g*g; p -= lr*g / (sqrt(a) + eps) ---- */
 
 static float adagrad_slot_init(const ps_optim_config *cfg, int slot) {
@@ -111,6 +142,20 @@ static void adagrad_apply(const ps_optim_config *cfg, uint64_t t, float lr, floa
   adagrad_run(param + i, acc + i, grad + i, n - i, lr, eps);
 }
 
+/* |g| / (sqrt(a + g*g) + eps) is at most 1 while g*g is a normal float
+ * (|g| >= 2^-63); below that it is at most 2^-63 / eps. The accumulator
+ * must not be negative (sqrt) and eps must be positive (a may be 0). */
+static void adagrad_bound(const ps_optim_config *cfg, uint64_t t, float lr, double g,
+                          ps_optim_bounds *b) {
+  (void)t;
+  const double eps = (double)cfg->eps;
+  const double a = up(b->slot[0] + g * g);
+  const double ratio = up(max2(1.0, (g < 0x1p-63 ? g : 0x1p-63) / eps));
+  b->param = max2(up(b->param + (double)lr * ratio), up((double)lr * g)); /* lr*g: intermediate */
+  if (!(eps > 0.0) || !(b->slot_nonneg & 1u)) b->param = INFINITY;
+  b->slot[0] = a;
+}
+
 /* ---- adam ----
  * m = b1*m + (1-b1)*g;  v = b2*v + (1-b2)*g*g;
  * p -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)
@@ -132,14 +177,12 @@ static inline void adam_run(float *restrict p, float *restrict m, float *restric
   }
 }
 
-static void adam_apply(const ps_optim_config *cfg, uint64_t t, float lr, float *param,
-                       float **slots, const ps_ufloat *grad, size_t n) {
-  float *mom = slots[0], *var = slots[1];
+static adam_consts adam_setup(const ps_optim_config *cfg, uint64_t t, float lr) {
   /* t counts from 1; a caller passing 0 would divide by zero below. */
   const double td = (double)(t ? t : 1);
   const double bc1 = 1.0 - pow((double)cfg->beta1, td);
   const double bc2 = 1.0 - pow((double)cfg->beta2, td);
-  const adam_consts k = {
+  return (adam_consts){
       .b1 = cfg->beta1,
       .b2 = cfg->beta2,
       .one_b1 = 1.0f - cfg->beta1,
@@ -148,17 +191,40 @@ static void adam_apply(const ps_optim_config *cfg, uint64_t t, float lr, float *
       .step = (float)((double)lr / bc1),
       .inv_bc2 = (float)(1.0 / bc2),
   };
+}
+
+static void adam_apply(const ps_optim_config *cfg, uint64_t t, float lr, float *param,
+                       float **slots, const ps_ufloat *grad, size_t n) {
+  float *mom = slots[0], *var = slots[1];
+  const adam_consts k = adam_setup(cfg, t, lr);
   size_t i = 0;
   for (; i + PS_OPTIM_BLOCK <= n; i += PS_OPTIM_BLOCK)
     adam_run(param + i, mom + i, var + i, grad + i, PS_OPTIM_BLOCK, k);
   adam_run(param + i, mom + i, var + i, grad + i, n - i, k);
 }
 
+/* With b1, b2 in [0, 1) (the shard checks them; no promise otherwise):
+ * |m| grows by at most |g|, v by g*g, and the step is at most step*|m| /
+ * eps. v*inv_bc2 is an intermediate; v must not be negative (sqrt). */
+static void adam_bound(const ps_optim_config *cfg, uint64_t t, float lr, double g,
+                       ps_optim_bounds *b) {
+  const adam_consts k = adam_setup(cfg, t, lr);
+  const double m = up((double)k.b1 * b->slot[0] + g);
+  const double v = up((double)k.b2 * b->slot[1] + g * g);
+  const double scaled_v = up(v * (double)k.inv_bc2), step_m = up((double)k.step * m);
+  b->param = max2(up(b->param + step_m / (double)k.eps), max2(scaled_v, step_m));
+  if (!(k.b1 >= 0.0f && k.b1 < 1.0f && k.b2 >= 0.0f && k.b2 < 1.0f && k.eps > 0.0f) ||
+      !(b->slot_nonneg & 2u))
+    b->param = INFINITY;
+  b->slot[0] = m;
+  b->slot[1] = v;
+}
+
 static const ps_optimizer optimizers[] = {
-    {"sgd", 0, zero_slot_init, sgd_apply},
-    {"momentum", 1, zero_slot_init, momentum_apply},
-    {"adagrad", 1, adagrad_slot_init, adagrad_apply},
-    {"adam", 2, zero_slot_init, adam_apply},
+    {"sgd", 0, zero_slot_init, sgd_apply, sgd_bound},
+    {"momentum", 1, zero_slot_init, momentum_apply, momentum_bound},
+    {"adagrad", 1, adagrad_slot_init, adagrad_apply, adagrad_bound},
+    {"adam", 2, zero_slot_init, adam_apply, adam_bound},
 };
 
 const ps_optimizer *ps_optimizer_find(const char *name) {

@@ -20,6 +20,18 @@
 #include "job.h"
 #include "util.h"
 
+/* What a shard knows of its state without reading it: upper bounds on the
+ * magnitude of the parameters and of each slot, and which slots hold no
+ * negative value (bit k: slot k). The bound functions below carry them
+ * through an update, so that an update that cannot overflow is known to be
+ * safe before it starts. */
+#define PS_OPTIM_MAX_SLOTS 4
+typedef struct {
+  double param;                    /* >= max |param| */
+  double slot[PS_OPTIM_MAX_SLOTS]; /* >= max |slot k| */
+  unsigned slot_nonneg;            /* bit k: every value of slot k is >= 0 (or -0) */
+} ps_optim_bounds;
+
 typedef struct {
   const char *name;
   int n_slots;
@@ -28,6 +40,14 @@ typedef struct {
   /* Applies one update to param[0..n) with slots[k][0..n). */
   void (*apply)(const ps_optim_config *cfg, uint64_t t, float lr, float *param, float **slots,
                 const ps_ufloat *grad, size_t n);
+  /* Carries bounds through apply(cfg, t, lr, ...) with a gradient whose
+   * values are at most g in magnitude: b holds bounds on the values before,
+   * and receives bounds on the values after, each also above every
+   * intermediate value apply computes for them, float rounding included.
+   * A bound above FLT_MAX (or NaN) says the update might overflow (or make a
+   * NaN, where a slot's sign is not known): only then must the caller look
+   * at the results. slot_nonneg is left as it is (apply keeps it true). */
+  void (*bound)(const ps_optim_config *cfg, uint64_t t, float lr, double g, ps_optim_bounds *b);
 } ps_optimizer;
 
 /* The optimizer of that name, or NULL. */

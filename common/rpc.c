@@ -16,6 +16,7 @@
 
 #include <grpc/byte_buffer.h>
 #include <grpc/byte_buffer_reader.h>
+#include <grpc/compression.h>
 #include <grpc/grpc.h>
 #include <grpc/grpc_security.h>
 #include <grpc/slice.h>
@@ -32,9 +33,11 @@
  * for a shorter keepalive (a faster pinger would get GOAWAY). */
 #define SERVER_MIN_PING_INTERVAL_MS 1000
 #define CLIENT_KEEPALIVE_TIMEOUT_MS 20000
-#define DEFAULT_KEEPALIVE_MS 10000
 #define DEFAULT_SERVER_THREADS 2
 #define DEFAULT_CALLS_PER_METHOD 8
+#define DEFAULT_MAX_STREAMS 32
+#define DEFAULT_MAX_METADATA (16 * 1024)
+#define DEFAULT_IDLE_MS (10 * 60 * 1000)
 #define STATUS_DETAIL_MAX 1024
 
 static const char *const status_names[] = {
@@ -472,6 +475,73 @@ static grpc_arg int_arg(const char *key, int value) {
   return a;
 }
 
+/* The PEM files of tls, read into NUL-terminated strings (free with
+ * tls_pem_free). */
+typedef struct {
+  char *ca, *cert, *key;
+} tls_pem;
+
+static void tls_pem_free(tls_pem *p) {
+  free(p->ca);
+  free(p->cert);
+  free(p->key);
+  memset(p, 0, sizeof *p);
+}
+
+static int tls_pem_read(const rpc_tls *tls, tls_pem *p, char *err) {
+  memset(p, 0, sizeof *p);
+  const char *files[3] = {tls->ca_file, tls->cert_file, tls->key_file};
+  char **dst[3] = {&p->ca, &p->cert, &p->key};
+  for (int i = 0; i < 3; i++) {
+    if (!files[i]) continue;
+    size_t len = 0;
+    char why[PS_ERRLEN];
+    if (ps_read_file(files[i], dst[i], &len, why) != 0) {
+      tls_pem_free(p);
+      return ps_seterr(err, PS_EIO, "TLS: %s", why);
+    }
+    if (!strstr(*dst[i], "-----BEGIN ")) {
+      tls_pem_free(p);
+      return ps_seterr(err, PS_EINVAL, "TLS: '%s' is not a PEM file", files[i]);
+    }
+  }
+  if ((p->cert == NULL) != (p->key == NULL)) {
+    tls_pem_free(p);
+    return ps_seterr(err, PS_EINVAL, "TLS: a certificate needs its key and a key its certificate");
+  }
+  return 0;
+}
+
+/* Server credentials: TLS from the files, or plaintext. NULL with a
+ * message when the files cannot be read. */
+static grpc_server_credentials *server_creds(const rpc_tls *tls, char *err) {
+  if (tls == NULL)
+    return grpc_insecure_server_credentials_create();
+  tls_pem p;
+  if (tls_pem_read(tls, &p, err) != 0)
+    return NULL;
+  if (p.cert == NULL) {
+    tls_pem_free(&p);
+    ps_seterr(err, PS_EINVAL, "TLS: a server needs a certificate and its key");
+    return NULL;
+  }
+  if (tls->require_client_cert && p.ca == NULL) {
+    tls_pem_free(&p);
+    ps_seterr(err, PS_EINVAL, "TLS: requiring client certificates needs the CA that signs them");
+    return NULL;
+  }
+  grpc_ssl_pem_key_cert_pair pair = {.private_key = p.key, .cert_chain = p.cert};
+  grpc_ssl_client_certificate_request_type req =
+      tls->require_client_cert ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+      : p.ca                   ? GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY
+                               : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE;
+  grpc_server_credentials *c = grpc_ssl_server_credentials_create_ex(p.ca, &pair, 1, req, NULL);
+  tls_pem_free(&p); /* gRPC keeps its own copies */
+  if (c == NULL)
+    ps_seterr(err, PS_EINVAL, "TLS: gRPC refused the certificate or key");
+  return c;
+}
+
 rpc_server *rpc_server_create(const char *addr, const rpc_server_opts *opts, int *bound_port,
                               char *err) {
   if (addr == NULL) {
@@ -494,19 +564,49 @@ rpc_server *rpc_server_create(const char *addr, const rpc_server_opts *opts, int
   pthread_mutex_init(&s->mu, NULL);
   pthread_cond_init(&s->cv, NULL);
 
+  if (s->opts.max_receive_bytes <= 0)
+    s->opts.max_receive_bytes = s->opts.max_message_bytes;
+  if (s->opts.max_streams <= 0)
+    s->opts.max_streams = DEFAULT_MAX_STREAMS;
+  if (s->opts.max_metadata_bytes <= 0)
+    s->opts.max_metadata_bytes = DEFAULT_MAX_METADATA;
+  if (s->opts.idle_ms <= 0)
+    s->opts.idle_ms = DEFAULT_IDLE_MS;
   grpc_arg args[] = {
-      int_arg(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, s->opts.max_message_bytes),
+      int_arg(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, s->opts.max_receive_bytes),
       int_arg(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, s->opts.max_message_bytes),
+      int_arg(GRPC_ARG_MAX_CONCURRENT_STREAMS, s->opts.max_streams),
+      int_arg(GRPC_ARG_MAX_METADATA_SIZE, s->opts.max_metadata_bytes),
+      int_arg(GRPC_ARG_MAX_CONNECTION_IDLE_MS, s->opts.idle_ms),
+      /* identity only: a compressed request is refused, never inflated */
+      int_arg(GRPC_COMPRESSION_CHANNEL_ENABLED_ALGORITHMS_BITSET, 1),
       /* Clients' keepalive pings must not count as abuse. */
       int_arg(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, SERVER_MIN_PING_INTERVAL_MS),
       int_arg(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1),
   };
-  grpc_channel_args cargs = {.num_args = sizeof(args) / sizeof(args[0]), .args = args};
+  /* What the server's connections may hold in memory, in all: reading a
+   * request larger than that closes its connection. */
+  grpc_resource_quota *quota = grpc_resource_quota_create("rpc_server");
+  grpc_resource_quota_resize(quota, (size_t)s->opts.max_receive_bytes * 4 + (32u << 20));
+  grpc_arg all[sizeof(args) / sizeof(args[0]) + 1];
+  memcpy(all, args, sizeof args);
+  grpc_arg *qa = &all[sizeof(args) / sizeof(args[0])];
+  memset(qa, 0, sizeof *qa);
+  qa->type = GRPC_ARG_POINTER;
+  qa->key = (char *)GRPC_ARG_RESOURCE_QUOTA;
+  qa->value.pointer.p = quota;
+  qa->value.pointer.vtable = grpc_resource_quota_arg_vtable();
+  grpc_channel_args cargs = {.num_args = sizeof(all) / sizeof(all[0]), .args = all};
   s->srv = grpc_server_create(&cargs, NULL);
+  grpc_resource_quota_unref(quota);
   s->cq = grpc_completion_queue_create_for_next(NULL);
   grpc_server_register_completion_queue(s->srv, s->cq, NULL);
 
-  grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+  grpc_server_credentials *creds = server_creds(s->opts.tls, err);
+  if (creds == NULL) {
+    rpc_server_destroy(s);
+    return NULL;
+  }
   int port = grpc_server_add_http2_port(s->srv, addr, creds);
   grpc_server_credentials_release(creds);
   if (port == 0) {
@@ -731,7 +831,7 @@ rpc_channel *rpc_channel_create(const char *target, const rpc_channel_opts *opts
     ps_seterr(err, PS_EINVAL, "rpc_channel_create: no target");
     return NULL;
   }
-  int max_msg = RPC_DEFAULT_MAX_MESSAGE, keepalive = DEFAULT_KEEPALIVE_MS;
+  int max_msg = RPC_DEFAULT_MAX_MESSAGE, keepalive = RPC_DEFAULT_KEEPALIVE_MS;
   if (opts != NULL) {
     if (opts->max_message_bytes > 0)
       max_msg = opts->max_message_bytes;
@@ -748,8 +848,31 @@ rpc_channel *rpc_channel_create(const char *target, const rpc_channel_opts *opts
   }
   pthread_mutex_init(&ch->mu, NULL);
 
-  grpc_arg args[6];
+  grpc_channel_credentials *creds = grpc_insecure_credentials_create();
+  const rpc_tls *tls = opts != NULL ? opts->tls : NULL;
+  if (tls != NULL) {
+    tls_pem p;
+    if (tls_pem_read(tls, &p, err) != 0) {
+      grpc_channel_credentials_release(creds);
+      free(ch->target);
+      pthread_mutex_destroy(&ch->mu);
+      free(ch);
+      return NULL;
+    }
+    grpc_ssl_pem_key_cert_pair pair = {.private_key = p.key, .cert_chain = p.cert};
+    grpc_channel_credentials_release(creds);
+    creds = grpc_ssl_credentials_create(p.ca, p.cert ? &pair : NULL, NULL, NULL);
+    tls_pem_free(&p);
+  }
+  grpc_arg args[10];
   size_t n = 0;
+  if (opts != NULL && opts->gzip)
+    args[n++] = int_arg(GRPC_COMPRESSION_CHANNEL_DEFAULT_ALGORITHM, GRPC_COMPRESS_GZIP);
+  if (tls != NULL && tls->server_name != NULL) {
+    args[n].type = GRPC_ARG_STRING;
+    args[n].key = (char *)GRPC_SSL_TARGET_NAME_OVERRIDE_ARG;
+    args[n++].value.string = (char *)tls->server_name;
+  }
   args[n++] = int_arg(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, max_msg);
   args[n++] = int_arg(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, max_msg);
   if (keepalive > 0) {
@@ -763,7 +886,6 @@ rpc_channel *rpc_channel_create(const char *target, const rpc_channel_opts *opts
     args[n++] = int_arg(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   }
   grpc_channel_args cargs = {.num_args = n, .args = args};
-  grpc_channel_credentials *creds = grpc_insecure_credentials_create();
   ch->ch = grpc_channel_create(target, creds, &cargs); /* never NULL: a lame channel at worst */
   grpc_channel_credentials_release(creds);
   return ch;

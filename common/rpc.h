@@ -65,6 +65,20 @@ void rpc_global_shutdown(void);
 /* Default message-size limit on both sides: 1 GiB. */
 #define RPC_DEFAULT_MAX_MESSAGE (1 << 30)
 
+/* Transport security: TLS with PEM files. A server needs its certificate
+ * chain and key; with ca_file it can ask clients for a certificate signed
+ * by that CA (require_client_cert refuses clients without one). A client
+ * verifies the server against ca_file (the system's roots when NULL) and
+ * presents cert_file/key_file when both are given (mutual TLS). NULL
+ * options mean plaintext. */
+typedef struct {
+  const char *ca_file;
+  const char *cert_file, *key_file;
+  int require_client_cert; /* server only */
+  const char *server_name; /* client only: the name the server's certificate must carry
+                              (default: the target's host) */
+} rpc_tls;
+
 /* ---------------- server ---------------- */
 typedef struct rpc_server rpc_server;
 typedef struct rpc_call rpc_call;
@@ -78,10 +92,18 @@ typedef struct {
   int threads;           /* threads serving the queue; default 2 */
   int max_message_bytes; /* default RPC_DEFAULT_MAX_MESSAGE */
   int calls_per_method;  /* calls waiting per method; default 8 */
+  const rpc_tls *tls;    /* NULL: plaintext */
+  /* Bounds on what a client may make the server hold (0: the default). */
+  int max_receive_bytes; /* largest request; default max_message_bytes */
+  int max_streams;       /* calls in flight per connection; default 32 */
+  int max_metadata_bytes; /* request headers; default 16 KiB */
+  int idle_ms;           /* a connection with no call this long is closed; default 10 min */
 } rpc_server_opts;
 
 /* Creates a server listening on addr ("host:port"; port 0 picks a free one,
- * written to *bound_port). NULL with a message on failure. */
+ * written to *bound_port). Compressed requests are refused (a small request
+ * must not expand into a large one). NULL with a message on failure (an
+ * address that cannot be bound, TLS files that cannot be read). */
 rpc_server *rpc_server_create(const char *addr, const rpc_server_opts *opts, int *bound_port,
                               char *err);
 /* Registers a method by full path ("/ps.ParameterServer/Push"); before start. */
@@ -106,11 +128,17 @@ typedef struct rpc_channel rpc_channel;
 typedef struct rpc_queue rpc_queue;
 typedef struct rpc_request rpc_request;
 
+#define RPC_DEFAULT_KEEPALIVE_MS 10000
 typedef struct {
   int max_message_bytes; /* default RPC_DEFAULT_MAX_MESSAGE */
-  int keepalive_ms;      /* default 10000; 0 disables */
+  int keepalive_ms;      /* NULL options: RPC_DEFAULT_KEEPALIVE_MS; 0 disables */
+  const rpc_tls *tls;    /* NULL: plaintext */
+  int gzip;              /* compress requests (servers here refuse them: for tests) */
 } rpc_channel_opts;
 
+/* A channel to target. NULL with a message when the TLS files cannot be
+ * read; an unreachable target is not an error here (calls fail
+ * UNAVAILABLE). */
 rpc_channel *rpc_channel_create(const char *target, const rpc_channel_opts *opts, char *err);
 void rpc_channel_destroy(rpc_channel *ch);
 const char *rpc_channel_target(const rpc_channel *ch);

@@ -125,6 +125,94 @@ int ps_parse_hostport(const char *s, char *host, size_t hostlen, int *port) {
   return PS_OK;
 }
 
+/* ---- UTF-8 ---- */
+
+size_t ps_utf8_char_len(const uint8_t *s, size_t n) {
+  if (n == 0) return 0;
+  uint8_t b = s[0];
+  if (b < 0x80) return 1;
+  size_t len;
+  uint8_t lo = 0x80, hi = 0xbf; /* the allowed range of the second byte */
+  if (b >= 0xc2 && b <= 0xdf) {
+    len = 2;
+  } else if (b >= 0xe0 && b <= 0xef) {
+    len = 3;
+    if (b == 0xe0) lo = 0xa0; /* overlong */
+    if (b == 0xed) hi = 0x9f; /* surrogates */
+  } else if (b >= 0xf0 && b <= 0xf4) {
+    len = 4;
+    if (b == 0xf0) lo = 0x90; /* overlong */
+    if (b == 0xf4) hi = 0x8f; /* above U+10FFFF */
+  } else {
+    return 0; /* a continuation byte, an overlong lead (C0, C1) or F5..FF */
+  }
+  if (n < len || s[1] < lo || s[1] > hi) return 0;
+  for (size_t i = 2; i < len; i++)
+    if ((s[i] & 0xc0) != 0x80) return 0;
+  return len;
+}
+
+size_t ps_utf8_valid_len(const void *s, size_t n) {
+  const uint8_t *p = s;
+  size_t i = 0;
+  while (i < n) {
+    if (p[i] < 0x80) { /* the common case, a byte at a time */
+      i++;
+      continue;
+    }
+    size_t k = ps_utf8_char_len(p + i, n - i);
+    if (k == 0) break;
+    i += k;
+  }
+  return i;
+}
+
+/* A control character: C0, DEL, or C1 (U+0080..U+009F, encoded C2 80..C2 9F)
+ * starting at s, whose valid UTF-8 length is len. */
+static int utf8_is_control(const uint8_t *s, size_t len) {
+  if (len == 1) return s[0] < 0x20 || s[0] == 0x7f;
+  return len == 2 && s[0] == 0xc2 && s[1] < 0xa0;
+}
+
+/* Copies the NUL-terminated src into dst (cap bytes, cap > 0), writing in
+ * place of each byte that is not valid UTF-8 and each control character
+ * (the k bytes at s) what replace puts in out (at most 16 bytes); cut before
+ * the first character or replacement that does not fit. Returns the length
+ * written. */
+typedef size_t (*text_replace_fn)(const uint8_t *s, size_t k, char *out);
+static size_t text_copy(char *dst, size_t cap, const char *src, text_replace_fn replace) {
+  const uint8_t *p = (const uint8_t *)(src ? src : "");
+  size_t n = strlen((const char *)p), out = 0;
+  for (size_t i = 0; i < n;) {
+    size_t len = ps_utf8_char_len(p + i, n - i);
+    char rep[16];
+    const char *piece = (const char *)p + i;
+    size_t plen = len;
+    if (len == 0 || utf8_is_control(p + i, len)) {
+      len = len ? len : 1;
+      plen = replace(p + i, len, rep);
+      piece = rep;
+    }
+    if (out + plen > cap - 1) break; /* never inside a character */
+    memcpy(dst + out, piece, plen);
+    out += plen;
+    i += len;
+  }
+  dst[out] = '\0';
+  return out;
+}
+
+static size_t replacement_char(const uint8_t *s, size_t k, char *out) {
+  (void)s;
+  (void)k;
+  memcpy(out, "\xef\xbf\xbd", 3); /* U+FFFD */
+  return 3;
+}
+
+size_t ps_utf8_sanitize(char *dst, size_t cap, const char *src) {
+  return text_copy(dst, cap, src, replacement_char);
+}
+
 /* ---- logging ---- */
 static char log_prog[32] = "ps";
 static int log_level = PS_LOG_INFO;
@@ -144,14 +232,30 @@ void ps_log_init(const char *prog, int level) {
   log_level = level;
 }
 
+/* \n, \r, \t, or \xNN for each of the k bytes at s (k <= 2: a C1 control
+ * is the longest character escaped). */
+static size_t log_escape(const uint8_t *s, size_t k, char *out) {
+  size_t e = 0;
+  for (size_t j = 0; j < k; j++) {
+    if (s[j] == '\n' || s[j] == '\r' || s[j] == '\t') {
+      out[e++] = '\\';
+      out[e++] = s[j] == '\n' ? 'n' : s[j] == '\r' ? 'r' : 't';
+    } else {
+      e += (size_t)snprintf(out + e, 5, "\\x%02x", s[j]);
+    }
+  }
+  return e;
+}
+
 void ps_log(int level, const char *fmt, ...) {
   if (level < log_level) return;
   static const char *names[] = {"debug", "info", "warn", "error"};
-  char msg[1024];
+  char raw[1024], msg[4 * sizeof raw]; /* an escape is at most 4 bytes a byte */
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(msg, sizeof msg, fmt, ap);
+  vsnprintf(raw, sizeof raw, fmt, ap);
   va_end(ap);
+  text_copy(msg, sizeof msg, raw, log_escape);
   struct timespec ts;
   clock_gettime(CLOCK_REALTIME, &ts);
   struct tm tm;

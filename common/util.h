@@ -48,7 +48,26 @@ int ps_read_file(const char *path, char **out, size_t *len, char *err);
 /* Parses "host:port"; writes host (at most hostlen-1 chars) and port. */
 int ps_parse_hostport(const char *s, char *host, size_t hostlen, int *port);
 
-/* Logging to stderr with a timestamp and the program name. */
+/* UTF-8 (RFC 3629: no overlong forms, no surrogates, nothing above
+ * U+10FFFF). ps_utf8_char_len: the length (1 to 4) of the character that
+ * starts s (n bytes available, n > 0), or 0 when s does not start a valid
+ * one. ps_utf8_valid_len: how many leading bytes of s[0..n) are valid UTF-8
+ * (n when all are). Neither treats NUL specially. */
+size_t ps_utf8_char_len(const uint8_t *s, size_t n);
+size_t ps_utf8_valid_len(const void *s, size_t n);
+
+/* Copies the NUL-terminated src into dst (cap bytes, cap > 0) as text that is
+ * safe to store, show and send in a protobuf `string`: each byte that is not
+ * part of valid UTF-8 and each control character (C0, DEL, C1) becomes
+ * U+FFFD, and the copy is cut on a character boundary so that it fits with
+ * its NUL. Returns the bytes written, the NUL not counted. src NULL is "". */
+size_t ps_utf8_sanitize(char *dst, size_t cap, const char *src);
+
+/* Logging to stderr with a timestamp and the program name. The formatted
+ * message is escaped so that it stays on its one line whatever it holds:
+ * newline, CR, tab, ESC and every other control character (C0, DEL, C1) and
+ * every byte that is not valid UTF-8 are written as \n, \r, \t or \xNN (one
+ * per byte), so that no caller can forge a line or drive the terminal. */
 enum { PS_LOG_DEBUG = 0, PS_LOG_INFO = 1, PS_LOG_WARN = 2, PS_LOG_ERROR = 3 };
 void ps_log_init(const char *prog, int level);
 /* "debug", "info", "warn" or "error" as a PS_LOG_* level; -1 otherwise. */

@@ -26,8 +26,8 @@ static size_t varint_put(uint8_t *p, uint64_t v) {
 }
 
 /* Field 15 is the tensor unless the message type declares it as something
- * other than bytes (StatusResponse.mode is a string numbered 15): then it is
- * an ordinary header field and must go through protobuf-c. */
+ * other than bytes (ps.proto keeps 15 for tensors, but a message may not):
+ * then it is an ordinary header field and must go through protobuf-c. */
 static const ProtobufCFieldDescriptor *tensor_field(const ProtobufCMessageDescriptor *desc,
                                                     int *is_tensor) {
   const ProtobufCFieldDescriptor *fd =
@@ -237,6 +237,50 @@ static int view_of(cursor c, size_t len, ps_seg *tsegs, int max_tsegs, ps_segvie
   return 0;
 }
 
+/* protobuf-c checks neither that a `string` is valid UTF-8 (which proto3
+ * requires, and which other protobuf libraries refuse to parse otherwise)
+ * nor that it holds no NUL byte (it hands out C strings, so a job id
+ * "job\0evil" would read as "job"). Both are checked here, on the wire
+ * bytes of every string field, in nested messages too. Schemas that nest a
+ * message in itself could recurse without end: the depth is bounded. */
+#define STRING_CHECK_DEPTH 16
+
+static int check_strings(const ProtobufCMessageDescriptor *desc, const uint8_t *buf, size_t len,
+                         int depth, char *err) {
+  if (depth > STRING_CHECK_DEPTH)
+    return ps_seterr(err, PS_EINVAL, "wire: messages nested more than %d deep",
+                     STRING_CHECK_DEPTH);
+  ps_seg seg = {.ptr = buf, .len = len};
+  ps_segview v = {.segs = &seg, .nsegs = 1, .total = len};
+  cursor c = {.v = &v};
+  field f;
+  while (!cur_at_end(&c)) {
+    if (next_field(&c, &f, err) != 0)
+      return PS_EINVAL;
+    const ProtobufCFieldDescriptor *fd = protobuf_c_message_descriptor_get_field(desc, f.number);
+    /* Other wire types for a string or message field: protobuf-c refuses. */
+    if (fd == NULL || f.wtype != WT_LEN)
+      continue;
+    const uint8_t *p = buf + f.payload.pos;
+    if (fd->type == PROTOBUF_C_TYPE_STRING) {
+      size_t ok = ps_utf8_valid_len(p, f.payload_len);
+      if (ok != f.payload_len)
+        return ps_seterr(err, PS_EINVAL, "wire: string field %s.%s is not valid UTF-8 (byte %zu)",
+                         desc->short_name, fd->name, ok);
+      if (memchr(p, 0, f.payload_len) != NULL)
+        return ps_seterr(err, PS_EINVAL, "wire: string field %s.%s holds a NUL byte",
+                         desc->short_name, fd->name);
+    } else if (fd->type == PROTOBUF_C_TYPE_MESSAGE) {
+      /* Its byte offsets count from the start of the nested message. */
+      char inner[PS_ERRLEN];
+      if (check_strings(fd->descriptor, p, f.payload_len, depth + 1, inner) != 0)
+        return ps_seterr(err, PS_EINVAL, "wire: in %s.%s, %s", desc->short_name, fd->name,
+                         strncmp(inner, "wire: ", 6) == 0 ? inner + 6 : inner);
+    }
+  }
+  return 0;
+}
+
 #define HDR_STACK 512
 
 ProtobufCMessage *wire_decode(const ProtobufCMessageDescriptor *desc, const ps_segview *msg,
@@ -302,6 +346,11 @@ ProtobufCMessage *wire_decode(const ProtobufCMessageDescriptor *desc, const ps_s
     }
   }
 
+  if (check_strings(desc, hbuf, h, 0, err) != 0) {
+    if (hbuf != stackbuf)
+      free(hbuf);
+    return NULL;
+  }
   /* protobuf-c copies strings and bytes out, so hbuf can go at once. */
   ProtobufCMessage *m = protobuf_c_message_unpack(desc, NULL, h, hbuf);
   if (hbuf != stackbuf)

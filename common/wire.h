@@ -11,7 +11,7 @@
 #include "util.h"
 
 #define WIRE_TENSOR_FIELD 15
-#define PS_PROTOCOL_VERSION 1
+#define PS_PROTOCOL_VERSION 2
 
 /* Builds an outgoing message: `hdr` (whose tensor field must be empty) is
  * packed into a fresh buffer, followed by the tag and length of field 15 and
@@ -32,7 +32,9 @@ int wire_encode(const ProtobufCMessage *hdr, const void *tensor, size_t tensor_b
  * message type declares it as bytes or not at all), using tsegs[0 .. max_tsegs) for storage
  * (max_tsegs >= msg->nsegs is always enough). A message with no field 15
  * gives an empty view. NULL with a message in err for malformed input
- * (bad varint, truncated field, bad wire type, protobuf-c refusal). */
+ * (bad varint, truncated field, bad wire type, a `string` field anywhere in
+ * the message, nested ones included, that is not valid UTF-8 or holds a NUL
+ * byte, protobuf-c refusal); nothing is left to free then. */
 ProtobufCMessage *wire_decode(const ProtobufCMessageDescriptor *desc, const ps_segview *msg,
                               ps_seg *tsegs, int max_tsegs, ps_segview *tensor, char *err);
 

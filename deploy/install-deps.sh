@@ -10,7 +10,7 @@ packages=(
   libgrpc-dev libprotobuf-c-dev protobuf-c-compiler
   libuv1-dev libopenblas-dev libjansson-dev zlib1g-dev
   dataset-fashion-mnist
-  iproute2 iperf3 gnuplot-nox python3
+  iproute2 iperf3 gnuplot-nox python3 openssl
   "$@"
 )
 

@@ -4,8 +4,11 @@
 #
 #   deploy/local-cluster.sh --job FILE [--servers 2] [--workers 2]
 #       [--bin DIR] [--out DIR] [--timeout SEC] [--threads N] [--straggler-ms N]
-#       [-- WORKER-ARGS...]
+#       [--tls DIR] [-- WORKER-ARGS...]
 # --straggler-ms N makes the last worker sleep N ms in every step.
+# Every process gets the job's token (PS_TOKEN_FILE, or OUT/token made
+# here). Plaintext on loopback (--insecure) unless --tls DIR: mutual TLS
+# with the CA and certificates deploy/certs.sh makes in DIR.
 # In WORKER-ARGS, %k stands for the worker's index.
 #
 # Logs go to OUT/server-S.log and OUT/worker-W.log; worker 0 (the chief)
@@ -15,7 +18,7 @@
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
-job="" servers=2 workers=2 bin="$here/../build" out="" timeout=900 threads="" straggler=0
+job="" servers=2 workers=2 bin="$here/../build" out="" timeout=900 threads="" straggler=0 tls=""
 extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -27,7 +30,8 @@ while [ $# -gt 0 ]; do
     --timeout) timeout=$2; shift 2 ;;
     --threads) threads=$2; shift 2 ;;
     --straggler-ms) straggler=$2; shift 2 ;;
-    --help|-h) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --tls) tls=$2; shift 2 ;;
+    --help|-h) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --) shift; extra=("$@"); break ;;
     *) echo "local-cluster: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -37,6 +41,23 @@ done
   echo "local-cluster: no ps-server/ps-worker in $bin (build first)" >&2; exit 2; }
 [ -n "$out" ] || out=$(mktemp -d /tmp/ps-cluster.XXXXXX)
 mkdir -p "$out"
+# The job's token, which every request carries.
+if [ -z "${PS_TOKEN_FILE:-}" ]; then
+  if [ -n "$tls" ] && [ -f "$tls/token" ]; then PS_TOKEN_FILE=$tls/token; else
+    PS_TOKEN_FILE=$out/token
+    (umask 077; head -c 32 /dev/urandom | base64 >"$PS_TOKEN_FILE")
+  fi
+fi
+export PS_TOKEN_FILE
+# Plaintext on loopback, or mutual TLS with certificates for 127.0.0.1.
+if [ -n "$tls" ]; then
+  "$here/certs.sh" "$tls" 127.0.0.1 localhost >/dev/null
+  server_sec=(--tls-cert "$tls/127.0.0.1.pem" --tls-key "$tls/127.0.0.1.key" --tls-ca "$tls/ca.pem"
+              --tls-require-client-cert)
+  client_sec=(--tls-ca "$tls/ca.pem" --tls-cert "$tls/localhost.pem" --tls-key "$tls/localhost.key")
+else
+  server_sec=(--insecure) client_sec=(--insecure)
+fi
 # One BLAS thread per worker when the workers share the cores.
 if [ -z "$threads" ]; then
   cores=$(nproc)
@@ -63,11 +84,11 @@ trap cleanup EXIT
 
 server_pids=()
 for ((s = 0; s < servers; s++)); do
-  "$bin/ps-server" --job "$job" --ps "$ports" --index "$s" --metrics "$out/server-$s.jsonl" \
+  "$bin/ps-server" "${server_sec[@]}" --job "$job" --ps "$ports" --index "$s" --metrics "$out/server-$s.jsonl" \
     >"$out/server-$s.log" 2>&1 &
   pids+=($!); server_pids+=($!)
 done
-echo "local-cluster: $servers servers on $ports; $workers workers; logs in $out"
+echo "local-cluster: $servers servers on $ports ($([ -n "$tls" ] && echo "mutual TLS" || echo plaintext), job token $PS_TOKEN_FILE); $workers workers; logs in $out"
 
 worker_pids=()
 for ((k = 0; k < workers; k++)); do
@@ -76,7 +97,7 @@ for ((k = 0; k < workers; k++)); do
   if [ "$straggler" -gt 0 ] && [ "$k" -eq $((workers - 1)) ] && [ "$workers" -gt 1 ]; then
     args+=(--straggle-ms "$straggler")
   fi
-  "$bin/ps-worker" "${args[@]}" >"$out/worker-$k.log" 2>&1 &
+  "$bin/ps-worker" "${client_sec[@]}" "${args[@]}" >"$out/worker-$k.log" 2>&1 &
   pids+=($!); worker_pids+=($!)
   # Show the chief's progress on the terminal while it runs.
   [ "$k" -eq 0 ] && tail -n +1 -f --pid="$!" "$out/worker-0.log" &
@@ -98,7 +119,7 @@ done
 sleep 0.3 # let the terminal tail print the chief's last lines
 IFS=, read -r -a addrs <<<"$ports"
 for ((s = 0; s < servers; s++)); do
-  "$bin/ps-server" --status "${addrs[$s]}" >"$out/status-$s.json" || status=1
+  "$bin/ps-server" "${client_sec[@]}" --status "${addrs[$s]}" >"$out/status-$s.json" || status=1
 done
 for p in "${server_pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
 for p in "${server_pids[@]}"; do

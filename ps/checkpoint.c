@@ -10,10 +10,12 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -156,9 +158,24 @@ static int fsync_dir(const char *dir, char *err) {
   return rc;
 }
 
+/* Locks a temporary file just created as fd at path, for as long as fd is
+ * open: 0, or -1 when a cleaner (ps_ckpt_remove_stale_temps) holds the
+ * lock or has removed the name since (the file is then not ours to use).
+ * File systems without flock are written to unlocked. */
+static int temp_lock(int fd, const char *path) {
+  if (flock(fd, LOCK_EX | LOCK_NB) != 0) return errno == EWOULDBLOCK ? -1 : 0;
+  struct stat a, b;
+  if (fstat(fd, &a) != 0 || lstat(path, &b) != 0 || a.st_dev != b.st_dev || a.st_ino != b.st_ino)
+    return -1;
+  return 0;
+}
+
 /* Creates a new, empty temporary file next to final_path:
- * "<dir>/.<name>.tmp-<pid>-<nonce>", mode 0666 less the umask. Returns the
- * descriptor (name in tmp_out, PS_CKPT_PATHLEN) or a negative PS_E* code. */
+ * "<dir>/.<name>.tmp-<pid>-<nonce>", mode 0666 less the umask, and takes an
+ * exclusive flock on it, held until the descriptor is closed (by the
+ * process's death too): ps_ckpt_remove_stale_temps removes only temporary
+ * files whose lock it can take. Returns the descriptor (name in tmp_out,
+ * PS_CKPT_PATHLEN) or a negative PS_E* code. */
 static int open_temp(const char *final_path, char *tmp_out, char *err) {
   const char *slash = strrchr(final_path, '/');
   int dir_len = slash ? (int)(slash - final_path + 1) : 0;
@@ -173,7 +190,11 @@ static int open_temp(const char *final_path, char *tmp_out, char *err) {
     if (n < 0 || n >= PS_CKPT_PATHLEN)
       return ps_seterr(err, PS_EINVAL, "path '%s' is too long for its temporary file", final_path);
     int fd = open(tmp_out, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-    if (fd >= 0) return fd;
+    if (fd >= 0) {
+      if (temp_lock(fd, tmp_out) == 0) return fd;
+      close(fd); /* a cleaner holds it, and removes it: another name */
+      continue;
+    }
     if (errno != EEXIST) {
       int e = errno;
       if (dir_len > 0)
@@ -234,6 +255,29 @@ static int parse_ckpt_name(const char *name, int *index, int *num_shards, uint64
   *index = (int)i;
   *num_shards = (int)s;
   *version = v;
+  return 0;
+}
+
+/* ".<checkpoint name>.tmp-<pid>-<nonce>" as open_temp names them; the
+ * checkpoint name's fields and the writer's pid. */
+static int parse_temp_name(const char *name, int *index, int *num_shards, uint64_t *version,
+                           long *pid) {
+  const char *tail = strstr(name, ".ckpt.tmp-");
+  if (name[0] != '.' || !tail) return -1;
+  char ckpt_name[256];
+  size_t len = (size_t)(tail - name) - 1 + strlen(".ckpt");
+  if (len >= sizeof ckpt_name) return -1;
+  memcpy(ckpt_name, name + 1, len);
+  ckpt_name[len] = '\0';
+  const char *p = tail + strlen(".ckpt.tmp-");
+  uint64_t pid_v;
+  if (parse_ckpt_name(ckpt_name, index, num_shards, version) || parse_u64(&p, &pid_v) ||
+      pid_v < 1 || pid_v > INT32_MAX || skip_literal(&p, "-"))
+    return -1;
+  for (int i = 0; i < 8; i++, p++)
+    if (!((*p >= '0' && *p <= '9') || (*p >= 'a' && *p <= 'f'))) return -1;
+  if (*p != '\0') return -1;
+  *pid = (long)pid_v;
   return 0;
 }
 
@@ -529,6 +573,84 @@ int ps_ckpt_write(const char *dir, const ps_ckpt *ck, int keep, char *path_out, 
   if (path_out) snprintf(path_out, PS_CKPT_PATHLEN, "%s", final_path);
   if ((rc = fsync_dir(dir, err))) return rc;
   if (keep > 0) prune_older(dir, ck, keep);
+  return PS_OK;
+}
+
+/* A temporary file (open as fd) whose header is complete and names a job
+ * other than job_id. A header not written yet names no job. */
+static int temp_of_other_job(int fd, const char *job_id) {
+  uint8_t h[PS_CKPT_HEADER_BYTES];
+  if (read_all(fd, h, sizeof h) != (ssize_t)sizeof h ||
+      memcmp(h + H_MAGIC, CKPT_MAGIC, sizeof CKPT_MAGIC) != 0 ||
+      get_u32(h + H_HEADER_CRC) != ps_crc32c(0, h, H_HEADER_CRC))
+    return 0;
+  char job[64];
+  memcpy(job, h + H_JOB_ID, sizeof job);
+  return name_field_ok(job, sizeof job) && strcmp(job, job_id) != 0;
+}
+
+/* Whether process pid may still be writing: alive, and not the caller. */
+static int writer_alive(long pid) {
+  if (pid == (long)getpid()) return 0;
+  return kill((pid_t)pid, 0) == 0 || errno == EPERM;
+}
+
+/* Removes dir/name when it is a stale temporary file (see the contract of
+ * ps_ckpt_remove_stale_temps); 1 when it was removed. */
+static int remove_if_stale(const char *dir, const char *name, long pid, const char *job_id) {
+  char path[PS_CKPT_PATHLEN];
+  if (join_path(path, dir, name, NULL) != PS_OK || writer_alive(pid)) return 0;
+  int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno != ENOENT)
+      PS_WARN("checkpoint: cannot open '%s' to check it: %s", path, strerror(errno));
+    return 0;
+  }
+  int removed = 0;
+  /* The lock: a writer holds it until its descriptor closes, so a free
+   * one means nobody is writing this file (not even a writer whose pid
+   * this process cannot see, in another pid namespace). */
+  if (flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
+    close(fd);
+    return 0;
+  }
+  if (!temp_of_other_job(fd, job_id)) {
+    if (unlink(path) == 0) {
+      removed = 1;
+      PS_INFO("checkpoint: removed '%s', a write that process %ld did not finish", path, pid);
+    } else if (errno != ENOENT) {
+      PS_WARN("checkpoint: cannot remove the stale temporary file '%s': %s", path,
+              strerror(errno));
+    }
+  }
+  close(fd);
+  return removed;
+}
+
+int ps_ckpt_remove_stale_temps(const char *dir, int index, int num_shards, const char *job_id,
+                               int *removed, char *err) {
+  if (removed) *removed = 0;
+  if (!dir || !job_id || index < 0 || index >= num_shards)
+    return ps_seterr(err, PS_EINVAL, "checkpoint: no directory or job, or shard %d of %d", index,
+                     num_shards);
+  DIR *d = opendir(dir);
+  if (!d) {
+    if (errno == ENOENT) return PS_OK;
+    return ps_seterr(err, PS_EIO, "cannot list checkpoint directory '%s': %s", dir,
+                     strerror(errno));
+  }
+  int n = 0;
+  struct dirent *de;
+  while ((de = readdir(d)) != NULL) {
+    int i, S;
+    uint64_t v;
+    long pid;
+    if (parse_temp_name(de->d_name, &i, &S, &v, &pid) != 0 || i != index || S != num_shards)
+      continue;
+    n += remove_if_stale(dir, de->d_name, pid, job_id);
+  }
+  closedir(d);
+  if (removed) *removed = n;
   return PS_OK;
 }
 

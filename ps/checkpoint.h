@@ -95,6 +95,24 @@ void ps_ckpt_free(ps_ckpt *c);
  * fails, the new file is in place but may not survive a crash.) */
 int ps_ckpt_write(const char *dir, const ps_ckpt *ck, int keep, char *path_out, char *err);
 
+/* Removes the temporary files that writers of shard `index` of
+ * `num_shards` left in dir when they died in the middle of a write
+ * (SIGKILL, a crash, a power cut before the rename): files named
+ * ".shard-<index>-of-<S>-v<V>.ckpt.tmp-<pid>-<nonce>" by ps_ckpt_write,
+ * whose writer is gone. Left alone: a file whose lock is held (a writer
+ * holds one on its temporary file until it is renamed or removed), whose
+ * pid is a live process other than the caller's, whose complete header
+ * names another job than job_id, and every file of another shard or
+ * another S, and anything not named so. Call it at start, before this
+ * shard writes (a write of the caller's in flight keeps its lock, so it is
+ * safe then too). Each file removed is logged (INFO); one that cannot be
+ * removed is logged (WARN) and skipped. *removed (may be NULL) counts the
+ * files removed. Returns 0, also when dir does not exist; PS_EINVAL
+ * (index not below num_shards, NULL dir or job), PS_EIO (dir cannot be
+ * listed), with nothing removed. */
+int ps_ckpt_remove_stale_temps(const char *dir, int index, int num_shards, const char *job_id,
+                               int *removed, char *err);
+
 /* Reads path completely and verifies it: magic, header checksum, format
  * version, field consistency, sizes against the file's length, checksum of
  * the whole. On success *out owns the arrays (ps_ckpt_free). On error *out

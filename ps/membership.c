@@ -7,12 +7,9 @@
 #include "membership.h"
 
 #include <pthread.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
-#include <unistd.h>
 
 #include "../common/util.h"
 
@@ -21,36 +18,9 @@ struct ps_membership {
   ps_member *members; /* (n), registration order */
   int n, cap;
   int next_rank;
+  int limit; /* 0: none */
   uint64_t dropped_total;
 };
-
-/* A bijective 64-bit finalizer (splitmix64): distinct inputs give distinct
- * ids, and neighbouring inputs give unrelated-looking ones. */
-static uint64_t mix64(uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ull;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebull;
-  x ^= x >> 31;
-  return x;
-}
-
-/* Process-wide, so that two tables in one process (tests, several shards in
- * one process) never hand out the same id: ids are mix64(id_base + k*c) for
- * a counter k that no two calls share. */
-static pthread_once_t id_once = PTHREAD_ONCE_INIT;
-static uint64_t id_base;
-static atomic_uint_fast64_t id_counter;
-
-/* Wall time (not the monotonic clock, which restarts at boot) and the pid
- * make a restarted server unlikely to reuse the ids of its previous life,
- * which workers may still hold. */
-static void id_base_init(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_REALTIME, &ts);
-  uint64_t ns = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-  id_base = mix64(ns ^ ((uint64_t)getpid() << 40));
-}
 
 ps_membership *ps_membership_create(void) {
   ps_membership *m = calloc(1, sizeof *m);
@@ -59,8 +29,13 @@ ps_membership *ps_membership_create(void) {
     free(m);
     return NULL;
   }
-  pthread_once(&id_once, id_base_init);
   return m;
+}
+
+void ps_membership_set_limit(ps_membership *m, int max) {
+  pthread_mutex_lock(&m->mu);
+  m->limit = max > 0 ? max : 0;
+  pthread_mutex_unlock(&m->mu);
 }
 
 void ps_membership_destroy(ps_membership *m) {
@@ -81,29 +56,52 @@ static int find(const ps_membership *m, uint64_t id) {
   return -1;
 }
 
-/* A fresh id, never 0 and not in the table. Called with the lock held. */
-static uint64_t new_id(const ps_membership *m) {
-  for (;;) {
-    /* The odd multiplier keeps id_base + k*c distinct for every k below
-     * 2^64, and mix64 is a bijection, so generated ids never repeat in one
-     * process. The table check guards against an explicit id (from shard 0)
-     * that happens to equal a generated one. */
-    uint64_t k = atomic_fetch_add(&id_counter, 1);
-    uint64_t id = mix64(id_base + k * 0x9e3779b97f4a7c15ull);
-    if (id != 0 && find(m, id) < 0) return id;
+/* A fresh id from the kernel's random source, never 0 and not in the
+ * table: unpredictable, so an id is no use to anyone who was not told it.
+ * Called with the lock held. PS_EIO when no random bytes can be had. */
+static int new_id(const ps_membership *m, uint64_t *out) {
+  for (int tries = 0; tries < 64; tries++) {
+    uint64_t id;
+    if (ps_random_bytes(&id, sizeof id) != 0) return PS_EIO;
+    if (id != 0 && find(m, id) < 0) {
+      *out = id;
+      return PS_OK;
+    }
   }
+  return PS_EIO;
 }
 
 int ps_membership_add(ps_membership *m, uint64_t id, const char *host, const char *role,
                       int task_index, int64_t now_ms, uint64_t *id_out, int *rank_out) {
+  return ps_membership_join(m, id, host, role, task_index, now_ms, NULL, id_out, rank_out, NULL);
+}
+
+int ps_membership_join(ps_membership *m, uint64_t id, const char *host, const char *role,
+                       int task_index, int64_t now_ms, const ps_member_cred *cred,
+                       uint64_t *id_out, int *rank_out, uint8_t *session_out) {
   pthread_mutex_lock(&m->mu);
   int at = id ? find(m, id) : -1;
   ps_member *w;
   if (at >= 0) {
     /* Known id: a worker registering again after a lost reply or a
-     * restart of its own keeps its rank and counters. */
+     * restart of its own keeps its rank, counters and secret, if it can
+     * show the secret. */
     w = &m->members[at];
+    if (cred && !ps_ct_equal(cred->session, cred->session_len, w->session, PS_SESSION_LEN)) {
+      pthread_mutex_unlock(&m->mu);
+      return PS_ESTATE;
+    }
   } else {
+    if (m->limit && m->n >= m->limit) {
+      pthread_mutex_unlock(&m->mu);
+      return PS_ERANGE;
+    }
+    uint64_t fresh = id;
+    uint8_t secret[PS_SESSION_LEN];
+    if ((!fresh && new_id(m, &fresh) != 0) || ps_random_bytes(secret, sizeof secret) != 0) {
+      pthread_mutex_unlock(&m->mu);
+      return PS_EIO;
+    }
     if (m->n == m->cap) {
       int cap = m->cap ? m->cap * 2 : 16;
       ps_member *grown = realloc(m->members, (size_t)cap * sizeof *grown);
@@ -125,17 +123,36 @@ int ps_membership_add(ps_membership *m, uint64_t id, const char *host, const cha
     w = &m->members[m->n++];
     memset(w, 0, sizeof *w);
     w->clock = min_clock;
-    w->id = id ? id : new_id(m);
+    w->id = fresh;
     w->rank = m->next_rank++;
+    w->reader = cred ? cred->reader : 0;
+    memcpy(w->session, secret, sizeof secret);
   }
-  snprintf(w->host, sizeof w->host, "%s", host ? host : "");
-  snprintf(w->role, sizeof w->role, "%s", role ? role : "");
+  /* Both come from the worker and go out again in Status replies (a proto3
+   * `string`, which must be valid UTF-8) and in logs: cut on a character
+   * boundary, invalid bytes and control characters replaced. */
+  ps_utf8_sanitize(w->host, sizeof w->host, host);
+  ps_utf8_sanitize(w->role, sizeof w->role, role);
   w->task_index = task_index;
   w->last_seen_ms = now_ms;
   if (id_out) *id_out = w->id;
   if (rank_out) *rank_out = w->rank;
+  if (session_out) memcpy(session_out, w->session, PS_SESSION_LEN);
   pthread_mutex_unlock(&m->mu);
   return PS_OK;
+}
+
+int ps_membership_authorize(ps_membership *m, uint64_t id, const void *session, size_t len,
+                            int *reader) {
+  pthread_mutex_lock(&m->mu);
+  int at = find(m, id), rc = PS_ENOTFOUND;
+  if (at >= 0) {
+    const ps_member *w = &m->members[at];
+    rc = ps_ct_equal(session, len, w->session, PS_SESSION_LEN) ? PS_OK : PS_EINVAL;
+    if (reader) *reader = w->reader;
+  }
+  pthread_mutex_unlock(&m->mu);
+  return rc;
 }
 
 /* Shared by touch and note_push. */

@@ -4,31 +4,65 @@
 #ifndef PS_PS_MEMBERSHIP_H
 #define PS_PS_MEMBERSHIP_H
 
+#include <stddef.h>
 #include <stdint.h>
+
+#include "../common/auth.h"
 
 typedef struct {
   uint64_t id;
-  char host[64];
-  char role[16];
+  char host[64]; /* valid UTF-8, no control characters (ps_utf8_sanitize) */
+  char role[16]; /* the same */
   int task_index;
   int rank;             /* order of registration on this shard, from 0 */
   uint64_t step;        /* last step the worker reported */
   uint64_t pushes;
   uint64_t clock;       /* steps pushed, counted from the slowest worker's clock at join */
   int64_t last_seen_ms; /* ps_now_ms() of the last message */
+  int reader;           /* registered with the read-only token: may not push */
+  uint8_t session[PS_SESSION_LEN]; /* its secret on this shard (never sent but to it) */
 } ps_member;
+
+/* What a registering caller proved. */
+typedef struct {
+  const uint8_t *session; /* the session secret it holds for its id (may be NULL) */
+  size_t session_len;
+  int reader;             /* it holds the read-only token only */
+} ps_member_cred;
 
 typedef struct ps_membership ps_membership;
 
 ps_membership *ps_membership_create(void);
+/* At most max registrations at once (default: no limit): a join beyond
+ * them gets PS_ERANGE and nothing changes. */
+void ps_membership_set_limit(ps_membership *m, int max);
 void ps_membership_destroy(ps_membership *m);
 
-/* Adds a worker. id 0: a new id is assigned (unique within the process and
- * unlikely to repeat across restarts). id != 0: that id is used (a worker
- * that shard 0 named registering with another shard); registering a known
- * id again refreshes it. Writes the id and the rank. */
+/* Registers a worker and gives it a session secret (session_out,
+ * PS_SESSION_LEN bytes, may be NULL). id 0: a new id is drawn from the
+ * kernel's random source (unpredictable, never 0, not in the table).
+ * id != 0 and unknown: that id is used (a worker that shard 0 named
+ * registering with another shard, or one this shard forgot), with a fresh
+ * secret. id != 0 and known: the caller must show the id's current secret
+ * in cred; then the registration is refreshed (host, role, time; rank,
+ * counters and secret kept); without it PS_ESTATE and nothing changes (no
+ * client can take over another's id). PS_ERANGE: the table is at its
+ * limit. PS_ENOMEM, PS_EIO (no random bytes): nothing changes. Writes
+ * the id and the rank. host and role (NULL is "") are stored as
+ * ps_utf8_sanitize makes them: valid UTF-8 with no control characters, cut
+ * on a character boundary to fit the fields. */
+int ps_membership_join(ps_membership *m, uint64_t id, const char *host, const char *role,
+                       int task_index, int64_t now_ms, const ps_member_cred *cred,
+                       uint64_t *id_out, int *rank_out, uint8_t *session_out);
+/* ps_membership_join for a caller that needs no secret (in-process use and
+ * tests): a known id is refreshed whatever the secret. */
 int ps_membership_add(ps_membership *m, uint64_t id, const char *host, const char *role,
                       int task_index, int64_t now_ms, uint64_t *id_out, int *rank_out);
+/* Checks that session (len bytes) is the worker's secret, in constant
+ * time; *reader: it registered with the read-only token. PS_ENOTFOUND for
+ * an unknown id, PS_EINVAL for a wrong secret. */
+int ps_membership_authorize(ps_membership *m, uint64_t id, const void *session, size_t len,
+                            int *reader);
 /* Marks the worker seen (and its step when step != UINT64_MAX).
  * PS_ENOTFOUND if the id is unknown (never registered, left, or dropped). */
 int ps_membership_touch(ps_membership *m, uint64_t id, uint64_t step, int64_t now_ms);

@@ -146,6 +146,11 @@ static int build_shard(ps_server *sv, const ps_server_opts *o) {
     return 1;
   }
   sv->members = ps_membership_create();
+  if (!sv->members) {
+    fprintf(stderr, "ps-server: out of memory\n");
+    return 1;
+  }
+  ps_membership_set_limit(sv->members, sv->job.max_workers);
   pthread_mutex_init(&sv->wait_mu, NULL);
   pthread_mutex_init(&sv->lease_mu, NULL);
   if (o->metrics_path) {
@@ -183,9 +188,22 @@ static int start_rpc(ps_server *sv, const ps_server_opts *o) {
   char err[PS_ERRLEN];
   /* libuv first: its loop and signal handlers do not use gRPC. */
   uv_loop_init(&sv->loop);
+  if (ps_fd_guard_init() != 0) PS_WARN("cannot keep a spare file descriptor: a server out of "
+                                       "descriptors may stop accepting");
   rpc_global_init();
   const char *addr = o->listen_addr ? o->listen_addr : sv->cluster.ps[sv->index];
-  rpc_server_opts so = {.threads = o->threads};
+  if (ps_security_resolve(&o->sec, PS_SECURITY_SERVER, &sv->sec, err) != 0) {
+    fprintf(stderr, "ps-server: %s\n", err);
+    return 2;
+  }
+  /* No request can need more than this shard's range and a small header. */
+  size_t range_bytes = (ps_shard_end(sv->shard) - ps_shard_begin(sv->shard)) * sizeof(float);
+  size_t max_request = range_bytes + 64 * 1024;
+  rpc_server_opts so = {.threads = o->threads,
+                        .tls = ps_security_tls(&sv->sec),
+                        .max_receive_bytes = max_request < RPC_DEFAULT_MAX_MESSAGE
+                                                 ? (int)max_request
+                                                 : RPC_DEFAULT_MAX_MESSAGE};
   int port = 0;
   sv->rpc = rpc_server_create(addr, &so, &port, err);
   if (!sv->rpc) {
@@ -199,7 +217,7 @@ static int start_rpc(ps_server *sv, const ps_server_opts *o) {
   }
   sv->start_s = sv->last_report_s = ps_now_s();
   sv->log_interval_s = o->log_interval;
-  PS_INFO("listening on %s (port %d), %d threads", addr, port, o->threads);
+  PS_INFO("listening on %s (port %d), %d threads; %s", addr, port, o->threads, sv->sec.summary);
   return 0;
 }
 

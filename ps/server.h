@@ -27,6 +27,7 @@
 #include "../common/job.h"
 #include "../common/metrics.h"
 #include "../common/rpc.h"
+#include "../common/security.h"
 #include "../common/util.h"
 #include "checkpoint.h"
 #include "leases.h"
@@ -49,6 +50,7 @@ typedef struct {
   int64_t ckpt_updates;  /* 0: not by count */
   int ckpt_keep;
   const char *status_addr; /* --status: print that shard's Status and exit */
+  ps_security_opts sec;    /* TLS, tokens, --insecure */
 } ps_server_opts;
 
 /* A pull that waits on the server (defined in sync.c). */
@@ -71,6 +73,7 @@ typedef struct ps_server {
   ps_shard *shard;
   ps_membership *members;
   rpc_server *rpc;
+  ps_security sec; /* TLS and the job's tokens */
   ps_method_binding methods[PS_SERVICE_METHODS];
   ps_metrics *metrics;
   double start_s;
@@ -156,9 +159,9 @@ enum {
  * slowest; sync: the shard's version has reached min_version) and queues it
  * to wait otherwise (the call then belongs to the list, with a deadline of
  * wait_timeout_ms). Returns PS_PULL_NOW or PS_PULL_WAITS; PS_ENOTFOUND when
- * the worker is not registered, PS_ENOMEM when the waiter cannot be
- * allocated: in those cases nothing is queued and the caller answers the
- * call. */
+ * the worker is not registered, PS_ERANGE when twice the job's max_workers
+ * pulls wait already, PS_ENOMEM when the waiter cannot be allocated: in
+ * those cases nothing is queued and the caller answers the call. */
 int ps_waits_add(ps_server *sv, rpc_call *call, uint64_t worker, uint64_t min_version,
                  size_t offset, size_t count);
 
@@ -167,6 +170,10 @@ int ps_waits_add(ps_server *sv, rpc_call *call, uint64_t worker, uint64_t min_ve
  * anything that can release a pull (an update, a worker leaving or timed
  * out) and by the sweep timer. Never fails. */
 void ps_waits_recheck(ps_server *sv);
+
+/* Fails every waiting pull at once with status and "shard N: why" (a sync
+ * step that can never be applied). Never fails. */
+void ps_waits_fail_all(ps_server *sv, int status, const char *why);
 
 /* Frees the waiters still in the list without answering them: at shutdown,
  * after rpc_server_shutdown has cancelled their calls. */
@@ -180,9 +187,10 @@ void ps_sync_try_step(ps_server *sv);
 
 /* ---------------- server_ckpt.c ---------------- */
 
-/* Restores the shard from the newest valid checkpoints of the job in
- * sv->ckpt_dir (whatever number of shards wrote them), and shard 0's data
- * leases with them. 0 also when there is none (a fresh start); an error
+/* Removes this shard's temporary checkpoint files that a process killed
+ * while writing left in sv->ckpt_dir, then restores the shard from the
+ * newest valid checkpoints of the job there (whatever number of shards
+ * wrote them), and shard 0's data leases with them. 0 also when there is none (a fresh start); an error
  * code with a message in err (PS_ERRLEN bytes) when there are some but none
  * is usable, or no memory: the shard then keeps its initial parameters
  * (but for a lease state that cannot be read, where the parameters are
@@ -199,12 +207,22 @@ int ps_server_ckpt_write_now(ps_server *sv);
  * writes it on the loop's work queue. Failures are logged. */
 void ps_server_ckpt_on_timer(uv_timer_t *t);
 
+/* ---------------- fd_guard.c ---------------- */
+
+/* Raises the soft descriptor limit to the hard one and keeps a spare
+ * descriptor, so that a server out of descriptors sheds connections and
+ * goes on accepting (see fd_guard.c). 0, or PS_EIO when no spare can be
+ * opened. */
+int ps_fd_guard_init(void);
+/* Connections closed so far for want of descriptors. */
+uint64_t ps_fd_guard_shed(void);
+
 /* ---------------- status_cli.c ---------------- */
 
 /* Asks the shard at addr for its Status and prints it on stdout as JSON.
  * Returns the process's exit code: 0, or 1 with a message on stderr (no
  * answer within timeout_ms, an error status, a malformed reply; no message
  * when the request cannot be encoded for want of memory). */
-int ps_status_print(const char *addr, int timeout_ms);
+int ps_status_print(const char *addr, const ps_security_opts *sec, int timeout_ms);
 
 #endif

@@ -103,10 +103,24 @@ void ps_server_ckpt_on_timer(uv_timer_t *t) {
   uv_queue_work(&sv->loop, &sv->ckpt_work, ckpt_run, ckpt_done);
 }
 
+/* Removes what an earlier process of this shard left of a write cut short
+ * (killed while writing): its temporary files would otherwise stay
+ * forever. Each file removed is logged; a failure to list the directory
+ * too (the restore that follows says what is wrong with it). */
+static void ckpt_remove_stale(ps_server *sv) {
+  char err[PS_ERRLEN];
+  if (ps_ckpt_remove_stale_temps(sv->ckpt_dir, sv->index, sv->cluster.n_ps, sv->job.job_id, NULL,
+                                 err) != 0)
+    PS_WARN("checkpoint: %s", err);
+}
+
 /* Restores the shard from the newest valid checkpoints of the job in the
- * directory (whatever number of shards wrote them). 0 also when there is
- * none (a fresh start); an error when there are some but none is usable. */
+ * directory (whatever number of shards wrote them), after removing this
+ * shard's temporary files left by a process killed while writing. 0 also
+ * when there is none (a fresh start); an error when there are some but
+ * none is usable. */
 int ps_server_ckpt_restore(ps_server *sv, char *err) {
+  ckpt_remove_stale(sv);
   size_t n = ps_shard_end(sv->shard) - ps_shard_begin(sv->shard);
   int n_slots = ps_shard_n_slots(sv->shard);
   float *params = ps_alloc((n ? n : 1) * sizeof(float));

@@ -43,8 +43,26 @@ static const ps_option server_flags[] = {
      .help = "seconds between progress lines and metrics"},
     {"log-level", "L", PS_OPT_CHOICE, O(log_level), .choices = level_choices, .def = "info",
      .help = "`debug`, `info`, `warn` or `error`"},
-    {"status", "ADDR", PS_OPT_STR, O(status_addr),
-     .help = "print the `Status` of the shard at ADDR as JSON and exit"},
+    {"status", "ADDR", PS_OPT_STR, O(status_addr), .help =
+     "print the `Status` of the shard at ADDR as JSON and exit (with `--token-file` or "
+     "`--read-token-file`, and the TLS flags of a client: `--tls-ca`, and `--tls-cert` and "
+     "`--tls-key` for a server that asks for client certificates)"},
+    {"token-file", "FILE", PS_OPT_STR, O(sec.token_file), .def_doc = "`$PS_TOKEN_FILE`",
+     .help = "the job's token (16 to 256 bytes; a final newline is ignored): every request must "
+     "carry it, or is refused `UNAUTHENTICATED`"},
+    {"read-token-file", "FILE", PS_OPT_STR, O(sec.read_token_file), .help =
+     "a second, read-only token: it lets a client read `Status` and register as an evaluator, "
+     "which may pull but not push"},
+    {"tls-cert", "FILE", PS_OPT_STR, O(sec.tls_cert),
+     .help = "this server's certificate chain (PEM); with `--tls-key`, serve TLS"},
+    {"tls-key", "FILE", PS_OPT_STR, O(sec.tls_key), .help = "its private key (PEM)"},
+    {"tls-ca", "FILE", PS_OPT_STR, O(sec.tls_ca), .help =
+     "a CA (PEM): clients that present a certificate must have one it signed"},
+    {"tls-require-client-cert", NULL, PS_OPT_FLAG, O(sec.tls_require_client_cert),
+     .help = "mutual TLS: refuse clients without a certificate signed by `--tls-ca`"},
+    {"insecure", NULL, PS_OPT_FLAG, O(sec.insecure), .help =
+     "allow plaintext (no `--tls-cert`) and a server without a token, each said in the log; for "
+     "a cluster on loopback or a network of its own"},
 };
 
 static const ps_optspec server_spec = {
@@ -63,7 +81,7 @@ int main(int argc, char **argv) {
   if (ps_options_defaults(&server_spec, &o) != 0) return 2;
   int rc = ps_options_parse(&server_spec, argc, argv, &o);
   if (rc != 0) return rc == 1 ? 0 : rc;
-  if (o.status_addr) return ps_status_print(o.status_addr, 10000);
+  if (o.status_addr) return ps_status_print(o.status_addr, &o.sec, 10000);
   if (!o.job_path) {
     fprintf(stderr, "ps-server: --job FILE is required (see --help)\n");
     return 2;

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../common/auth.h"
 #include "../common/wire.h"
 #include "proto/ps.pb-c.h"
 #include "server.h"
@@ -19,6 +20,7 @@ typedef struct {
   const ProtobufCMessage *msg; /* the method's request message */
   const ps_segview *req;       /* the request's bytes */
   const ps_segview *tensor;    /* its field 15 (empty when absent) */
+  int reader;                  /* the caller holds the read-only token or session only */
 } request;
 
 /* Decodes a request; on failure answers INVALID_ARGUMENT and returns NULL.
@@ -42,11 +44,29 @@ static ProtobufCMessage *decode_request(rpc_call *call, const ps_segview *req,
   return m;
 }
 
-/* Checks protocol version and job id. need_worker: the worker must be
- * registered here (it is marked seen). Answers the call and returns -1 on
- * failure. */
+/* What a caller proved in its header. */
+enum { CALLER_NONE = 0, CALLER_READER = 1, CALLER_MEMBER = 2 };
+
+/* Which token the header carries: CALLER_MEMBER (the job token, or any
+ * header when the server has no token), CALLER_READER (the read-only
+ * token) or CALLER_NONE. Compared in constant time. */
+static int caller_token(const ps_server *sv, const Ps__RequestHeader *h) {
+  if (!sv->sec.token.len) return CALLER_MEMBER;
+  const ProtobufCBinaryData *t = &h->token;
+  if (ps_ct_equal(t->data, t->len, sv->sec.token.bytes, sv->sec.token.len)) return CALLER_MEMBER;
+  if (sv->sec.read_token.len &&
+      ps_ct_equal(t->data, t->len, sv->sec.read_token.bytes, sv->sec.read_token.len))
+    return CALLER_READER;
+  return CALLER_NONE;
+}
+
+/* Checks protocol version and token; need_worker: also the job id, and
+ * that the caller is a worker registered here with this shard's session
+ * secret for it (it is marked seen). *reader: the caller holds only the
+ * read-only token or session. Answers the call and returns -1 on failure;
+ * nothing changes then. */
 static int check_header(ps_server *sv, rpc_call *call, const Ps__RequestHeader *h,
-                        const char *method, int need_worker, uint64_t step) {
+                        const char *method, int need_worker, uint64_t step, int *reader) {
   if (!h) {
     rpc_call_fail(call, RPC_INVALID_ARGUMENT, "%s request has no header", method);
     return -1;
@@ -57,6 +77,15 @@ static int check_header(ps_server *sv, rpc_call *call, const Ps__RequestHeader *
                   h->protocol_version, sv->index, PS_PROTOCOL_VERSION);
     return -1;
   }
+  int who = caller_token(sv, h);
+  if (who == CALLER_NONE) {
+    rpc_call_fail(call, RPC_UNAUTHENTICATED,
+                  "%s: the request does not carry this job's token (give the worker the servers' "
+                  "--token-file)",
+                  method);
+    return -1;
+  }
+  *reader = who == CALLER_READER;
   const char *jid = h->job_id ? h->job_id : "";
   if (need_worker && strcmp(jid, sv->job.job_id) != 0) {
     rpc_call_fail(call, RPC_FAILED_PRECONDITION,
@@ -64,8 +93,12 @@ static int check_header(ps_server *sv, rpc_call *call, const Ps__RequestHeader *
                   sv->index, sv->job.job_id);
     return -1;
   }
-  if (need_worker &&
-      ps_membership_touch(sv->members, h->worker_id, step, ps_now_ms()) == PS_ENOTFOUND) {
+  if (!need_worker) return 0;
+  int session_reader = 0;
+  int rc = ps_membership_authorize(sv->members, h->worker_id, h->session.data, h->session.len,
+                                   &session_reader);
+  if (rc == PS_OK) rc = ps_membership_touch(sv->members, h->worker_id, step, ps_now_ms());
+  if (rc == PS_ENOTFOUND) {
     rpc_call_fail(call, RPC_NOT_FOUND,
                   "worker %016" PRIx64
                   " is not registered with shard %d (never registered, left, or silent for "
@@ -73,6 +106,13 @@ static int check_header(ps_server *sv, rpc_call *call, const Ps__RequestHeader *
                   h->worker_id, sv->index, sv->job.heartbeat_timeout_ms);
     return -1;
   }
+  if (rc != PS_OK) {
+    rpc_call_fail(call, RPC_UNAUTHENTICATED,
+                  "%s: wrong session secret for worker %016" PRIx64 " on shard %d", method,
+                  h->worker_id, sv->index);
+    return -1;
+  }
+  *reader |= session_reader;
   return 0;
 }
 
@@ -89,6 +129,12 @@ static void handle_register(const request *q) {
   ps_server *sv = q->sv;
   rpc_call *call = q->call;
   const Ps__RegisterRequest *r = (const Ps__RegisterRequest *)q->msg;
+  const char *role = r->role ? r->role : "";
+  if (q->reader && strcmp(role, "evaluator") != 0) {
+    rpc_call_fail(call, RPC_PERMISSION_DENIED,
+                  "the read-only token registers evaluators only, not role '%s'", role);
+    return;
+  }
   uint64_t id = r->header->worker_id;
   const char *jid = r->header->job_id ? r->header->job_id : "";
   if (id != 0 && strcmp(jid, sv->job.job_id) != 0) {
@@ -115,8 +161,29 @@ static void handle_register(const request *q) {
   }
   uint64_t new_id = 0;
   int rank = 0;
-  int rc = ps_membership_add(sv->members, id, r->host ? r->host : "", r->role ? r->role : "",
-                             r->task_index, ps_now_ms(), &new_id, &rank);
+  uint8_t session[PS_SESSION_LEN];
+  ps_member_cred cred = {.session = r->header->session.data,
+                         .session_len = r->header->session.len,
+                         .reader = q->reader};
+  int rc = ps_membership_join(sv->members, id, r->host ? r->host : "", role, r->task_index,
+                              ps_now_ms(), &cred, &new_id, &rank, session);
+  if (rc == PS_ESTATE) {
+    /* A worker of that id is registered here and the caller cannot show
+     * its session: another client, or a reply that was lost (the record
+     * then times out and the worker registers afresh). */
+    rpc_call_fail(call, RPC_ALREADY_EXISTS,
+                  "worker %016" PRIx64 " is registered with shard %d already, and the request "
+                  "does not carry its session secret",
+                  id, sv->index);
+    return;
+  }
+  if (rc == PS_ERANGE) {
+    rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED,
+                  "shard %d holds %d registrations, the job's max_workers: none taken until one "
+                  "leaves or times out",
+                  sv->index, sv->job.max_workers);
+    return;
+  }
   if (rc != 0) {
     rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "cannot register worker: %s", ps_strerror(rc));
     return;
@@ -126,6 +193,7 @@ static void handle_register(const request *q) {
           ps_membership_count(sv->members));
   resp.worker_id = new_id;
   resp.worker_rank = (uint32_t)rank;
+  resp.session = (ProtobufCBinaryData){.len = PS_SESSION_LEN, .data = session};
   resp.job_json = sv->job_text;
   reply_small(call, &resp.base);
   if (sv->job.mode_kind == PS_MODE_SYNC) ps_sync_try_step(sv);
@@ -189,12 +257,29 @@ static void handle_pull(const request *q) {
   ps_server *sv = q->sv;
   rpc_call *call = q->call;
   const Ps__PullRequest *r = (const Ps__PullRequest *)q->msg;
+  /* A range that can never be served is refused before it could wait. */
+  size_t begin = ps_shard_begin(sv->shard), end = ps_shard_end(sv->shard);
+  if (r->count == 0 && end > begin) {
+    rpc_call_fail(call, RPC_INVALID_ARGUMENT, "Pull of 0 values (shard %d holds [%zu, %zu))",
+                  sv->index, begin, end);
+    return;
+  }
+  if (r->offset < begin || r->offset > end || r->count > end - r->offset) {
+    rpc_call_fail(call, RPC_OUT_OF_RANGE,
+                  "Pull of [%" PRIu64 ", +%" PRIu64 ") is outside shard %d's range [%zu, %zu)",
+                  r->offset, r->count, sv->index, begin, end);
+    return;
+  }
   int rc = ps_waits_add(sv, call, r->header->worker_id, r->min_version, r->offset, r->count);
   if (rc == PS_PULL_NOW)
     ps_service_serve_pull(sv, call, r->offset, r->count);
   else if (rc == PS_ENOTFOUND)
     rpc_call_fail(call, RPC_NOT_FOUND, "worker %016" PRIx64 " is not registered with shard %d",
                   r->header->worker_id, sv->index);
+  else if (rc == PS_ERANGE)
+    rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED,
+                  "shard %d: %d pulls wait already (twice the job's max_workers)", sv->index,
+                  2 * sv->job.max_workers);
   else if (rc == PS_ENOMEM)
     rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
 }
@@ -305,7 +390,7 @@ static void handle_status(const request *q) {
     resp.n_lease_epochs = (size_t)ne;
     resp.lease_epochs = lep;
   }
-  enum { MAXW = 1024 };
+  const int MAXW = sv->job.max_workers;
   ps_member *mem = calloc(MAXW, sizeof *mem);
   Ps__WorkerInfo *wi = calloc(MAXW, sizeof *wi);
   Ps__WorkerInfo **wp = calloc(MAXW, sizeof *wp);
@@ -316,7 +401,7 @@ static void handle_status(const request *q) {
     int64_t now = ps_now_ms();
     for (int i = 0; i < n; i++) {
       ps__worker_info__init(&wi[i]);
-      wi[i].worker_id = mem[i].id;
+      wi[i].worker_id = mem[i].id & 0xffffffff00000000u; /* not in full: ids name workers */
       wi[i].host = mem[i].host;
       wi[i].role = mem[i].role;
       wi[i].task_index = mem[i].task_index;
@@ -430,19 +515,22 @@ struct ps_method {
   /* The caller must be a registered worker of this job (it is marked
    * seen); heartbeat: its step is recorded too. */
   int need_worker, heartbeat;
+  /* It changes the model or the data's progress: not for readers. */
+  int writes;
   void (*handle)(const request *q);
 };
 
 static const ps_method methods[PS_SERVICE_METHODS] = {
-    {"/ps.ParameterServer/Register", &ps__register_request__descriptor, "Register", 0, 0,
+    {"/ps.ParameterServer/Register", &ps__register_request__descriptor, "Register", 0, 0, 0,
      handle_register},
-    {"/ps.ParameterServer/Heartbeat", &ps__heartbeat_request__descriptor, "Heartbeat", 1, 1,
+    {"/ps.ParameterServer/Heartbeat", &ps__heartbeat_request__descriptor, "Heartbeat", 1, 1, 0,
      handle_heartbeat},
-    {"/ps.ParameterServer/Leave", &ps__leave_request__descriptor, "Leave", 1, 0, handle_leave},
-    {"/ps.ParameterServer/Pull", &ps__pull_request__descriptor, "Pull", 1, 0, handle_pull},
-    {"/ps.ParameterServer/Push", &ps__push_request__descriptor, "Push", 1, 0, handle_push},
-    {"/ps.ParameterServer/Status", &ps__status_request__descriptor, "Status", 0, 0, handle_status},
-    {"/ps.ParameterServer/Lease", &ps__lease_request__descriptor, "Lease", 1, 0, handle_lease},
+    {"/ps.ParameterServer/Leave", &ps__leave_request__descriptor, "Leave", 1, 0, 0, handle_leave},
+    {"/ps.ParameterServer/Pull", &ps__pull_request__descriptor, "Pull", 1, 0, 0, handle_pull},
+    {"/ps.ParameterServer/Push", &ps__push_request__descriptor, "Push", 1, 0, 1, handle_push},
+    {"/ps.ParameterServer/Status", &ps__status_request__descriptor, "Status", 0, 0, 0,
+     handle_status},
+    {"/ps.ParameterServer/Lease", &ps__lease_request__descriptor, "Lease", 1, 0, 1, handle_lease},
 };
 
 /* Every call: decode the request, check its header (and the worker, where
@@ -459,8 +547,17 @@ static void dispatch(rpc_call *call, const ps_segview *req, void *user) {
   const Ps__RequestHeader *h = *(Ps__RequestHeader *const *)((const char *)msg + hf->offset);
   uint64_t step = m->heartbeat ? ((const Ps__HeartbeatRequest *)msg)->step
                   : m->need_worker ? UINT64_MAX : 0;
-  if (check_header(b->sv, call, h, m->name, m->need_worker, step) == 0) {
-    request q = {.sv = b->sv, .call = call, .msg = msg, .req = req, .tensor = &tensor};
+  int reader = 0;
+  if (check_header(b->sv, call, h, m->name, m->need_worker, step, &reader) != 0) {
+    /* answered */
+  } else if (m->writes && reader) {
+    rpc_call_fail(call, RPC_PERMISSION_DENIED,
+                  "%s: this worker registered with the read-only token; it may not change the "
+                  "model or take data",
+                  m->name);
+  } else {
+    request q = {.sv = b->sv, .call = call, .msg = msg, .req = req, .tensor = &tensor,
+                 .reader = reader};
     m->handle(&q);
   }
   protobuf_c_message_free_unpacked(msg, NULL);

@@ -21,7 +21,8 @@ typedef struct {
   double staleness_mean;
   uint64_t staleness_max;
   uint64_t staleness_hist[PS_STALENESS_BUCKETS]; /* last bucket: >= BUCKETS-1 */
-  uint64_t dropped;     /* sync: late or duplicate gradients dropped */
+  uint64_t dropped;     /* sync: late or duplicate gradients dropped, and those of a step
+                           refused because its result would not be finite */
   double step_time_ms;  /* mean time between two updates */
   int sync_pending;     /* sync: gradients in for the current step */
 } ps_shard_stats;
@@ -47,26 +48,28 @@ int ps_shard_index(const ps_shard *s);
 
 /* Applies a pushed gradient for the global range [offset, offset+count),
  * which must lie inside the shard's range. grad views count*4 bytes of
- * little-endian float32. Checks first, then applies: on any error (range,
- * length, a NaN or Inf value) it returns PS_ERANGE/PS_EINVAL with a message,
- * counts the push as rejected, and leaves parameters, slots and version
- * unchanged. On success writes the new version and the staleness
- * (version before apply - base_version, 0 if base_version is ahead).
- * With the job's staleness_aware_lr the learning rate of this push is
- * lr / max(1, staleness). */
+ * little-endian float32. Checks first, then applies: on any error it
+ * returns PS_ERANGE/PS_EINVAL with a message, counts the push as rejected,
+ * and leaves parameters, slots and version unchanged. The errors: 0 values
+ * (PS_EINVAL; allowed only on a shard whose range is empty, where it is the
+ * whole range), a range outside the shard's or one whose end overflows
+ * (PS_ERANGE), a length that is not count*4 bytes, a NaN or Inf value, and
+ * finite values with which the optimizer would make any parameter or slot
+ * NaN or Inf (PS_EINVAL, the index named). On success writes the new
+ * version and the staleness (version before apply - base_version, 0 if
+ * base_version is ahead). With the job's staleness_aware_lr the learning
+ * rate of this push is lr / max(1, staleness). */
 int ps_shard_push(ps_shard *s, uint64_t base_version, size_t offset, size_t count,
                   const ps_segview *grad, uint64_t *new_version, uint64_t *staleness, char *err);
 
-/* A snapshot of the range [offset, offset+count) (inside the shard's range)
- * at the current version. Snapshots of the whole range are shared between
- * pulls of the same version. Release with ps_snapshot_unref. NULL with a
- * message on a bad range. */
 /* sync mode. Adds a gradient for the whole range, computed from version
- * base_version, to the current step's sum. Checked as ps_shard_push
- * (nothing changes on error). A gradient of an earlier step (base_version
- * is not the current version: the step was applied without it) or a second
- * one from the same worker is dropped: *dropped = 1, counted in stats.
- * *have receives the number of gradients in for the current step. */
+ * base_version, to the current step's sum. Checked as ps_shard_push, and
+ * refused (PS_EINVAL) when adding it would make a value of the sum NaN or
+ * Inf; nothing changes on error. A gradient of an earlier step
+ * (base_version is not the current version: the step was applied without
+ * it) or a second one from the same worker is dropped: *dropped = 1,
+ * counted in stats. *have receives the number of gradients in for the
+ * current step. */
 int ps_shard_sync_add(ps_shard *s, uint64_t worker_id, uint64_t base_version, size_t offset,
                       size_t count, const ps_segview *grad, int *dropped, int *have,
                       char *err);
@@ -74,9 +77,17 @@ int ps_shard_sync_add(ps_shard *s, uint64_t worker_id, uint64_t base_version, si
 /* sync mode. Applies the current step when at least `quorum` gradients are
  * in: their mean, with the optimizer, once. Returns 1 if it applied (and
  * writes the new version), 0 if the quorum is not reached, or a negative
- * code with a message (nothing changed). */
+ * code with a message, parameters, slots and version unchanged: PS_EINVAL
+ * when the step would make a parameter or slot NaN or Inf (the step's
+ * gradients are then dropped and counted, since it never could be
+ * applied), PS_ENOMEM (the step stays pending). */
 int ps_shard_sync_try_apply(ps_shard *s, int quorum, uint64_t *new_version, char *err);
 
+/* A snapshot of the range [offset, offset+count) (inside the shard's range)
+ * at the current version. Snapshots of the whole range are shared between
+ * pulls of the same version. Release with ps_snapshot_unref. NULL with a
+ * message on a bad range, or 0 values (allowed only on a shard whose range
+ * is empty). */
 ps_snapshot *ps_shard_pull(ps_shard *s, size_t offset, size_t count, char *err);
 void ps_snapshot_unref(ps_snapshot *snap);
 

@@ -9,10 +9,20 @@
 #include "proto/ps.pb-c.h"
 #include "server.h"
 
-int ps_status_print(const char *addr, int timeout_ms) {
+int ps_status_print(const char *addr, const ps_security_opts *sec, int timeout_ms) {
   char err[PS_ERRLEN];
+  /* As a client: the read-only token does as well as the job's. */
+  ps_security_opts so = *sec;
+  if (!so.token_file && so.read_token_file) so.token_file = so.read_token_file;
+  so.read_token_file = NULL;
+  ps_security s;
+  if (ps_security_resolve(&so, PS_SECURITY_CLIENT, &s, err) != 0) {
+    fprintf(stderr, "ps-server: --status: %s\n", err);
+    return 2;
+  }
   rpc_global_init();
-  rpc_channel *ch = rpc_channel_create(addr, NULL, err);
+  rpc_channel_opts co = {.tls = ps_security_tls(&s)};
+  rpc_channel *ch = rpc_channel_create(addr, &co, err);
   rpc_queue *q = rpc_queue_create();
   int rc = 1;
   if (!ch || !q) {
@@ -22,6 +32,7 @@ int ps_status_print(const char *addr, int timeout_ms) {
   Ps__RequestHeader h = PS__REQUEST_HEADER__INIT;
   h.protocol_version = PS_PROTOCOL_VERSION;
   h.job_id = "";
+  h.token = (ProtobufCBinaryData){.len = s.token.len, .data = s.token.bytes};
   Ps__StatusRequest req = PS__STATUS_REQUEST__INIT;
   req.header = &h;
   rpc_msg msg;
@@ -30,7 +41,10 @@ int ps_status_print(const char *addr, int timeout_ms) {
   size_t len = 0;
   int st = rpc_call_sync(q, ch, "/ps.ParameterServer/Status", &msg, timeout_ms, 1, &buf, &len, err);
   if (st != RPC_OK) {
-    fprintf(stderr, "ps-server: Status from %s: %s: %s\n", addr, rpc_status_name(st), err);
+    fprintf(stderr, "ps-server: Status from %s: %s: %s%s\n", addr, rpc_status_name(st), err,
+            st == RPC_DEADLINE_EXCEEDED ? " (nothing answered: is the server up, and does it "
+                                          "talk TLS (--tls-ca) or plaintext (--insecure)?)"
+                                        : "");
     goto out;
   }
   Ps__StatusResponse *r = ps__status_response__unpack(NULL, len, buf);
@@ -71,7 +85,7 @@ int ps_status_print(const char *addr, int timeout_ms) {
   for (size_t i = 0; i < r->n_workers; i++) {
     Ps__WorkerInfo *w = r->workers[i];
     char id[32];
-    snprintf(id, sizeof id, "%016" PRIx64, w->worker_id);
+    snprintf(id, sizeof id, "%08" PRIx32 "...", (uint32_t)(w->worker_id >> 32)); /* not in full */
     json_array_append_new(
         ws, json_pack("{s:s,s:s,s:s,s:i,s:I,s:I,s:I,s:I}", "id", id, "host",
                       w->host ? w->host : "", "role", w->role ? w->role : "", "task_index",

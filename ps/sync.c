@@ -116,7 +116,10 @@ int ps_waits_add(ps_server *sv, rpc_call *call, uint64_t worker, uint64_t min_ve
   ps_waiter *w = NULL;
   pthread_mutex_lock(&sv->wait_mu);
   ready = pull_ready(sv, worker, min_version, &known);
-  if (!ready && known) {
+  /* A worker has one pull out per shard: more waiting than twice the
+   * registrations allowed is a client holding calls open. */
+  int full = !ready && known && sv->n_waiting >= 2 * sv->job.max_workers;
+  if (!ready && known && !full) {
     w = calloc(1, sizeof *w);
     if (w) {
       w->call = call;
@@ -135,7 +138,24 @@ int ps_waits_add(ps_server *sv, rpc_call *call, uint64_t worker, uint64_t min_ve
   pthread_mutex_unlock(&sv->wait_mu);
   if (ready) return PS_PULL_NOW;
   if (!known) return PS_ENOTFOUND;
+  if (full) return PS_ERANGE;
   return w ? PS_PULL_WAITS : PS_ENOMEM;
+}
+
+void ps_waits_fail_all(ps_server *sv, int status, const char *why) {
+  pthread_mutex_lock(&sv->wait_mu);
+  ps_waiter *all = sv->waiters;
+  int64_t now = ps_now_ms();
+  for (ps_waiter *w = all; w; w = w->next) sv->wait_ms_total += (double)(now - w->since_ms);
+  sv->waiters = NULL;
+  sv->n_waiting = 0;
+  pthread_mutex_unlock(&sv->wait_mu);
+  while (all) {
+    ps_waiter *w = all;
+    all = w->next;
+    rpc_call_fail(w->call, status, "shard %d: %s", sv->index, why);
+    free(w);
+  }
 }
 
 void ps_waits_free(ps_server *sv) {
@@ -167,6 +187,11 @@ void ps_sync_try_step(ps_server *sv) {
   uint64_t v = 0;
   int rc = ps_shard_sync_try_apply(sv->shard, quorum < 1 ? 1 : quorum, &v, err);
   if (rc < 0) PS_ERROR("cannot apply the step: %s", err);
+  /* A step that can never be applied (it would make the model non-finite)
+   * would hold every pull waiting for it until its deadline, and then
+   * again at each retry: they are told at once, and the workers stop with
+   * the cause. */
+  if (rc == PS_EINVAL) ps_waits_fail_all(sv, RPC_FAILED_PRECONDITION, err);
   if (rc == 1) {
     PS_DEBUG("sync: step applied (quorum %d of %d live): version %" PRIu64, quorum, live, v);
     ps_waits_recheck(sv);

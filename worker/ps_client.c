@@ -24,6 +24,8 @@ typedef struct {
   char addr[128];
   rpc_channel *ch;
   size_t off, cnt; /* the shard's range of the flat vector */
+  uint8_t session[PS_SESSION_LEN]; /* from its Register answer, under sess_mu */
+  size_t session_len;
 } shard_conn;
 
 struct ps_client {
@@ -43,6 +45,8 @@ struct ps_client {
   rpc_queue *lease_q; /* lease calls, from any thread, under lease_mu */
   pthread_mutex_t lease_mu;
   pthread_mutex_t reg_mu; /* serializes re-registration */
+  pthread_mutex_t sess_mu; /* the shards' session secrets */
+  ps_token token;
   atomic_int tensors_in_flight; /* zero-copy push buffers gRPC still holds */
   rpc_request **reqs;
   /* The push round in progress (ps_client_push_begin .. push_end). */
@@ -58,11 +62,34 @@ struct ps_client {
 
 enum { PUSH_PENDING = 0, PUSH_IN_FLIGHT = 1, PUSH_DONE = 2 };
 
-static void fill_header(const ps_client *c, Ps__RequestHeader *h) {
+/* A request header for shard s (-1: no shard yet, no session); the
+ * session is copied into sess (PS_SESSION_LEN bytes), which the header
+ * points to, so that a registration on another thread cannot change it
+ * while the request is packed. */
+static void fill_header(ps_client *c, int s, Ps__RequestHeader *h, uint8_t *sess) {
   ps__request_header__init(h);
   h->protocol_version = PS_PROTOCOL_VERSION;
   h->job_id = (char *)c->job_id;
   h->worker_id = c->worker_id;
+  h->token = (ProtobufCBinaryData){.len = c->token.len, .data = c->token.bytes};
+  if (s >= 0) {
+    pthread_mutex_lock(&c->sess_mu);
+    memcpy(sess, c->shards[s].session, c->shards[s].session_len);
+    h->session = (ProtobufCBinaryData){.len = c->shards[s].session_len, .data = sess};
+    pthread_mutex_unlock(&c->sess_mu);
+  }
+}
+
+/* Keeps shard s's session secret from its Register answer. */
+static int keep_session(ps_client *c, int s, const Ps__RegisterResponse *r, char *err) {
+  if (r->session.len > PS_SESSION_LEN)
+    return ps_seterr(err, PS_EPROTO, "shard %d sent a session secret of %zu bytes", s,
+                     r->session.len);
+  pthread_mutex_lock(&c->sess_mu);
+  memcpy(c->shards[s].session, r->session.data, r->session.len);
+  c->shards[s].session_len = r->session.len;
+  pthread_mutex_unlock(&c->sess_mu);
+  return PS_OK;
 }
 
 /* Packs a small message (no tensor) into an rpc_msg that rpc copies. */
@@ -97,7 +124,8 @@ static int small_call(rpc_queue *q, rpc_channel *ch, const char *method,
 static int register_with(ps_client *c, rpc_queue *q, int s, int timeout_ms, int wait_ready,
                          char *err) {
   Ps__RequestHeader h;
-  fill_header(c, &h);
+  uint8_t sess[PS_SESSION_LEN];
+  fill_header(c, s, &h, sess);
   Ps__RegisterRequest req = PS__REGISTER_REQUEST__INIT;
   req.header = &h;
   req.host = c->host;
@@ -108,8 +136,12 @@ static int register_with(ps_client *c, rpc_queue *q, int s, int timeout_ms, int 
   int st = small_call(q, c->shards[s].ch, M_REGISTER, &req.base, &ps__register_response__descriptor,
                       &resp_m, timeout_ms, wait_ready, detail);
   if (st != RPC_OK)
-    return ps_seterr(err, st == RPC_UNAVAILABLE || st == RPC_DEADLINE_EXCEEDED ? PS_EUNAVAIL
-                                                                               : PS_EPROTO,
+    /* ALREADY_EXISTS: the shard still holds a registration of this id
+     * whose answer was lost; it times out, and a retry then succeeds. */
+    return ps_seterr(err,
+                     st == RPC_UNAVAILABLE || st == RPC_DEADLINE_EXCEEDED || st == RPC_ALREADY_EXISTS
+                         ? PS_EUNAVAIL
+                         : PS_EPROTO,
                      "Register with shard %d (%s): %s: %s", s, c->shards[s].addr,
                      rpc_status_name(st), detail);
   Ps__RegisterResponse *r = (Ps__RegisterResponse *)resp_m;
@@ -122,6 +154,7 @@ static int register_with(ps_client *c, rpc_queue *q, int s, int timeout_ms, int 
   } else {
     c->shards[s].off = r->range_offset;
     c->shards[s].cnt = r->range_count;
+    rc = keep_session(c, s, r, err);
   }
   protobuf_c_message_free_unpacked(resp_m, NULL);
   return rc;
@@ -139,6 +172,8 @@ ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char 
   snprintf(c->host, sizeof c->host, "%s", opts->host ? opts->host : "");
   snprintf(c->role, sizeof c->role, "%s", opts->role ? opts->role : "worker");
   pthread_mutex_init(&c->reg_mu, NULL);
+  pthread_mutex_init(&c->sess_mu, NULL);
+  if (opts->token) c->token = *opts->token;
   atomic_init(&c->tensors_in_flight, 0);
   c->q = rpc_queue_create();
   c->hb_q = rpc_queue_create();
@@ -149,17 +184,19 @@ ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char 
     goto fail;
   }
 
+  rpc_channel_opts chan_opts = {.keepalive_ms = RPC_DEFAULT_KEEPALIVE_MS, .tls = opts->tls};
   /* First contact: any shard; one that is not shard 0 names shard 0. */
   char target[128];
   snprintf(target, sizeof target, "%s", addr);
   Ps__RegisterResponse *r = NULL;
   for (int hop = 0; hop < 2; hop++) {
-    rpc_channel *ch = rpc_channel_create(target, NULL, err);
+    rpc_channel *ch = rpc_channel_create(target, &chan_opts, err);
     if (!ch) goto fail;
     Ps__RequestHeader h;
     ps__request_header__init(&h);
     h.protocol_version = PS_PROTOCOL_VERSION;
     h.job_id = "";
+    h.token = (ProtobufCBinaryData){.len = c->token.len, .data = c->token.bytes};
     Ps__RegisterRequest req = PS__REGISTER_REQUEST__INIT;
     req.header = &h;
     req.host = c->host;
@@ -172,7 +209,11 @@ ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char 
     rpc_channel_destroy(ch);
     if (st != RPC_OK) {
       ps_seterr(err, st == RPC_DEADLINE_EXCEEDED ? PS_EUNAVAIL : PS_EPROTO,
-                "Register with %s: %s: %s", target, rpc_status_name(st), detail);
+                "Register with %s: %s: %s%s", target, rpc_status_name(st), detail,
+                st == RPC_DEADLINE_EXCEEDED
+                    ? " (nothing answered: is the server up, and does it talk TLS (--tls-ca) "
+                      "or plaintext (--insecure) as this worker does?)"
+                    : "");
       goto fail;
     }
     r = (Ps__RegisterResponse *)m;
@@ -209,10 +250,12 @@ ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char 
     snprintf(c->shards[s].addr, sizeof c->shards[s].addr, "%s", r->shards[s]);
   c->shards[0].off = r->range_offset;
   c->shards[0].cnt = r->range_count;
+  int kept = keep_session(c, 0, r, err);
   protobuf_c_message_free_unpacked(&r->base, NULL);
+  if (kept != 0) goto fail;
 
   for (int s = 0; s < c->nshards; s++) {
-    c->shards[s].ch = rpc_channel_create(c->shards[s].addr, NULL, err);
+    c->shards[s].ch = rpc_channel_create(c->shards[s].addr, &chan_opts, err);
     if (!c->shards[s].ch) goto fail;
   }
   for (int s = 1; s < c->nshards; s++)
@@ -253,6 +296,8 @@ void ps_client_destroy(ps_client *c) {
   if (c->lease_q) rpc_queue_destroy(c->lease_q);
   pthread_mutex_destroy(&c->lease_mu);
   pthread_mutex_destroy(&c->reg_mu);
+  pthread_mutex_destroy(&c->sess_mu);
+  memset(&c->token, 0, sizeof c->token);
   free(c);
 }
 
@@ -275,6 +320,14 @@ static int reregister(ps_client *c, rpc_queue *q, int s, char *err) {
 }
 
 void ps_client_set_wait_ms(ps_client *c, int wait_ms) { c->wait_ms = wait_ms > 0 ? wait_ms : 0; }
+
+/* The shard answered as if this worker were not (or no longer) registered
+ * with it: NOT_FOUND (it forgot the worker), or UNAUTHENTICATED (the call
+ * carried a session secret that another thread's registration has just
+ * replaced). Registering again (which carries the current secret) and
+ * retrying once settles both; a wrong job token fails that registration
+ * with a message that says so. */
+static int must_register(int st) { return st == RPC_NOT_FOUND || st == RPC_UNAUTHENTICATED; }
 
 /* gRPC status of a failed call as one of our codes. */
 static int status_code(int st) {
@@ -301,7 +354,8 @@ int ps_client_pull_ex(ps_client *c, float *params, uint64_t *versions,
     if (ready && attempt > 0) ready(user, attempt, -1, 0);
     for (int s = 0; s < c->nshards; s++) {
       Ps__RequestHeader h;
-      fill_header(c, &h);
+      uint8_t sess[PS_SESSION_LEN];
+      fill_header(c, s, &h, sess);
       Ps__PullRequest req = PS__PULL_REQUEST__INIT;
       req.header = &h;
       req.offset = c->shards[s].off;
@@ -323,7 +377,7 @@ int ps_client_pull_ex(ps_client *c, float *params, uint64_t *versions,
       ps_segview view;
       int st = rpc_wait(c->reqs[s], detail, &view);
       if (st != RPC_OK) {
-        if (st == RPC_NOT_FOUND) forgot[s] = any_forgot = 1;
+        if (must_register(st)) forgot[s] = any_forgot = 1;
         if (rc == PS_OK)
           rc = ps_seterr(err, status_code(st), "Pull from shard %d (%s): %s: %s", s,
                          c->shards[s].addr, rpc_status_name(st), detail);
@@ -400,7 +454,8 @@ int ps_client_push_shard(ps_client *c, int s, const float *grads, char *err) {
     return ps_seterr(err, PS_EINVAL, "no shard %d (%d shards)", s, c->nshards);
   if (c->push.state[s] != PUSH_PENDING) return PS_OK;
   Ps__RequestHeader h;
-  fill_header(c, &h);
+  uint8_t sess[PS_SESSION_LEN];
+  fill_header(c, s, &h, sess);
   Ps__PushRequest req = PS__PUSH_REQUEST__INIT;
   req.header = &h;
   req.base_version = c->push.versions[s];
@@ -448,7 +503,7 @@ static int push_wait_all(ps_client *c, int *again, char *err) {
           ps__push_response__free_unpacked(r, NULL);
         }
       }
-    } else if (st == RPC_NOT_FOUND) {
+    } else if (must_register(st)) {
       *again = 1;
     } else if (rc == PS_OK) {
       rc = ps_seterr(err, status_code(st), "Push to shard %d (%s): %s: %s", s, c->shards[s].addr,
@@ -537,7 +592,8 @@ int ps_client_heartbeat(ps_client *c, uint64_t step, char *err) {
   int rc = PS_OK;
   for (int s = 0; s < c->nshards; s++) {
     Ps__RequestHeader h;
-    fill_header(c, &h);
+    uint8_t sess[PS_SESSION_LEN];
+    fill_header(c, s, &h, sess);
     Ps__HeartbeatRequest req = PS__HEARTBEAT_REQUEST__INIT;
     req.header = &h;
     req.step = step;
@@ -547,7 +603,7 @@ int ps_client_heartbeat(ps_client *c, uint64_t step, char *err) {
                         &ps__heartbeat_response__descriptor, &m, c->hb_timeout_ms / 2 + 1, 0,
                         detail);
     if (m) protobuf_c_message_free_unpacked(m, NULL);
-    if (st == RPC_NOT_FOUND) {
+    if (must_register(st)) {
       if (reregister(c, c->hb_q, s, err) != 0 && rc == PS_OK) rc = PS_ENOTFOUND;
     } else if (st != RPC_OK && rc == PS_OK) {
       rc = ps_seterr(err, PS_EUNAVAIL, "Heartbeat to shard %d (%s): %s: %s", s, c->shards[s].addr,
@@ -564,7 +620,8 @@ int ps_client_lease_call(ps_client *c, uint64_t complete_id, int want_next,
   int rc = PS_OK;
   for (int attempt = 0; attempt < 2; attempt++) {
     Ps__RequestHeader h;
-    fill_header(c, &h);
+    uint8_t sess[PS_SESSION_LEN];
+    fill_header(c, 0, &h, sess);
     Ps__LeaseRequest req = PS__LEASE_REQUEST__INIT;
     req.header = &h;
     req.complete_lease = complete_id;
@@ -589,7 +646,7 @@ int ps_client_lease_call(ps_client *c, uint64_t complete_id, int want_next,
     }
     rc = ps_seterr(err, status_code(st), "Lease from shard 0 (%s): %s: %s", c->shards[0].addr,
                    rpc_status_name(st), detail);
-    if (st != RPC_NOT_FOUND || attempt == 1 || reregister(c, c->lease_q, 0, err) != 0) break;
+    if (!must_register(st) || attempt == 1 || reregister(c, c->lease_q, 0, err) != 0) break;
   }
   pthread_mutex_unlock(&c->lease_mu);
   return rc;
@@ -598,7 +655,8 @@ int ps_client_lease_call(ps_client *c, uint64_t complete_id, int want_next,
 void ps_client_leave(ps_client *c) {
   for (int s = 0; s < c->nshards; s++) {
     Ps__RequestHeader h;
-    fill_header(c, &h);
+    uint8_t sess[PS_SESSION_LEN];
+    fill_header(c, s, &h, sess);
     Ps__LeaveRequest req = PS__LEAVE_REQUEST__INIT;
     req.header = &h;
     ProtobufCMessage *m = NULL;

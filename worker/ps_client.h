@@ -10,6 +10,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "../common/auth.h"
+#include "../common/rpc.h"
+
 typedef struct ps_client ps_client;
 
 typedef struct {
@@ -18,11 +21,15 @@ typedef struct {
   int task_index;    /* -1 when unknown */
   int timeout_ms;    /* deadline of each call; default 30000 */
   int connect_timeout_ms; /* how long to wait for the first server; default 60000 */
+  const ps_token *token;  /* the job's token, carried by every request (NULL: none) */
+  const rpc_tls *tls;     /* NULL: plaintext */
 } ps_client_opts;
 
 /* Registers with the server at addr (any shard: one that is not shard 0
  * sends the worker on to shard 0), receives the job and the shard list,
- * then registers with every shard. NULL with a message on failure. */
+ * then registers with every shard; each shard's answer holds the session
+ * secret that this worker's later requests to it carry. NULL with a
+ * message on failure. */
 ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char *err);
 void ps_client_destroy(ps_client *c);
 

@@ -3,6 +3,7 @@
 #include "source.h"
 
 #include <inttypes.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "../common/util.h"
@@ -16,6 +17,10 @@ struct ps_source {
   double retry_s;
   atomic_int *stop;
   atomic_uint_fast64_t chunks_done, chunks_lost;
+  /* Why the leases ended early: written by the batcher's thread before it
+   * hands out its last (empty) batch, read after that batch is taken. */
+  int failed;
+  char failure[PS_ERRLEN];
 };
 
 ps_source *ps_source_share(const ps_dataset *train, int batch, int rank, int num_workers,
@@ -36,17 +41,35 @@ ps_source *ps_source_share(const ps_dataset *train, int batch, int rank, int num
   return s;
 }
 
+/* Ends the leases with a failure, which the training loop reports when it
+ * takes the empty batch that follows. */
+static int lease_failed(ps_source *s, const char *why) {
+  snprintf(s->failure, sizeof s->failure, "%s", why);
+  s->failed = 1;
+  return -1;
+}
+
 /* The batcher's chunk source in lease mode: asks shard 0 for the next
- * chunk, waiting while every chunk left is leased to someone else. */
+ * chunk, waiting while every chunk left is leased to someone else. Stops
+ * asking once *s->stop is set (a signal, an error of the training loop, or
+ * the tear-down, which then destroys the source before the client). */
 static int next_chunk(void *user, uint64_t *begin, uint32_t *count, uint64_t *tag, int *epoch) {
   ps_source *s = user;
   char err[PS_ERRLEN];
   double give_up = ps_now_s() + s->retry_s;
   int64_t backoff = 50;
+  int said_waiting = 0;
   while (!atomic_load(s->stop)) {
     ps_client_lease l;
     int rc = ps_client_lease_call(s->client, 0, 1, (uint64_t)s->n_examples, &l, err);
     if (rc == 0 && l.status == 0) {
+      if (l.count == 0 || l.begin + l.count > (uint64_t)s->n_examples) {
+        snprintf(err, sizeof err,
+                 "shard 0 leased examples [%" PRIu64 ", %" PRIu64 ") of a data set of %d: "
+                 "not the same data set?",
+                 l.begin, l.begin + l.count, s->n_examples);
+        return lease_failed(s, err);
+      }
       *begin = l.begin;
       *count = l.count;
       *tag = l.lease_id;
@@ -55,12 +78,12 @@ static int next_chunk(void *user, uint64_t *begin, uint32_t *count, uint64_t *ta
     }
     if (rc == 0 && l.status == 2) return 1; /* the last epoch is done */
     if (rc != 0) {
-      if ((rc != PS_EUNAVAIL && rc != PS_ETIMEDOUT) || ps_now_s() > give_up) {
-        PS_ERROR("%s", err);
-        return -1;
-      }
+      if ((rc != PS_EUNAVAIL && rc != PS_ETIMEDOUT) || ps_now_s() > give_up)
+        return lease_failed(s, err);
       PS_WARN("%s; retrying", err);
     } else {
+      if (!said_waiting++)
+        PS_INFO("leases: every chunk left of this epoch is leased to other workers; waiting");
       give_up = ps_now_s() + s->retry_s; /* waiting for others' chunks is progress */
     }
     ps_sleep_ms(backoff);
@@ -104,11 +127,18 @@ void ps_source_log_plan(const ps_source *s, int lease_chunk, int epochs) {
 
 int64_t ps_source_total_steps(const ps_source *s) { return s->total_steps; }
 
-int ps_source_next(ps_source *s, ps_batch **out) {
+int ps_source_next(ps_source *s, ps_batch **out, char *err) {
   ps_batch *b = NULL;
-  if (ps_batcher_next(s->batcher, &b) != 0) return -1;
-  if (b->n == 0) { /* leases: no more data */
+  if (ps_batcher_next(s->batcher, &b) != 0) {
+    snprintf(err, PS_ERRLEN, "the input pipeline has stopped");
+    return -1;
+  }
+  if (b->n == 0) { /* leases: no more data, or they failed */
     ps_batcher_release(s->batcher, b);
+    if (s->failed) {
+      snprintf(err, PS_ERRLEN, "%s", s->failure);
+      return -1;
+    }
     return 1;
   }
   *out = b;

@@ -20,9 +20,12 @@ ps_source *ps_source_share(const ps_dataset *train, int batch, int rank, int num
                            uint64_t seed, int shuffle, int epochs, int64_t max_steps);
 
 /* Chunks leased from shard 0 through client until its last epoch;
- * unreachable shards are retried for retry_s seconds; *stop (set by a
- * signal) ends the asking. The client must outlive the source. NULL when
- * the pipeline cannot start. */
+ * unreachable shards are retried for retry_s seconds; *stop ends the
+ * asking (within a second while every chunk is leased to others; after
+ * the call in flight, at most the client's deadline, otherwise). The
+ * batcher's thread uses client until ps_source_destroy returns: set *stop,
+ * then destroy the source, then the client. NULL when the pipeline cannot
+ * start. */
 ps_source *ps_source_leases(const ps_dataset *train, int batch, uint64_t seed, ps_client *client,
                             double retry_s, atomic_int *stop, int64_t max_steps);
 
@@ -33,8 +36,11 @@ void ps_source_log_plan(const ps_source *s, int lease_chunk, int epochs);
 int64_t ps_source_total_steps(const ps_source *s);
 
 /* The next batch, valid until ps_source_release: 0; 1 when there is no
- * more data (nothing to release); -1 when the input pipeline failed. */
-int ps_source_next(ps_source *s, ps_batch **out);
+ * more data (nothing to release); -1 with a message in err (PS_ERRLEN
+ * bytes) when the input pipeline failed, e.g. shard 0 stayed unreachable
+ * for retry_s or leased a chunk outside the data set: that is not the end
+ * of the data. */
+int ps_source_next(ps_source *s, ps_batch **out, char *err);
 void ps_source_release(ps_source *s, ps_batch *b);
 
 /* The gradient of b was applied by every shard: when b ends a leased

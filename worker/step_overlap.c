@@ -36,8 +36,8 @@ typedef struct {
   float *pbuf[2], *gbuf[2];
   uint64_t *vbuf[2];
   comm_job jobs[2];
-  int cur;         /* the parity of the step that ran last */
-  int job_pending; /* jobs[cur] is out on the comm thread */
+  int cur;           /* the parity of the step that ran last */
+  comm_job *pending; /* the job out on the comm thread, or NULL */
   /* the comm thread */
   uv_thread_t thread;
   uv_mutex_t mu;
@@ -187,10 +187,10 @@ static int overlap_run(void *state, int64_t step, const ps_batch *b, ps_step_res
   if (ps_step_check_loss(step, r->loss, err) != 0) return -1;
   /* Wait for the previous round (it filled the other parameter buffer,
    * which the next step computes from), then start this step's. */
-  if (s->job_pending) {
+  if (s->pending) {
     comm_wait(s);
-    s->job_pending = 0;
-    comm_job *pj = &s->jobs[1 - cur];
+    comm_job *pj = s->pending;
+    s->pending = NULL;
     if (pj->rc != 0) {
       snprintf(err, PS_ERRLEN, "%s", pj->err);
       return -1;
@@ -209,7 +209,7 @@ static int overlap_run(void *state, int64_t step, const ps_batch *b, ps_step_res
   j->pull_into = s->pbuf[cur]; /* computed from; free now */
   j->pull_versions = s->vbuf[cur];
   comm_start_job(s, j);
-  s->job_pending = 1;
+  s->pending = j;
   r->compute_s = tc - tb;
   r->push_s = ps_now_s() - tc;
   return 0;
@@ -226,9 +226,15 @@ static void overlap_eval_params(void *state) {
 static int overlap_end(void *state, int ok, char *err) {
   overlap_state *s = state;
   int rc = 0;
-  if (s->job_pending) {
+  /* After a failed step the job out is the one of the step before it
+   * (s->pending, not jobs[s->cur]): its push and pull end before the
+   * buffers they use are freed, without retrying for --retry-s first
+   * (nothing goes on after an error: the tear-down stops the rest). */
+  if (s->pending) {
+    if (!ok) atomic_store(&s->w->stop, 1);
     comm_wait(s);
-    comm_job *pj = &s->jobs[s->cur];
+    comm_job *pj = s->pending;
+    s->pending = NULL;
     if (pj->rc != 0 && ok) {
       snprintf(err, PS_ERRLEN, "%s", pj->err);
       rc = -1;

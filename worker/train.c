@@ -3,10 +3,14 @@
  * chief's evaluation on schedule; at the end the final pull, the saved
  * parameters and the final evaluation. */
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <jansson.h>
+#include <limits.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "../common/util.h"
@@ -65,19 +69,91 @@ static void progress_report(ps_worker *w, progress *p, int64_t step, int64_t tot
   p->last_log = now;
 }
 
-/* Writes the parameters as raw little-endian float32, fsynced. */
-static int save_params(ps_worker *w, const char *path) {
-  FILE *f = fopen(path, "wb");
+/* Writes the P parameters to fd (closed here) and syncs them: 0, or the
+ * errno of the first failure. fsync's EINVAL (a device or pipe that cannot
+ * sync) is not one. */
+static int write_params_fd(int fd, const float *params, size_t P) {
+  FILE *f = fdopen(fd, "wb");
   if (!f) {
-    PS_ERROR("cannot write '%s': %s", path, strerror(errno));
+    int e = errno;
+    close(fd);
+    return e;
+  }
+  int e = 0;
+  errno = 0;
+  if (fwrite(params, sizeof(float), P, f) != P) e = errno ? errno : EIO;
+  if (!e && fflush(f) != 0) e = errno;
+  if (!e && fsync(fileno(f)) != 0 && errno != EINVAL) e = errno;
+  if (fclose(f) != 0 && !e) e = errno;
+  return e;
+}
+
+/* fsyncs the directory of path, so that a rename into it survives a crash:
+ * 0, or an errno value (EINVAL, a file system that cannot sync a
+ * directory, is not one). */
+static int sync_dir_of(const char *path) {
+  const char *slash = strrchr(path, '/');
+  char dir[PATH_MAX];
+  if (!slash)
+    snprintf(dir, sizeof dir, ".");
+  else
+    snprintf(dir, sizeof dir, "%.*s", slash == path ? 1 : (int)(slash - path), path);
+  int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return errno;
+  int e = fsync(fd) != 0 && errno != EINVAL ? errno : 0;
+  close(fd);
+  return e;
+}
+
+/* --save-params: the parameters as raw little-endian float32. A regular
+ * file (or none yet) at path is replaced atomically: the bytes go to a
+ * temporary file in the same directory, fsynced, renamed over the final
+ * name, then the directory is fsynced; on a failure the temporary file is
+ * removed and what was at path is left as it was. A symbolic link's target
+ * is what gets replaced; a device or a pipe (/dev/null) is written in
+ * place. Returns 0, or the exit code 1 with the cause (strerror) logged. */
+static int save_params(ps_worker *w, const char *path) {
+  const size_t P = w->job.model.n_params;
+  char final_path[PATH_MAX], tmp[PATH_MAX + 32];
+  struct stat st;
+  if (!realpath(path, final_path)) snprintf(final_path, sizeof final_path, "%s", path);
+  if (stat(final_path, &st) == 0 && !S_ISREG(st.st_mode)) {
+    int fd = open(final_path, O_WRONLY | O_CLOEXEC);
+    int e = fd < 0 ? errno : write_params_fd(fd, w->params, P);
+    if (e) {
+      PS_ERROR("--save-params: cannot write the parameters to '%s': %s", path, strerror(e));
+      return 1;
+    }
+    PS_INFO("wrote the %zu parameters to %s", P, path);
+    return 0;
+  }
+  const char *slash = strrchr(final_path, '/');
+  int dir_len = slash ? (int)(slash - final_path + 1) : 0;
+  int n = snprintf(tmp, sizeof tmp, "%.*s.%s.tmp-%ld", dir_len, final_path, final_path + dir_len,
+                   (long)getpid());
+  if (n < 0 || (size_t)n >= sizeof tmp) {
+    PS_ERROR("--save-params: the path '%s' is too long", path);
     return 1;
   }
-  size_t P = w->job.model.n_params;
-  int bad = fwrite(w->params, sizeof(float), P, f) != P;
-  bad |= fflush(f) != 0 || fsync(fileno(f)) != 0;
-  bad |= fclose(f) != 0;
-  if (bad) {
-    PS_ERROR("cannot write '%s'", path);
+  /* The name holds this process's id: a file there is a dead process's. */
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0666);
+  int e = fd < 0 ? errno : write_params_fd(fd, w->params, P);
+  const char *what = "write";
+  if (!e && rename(tmp, final_path) != 0) {
+    e = errno;
+    what = "rename the new parameters to";
+  }
+  if (e) {
+    if (fd >= 0) unlink(tmp);
+    PS_ERROR("--save-params: cannot %s '%s': %s (%s)", what, path, strerror(e),
+             fd >= 0 ? "the temporary file is removed; what was there is unchanged"
+                     : "nothing was written");
+    return 1;
+  }
+  if ((e = sync_dir_of(final_path)) != 0) {
+    PS_ERROR("--save-params: wrote '%s' but cannot sync its directory: %s (the file may not "
+             "survive a crash)",
+             path, strerror(e));
     return 1;
   }
   PS_INFO("wrote the %zu parameters to %s", P, path);
@@ -122,10 +198,10 @@ int ps_worker_train(ps_worker *w) {
   int rc = 0;
   for (; step < total && !atomic_load(&w->stop); step++) {
     ps_batch *b = NULL;
-    int src = ps_source_next(w->source, &b);
+    int src = ps_source_next(w->source, &b, err);
     if (src != 0) {
       if (src < 0) {
-        PS_ERROR("the input pipeline failed");
+        PS_ERROR("the input pipeline failed: %s", err);
         rc = 1;
       }
       break;

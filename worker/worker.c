@@ -101,11 +101,18 @@ static int setup_job(ps_worker *w, char *err) {
     w->rank = o->index >= 0 ? o->index : 0;
     if (o->chief < 0) o->chief = 1;
   } else {
+    if (ps_security_resolve(&o->sec, PS_SECURITY_CLIENT, &w->sec, err) != 0) {
+      fprintf(stderr, "ps-worker: %s\n", err);
+      return 2;
+    }
+    PS_INFO("servers: %s", w->sec.summary);
     ps_client_opts co = {.host = o->host,
                          .role = o->evaluator ? "evaluator" : o->chief == 1 ? "chief" : "worker",
                          .task_index = o->index,
                          .timeout_ms = o->timeout_ms,
-                         .connect_timeout_ms = (int)(o->retry_s * 1000)};
+                         .connect_timeout_ms = (int)(o->retry_s * 1000),
+                         .token = &w->sec.token,
+                         .tls = ps_security_tls(&w->sec)};
     w->client = ps_client_connect(o->ps_addr, &co, err);
     if (!w->client) {
       fprintf(stderr, "ps-worker: %s\n", err);
@@ -263,9 +270,15 @@ int ps_worker_setup(ps_worker *w) {
 }
 
 void ps_worker_teardown(ps_worker *w) {
+  /* Every thread that uses the client, the models or the buffers ends
+   * before they go: the overlapped step's communication thread already
+   * (its begin undoes itself on failure, and the training loop calls its
+   * end on every exit); the loop thread here, once a heartbeat still out
+   * on libuv's work queue is done (uv_run returns only then); the
+   * batcher's next. */
   ps_worker_loop_stop(w);
-  /* The batcher's thread may be asking shard 0 for a lease: it stops
-   * before the client it uses goes. */
+  /* The batcher's thread may be asking shard 0 for a lease, or waiting to
+   * ask again: it stops before the client it uses goes. */
   atomic_store(&w->stop, 1);
   ps_source_destroy(w->source);
   if (w->client) {

@@ -27,6 +27,7 @@ typedef struct ps_worker {
   ps_job job;       /* batch_size is the global batch */
   char *job_text;
   int rank;         /* this worker's index in the data (and in metrics) */
+  ps_security sec;   /* TLS and the token (not with --local) */
   ps_client *client; /* NULL with --local */
   int nshards;       /* 0 with --local */
   ps_ops *ops;

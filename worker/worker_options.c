@@ -77,7 +77,9 @@ static const ps_option worker_flags[] = {
     {"host", "NAME", PS_OPT_STR, O(host), .def_doc = "the host name",
      .help = "name reported to the servers"},
     {"save-params", "FILE", PS_OPT_STR, O(save_path), .help =
-     "at the end, pull and write the parameters (raw little-endian float32, fsynced)"},
+     "at the end, pull and write the parameters (raw little-endian float32): to a "
+     "temporary file, fsynced, then renamed over FILE, so a failure (named with its cause) "
+     "leaves what was there"},
     {"overlap", NULL, PS_OPT_FLAG, O(overlap), .help =
      "async/ssp: push and pull on a second thread while the next step computes; gradients are "
      "one version staler (with plain SGD or Adam; momentum 0.9 on top of that staleness "
@@ -92,6 +94,16 @@ static const ps_option worker_flags[] = {
      .help = "sleep N ms in every step: an artificial straggler, for comparing consistency modes"},
     {"log-level", "L", PS_OPT_CHOICE, O(log_level), .choices = level_choices, .def = "info",
      .help = "`debug`, `info`, `warn` or `error`"},
+    {"token-file", "FILE", PS_OPT_STR, O(sec.token_file), .def_doc = "`$PS_TOKEN_FILE`",
+     .help = "the job's token, as the servers were given it (an evaluator may use the servers' "
+     "read-only token instead)"},
+    {"tls-ca", "FILE", PS_OPT_STR, O(sec.tls_ca), .help =
+     "talk TLS, and trust servers whose certificates this CA (PEM) signed"},
+    {"tls-cert", "FILE", PS_OPT_STR, O(sec.tls_cert),
+     .help = "this worker's certificate (PEM), for servers that require client certificates"},
+    {"tls-key", "FILE", PS_OPT_STR, O(sec.tls_key), .help = "its private key (PEM)"},
+    {"insecure", NULL, PS_OPT_FLAG, O(sec.insecure), .help =
+     "talk plaintext to servers that serve plaintext (said in the log)"},
 };
 
 static const ps_optspec worker_spec = {

@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "../common/cluster.h"
+#include "../common/security.h"
 
 /* --pipeline */
 typedef enum { PS_PIPELINE_ON, PS_PIPELINE_OFF, PS_PIPELINE_AUTO } ps_pipeline_mode;
@@ -28,6 +29,7 @@ typedef struct {
   double log_interval;
   double eval_interval;  /* -1: the job's */
   double retry_s;
+  ps_security_opts sec;  /* TLS, token, --insecure */
   int have_tf_config;    /* the cluster came from TF_CONFIG */
   /* storage the resolved strings point into */
   char ps_first[PS_ADDR_LEN];

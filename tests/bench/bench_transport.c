@@ -3,13 +3,16 @@
  * sharded pull/push, tensor bytes straight between buffers and gRPC
  * slices).
  *
- *   bench_transport HOST:PORT [ROUNDS]
- * Prints the median time of a pull and of a push and the GB/s of parameter
- * data each way, as JSON on the last line. */
+ *   bench_transport HOST:PORT [ROUNDS] [CA CERT KEY]
+ * With CA, CERT and KEY (PEM files), over mutual TLS; else plaintext. The
+ * job's token comes from PS_TOKEN_FILE. Prints the median time of a pull
+ * and of a push and the GB/s of parameter data each way, as JSON on the
+ * last line. */
 #include <stdio.h>
 #include <stdlib.h>
 
 #include "../../common/rpc.h"
+#include "../../common/security.h"
 #include "../../common/util.h"
 #include "../../worker/ps_client.h"
 
@@ -20,14 +23,26 @@ static int cmp_double(const void *a, const void *b) {
 
 int main(int argc, char **argv) {
   if (argc < 2) {
-    fprintf(stderr, "usage: bench_transport HOST:PORT [ROUNDS]\n");
+    fprintf(stderr, "usage: bench_transport HOST:PORT [ROUNDS] [CA CERT KEY]\n");
     return 2;
   }
   int rounds = argc > 2 ? atoi(argv[2]) : 10;
   if (rounds < 1 || rounds > 1000) rounds = 10;
   char err[PS_ERRLEN];
   rpc_global_init();
-  ps_client_opts o = {.host = "bench", .role = "worker", .task_index = -1, .timeout_ms = 60000};
+  ps_security_opts so = {.insecure = argc < 6};
+  if (argc >= 6) {
+    so.tls_ca = argv[3];
+    so.tls_cert = argv[4];
+    so.tls_key = argv[5];
+  }
+  ps_security sec;
+  if (ps_security_resolve(&so, PS_SECURITY_CLIENT, &sec, err) != 0) {
+    fprintf(stderr, "bench_transport: %s\n", err);
+    return 2;
+  }
+  ps_client_opts o = {.host = "bench", .role = "worker", .task_index = -1, .timeout_ms = 60000,
+                      .token = &sec.token, .tls = ps_security_tls(&sec)};
   ps_client *c = ps_client_connect(argv[1], &o, err);
   if (!c) {
     fprintf(stderr, "bench_transport: %s\n", err);

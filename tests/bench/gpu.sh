@@ -18,6 +18,9 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 build=$(cd "${1:-$root/build}" && pwd)
 steps=${2:-300}
 out=$(mktemp -d /tmp/ps-gpu-bench.XXXXXX)
+# The job's token: every server and client here finds it in PS_TOKEN_FILE.
+export PS_TOKEN_FILE="$out/token"
+(umask 077; head -c 32 /dev/urandom | base64 >"$PS_TOKEN_FILE")
 pids=()
 trap 'for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done' EXIT
 probe=$("$build/ps-worker" --device cuda --local --job "$root/tests/integration/jobs/synthetic.json" \
@@ -31,11 +34,11 @@ cluster() {
   local name=$1 j=$2; shift 2
   local addrs="127.0.0.1:$(port),127.0.0.1:$(port)" spids=()
   for s in 0 1; do
-    "$build/ps-server" --job "$j" --ps "$addrs" --index "$s" --threads 4 \
+    "$build/ps-server" --insecure --job "$j" --ps "$addrs" --index "$s" --threads 4 \
       >"$out/$name-server-$s.log" 2>&1 &
     pids+=($!); spids+=($!)
   done
-  "$build/ps-worker" --device cuda --ps "${addrs%%,*}" --max-steps "$steps" --eval-interval 0 \
+  "$build/ps-worker" --insecure --device cuda --ps "${addrs%%,*}" --max-steps "$steps" --eval-interval 0 \
     --log-interval 2 --metrics "$out/$name.jsonl" ${DATA_DIR:+--data-dir "$DATA_DIR"} "$@" \
     >"$out/$name.log" 2>&1
   for p in "${spids[@]}"; do kill -TERM "$p"; wait "$p" || true; done

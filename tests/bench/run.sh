@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Benchmarks, measured as ratios within one run (the machine is shared):
 #   transport: one worker pulls and pushes a 10M-float32 shard to one
-#              ps-server on loopback, against iperf3's single-stream TCP rate
+#              ps-server on loopback, against iperf3's single-stream TCP rate,
+#              in plaintext and over mutual TLS
 #   training:  examples/s of the quickstart CNN with 1 server + 1 worker
 #              (plain, and with --overlap), against the same model trained
 #              in-process (ps-worker --local)
@@ -13,6 +14,9 @@ what=${1:-all}
 root=$(cd "$(dirname "$0")/../.." && pwd)
 build=$(cd "${2:-$root/build}" && pwd)
 out=$(mktemp -d /tmp/ps-bench.XXXXXX)
+# The job's token: every server and client here finds it in PS_TOKEN_FILE.
+export PS_TOKEN_FILE="$out/token"
+(umask 077; head -c 32 /dev/urandom | base64 >"$PS_TOKEN_FILE")
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
@@ -20,12 +24,24 @@ port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); 
 
 transport() {
   command -v iperf3 >/dev/null || { echo "iperf3 is missing (deploy/install-deps.sh)"; exit 1; }
-  local p; p=$(port)
-  "$build/ps-server" --job "$root/tests/bench/jobs_transport.json" --ps "127.0.0.1:$p" --index 0 \
-    >"$out/server.log" 2>&1 &
-  pids+=($!); local spid=$!
-  "$build/bench_transport" "127.0.0.1:$p" 20 | tee "$out/transport.txt"
-  kill -TERM "$spid"; wait "$spid" || true
+  "$root/deploy/certs.sh" "$out/certs" 127.0.0.1 localhost >/dev/null
+  local c=$out/certs
+  # plaintext, then mutual TLS, one after the other in the same run
+  local mode p spid
+  for mode in plain tls; do
+    p=$(port)
+    local sec=(--insecure) csec=()
+    if [ "$mode" = tls ]; then
+      sec=(--tls-cert "$c/127.0.0.1.pem" --tls-key "$c/127.0.0.1.key" --tls-ca "$c/ca.pem"
+           --tls-require-client-cert)
+      csec=("$c/ca.pem" "$c/localhost.pem" "$c/localhost.key")
+    fi
+    "$build/ps-server" "${sec[@]}" --job "$root/tests/bench/jobs_transport.json" \
+      --ps "127.0.0.1:$p" --index 0 >"$out/server-$mode.log" 2>&1 &
+    pids+=($!); spid=$!
+    "$build/bench_transport" "127.0.0.1:$p" 20 "${csec[@]}" | tee "$out/transport-$mode.txt"
+    kill -TERM "$spid"; wait "$spid" || true
+  done
   local ip; ip=$(port)
   iperf3 -s -1 -B 127.0.0.1 -p "$ip" >/dev/null 2>&1 &
   pids+=($!)
@@ -34,12 +50,15 @@ transport() {
   python3 - "$out" <<'PY'
 import json, sys
 out = sys.argv[1]
-t = json.loads(open(f"{out}/transport.txt").read().strip().splitlines()[-1])
+t = json.loads(open(f"{out}/transport-plain.txt").read().strip().splitlines()[-1])
+s = json.loads(open(f"{out}/transport-tls.txt").read().strip().splitlines()[-1])
 ip = json.load(open(f"{out}/iperf.json"))
 gbps = ip["end"]["sum_received"]["bits_per_second"] / 8 / 1e9
 print(f"iperf3 loopback, one stream: {gbps:.2f} GB/s")
 print(f"pull: {t['pull_gbps']:.2f} GB/s = {t['pull_gbps']/gbps:.3f} of iperf3 ({t['pull_ms']:.1f} ms per 10M values)")
 print(f"push: {t['push_gbps']:.2f} GB/s = {t['push_gbps']/gbps:.3f} of iperf3 ({t['push_ms']:.1f} ms per 10M values)")
+print(f"mutual TLS: pull {s['pull_ms']:.1f} ms = {t['pull_ms']/s['pull_ms']:.3f} of plaintext's rate, "
+      f"push {s['push_ms']:.1f} ms = {t['push_ms']/s['push_ms']:.3f} of plaintext's rate")
 PY
 }
 
@@ -56,16 +75,16 @@ training() {
       --log-interval 1000 >"$out/local-$round.log" 2>&1
     l+=("$(eps "$out/local-$round.log")")
     local p; p=$(port)
-    "$build/ps-server" --job "$job" --ps "127.0.0.1:$p" --index 0 >"$out/server-$round.log" 2>&1 &
+    "$build/ps-server" --insecure --job "$job" --ps "127.0.0.1:$p" --index 0 >"$out/server-$round.log" 2>&1 &
     pids+=($!); local spid=$!
-    "$build/ps-worker" --ps "127.0.0.1:$p" --max-steps "$steps" --eval-interval 0 \
+    "$build/ps-worker" --insecure --ps "127.0.0.1:$p" --max-steps "$steps" --eval-interval 0 \
       --log-interval 1000 >"$out/cluster-$round.log" 2>&1
     kill -TERM "$spid"; wait "$spid" || true
     c+=("$(eps "$out/cluster-$round.log")")
     p=$(port)
-    "$build/ps-server" --job "$job" --ps "127.0.0.1:$p" --index 0 >"$out/server-o$round.log" 2>&1 &
+    "$build/ps-server" --insecure --job "$job" --ps "127.0.0.1:$p" --index 0 >"$out/server-o$round.log" 2>&1 &
     pids+=($!); spid=$!
-    "$build/ps-worker" --ps "127.0.0.1:$p" --max-steps "$steps" --eval-interval 0 --overlap \
+    "$build/ps-worker" --insecure --ps "127.0.0.1:$p" --max-steps "$steps" --eval-interval 0 --overlap \
       --log-interval 1000 >"$out/overlap-$round.log" 2>&1
     kill -TERM "$spid"; wait "$spid" || true
     o+=("$(eps "$out/overlap-$round.log")")
@@ -93,10 +112,10 @@ cluster_run() {
   local job="$root/deploy/jobs/fashion_mnist_cnn.json" addrs="" spids=()
   for s in $(seq 1 "$shards"); do addrs+="${addrs:+,}127.0.0.1:$(port)"; done
   for s in $(seq 0 $((shards - 1))); do
-    "$build/ps-server" --job "$job" --ps "$addrs" --index "$s" >"$out/$name-server-$s.log" 2>&1 &
+    "$build/ps-server" --insecure --job "$job" --ps "$addrs" --index "$s" >"$out/$name-server-$s.log" 2>&1 &
     pids+=($!); spids+=($!)
   done
-  "$build/ps-worker" --ps "${addrs%%,*}" --eval-interval 0 --log-interval 1000 "$@" \
+  "$build/ps-worker" --insecure --ps "${addrs%%,*}" --eval-interval 0 --log-interval 1000 "$@" \
     >"$out/$name.log" 2>&1
   for p in "${spids[@]}"; do kill -TERM "$p"; wait "$p" || true; done
 }

@@ -50,11 +50,11 @@ for mode in on off; do
   addrs="127.0.0.1:$(port),127.0.0.1:$(port),127.0.0.1:$(port)"
   spids=()
   for s in 0 1 2; do
-    "$b/bin/ps-server" --job tests/integration/jobs/pipeline.json --ps "$addrs" --index "$s" \
+    "$b/bin/ps-server" --insecure --job tests/integration/jobs/pipeline.json --ps "$addrs" --index "$s" \
       >"$b/server-$mode-$s.log" 2>&1 &
     spids+=($!)
   done
-  run "pipeline $mode" 120 "$b/bin/ps-worker" --device cuda --ps "${addrs%%,*}" --num-workers 1 \
+  run "pipeline $mode" 120 "$b/bin/ps-worker" --insecure --device cuda --ps "${addrs%%,*}" --num-workers 1 \
     --pipeline "$mode" --save-params "$b/$mode.bin" --log-interval 1 || fails=$((fails + 1))
   for p in "${spids[@]}"; do kill -TERM "$p" 2>/dev/null; wait "$p"; done
 done

@@ -12,6 +12,9 @@ set -uo pipefail
 build=$(cd "$1" && pwd)
 here=$(cd "$(dirname "$0")" && pwd)
 out=$(mktemp -d "/tmp/ps-it-chaos.XXXXXX")
+# The job's token: every server and client here finds it in PS_TOKEN_FILE.
+export PS_TOKEN_FILE="$out/token"
+(umask 077; head -c 32 /dev/urandom | base64 >"$PS_TOKEN_FILE")
 job="$here/jobs/chaos.json"
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill -CONT "$p" 2>/dev/null; kill -9 "$p" 2>/dev/null; done; }
@@ -23,13 +26,13 @@ s=[socket.socket() for _ in range(2)]
 print(",".join("127.0.0.1:%d" % x.getsockname()[1] for x in s))')
 mkdir -p "$out/ckpt"
 start_server() { # index, log suffix
-  "$build/ps-server" --job "$job" --ps "$ports" --index "$1" --checkpoint-dir "$out/ckpt" \
+  "$build/ps-server" --insecure --job "$job" --ps "$ports" --index "$1" --checkpoint-dir "$out/ckpt" \
     --checkpoint-secs 1 --log-interval 1 >>"$out/server-$1.log" 2>&1 &
   pids+=($!)
   spid[$1]=$!
 }
 start_worker() { # k
-  "$build/ps-worker" --ps "${ports%%,*}" --threads 1 --straggle-ms 25 --timeout-ms 2000 \
+  "$build/ps-worker" --insecure --ps "${ports%%,*}" --threads 1 --straggle-ms 25 --timeout-ms 2000 \
     --retry-s 60 --log-interval 1 $([ "$1" -eq 0 ] && echo --chief) \
     $([ $(( $1 % 2 )) -eq 1 ] && echo --pipeline on) $([ "$1" -eq 2 ] && echo --device emu) \
     >"$out/worker-$1.log" 2>&1 &
@@ -65,7 +68,7 @@ for k in 0 2 3; do
 done
 acc=$(sed -n 's/^final test accuracy \([0-9.]*\).*/\1/p' "$out/worker-0.log")
 [ -n "$acc" ] || fail "the chief reported no accuracy"
-"$build/ps-server" --status "${ports%%,*}" >"$out/status-0.json" || fail "no Status from shard 0"
+"$build/ps-server" --insecure --status "${ports%%,*}" >"$out/status-0.json" || fail "no Status from shard 0"
 python3 - "$out" "$acc" <<'PY' || fail "the records do not show every example once per epoch"
 import json, sys
 out, acc = sys.argv[1], float(sys.argv[2])

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "../../common/rpc.h"
+#include "../../common/security.h"
 #include "../../common/util.h"
 #include "../../worker/ps_client.h"
 #include "../unit/check.h"
@@ -64,8 +65,14 @@ int main(int argc, char **argv) {
   const int pause_ms = atoi(argv[2]);
   char err[PS_ERRLEN] = "";
   rpc_global_init();
+  ps_security_opts so = {.insecure = 1}; /* loopback; the token from PS_TOKEN_FILE */
+  ps_security sec;
+  if (ps_security_resolve(&so, PS_SECURITY_CLIENT, &sec, err) != 0) {
+    fprintf(stderr, "client_rounds: %s\n", err);
+    return 2;
+  }
   ps_client_opts o = {.host = "client_rounds", .role = "worker", .task_index = -1,
-                      .timeout_ms = 10000};
+                      .timeout_ms = 10000, .token = &sec.token};
   ps_client *c = ps_client_connect(argv[1], &o, err);
   if (!c) {
     fprintf(stderr, "client_rounds: %s\n", err);

@@ -14,6 +14,9 @@ command -v ip >/dev/null || { echo "SKIPPED: iproute2 (ip) is not installed"; ex
 tag="ps$$"
 srv="$tag-srv" w1="$tag-w1" w2="$tag-w2"
 out=$(mktemp -d "/tmp/ps-it-multihost.XXXXXX")
+# The job's token: every server and client here finds it in PS_TOKEN_FILE.
+export PS_TOKEN_FILE="$out/token"
+(umask 077; head -c 32 /dev/urandom | base64 >"$PS_TOKEN_FILE")
 pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; done
@@ -39,12 +42,12 @@ done
 ip -n "$srv" link set lo up
 
 port=5000
-ip netns exec "$srv" "$build/ps-server" --job "$here/jobs/multihost.json" \
+ip netns exec "$srv" "$build/ps-server" --insecure --job "$here/jobs/multihost.json" \
   --ps "198.18.1.1:$port" --index 0 --listen "0.0.0.0:$port" --log-interval 1 \
   >"$out/server.log" 2>&1 &
 pids+=($!); spid=$!
 for k in 1 2; do
-  ip netns exec "$tag-w$k" "$build/ps-worker" --ps "198.18.$k.1:$port" --index $((k - 1)) \
+  ip netns exec "$tag-w$k" "$build/ps-worker" --insecure --ps "198.18.$k.1:$port" --index $((k - 1)) \
     --num-workers 2 --threads 1 --straggle-ms 40 --timeout-ms 2000 --retry-s 60 \
     --log-interval 1 $([ "$k" -eq 1 ] && echo --pipeline on) >"$out/worker-$k.log" 2>&1 &
   pids+=($!)

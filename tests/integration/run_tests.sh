@@ -8,6 +8,9 @@ build=$(cd "$2" && pwd)
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 out=$(mktemp -d "/tmp/ps-it-$name.XXXXXX")
+# The job's token: every server and client here finds it in PS_TOKEN_FILE.
+export PS_TOKEN_FILE="$out/token"
+(umask 077; head -c 32 /dev/urandom | base64 >"$PS_TOKEN_FILE")
 pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
@@ -47,6 +50,76 @@ pipeline_run() {
     || { tail -20 "$out/$name.out"; fail "the run $name ($*) failed"; }
 }
 
+# clean_exit LOG: no sanitizer report and no crash in a process's log (an
+# ASan report exits 1 too, like the error a test may expect).
+clean_exit() {
+  if grep -E "AddressSanitizer|LeakSanitizer|runtime error:|Segmentation fault" "$1"; then
+    return 1
+  fi
+}
+
+# lease_holder DIR JOB: one shard of JOB (3 chunks of 3 batches) and a
+# holder worker that leases 2 of the chunks and sleeps in its first step;
+# sets port, spid and hpid. Another worker then gets the third chunk and
+# its batcher waits for a lease.
+lease_holder() {
+  local d=$1 job=$2 handed=0
+  mkdir -p "$d"
+  port=$(free_ports 1)
+  "$build/ps-server" --insecure --job "$job" --ps "$port" --index 0 >"$d/server.log" 2>&1 &
+  spid=$!; pids+=($spid)
+  "$build/ps-worker" --insecure --ps "$port" --index 0 --threads 1 --straggle-ms 60000 \
+    >"$d/holder.log" 2>&1 &
+  hpid=$!; pids+=($hpid)
+  for _ in $(seq 1 150); do # until the holder's batcher has 2 chunks (192 examples)
+    handed=$("$build/ps-server" --insecure --status "$port" 2>/dev/null | python3 -c \
+      'import json,sys; e=json.load(sys.stdin)["lease_epochs"]; print(e[0]["examples_handed_out"] if e else 0)' \
+      2>/dev/null) || handed=0
+    [ "${handed:-0}" -ge 192 ] && return 0
+    sleep 0.1
+  done
+  tail -5 "$d"/*.log
+  fail "$d: the holder leased $handed examples, not 192"
+}
+
+# lease_worker_check NAME LOG RC PATTERN: the worker exited 1 with PATTERN
+# (an extended regular expression) in its log, not by a signal nor with a
+# sanitizer report (124: it hung), and its batcher had waited for a lease.
+lease_worker_check() {
+  local name=$1 log=$2 rc=$3 pattern=$4
+  clean_exit "$log" || { tail -40 "$log"; fail "$name: the worker crashed (exit $rc)"; }
+  [ "$rc" = 1 ] || { tail -20 "$log"; fail "$name: exit $rc, expected 1 (124: hung)"; }
+  grep -Eq "$pattern" "$log" || { tail -20 "$log"; fail "$name: no message matching '$pattern'"; }
+  grep -q "leased to other workers; waiting" "$log" \
+    || { tail -20 "$log"; fail "$name: the batcher never waited for a lease"; }
+  echo "lease_error: $name: exit 1: $(grep -Eo "($pattern).{0,60}" "$log" | head -1)"
+}
+
+# lease_error_run NAME WORKER-ARGS...: jobs/lease_nan.json (an absurd
+# learning rate): the worker under test (with ARGS) gets the chunk the
+# holder left, its batcher waits for another, and its loss turns NaN a
+# step or two later, after its own first push (or the shard refuses that
+# push, where the update would overflow: an error all the same).
+lease_error_run() {
+  local name=$1 rc=0; shift
+  lease_holder "$out/$name" "$here/jobs/lease_nan.json"
+  timeout 60 "$build/ps-worker" --insecure --ps "$port" --index 1 --threads 1 --straggle-ms 300 \
+    --retry-s 30 "$@" >"$out/$name/worker.log" 2>&1 || rc=$?
+  kill -9 "$hpid" "$spid" 2>/dev/null || true
+  wait "$hpid" "$spid" 2>/dev/null || true
+  lease_worker_check "$name" "$out/$name/worker.log" "$rc" \
+    "the loss is .*Lower the learning rate|update refused"
+}
+
+# local_save LOG PATH [ARGS...]: trains jobs/synthetic.json for a few
+# steps in this process (--local) and saves the parameters to PATH; the
+# exit code is the worker's.
+local_save() {
+  local log=$1 path=$2; shift 2
+  "$build/ps-worker" --local --job "$here/jobs/synthetic.json" --threads 1 --max-steps 2 \
+    --save-params "$path" "$@" >"$log" 2>&1
+}
+
 case "$name" in
 synthetic)
   # 2 shards, 2 workers, a small CNN on the synthetic set: seconds.
@@ -81,7 +154,7 @@ PY
   ;;
 bad_input)
   # A job file that does not parse: a clear message with line and column.
-  if "$build/ps-server" --job "$here/jobs/broken.json" --ps 127.0.0.1:1 --index 0 \
+  if "$build/ps-server" --insecure --job "$here/jobs/broken.json" --ps 127.0.0.1:1 --index 0 \
        >"$out/broken.log" 2>&1; then
     fail "ps-server accepted a job file that does not parse"
   fi
@@ -89,12 +162,12 @@ bad_input)
   grep -q "broken.json" "$out/broken.log" && grep -q "line 6" "$out/broken.log" \
     || fail "the message does not name the file and line 6"
   # Missing job file, bad flags.
-  "$build/ps-server" --job /nonexistent.json --ps 127.0.0.1:1 --index 0 >"$out/m.log" 2>&1 && fail "missing job file accepted"
+  "$build/ps-server" --insecure --job /nonexistent.json --ps 127.0.0.1:1 --index 0 >"$out/m.log" 2>&1 && fail "missing job file accepted"
   grep -q "nonexistent.json" "$out/m.log" || fail "missing-file message does not name the file"
-  "$build/ps-server" --job "$here/jobs/synthetic.json" --ps 127.0.0.1:1 --index 3 >"$out/i.log" 2>&1 && fail "index outside the list accepted"
-  "$build/ps-worker" --ps nonsense >"$out/w.log" 2>&1 && fail "ps-worker accepted a bad address"
+  "$build/ps-server" --insecure --job "$here/jobs/synthetic.json" --ps 127.0.0.1:1 --index 3 >"$out/i.log" 2>&1 && fail "index outside the list accepted"
+  "$build/ps-worker" --insecure --ps nonsense >"$out/w.log" 2>&1 && fail "ps-worker accepted a bad address"
   grep -q "HOST:PORT" "$out/w.log" || fail "bad-address message unclear"
-  "$build/ps-worker" --ps 127.0.0.1:1 --pipeline sometimes >"$out/p.log" 2>&1 \
+  "$build/ps-worker" --insecure --ps 127.0.0.1:1 --pipeline sometimes >"$out/p.log" 2>&1 \
     && fail "ps-worker accepted --pipeline sometimes"
   grep -q "on, off or auto" "$out/p.log" || fail "bad --pipeline message unclear"
   "$build/ps-worker" --local --job "$here/jobs/synthetic.json" --device tpu >"$out/d.log" 2>&1 \
@@ -104,7 +177,7 @@ bad_input)
   # the shard refuses to start (rather than silently start afresh) and says why.
   mkdir -p "$out/ckpt"
   { printf 'PSCKPT\0\1'; head -c 300 /dev/urandom; } >"$out/ckpt/shard-0-of-1-v5.ckpt"
-  if "$build/ps-server" --job "$here/jobs/synthetic.json" --ps 127.0.0.1:1 --index 0 \
+  if "$build/ps-server" --insecure --job "$here/jobs/synthetic.json" --ps 127.0.0.1:1 --index 0 \
        --checkpoint-dir "$out/ckpt" >"$out/ckpt.log" 2>&1; then
     fail "ps-server started from a corrupt checkpoint"
   fi
@@ -112,10 +185,18 @@ bad_input)
   grep -q "shard-0-of-1-v5.ckpt" "$out/ckpt.log" || fail "the message does not name the corrupt file"
   # Bad requests to a live shard leave its parameters unchanged.
   ports=$(free_ports 1)
-  "$build/ps-server" --job "$here/jobs/synthetic.json" --ps "$ports" --index 0 >"$out/server.log" 2>&1 &
+  "$build/ps-server" --insecure --job "$here/jobs/synthetic.json" --ps "$ports" --index 0 >"$out/server.log" 2>&1 &
   pids+=($!)
   "$build/bad_input" "$ports" || { cat "$out/server.log"; fail "bad-input checks"; }
   grep -q "refused" "$out/server.log" || fail "the server did not log the refused pushes"
+  # bad_input registered a host name holding a newline, a forged log line,
+  # an escape sequence and a CR: the log shows it escaped on its one line.
+  grep -qF 'host bad-input\n12:00:00.000 ps-server info: forged line\x1b[31m\r' "$out/server.log" \
+    || fail "the log does not show the odd host name escaped"
+  if grep -q '^12:00:00.000 ps-server info: forged' "$out/server.log" \
+       || grep -q $'[\x1b\r]' "$out/server.log"; then
+    fail "a host name forged a log line or put a control character in the log"
+  fi
   kill -TERM "${pids[0]}"
   wait "${pids[0]}" || fail "ps-server did not exit 0 on SIGTERM"
   pids=()
@@ -163,17 +244,17 @@ evaluator)
   # without it) and stops by itself once training is over.
   ports=$(free_ports 2)
   for s in 0 1; do
-    "$build/ps-server" --job "$here/jobs/sync_equiv.json" --ps "$ports" --index "$s" \
+    "$build/ps-server" --insecure --job "$here/jobs/sync_equiv.json" --ps "$ports" --index "$s" \
       >"$out/server-$s.log" 2>&1 &
     pids+=($!)
   done
-  "$build/ps-worker" --ps "${ports%%,*}" --evaluator --eval-interval 0.2 --idle-evals 3 \
+  "$build/ps-worker" --insecure --ps "${ports%%,*}" --evaluator --eval-interval 0.2 --idle-evals 3 \
     --max-evals 300 --threads 1 --metrics "$out/evaluator.jsonl" >"$out/evaluator.log" 2>&1 &
   epid=$!; pids+=($epid)
   sleep 0.5
   wpids=()
   for k in 0 1; do
-    "$build/ps-worker" --ps "${ports%%,*}" --index "$k" --num-workers 2 --threads 1 \
+    "$build/ps-worker" --insecure --ps "${ports%%,*}" --index "$k" --num-workers 2 --threads 1 \
       --straggle-ms 20 >"$out/worker-$k.log" 2>&1 &
     wpids+=($!); pids+=($!)
   done
@@ -181,7 +262,7 @@ evaluator)
   for i in $(seq 1 300); do kill -0 "$epid" 2>/dev/null || break; sleep 0.1; done
   kill -0 "$epid" 2>/dev/null && fail "the evaluator did not stop by itself"
   wait "$epid" || { tail -5 "$out/evaluator.log"; fail "the evaluator failed"; }
-  "$build/ps-server" --status "${ports%%,*}" >"$out/status.json"
+  "$build/ps-server" --insecure --status "${ports%%,*}" >"$out/status.json"
   [ "$(status "$out/status.json" version)" = 40 ] || fail "sync did not apply its 40 steps"
   grep -q "training is over" "$out/evaluator.log" || fail "the evaluator did not see training end"
   n=$(grep -c test_accuracy "$out/evaluator.jsonl")
@@ -241,7 +322,7 @@ pipeline)
   sed 's/"heartbeat_timeout_ms": 5000/"heartbeat_timeout_ms": 400/' "$here/jobs/pipeline.json" \
     >"$out/short-hb.json"
   for s in 0 1 2; do
-    "$build/ps-server" --job "$out/short-hb.json" --ps "$ports" --index "$s" \
+    "$build/ps-server" --insecure --job "$out/short-hb.json" --ps "$ports" --index "$s" \
       >"$out/rounds-server-$s.log" 2>&1 &
     pids+=($!)
   done
@@ -322,13 +403,13 @@ sync_kill)
   # heartbeat time-out, the quorum shrinks, and the others finish.
   ports=$(free_ports 2)
   for s in 0 1; do
-    "$build/ps-server" --job "$here/jobs/sync3.json" --ps "$ports" --index "$s" \
+    "$build/ps-server" --insecure --job "$here/jobs/sync3.json" --ps "$ports" --index "$s" \
       >"$out/server-$s.log" 2>&1 &
     pids+=($!)
   done
   wpids=()
   for k in 0 1 2; do
-    "$build/ps-worker" --ps "${ports%%,*}" --index "$k" --num-workers 3 --threads 1 \
+    "$build/ps-worker" --insecure --ps "${ports%%,*}" --index "$k" --num-workers 3 --threads 1 \
       --straggle-ms 100 --log-interval 0.2 >"$out/worker-$k.log" 2>&1 &
     wpids+=($!); pids+=($!)
   done
@@ -346,10 +427,238 @@ sync_kill)
     wait "${wpids[$k]}" || { tail -5 "$out/worker-$k.log"; fail "worker $k failed"; }
   done
   grep -q "^final test accuracy" "$out/worker-0.log" || fail "the chief did not finish"
-  "$build/ps-server" --status "${ports%%,*}" >"$out/status.json"
+  "$build/ps-server" --insecure --status "${ports%%,*}" >"$out/status.json"
   dropped_workers=$(status "$out/status.json" workers_dropped)
   echo "sync_kill: the run completed; shard 0 timed out $dropped_workers worker(s)"
   [ "$dropped_workers" -ge 1 ] || fail "the killed worker was never timed out"
+  ;;
+lease_error)
+  # A worker with data leases fails (NaN loss) while its batcher waits for a
+  # lease: its tear-down must stop the batcher's lease calls before the
+  # client they use is destroyed (that crash showed as a garbage address in
+  # a log line and a SIGSEGV). Once per step kind: plain, pipelined, and
+  # overlapped, whose communication thread has a round out at the error.
+  lease_error_run plain --pipeline off
+  lease_error_run pipeline --pipeline on
+  lease_error_run overlap --overlap
+  # Shard 0 dies while the batcher waits for a lease and the worker has
+  # used up its chunk: after --retry-s the input pipeline fails, and that
+  # is an error (exit 1 naming the lease call), not the end of the data.
+  sed 's/"lr": 3e38/"lr": 0.01/' "$here/jobs/lease_nan.json" >"$out/lease_ok.json"
+  lease_holder "$out/lost" "$out/lease_ok.json"
+  "$build/ps-worker" --insecure --ps "$port" --index 1 --threads 1 --retry-s 2 --timeout-ms 1000 \
+    --log-interval 0 >"$out/lost/worker.log" 2>&1 &
+  wpid=$!; pids+=($wpid)
+  for _ in $(seq 1 300); do grep -q "step 3 " "$out/lost/worker.log" && break; sleep 0.1; done
+  grep -q "step 3 " "$out/lost/worker.log" || { tail "$out/lost/worker.log"; fail "lost: 3 steps not done"; }
+  kill -9 "$spid"
+  wait "$spid" 2>/dev/null || true
+  rc=0
+  for _ in $(seq 1 300); do kill -0 "$wpid" 2>/dev/null || break; sleep 0.1; done
+  kill -0 "$wpid" 2>/dev/null && fail "lost: the worker still runs 30 s after shard 0 died: hung"
+  wait "$wpid" || rc=$?
+  kill -9 "$hpid" 2>/dev/null || true
+  wait "$hpid" 2>/dev/null || true
+  lease_worker_check lost "$out/lost/worker.log" "$rc" "the input pipeline failed: Lease from shard 0"
+  ;;
+ckpt_stale_tmp)
+  # A shard killed while it writes a checkpoint leaves its temporary file;
+  # the next start of that shard removes it, and nothing else. The kill is
+  # deterministic: under a file size limit below the checkpoint's size, the
+  # write that crosses it gets SIGXFSZ, which ps-server does not catch.
+  ck="$out/ckpt"
+  mkdir -p "$ck"
+  port=$(free_ports 1)
+  # server_run LOG [LIMIT-KB]: a shard that checkpoints to $ck, started,
+  # then stopped with SIGTERM (which writes a checkpoint); the exit code.
+  server_run() {
+    local log=$1 limit=${2:-unlimited} spid rc=0
+    (ulimit -c 0; ulimit -f "$limit"; exec "$build/ps-server" --insecure \
+      --job "$here/jobs/synthetic.json" --ps "$port" --index 0 --checkpoint-dir "$ck" \
+      --checkpoint-secs 3600) >"$log" 2>&1 &
+    spid=$!; pids+=($spid)
+    for _ in $(seq 1 100); do grep -q "listening on" "$log" && break; sleep 0.1; done
+    grep -q "listening on" "$log" || { cat "$log"; fail "the shard did not start"; }
+    kill -TERM "$spid"
+    wait "$spid" 2>/dev/null || rc=$?
+    return "$rc"
+  }
+  server_run "$out/first.log" || { cat "$out/first.log"; fail "the first run failed"; }
+  [ -f "$ck/shard-0-of-1-v0.ckpt" ] || fail "no checkpoint from the first run"
+  # The checkpoint is 75 KB: a 40 KB limit cuts its write.
+  rc=0; server_run "$out/killed.log" 40 || rc=$?
+  [ "$rc" = $((128 + $(kill -l XFSZ))) ] || { cat "$out/killed.log"; fail "exit $rc, not SIGXFSZ"; }
+  stale=$(cd "$ck" && ls -A | grep '^\.shard-0-of-1-v0\.ckpt\.tmp-' || true)
+  [ -n "$stale" ] || { ls -la "$ck"; fail "the killed write left no temporary file"; }
+  echo "ckpt_stale_tmp: the write cut by SIGXFSZ left $stale ($(stat -c %s "$ck/$stale") bytes)"
+  # Not to be touched: another shard's temporary file, and one of this
+  # shard whose writer holds its lock (alive, in another pid namespace).
+  (exit 0) & gone=$!; wait "$gone"
+  other=".shard-1-of-2-v3.ckpt.tmp-$gone-0badf00d"; echo partial >"$ck/$other"
+  live=".shard-0-of-1-v9.ckpt.tmp-$gone-00c0ffee"
+  (exec 9>"$ck/$live"; flock 9; exec sleep 60) >/dev/null 2>&1 &
+  fpid=$!; pids+=($fpid)
+  for _ in $(seq 1 50); do flock -n "$ck/$live" true || break; sleep 0.1; done
+  flock -n "$ck/$live" true && fail "the stand-in writer did not take its lock"
+  server_run "$out/restart.log" || { cat "$out/restart.log"; fail "the restart failed"; }
+  kill "$fpid" 2>/dev/null || true
+  wait "$fpid" 2>/dev/null || true
+  grep checkpoint "$out/restart.log"
+  [ ! -e "$ck/$stale" ] || fail "the stale temporary file $stale is still there"
+  grep -q "removed '.*$stale'" "$out/restart.log" || fail "the removal was not logged"
+  [ -e "$ck/$other" ] || fail "another shard's temporary file was removed"
+  [ -e "$ck/$live" ] || fail "a temporary file whose writer holds its lock was removed"
+  grep -q "restored" "$out/restart.log" || fail "the restart did not restore the checkpoint"
+  [ -f "$ck/shard-0-of-1-v0.ckpt" ] || fail "the valid checkpoint is gone"
+  ;;
+save_params_full)
+  # --save-params where the write fails: the message names the cause, the
+  # exit code is 1, no truncated file is left under the final name and a
+  # file already there is unchanged. A real full disk: a 64 KiB tmpfs
+  # (needs root; skipped with a message otherwise); and /dev/full, which a
+  # device path is written in place to (it must stay the device).
+  rc=0; local_save "$out/devfull.log" /dev/full || rc=$?
+  [ "$rc" = 1 ] || { cat "$out/devfull.log"; fail "/dev/full: exit $rc, expected 1"; }
+  grep -q "No space left on device" "$out/devfull.log" || { cat "$out/devfull.log"; fail "/dev/full: no cause"; }
+  [ -c /dev/full ] || fail "/dev/full is no longer a device"
+  clean_exit "$out/devfull.log" || fail "/dev/full: the worker crashed"
+  mnt="$out/small"
+  mkdir -p "$mnt"
+  if ! mount -t tmpfs -o size=64k tmpfs "$mnt" 2>"$out/mount.err"; then
+    echo "save_params_full: SKIPPED the full-disk case: cannot mount a tmpfs ($(cat "$out/mount.err"))"
+  else
+    trap 'umount "$mnt" 2>/dev/null; cleanup' EXIT
+    # The parameters are 37840 bytes (10 pages of the 16); a 20 KiB filler
+    # leaves 1 page: neither a new file nor a replacement fits.
+    local_save "$out/first.log" "$mnt/params.bin" || { cat "$out/first.log"; fail "the first save failed"; }
+    cp "$mnt/params.bin" "$out/params.ref"
+    head -c 20480 /dev/zero >"$mnt/filler" || fail "cannot write the filler"
+    for target in params.bin fresh.bin; do
+      rc=0; local_save "$out/$target.log" "$mnt/$target" --max-steps 3 || rc=$?
+      grep "save-params" "$out/$target.log" || true
+      [ "$rc" = 1 ] || { cat "$out/$target.log"; fail "$target: exit $rc on a full disk, expected 1"; }
+      grep -q "$target.*No space left on device" "$out/$target.log" \
+        || fail "$target: the message does not name the file and the cause"
+      clean_exit "$out/$target.log" || fail "$target: the worker crashed"
+    done
+    cmp -s "$mnt/params.bin" "$out/params.ref" || fail "the earlier params.bin was changed"
+    [ ! -e "$mnt/fresh.bin" ] || fail "a truncated fresh.bin was left ($(stat -c %s "$mnt/fresh.bin") bytes)"
+    left=$(ls -A "$mnt" | tr '\n' ' ')
+    [ "$left" = "filler params.bin " ] || fail "files left on the full disk: $left"
+    umount "$mnt" || fail "cannot unmount $mnt"
+    trap cleanup EXIT
+    echo "save_params_full: a full tmpfs: exit 1 with ENOSPC named; params.bin unchanged, no fresh.bin"
+  fi
+  ;;
+tls)
+  # Trust: a shard over mutual TLS with a job token and a read-only token,
+  # probed by auth_check (no token, a wrong token, another worker's
+  # session, a take-over by Register, the read-only token pushing, another
+  # CA, no client certificate, plaintext: each refused, the shard's bytes
+  # unchanged); then a 2 + 2 cluster over mutual TLS trains to the same
+  # accuracy as the plaintext one.
+  command -v openssl >/dev/null || fail "openssl is missing (deploy/install-deps.sh)"
+  "$root/deploy/certs.sh" "$out/certs" 127.0.0.1 localhost >/dev/null || fail "certs.sh"
+  "$root/deploy/certs.sh" "$out/other" 127.0.0.1 localhost >/dev/null || fail "certs.sh (other CA)"
+  (umask 077; head -c 32 /dev/urandom | base64 >"$out/certs/read-token")
+  port=$(free_ports 1)
+  c=$out/certs
+  "$build/ps-server" --job "$here/jobs/synthetic.json" --ps "$port" --index 0 \
+    --token-file "$c/token" --read-token-file "$c/read-token" --tls-cert "$c/127.0.0.1.pem" \
+    --tls-key "$c/127.0.0.1.key" --tls-ca "$c/ca.pem" --tls-require-client-cert \
+    >"$out/server.log" 2>&1 &
+  spid=$!; pids+=($spid)
+  "$build/auth_check" "$port" "$c" "$out/other" >"$out/auth.log" 2>&1 \
+    || { cat "$out/auth.log"; tail -20 "$out/server.log"; fail "auth_check"; }
+  cat "$out/auth.log"
+  grep -q "TLS (client certificates required), job token and read-only token" "$out/server.log" \
+    || fail "the server did not say how it is protected"
+  kill -TERM "$spid"; wait "$spid" || fail "ps-server did not exit 0 on SIGTERM"
+  unset PS_TOKEN_FILE
+  "$root/deploy/local-cluster.sh" --job "$here/jobs/synthetic.json" --bin "$build" \
+    --out "$out/cluster" --timeout 240 --threads 1 --tls "$c" >"$out/cluster.out" 2>&1 \
+    || { cat "$out/cluster.out"; fail "the TLS cluster run failed"; }
+  grep -q "mutual TLS" "$out/cluster.out" || fail "the cluster did not run over TLS"
+  grep -q "servers: TLS (mutual), job token" "$out/cluster/worker-0.log" \
+    || fail "the worker did not talk TLS with a token"
+  acc=$(final_accuracy "$out/cluster/worker-0.log")
+  echo "tls: final test accuracy $acc over mutual TLS"
+  at_least "$acc" 0.90 || fail "accuracy $acc below 0.90 over TLS"
+  ;;
+bounds)
+  # What a client can make a shard hold: registrations, waiting pulls,
+  # request size, compression, a huge unknown field (bounds_check).
+  port=$(free_ports 1)
+  "$build/ps-server" --insecure --job "$here/jobs/bounds.json" --ps "$port" --index 0 \
+    >"$out/server.log" 2>&1 &
+  spid=$!; pids+=($spid)
+  "$build/bounds_check" "$port" "$spid" >"$out/bounds.log" 2>&1 \
+    || { cat "$out/bounds.log"; tail -20 "$out/server.log"; fail "bounds_check"; }
+  cat "$out/bounds.log"
+  kill -TERM "$spid"; wait "$spid" || fail "ps-server did not exit 0 on SIGTERM"
+  ;;
+flood)
+  # Floods, bounded in count and time. (1) Descriptor exhaustion: a shard
+  # limited to 64 descriptors gets 100 raw connections held for 2 s while a
+  # worker trains; the worker finishes, and once the connections are gone
+  # the shard answers new clients again (gRPC 1.51 alone stopped accepting
+  # for good). (2) HTTP/2 floods (rapid reset, 1-byte CONTINUATION frames)
+  # against a shard that requires client certificates end at the TLS
+  # handshake: a bystander's Status stays fast throughout.
+  flood=$here/tools/h2flood.py
+  port=$(free_ports 1)
+  (ulimit -n 64; exec "$build/ps-server" --insecure --job "$here/jobs/synthetic.json" \
+    --ps "$port" --index 0 >"$out/fd-server.log" 2>&1) &
+  spid=$!; pids+=($spid)
+  "$build/ps-worker" --insecure --ps "$port" --threads 1 --straggle-ms 5 >"$out/fd-worker.log" 2>&1 &
+  wpid=$!; pids+=($wpid)
+  "$build/ps-server" --insecure --status "$port" >/dev/null || fail "no Status before the flood"
+  python3 - "$port" <<'PY' || fail "could not hold the connections"
+import socket, sys, time
+host, port = sys.argv[1].rsplit(":", 1)
+held = [socket.create_connection((host, int(port)), timeout=5) for _ in range(100)]
+time.sleep(2)
+for s in held: s.close()
+PY
+  ok=0
+  for _ in $(seq 1 10); do
+    if timeout 5 "$build/ps-server" --insecure --status "$port" >"$out/fd-status.json" 2>/dev/null; then ok=1; break; fi
+    sleep 0.5
+  done
+  [ "$ok" = 1 ] || { tail -5 "$out/fd-server.log"; fail "the shard stopped accepting after running out of descriptors"; }
+  grep -q "out of file descriptors" "$out/fd-server.log" || fail "the shard never ran out of descriptors: no test"
+  for _ in $(seq 1 300); do kill -0 "$wpid" 2>/dev/null || break; sleep 0.2; done
+  wait "$wpid" || { tail -5 "$out/fd-worker.log"; fail "the worker failed during the flood"; }
+  echo "flood: $(grep -o 'closed [0-9]* waiting connection(s), [0-9]* in all' "$out/fd-server.log" | tail -1); accepting again"
+  kill -TERM "$spid"; wait "$spid" || fail "ps-server did not exit 0 on SIGTERM"
+
+  "$root/deploy/certs.sh" "$out/certs" 127.0.0.1 localhost >/dev/null || fail "certs.sh"
+  c=$out/certs
+  port=$(free_ports 1)
+  "$build/ps-server" --job "$here/jobs/synthetic.json" --ps "$port" --index 0 \
+    --token-file "$c/token" --tls-cert "$c/127.0.0.1.pem" --tls-key "$c/127.0.0.1.key" \
+    --tls-ca "$c/ca.pem" --tls-require-client-cert >"$out/tls-server.log" 2>&1 &
+  spid=$!; pids+=($spid)
+  status_tls() {
+    PS_TOKEN_FILE=$c/token timeout 10 "$build/ps-server" --status "$port" --tls-ca "$c/ca.pem" \
+      --tls-cert "$c/localhost.pem" --tls-key "$c/localhost.key" >/dev/null 2>&1
+  }
+  status_tls || fail "no Status over TLS before the flood"
+  timeout 60 python3 "$flood" reset "$port" 200000 >"$out/reset.out" 2>&1 &
+  f1=$!
+  timeout 60 python3 "$flood" continuation "$port" 2000000 3 >"$out/cont.out" 2>&1 &
+  f2=$!
+  worst=0
+  for _ in $(seq 1 8); do
+    t0=$(date +%s.%N); status_tls || fail "a bystander's Status failed during the flood"
+    worst=$(python3 -c "print(max($worst, $(date +%s.%N) - $t0))")
+    sleep 0.25
+  done
+  wait "$f1" "$f2" || true
+  cat "$out/reset.out" "$out/cont.out"
+  echo "flood: slowest bystander Status during the HTTP/2 floods over mutual TLS: ${worst} s"
+  at_least 2 "$worst" || fail "a bystander's Status took ${worst} s during the flood"
+  kill -TERM "$spid"; wait "$spid" || fail "ps-server did not exit 0 on SIGTERM"
   ;;
 *)
   fail "unknown test '$name'"

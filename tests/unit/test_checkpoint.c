@@ -10,8 +10,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "check.h"
@@ -750,6 +753,117 @@ static void test_write_failures(void) {
   model_free(&m);
 }
 
+/* ---------------------------------------------------------------- stale temporaries */
+
+/* dir/name with the first len bytes of src (a file), or len bytes of 'x'
+ * when src is NULL. */
+static void plant(const char *dir, const char *name, const char *src, size_t len) {
+  char p[1024], *buf = NULL, err[PS_ERRLEN];
+  size_t have = 0;
+  snprintf(p, sizeof p, "%s/%s", dir, name);
+  if (src && ps_read_file(src, &buf, &have, err) != PS_OK) {
+    CHECK_MSG(0, "%s", err);
+    return;
+  }
+  if (!src) {
+    buf = malloc(len ? len : 1);
+    memset(buf, 'x', len);
+    have = len;
+  }
+  CHECK(have >= len && write_file(p, buf, len) == 0);
+  free(buf);
+}
+
+/* A process id that was in use a moment ago and is gone now. */
+static long dead_pid(void) {
+  pid_t child = fork();
+  if (child == 0) _exit(0);
+  CHECK(child > 0);
+  int st;
+  CHECK(waitpid(child, &st, 0) == child);
+  return (long)child;
+}
+
+static void test_stale_temps(void) {
+  char dir[512], src[512], err[PS_ERRLEN] = "", name[256], path[1024];
+  fresh_dir(dir, sizeof dir, "stale");
+  fresh_dir(src, sizeof src, "stale-src");
+  model_state m = model_make(300, 1, 1.0f);
+  write_shard(dir, &m, "job-a", "momentum", 0, 2, 3, 0); /* valid checkpoints stay */
+  write_shard(dir, &m, "job-a", "momentum", 1, 2, 3, 0);
+  write_shard(src, &m, "job-a", "momentum", 0, 2, 4, 0); /* headers to plant */
+  write_shard(src, &m, "job-b", "momentum", 0, 2, 4, 0);
+  char ours[1024], theirs[1024];
+  snprintf(ours, sizeof ours, "%s/shard-0-of-2-v4.ckpt", src);
+  snprintf(theirs, sizeof theirs, "%s/shard-0-of-2-v4.ckpt.b", src);
+  CHECK(rename(ours, theirs) == 0);
+  write_shard(src, &m, "job-a", "momentum", 0, 2, 4, 0);
+  const long gone = dead_pid(), me = (long)getpid(), alive = (long)getppid();
+
+  /* Stale: a dead writer's, cut before its header was whole, and after. */
+  snprintf(name, sizeof name, ".shard-0-of-2-v4.ckpt.tmp-%ld-0badf00d", gone);
+  plant(dir, name, NULL, 100);
+  char stale2[256];
+  snprintf(stale2, sizeof stale2, ".shard-0-of-2-v5.ckpt.tmp-%ld-00c0ffee", gone);
+  plant(dir, stale2, ours, 700);
+  /* Not to be touched: another job's (its header says so), another
+   * shard's, another S's, a live process's, a writer's whose lock is held
+   * (a live one in another pid namespace), names that are not ours. */
+  char keep[8][64];
+  snprintf(keep[0], sizeof keep[0], ".shard-0-of-2-v6.ckpt.tmp-%ld-00000001", gone);
+  plant(dir, keep[0], theirs, 700);
+  snprintf(keep[1], sizeof keep[1], ".shard-1-of-2-v4.ckpt.tmp-%ld-00000002", gone);
+  plant(dir, keep[1], NULL, 10);
+  snprintf(keep[2], sizeof keep[2], ".shard-0-of-3-v4.ckpt.tmp-%ld-00000003", gone);
+  plant(dir, keep[2], NULL, 10);
+  snprintf(keep[3], sizeof keep[3], ".shard-0-of-2-v7.ckpt.tmp-%ld-00000004", alive);
+  plant(dir, keep[3], NULL, 10);
+  snprintf(keep[4], sizeof keep[4], ".shard-0-of-2-v8.ckpt.tmp-%ld-00000005", gone);
+  plant(dir, keep[4], NULL, 10);
+  snprintf(keep[5], sizeof keep[5], ".shard-0-of-2-v9.ckpt.tmp-%ld-0000006", gone); /* 7 digits */
+  plant(dir, keep[5], NULL, 10);
+  snprintf(keep[6], sizeof keep[6], "shard-0-of-2-v9.ckpt.tmp-%ld-00000007", gone); /* no dot */
+  plant(dir, keep[6], NULL, 10);
+  snprintf(keep[7], sizeof keep[7], ".shard-0-of-2-v9.ckpt.tmp-%ld-00000008", me);
+  plant(dir, keep[7], NULL, 10);
+  snprintf(path, sizeof path, "%s/%s", dir, keep[4]);
+  int locked = open(path, O_RDONLY);
+  CHECK(locked >= 0 && flock(locked, LOCK_EX | LOCK_NB) == 0);
+  snprintf(path, sizeof path, "%s/%s", dir, keep[7]);
+  int mine = open(path, O_RDONLY);
+  CHECK(mine >= 0 && flock(mine, LOCK_EX | LOCK_NB) == 0);
+
+  int removed = -1;
+  CHECK(ps_ckpt_remove_stale_temps(dir, 0, 2, "job-a", &removed, err) == PS_OK);
+  CHECK_MSG(removed == 2, "removed %d", removed);
+  CHECK(!exists(dir, name) && !exists(dir, stale2));
+  for (int i = 0; i < 8; i++) CHECK_MSG(exists(dir, keep[i]), "%s was removed", keep[i]);
+  CHECK(exists(dir, "shard-0-of-2-v3.ckpt") && exists(dir, "shard-1-of-2-v3.ckpt"));
+  CHECK(count_entries(dir, NULL) == 10);
+
+  /* This process's own pid with the lock free: an earlier process's (pid
+   * reused, as pid 1 in a container); the lock let go: the writer died. */
+  close(mine);
+  close(locked);
+  CHECK(ps_ckpt_remove_stale_temps(dir, 0, 2, "job-a", &removed, err) == PS_OK);
+  CHECK_MSG(removed == 2, "removed %d", removed);
+  CHECK(!exists(dir, keep[4]) && !exists(dir, keep[7]));
+  /* The checkpoint is still found, and a write works beside the rest. */
+  ps_ckpt got;
+  CHECK(ps_ckpt_find_latest(&(ps_ckpt_source){.dir = dir, .job_id = "job-a", .P = m.P}, 0, 2,
+                            &got, NULL, err) == PS_OK &&
+        got.meta.version == 3);
+  ps_ckpt_free(&got);
+  write_shard(dir, &m, "job-a", "momentum", 0, 2, 10, 0);
+  CHECK(count_entries(dir, NULL) == 9);
+
+  /* A directory that does not exist holds nothing stale; bad arguments. */
+  snprintf(path, sizeof path, "%s/no-such-dir", dir);
+  CHECK(ps_ckpt_remove_stale_temps(path, 0, 2, "job-a", &removed, err) == PS_OK && removed == 0);
+  CHECK(ps_ckpt_remove_stale_temps(dir, 2, 2, "job-a", &removed, err) == PS_EINVAL);
+  model_free(&m);
+}
+
 /* ---------------------------------------------------------------- npy */
 
 /* Reads an .npy file and checks its preamble and header against the dict
@@ -873,6 +987,7 @@ int main(void) {
   RUN(test_find_latest);
   RUN(test_reshard);
   RUN(test_write_failures);
+  RUN(test_stale_temps);
   RUN(test_npy);
   rm_tree(g_root);
   struct stat st;

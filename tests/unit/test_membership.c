@@ -189,8 +189,48 @@ static void test_clocks(void) {
   ps_membership_destroy(m);
 }
 
+/* Host and role come from the worker and go out in Status replies (a
+ * proto3 string: valid UTF-8 or the reply does not parse) and in logs. A
+ * host of 70 bytes of multi-byte characters is cut on a character
+ * boundary; invalid bytes and control characters are replaced (U+FFFD);
+ * registering again stores the new names the same way. */
+static void test_host_role_sanitized(void) {
+  ps_membership *m = ps_membership_create();
+  if (!m) return;
+  char host[80] = "a";
+  for (int i = 0; i < 23; i++) strcat(host, "\xe2\x82\xac"); /* 70 bytes */
+  uint64_t id[3];
+  CHECK(ps_membership_add(m, 0, host, "worker\xff", 0, 1, &id[0], NULL) == PS_OK);
+  CHECK(ps_membership_add(m, 0, "evil\n12:00:00.000 ps-server info: forged\x1b[31m",
+                          "w\r\x1b[2J\xc2\x9b", 1, 1, &id[1], NULL) == PS_OK);
+  CHECK(ps_membership_add(m, 0, "h\xc0\xafst", "chief", 2, 1, &id[2], NULL) == PS_OK);
+  ps_member out[3];
+  CHECK(ps_membership_list(m, out, 3) == 3);
+  for (int i = 0; i < 3; i++) {
+    size_t hl = strlen(out[i].host), rl = strlen(out[i].role);
+    CHECK(ps_utf8_valid_len(out[i].host, hl) == hl && ps_utf8_valid_len(out[i].role, rl) == rl);
+    for (size_t k = 0; k < hl; k++)
+      CHECK((unsigned char)out[i].host[k] >= 0x20 && out[i].host[k] != 0x7f);
+    for (size_t k = 0; k < rl; k++)
+      CHECK((unsigned char)out[i].role[k] >= 0x20 && out[i].role[k] != 0x7f);
+  }
+  CHECK(strlen(out[0].host) == 61 && memcmp(out[0].host, host, 61) == 0);
+  CHECK(strcmp(out[0].role, "worker\xef\xbf\xbd") == 0);
+  CHECK_MSG(strcmp(out[1].host,
+                   "evil\xef\xbf\xbd"
+                   "12:00:00.000 ps-server info: forged\xef\xbf\xbd[31m") == 0,
+            "%s", out[1].host);
+  CHECK(strcmp(out[1].role, "w\xef\xbf\xbd\xef\xbf\xbd[2J\xef\xbf\xbd") == 0);
+  CHECK(strcmp(out[2].host, "h\xef\xbf\xbd\xef\xbf\xbdst") == 0);
+  /* Registering again: the new names, sanitized too. */
+  CHECK(ps_membership_add(m, id[2], "new\x7fhost", "chief", 2, 2, NULL, NULL) == PS_OK);
+  CHECK(ps_membership_list(m, out, 3) == 3 && strcmp(out[2].host, "new\xef\xbf\xbdhost") == 0);
+  ps_membership_destroy(m);
+}
+
 int main(void) {
   RUN(test_clocks);
+  RUN(test_host_role_sanitized);
   RUN(test_add_list);
   RUN(test_given_id);
   RUN(test_touch_push_remove);

@@ -5,11 +5,13 @@
  * stay well below the 2e-6 used here, while any mistake in a formula (a
  * missing bias correction, eps in the wrong place, nesterov's extra term)
  * moves the result by 1e-3 or more. */
+#include <float.h>
 #include <math.h>
 #include <string.h>
 
 #include "check.h"
 #include "common/optim.h"
+#include "common/rng.h"
 
 #define TOL 2e-6
 
@@ -211,6 +213,122 @@ static void test_blocks_equal_scalar(void) {
   }
 }
 
+/* ---- bounds: what the shard trusts to skip looking at an update ---- */
+
+static ps_rand rng;
+static uint64_t next_u64(void) { return ps_rand_next(&rng); }
+
+/* A float of any magnitude: zeros, subnormals, up to FLT_MAX, either sign
+ * (nonneg: none negative). */
+static float any_float(int nonneg) {
+  uint64_t r = next_u64();
+  uint32_t bits;
+  switch (r % 8) {
+    case 0: bits = 0; break;
+    case 1: bits = (uint32_t)(r >> 8) & 0x007fffffu; break;             /* subnormal */
+    case 2: bits = 0x7f7fffffu - ((uint32_t)(r >> 8) & 0xffffu); break; /* near FLT_MAX */
+    default: bits = (uint32_t)(r >> 8) % 0x7f800000u; break;            /* any finite */
+  }
+  if (!nonneg && (r >> 63)) bits |= 0x80000000u;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+static double max_abs(const float *v, int n) {
+  double m = 0;
+  for (int i = 0; i < n; i++) m = fabs((double)v[i]) > m ? fabs((double)v[i]) : m;
+  return m;
+}
+
+/* Random states and gradients of every magnitude, random settings: where
+ * the bounds say the update stays within FLT_MAX, every value after the
+ * update is finite and within its bound. Half the draws scale the
+ * magnitudes down by a random power of two, so that both verdicts come up
+ * often. */
+static void test_bounds_hold(void) {
+  enum { N = 64, TRIALS = 4000 };
+  const char *names[] = {"sgd", "momentum", "adagrad", "adam"};
+  const float lrs[] = {0.0f, 1e-3f, 0.1f, 1.0f, 30.0f};
+  const float mus[] = {0.0f, 0.9f, 1.5f, -0.5f};
+  const float epss[] = {1e-8f, 1.0f, 1e-30f, 10.0f};
+  const float b1s[] = {0.0f, 0.9f, 0.999999f}, b2s[] = {0.0f, 0.999f, 0.5f};
+  const uint64_t ts[] = {1, 2, 1000, 1000000000};
+  int safe[4] = {0}, unsafe[4] = {0};
+  ps_rand_seed(&rng, 7);
+  for (int trial = 0; trial < TRIALS; trial++) {
+    int k = trial % 4;
+    const ps_optimizer *o = ps_optimizer_find(names[k]);
+    ps_optim_config c = config(names[k]);
+    c.nesterov = (int)(next_u64() % 2);
+    c.momentum = mus[next_u64() % 4];
+    c.eps = epss[next_u64() % 4];
+    c.beta1 = b1s[next_u64() % 3];
+    c.beta2 = b2s[next_u64() % 3];
+    float lr = lrs[next_u64() % 5];
+    uint64_t t = ts[next_u64() % 4];
+    float scale = next_u64() % 2 ? 1.0f : ldexpf(1.0f, -(int)(next_u64() % 130));
+    float p[N], g[N], s0[N], s1[N];
+    for (int i = 0; i < N; i++) {
+      p[i] = any_float(0) * scale;
+      g[i] = any_float(0) * scale;
+      s0[i] = any_float(k == 2) * scale; /* adagrad's accumulator is never negative */
+      s1[i] = any_float(1) * scale;      /* nor adam's v */
+    }
+    ps_optim_bounds b = {max_abs(p, N), {max_abs(s0, N), max_abs(s1, N)}, 3u};
+    o->bound(&c, t, lr, max_abs(g, N), &b);
+    float *slots[2] = {s0, s1};
+    o->apply(&c, t, lr, p, slots, g, N);
+    int ok = b.param <= FLT_MAX;
+    for (int j = 0; j < o->n_slots; j++) ok &= b.slot[j] <= FLT_MAX;
+    if (!ok) {
+      unsafe[k]++;
+      continue;
+    }
+    safe[k]++;
+    int within = 1;
+    for (int i = 0; i < N; i++) {
+      within &= isfinite(p[i]) && fabs((double)p[i]) <= b.param;
+      for (int j = 0; j < o->n_slots; j++)
+        within &= isfinite(slots[j][i]) && fabs((double)slots[j][i]) <= b.slot[j];
+    }
+    CHECK_MSG(within, "%s trial %d: a value beyond its bound (param bound %g)", names[k], trial,
+              b.param);
+  }
+  for (int k = 0; k < 4; k++)
+    CHECK_MSG(safe[k] > 100 && unsafe[k] > 100, "%s: %d safe, %d unsafe draws", names[k], safe[k],
+              unsafe[k]);
+}
+
+/* Ordinary values give bounds close to the truth (so a shard stays on its
+ * fast path), and a slot whose sign is unknown gives none where a square
+ * root of it is taken. */
+static void test_bounds_tight_and_signs(void) {
+  ps_optim_config c = config("sgd");
+  ps_optim_bounds b = {1.0, {0}, 0};
+  ps_optimizer_find("sgd")->bound(&c, 1, 0.1f, 1.0, &b);
+  CHECK_NEAR(b.param, 1.1, 1e-5, 0);
+  c = config("momentum");
+  b = (ps_optim_bounds){1.0, {2.0}, 0};
+  ps_optimizer_find("momentum")->bound(&c, 1, 0.1f, 1.0, &b); /* v <= 0.9*2+1, p <= 1+0.28 */
+  CHECK_NEAR(b.slot[0], 2.8, 1e-5, 0);
+  CHECK_NEAR(b.param, 1.28, 1e-5, 0);
+  c = config("adagrad");
+  b = (ps_optim_bounds){1.0, {1.0}, 1u};
+  ps_optimizer_find("adagrad")->bound(&c, 1, 0.1f, 1.0, &b);
+  CHECK(b.param <= 1.2 && b.slot[0] <= 2.01);
+  b = (ps_optim_bounds){1.0, {1.0}, 0u};
+  ps_optimizer_find("adagrad")->bound(&c, 1, 0.1f, 1.0, &b);
+  CHECK(isinf(b.param));
+  c = config("adam");
+  b = (ps_optim_bounds){1.0, {1.0, 1.0}, 3u};
+  ps_optimizer_find("adam")->bound(&c, 10, 1e-3f, 1.0, &b);
+  CHECK(b.param < 1e8 && b.slot[0] <= 1.91 && b.slot[1] <= 2.0);
+  b = (ps_optim_bounds){1.0, {1.0, 1.0}, 1u};
+  ps_optimizer_find("adam")->bound(&c, 10, 1e-3f, 1.0, &b);
+  CHECK(isinf(b.param));
+}
+
 int main(void) {
   RUN(test_table);
   RUN(test_sgd);
@@ -220,5 +338,7 @@ int main(void) {
   RUN(test_adam);
   RUN(test_adam_late_t);
   RUN(test_blocks_equal_scalar);
+  RUN(test_bounds_hold);
+  RUN(test_bounds_tight_and_signs);
   return check_summary();
 }

@@ -1,6 +1,7 @@
 /* The shard's state (ps/shard.c): creation, pushes given as scattered
  * segments, versions and staleness, statistics, shared snapshots, and the
  * refusal of bad input without any change of state. */
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -393,16 +394,284 @@ done:
   ps_shard_destroy(ref);
 }
 
-/* A push of no values is a push: the version moves, nothing else. */
-static void test_empty_push(void) {
-  ps_job job = make_job("sgd");
+/* ---- refused requests change nothing ---- */
+
+/* What a refused request must leave as it was: parameters, optimizer
+ * slots, version. */
+typedef struct {
+  size_t n;
+  float *params, *slots[2];
+  uint64_t version;
+} shard_state;
+
+static shard_state state_of(ps_shard *s) {
+  shard_state st = {.n = shard_len(s)};
+  st.params = malloc(st.n * sizeof(float));
+  for (int k = 0; k < 2; k++) st.slots[k] = calloc(st.n, sizeof(float));
+  ps_shard_export_state(s, st.params, st.slots, &st.version);
+  return st;
+}
+
+static int state_equal(const shard_state *a, const shard_state *b) {
+  size_t bytes = a->n * sizeof(float);
+  return a->n == b->n && a->version == b->version && memcmp(a->params, b->params, bytes) == 0 &&
+         memcmp(a->slots[0], b->slots[0], bytes) == 0 &&
+         memcmp(a->slots[1], b->slots[1], bytes) == 0;
+}
+
+static int state_finite(const shard_state *a) {
+  int ok = 1;
+  for (size_t i = 0; i < a->n; i++)
+    ok &= isfinite(a->params[i]) && isfinite(a->slots[0][i]) && isfinite(a->slots[1][i]);
+  return ok;
+}
+
+static void state_free(shard_state *a) {
+  free(a->params);
+  free(a->slots[0]);
+  free(a->slots[1]);
+}
+
+/* A push or pull of 0 values means nothing: refused, and the version does
+ * not move. A shard whose range is empty (more shards than 16-value
+ * blocks) still takes a push and a pull of its whole range. */
+static void test_zero_count(void) {
+  ps_job job = make_job("momentum");
   ps_shard *s = make_shard(&job, 0);
   if (!s) return;
-  ps_segview empty = {NULL, 0, 0};
   char err[PS_ERRLEN] = "";
+  float g[1] = {1.0f};
+  shard_state before = state_of(s);
+  CHECK(push_floats(s, 0, 16, g, 0, NULL, NULL, err) == PS_EINVAL);
+  CHECK_MSG(strstr(err, "push of 0 values at offset 16") != NULL, "%s", err);
+  ps_segview none = {NULL, 0, 0};
+  CHECK(ps_shard_push(s, 0, 0, 0, &none, NULL, NULL, err) == PS_EINVAL);
+  CHECK(ps_shard_push(s, 0, 0, 0, NULL, NULL, NULL, err) == PS_EINVAL);
+  CHECK(ps_shard_pull(s, 16, 0, err) == NULL);
+  CHECK_MSG(strstr(err, "pull of 0 values at offset 16") != NULL, "%s", err);
+  shard_state after = state_of(s);
+  CHECK(state_equal(&before, &after));
+  ps_shard_stats st;
+  ps_shard_stats_get(s, &st);
+  CHECK(st.version == 0 && st.rejected == 3 && st.pushes == 0);
+  state_free(&before);
+  state_free(&after);
+  ps_shard_destroy(s);
+
+  /* P = 1040 over 100 shards: some own nothing. */
+  int empty = -1;
+  for (int i = 0; i < 100 && empty < 0; i++) {
+    size_t b, e;
+    ps_shard_range(job.model.n_params, 100, i, &b, &e);
+    if (b == e) empty = i;
+  }
+  CHECK(empty >= 0);
+  s = ps_shard_create(&job, empty, 100, err);
+  CHECK_MSG(s != NULL, "%s", err);
+  if (!s) return;
   uint64_t v = 0;
-  CHECK(ps_shard_push(s, 0, 16, 0, &empty, &v, NULL, err) == PS_OK);
-  CHECK(v == 1);
+  CHECK(ps_shard_push(s, 0, ps_shard_begin(s), 0, &none, &v, NULL, err) == PS_OK && v == 1);
+  ps_snapshot *snap = ps_shard_pull(s, ps_shard_begin(s), 0, err);
+  CHECK(snap != NULL && snap->count == 0);
+  ps_snapshot_unref(snap);
+  ps_shard_destroy(s);
+}
+
+/* The defect an outside client found: two pushes of FLT_MAX with momentum.
+ * Each value is finite, but the second would make every velocity +Inf
+ * (0.9*FLT_MAX + FLT_MAX) and every parameter -Inf: refused whole, parameters, slots and version as
+ * they were, whether the update would have gone in place or into the next
+ * snapshot (a pull holding the current one). */
+static void test_flt_max_momentum(void) {
+  ps_job job = make_job("momentum");
+  ps_shard *s = make_shard(&job, 0);
+  if (!s) return;
+  size_t n = shard_len(s);
+  char err[PS_ERRLEN] = "";
+  float g[512];
+  for (size_t i = 0; i < n; i++) g[i] = FLT_MAX;
+  uint64_t v = 0;
+  CHECK(push_floats(s, 0, 0, g, n, &v, NULL, err) == PS_OK && v == 1);
+  shard_state one = state_of(s);
+  CHECK(state_finite(&one));
+  for (int hold = 0; hold < 2; hold++) {
+    ps_snapshot *snap = hold ? ps_shard_pull(s, 0, n, err) : NULL;
+    CHECK(push_floats(s, 1, 0, g, n, &v, NULL, err) == PS_EINVAL);
+    CHECK_MSG(strstr(err,
+                     "update refused: with optimizer momentum it would make parameter 0 "
+                     "(global index) -Inf (gradient value 3.40282e+38 there)") != NULL,
+              "%s", err);
+    shard_state now = state_of(s);
+    CHECK_MSG(state_equal(&one, &now), "hold %d: state changed", hold);
+    state_free(&now);
+    if (snap) CHECK(memcmp(snap->values, one.params, n * sizeof(float)) == 0);
+    ps_snapshot_unref(snap);
+  }
+  ps_shard_stats st;
+  ps_shard_stats_get(s, &st);
+  CHECK(st.version == 1 && st.pushes == 1 && st.rejected == 2);
+  /* Near the edge but finite: checked value by value, and applied exactly
+   * as the formula says (v = 0.9v - FLT_MAX, p -= lr*v). */
+  for (size_t i = 0; i < n; i++) g[i] = -FLT_MAX;
+  CHECK(push_floats(s, 1, 0, g, n, &v, NULL, err) == PS_OK && v == 2);
+  shard_state two = state_of(s);
+  int exact = 1;
+  for (size_t i = 0; i < n; i++) {
+    float vel = job.optim.momentum * one.slots[0][i] + g[i];
+    exact &= two.slots[0][i] == vel && two.params[i] == one.params[i] - job.optim.lr * vel;
+  }
+  CHECK(exact);
+  state_free(&one);
+  state_free(&two);
+  ps_shard_destroy(s);
+}
+
+/* Every optimizer, pushed towards overflow by -FLT_MAX gradients over the
+ * whole range or a part, in place or into the next snapshot: each push is
+ * applied while everything stays finite, and the first that would make a
+ * value non-finite is refused with nothing changed. */
+static void test_finite_results(void) {
+  const char *names[] = {"sgd", "momentum", "momentum", "adagrad", "adam"};
+  for (int o = 0; o < 5; o++) {
+    for (int part = 0; part < 2; part++) {
+      for (int hold = 0; hold < 2; hold++) {
+        ps_job job = make_job(names[o]);
+        job.optim.nesterov = o == 2;
+        ps_shard *s = make_shard(&job, 1);
+        if (!s) return;
+        size_t off = ps_shard_begin(s) + (part ? 100 : 0), cnt = part ? 50 : shard_len(s);
+        float g[528];
+        for (size_t i = 0; i < cnt; i++) g[i] = i % 3 ? -FLT_MAX : -FLT_MAX / 2;
+        char err[PS_ERRLEN] = "";
+        int refused = 0, pushes = 0;
+        while (!refused && pushes < 40) {
+          shard_state before = state_of(s);
+          ps_snapshot *snap = hold ? ps_shard_pull(s, ps_shard_begin(s), shard_len(s), err) : NULL;
+          int rc = push_floats(s, before.version, off, g, cnt, NULL, NULL, err);
+          ps_snapshot_unref(snap);
+          shard_state after = state_of(s);
+          if (rc == PS_OK) {
+            pushes++;
+            CHECK_MSG(state_finite(&after), "%s part %d hold %d: push %d made a value non-finite",
+                      names[o], part, hold, pushes);
+          } else {
+            refused = 1;
+            CHECK_MSG(rc == PS_EINVAL && strstr(err, "would make") != NULL, "%s: %d %s", names[o],
+                      rc, err);
+            CHECK_MSG(state_equal(&before, &after), "%s part %d hold %d: a refusal changed state",
+                      names[o], part, hold);
+          }
+          state_free(&before);
+          state_free(&after);
+        }
+        CHECK_MSG(refused, "%s part %d hold %d: %d pushes, none refused", names[o], part, hold,
+                  pushes);
+        ps_shard_destroy(s);
+      }
+    }
+  }
+}
+
+/* A push split over two threads: a value that would overflow in either
+ * half is found, named by its index, and changes nothing. */
+static void test_split_overflow(void) {
+  ps_job job = make_job("momentum");
+  char err[PS_ERRLEN] = "";
+  /* 64x64 inputs, dense 256: P = 4096*256 + 256 = 1048832, just above SPLIT_MIN */
+  int rc = ps_model_spec_parse(
+      "{\"input\": [1, 64, 64], \"classes\": 256, \"layers\": ["
+      "{\"type\": \"flatten\"}, {\"type\": \"dense\", \"units\": 256},"
+      "{\"type\": \"softmax_xent\"}]}",
+      &job.model, err);
+  CHECK_MSG(rc == 0, "%s", err);
+  ps_shard *s = ps_shard_create(&job, 0, 1, err);
+  if (!s) return;
+  size_t n = shard_len(s);
+  CHECK(n >= (1u << 20));
+  float *g = malloc(n * sizeof(float));
+  for (size_t i = 0; i < n; i++) g[i] = 0.001f;
+  for (size_t bad_at = n / 4; bad_at < n; bad_at += n / 2) {
+    g[bad_at] = FLT_MAX;
+    shard_state before = state_of(s);
+    CHECK(push_floats(s, 0, 0, g, n, NULL, NULL, err) == PS_OK); /* v = FLT_MAX there */
+    shard_state one = state_of(s);
+    CHECK(push_floats(s, 0, 0, g, n, NULL, NULL, err) == PS_EINVAL);
+    char want[96];
+    snprintf(want, sizeof want, "would make parameter %zu (global index) -Inf", bad_at);
+    CHECK_MSG(strstr(err, want) != NULL, "%s", err);
+    shard_state now = state_of(s);
+    CHECK(state_equal(&one, &now));
+    /* back to small values: the shard's bounds are exact again */
+    g[bad_at] = -FLT_MAX;
+    CHECK(push_floats(s, 0, 0, g, n, NULL, NULL, err) == PS_OK);
+    g[bad_at] = 0.001f;
+    state_free(&before);
+    state_free(&one);
+    state_free(&now);
+  }
+  free(g);
+  ps_shard_destroy(s);
+}
+
+/* sync: a gradient that would overflow the step's sum is refused (the sum
+ * as it was); one that brings it back from the edge is taken; a step whose
+ * result would not be finite is refused, its gradients dropped, and
+ * parameters, slots and version stay as they were. */
+static void test_sync_overflow(void) {
+  ps_job job = make_job("sgd");
+  job.mode_kind = PS_MODE_SYNC;
+  ps_shard *s = make_shard(&job, 0);
+  if (!s) return;
+  size_t n = shard_len(s);
+  char err[PS_ERRLEN] = "";
+  float big[512], neg[512];
+  for (size_t i = 0; i < n; i++) {
+    big[i] = FLT_MAX;
+    neg[i] = -FLT_MAX;
+  }
+  ps_seg sb = {(const uint8_t *)big, n * 4}, sn = {(const uint8_t *)neg, n * 4};
+  ps_segview vb = {&sb, 1, n * 4}, vn = {&sn, 1, n * 4};
+  int dropped = -1, have = -1;
+  uint64_t ver = 0;
+  shard_state start = state_of(s);
+  CHECK(ps_shard_sync_add(s, 1, 0, 0, n, &vb, &dropped, &have, err) == 0 && have == 1);
+  CHECK(ps_shard_sync_add(s, 2, 0, 0, n, &vb, &dropped, &have, err) == PS_EINVAL);
+  CHECK_MSG(strstr(err,
+                   "adding it to the step's sum (of 1 gradients) would make value 0 (global "
+                   "index 0) +Inf") != NULL,
+            "%s", err);
+  CHECK(ps_shard_sync_add(s, 2, 0, 0, n, &vn, &dropped, &have, err) == 0 && have == 2);
+  CHECK(ps_shard_sync_try_apply(s, 2, &ver, err) == 1 && ver == 1); /* the mean is 0 */
+  shard_state one = state_of(s);
+  CHECK(memcmp(one.params, start.params, n * sizeof(float)) == 0);
+  /* Steps of -FLT_MAX: p grows by lr*FLT_MAX each, until a step would
+   * overflow. */
+  int rc = 1;
+  uint64_t steps = 1;
+  shard_state before = state_of(s);
+  while (rc == 1 && steps < 40) {
+    state_free(&before);
+    before = state_of(s);
+    CHECK(ps_shard_sync_add(s, 1, steps, 0, n, &vn, &dropped, &have, err) == 0 && have == 1);
+    rc = ps_shard_sync_try_apply(s, 1, &ver, err);
+    steps += rc == 1;
+  }
+  CHECK_MSG(rc == PS_EINVAL && strstr(err,
+                                      "step of 1 gradients refused and dropped: update "
+                                      "refused") != NULL,
+            "%d %s", rc, err);
+  shard_state now = state_of(s);
+  CHECK(state_equal(&before, &now) && state_finite(&now));
+  ps_shard_stats st;
+  ps_shard_stats_get(s, &st);
+  CHECK(st.sync_pending == 0 && st.dropped == 1 && st.rejected == 1 && st.version == steps);
+  /* the next step begins afresh */
+  CHECK(ps_shard_sync_add(s, 1, steps, 0, n, &vb, &dropped, &have, err) == 0 && have == 1);
+  CHECK(ps_shard_sync_try_apply(s, 1, &ver, err) == 1 && ver == steps + 1);
+  state_free(&start);
+  state_free(&one);
+  state_free(&before);
+  state_free(&now);
   ps_shard_destroy(s);
 }
 
@@ -600,7 +869,11 @@ int main(void) {
   RUN(test_version_staleness_stats);
   RUN(test_snapshots);
   RUN(test_bad_input);
-  RUN(test_empty_push);
+  RUN(test_zero_count);
+  RUN(test_flt_max_momentum);
+  RUN(test_finite_results);
+  RUN(test_split_overflow);
+  RUN(test_sync_overflow);
   RUN(test_threads);
   return check_summary();
 }

@@ -152,7 +152,121 @@ static void test_each_float_range(void) {
   free(raw);
 }
 
+/* ---- UTF-8 and the logger ---- */
+
+static void test_utf8_char_len(void) {
+  const struct {
+    const char *s;
+    size_t n, want;
+  } cases[] = {
+      {"a", 1, 1},
+      {"\x7f", 1, 1},
+      {"\xc3\xa9", 2, 2},
+      {"\xc3", 1, 0}, /* cut short */
+      {"\xc3\x41", 2, 0},
+      {"\x80", 1, 0}, /* lone continuation */
+      {"\xc0\xaf", 2, 0},
+      {"\xc1\xbf", 2, 0}, /* overlong 2-byte */
+      {"\xe0\x80\xaf", 3, 0},
+      {"\xe0\xa0\x80", 3, 3}, /* overlong / U+0800 */
+      {"\xe2\x82\xac", 3, 3},
+      {"\xed\x9f\xbf", 3, 3}, /* U+D7FF */
+      {"\xed\xa0\x80", 3, 0},
+      {"\xed\xbf\xbf", 3, 0}, /* surrogates */
+      {"\xef\xbf\xbd", 3, 3},
+      {"\xf0\x8f\xbf\xbf", 4, 0}, /* overlong 4-byte */
+      {"\xf0\x9d\x84\x9e", 4, 4},
+      {"\xf4\x8f\xbf\xbf", 4, 4}, /* U+10FFFF */
+      {"\xf4\x90\x80\x80", 4, 0},
+      {"\xf5\x80\x80\x80", 4, 0}, /* above it */
+      {"\xf0\x9d\x84", 3, 0},
+      {"\xff", 1, 0},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+    CHECK_MSG(ps_utf8_char_len((const uint8_t *)cases[i].s, cases[i].n) == cases[i].want,
+              "case %zu", i);
+  CHECK(ps_utf8_valid_len("ab\xc3\xa9\xe2\x82\xac", 7) == 7);
+  CHECK(ps_utf8_valid_len("ab\xc3\xa9\xe2\x82", 6) == 4);
+  CHECK(ps_utf8_valid_len("a\0b", 3) == 3); /* NUL is valid UTF-8 */
+  CHECK(ps_utf8_valid_len("", 0) == 0);
+}
+
+/* Host names as a hostile worker sends them: too long for the field with
+ * multi-byte characters, invalid bytes, control characters. */
+static void test_utf8_sanitize(void) {
+  char in[128], out[64];
+  /* "a" then 23 euro signs: 70 bytes; 63 would cut the 21st sign. */
+  strcpy(in, "a");
+  for (int i = 0; i < 23; i++) strcat(in, "\xe2\x82\xac");
+  CHECK(strlen(in) == 70);
+  CHECK(ps_utf8_sanitize(out, sizeof out, in) == 61);
+  CHECK(strlen(out) == 61 && memcmp(out, in, 61) == 0);
+  CHECK(ps_utf8_valid_len(out, strlen(out)) == strlen(out));
+  /* 35 e-acutes: 70 bytes, cut to 62. */
+  in[0] = '\0';
+  for (int i = 0; i < 35; i++) strcat(in, "\xc3\xa9");
+  CHECK(ps_utf8_sanitize(out, sizeof out, in) == 62 && memcmp(out, in, 62) == 0);
+  /* Control characters (newline, ESC, DEL, C1 CSI) and invalid bytes each
+   * become U+FFFD; the rest is kept. */
+  ps_utf8_sanitize(out, sizeof out, "h\nx\x1b[31m\x7f\xc2\x9b\xff\xc3\xa9");
+  CHECK_MSG(
+      strcmp(out, "h\xef\xbf\xbdx\xef\xbf\xbd[31m\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd\xc3\xa9") ==
+          0,
+      "%s", out);
+  /* An overlong form is several invalid bytes, each replaced. */
+  ps_utf8_sanitize(out, sizeof out, "\xc0\xaf");
+  CHECK(strcmp(out, "\xef\xbf\xbd\xef\xbf\xbd") == 0);
+  /* A replacement that does not fit is left out whole. */
+  char small[5];
+  CHECK(ps_utf8_sanitize(small, sizeof small, "ab\xff") == 2 && strcmp(small, "ab") == 0);
+  CHECK(ps_utf8_sanitize(small, sizeof small, NULL) == 0 && small[0] == '\0');
+  CHECK(ps_utf8_sanitize(small, 1, "abc") == 0 && small[0] == '\0');
+}
+
+/* What ps_log writes to stderr for one message. */
+static char *log_line(const char *arg) {
+  char path[] = "/tmp/test_util_log.XXXXXX";
+  int fd = mkstemp(path);
+  if (fd < 0) return NULL;
+  fflush(stderr);
+  int saved = dup(2);
+  dup2(fd, 2);
+  ps_log(PS_LOG_WARN, "worker registered (host %s)", arg);
+  fflush(stderr);
+  dup2(saved, 2);
+  close(saved);
+  close(fd);
+  char *text = NULL;
+  ps_read_file(path, &text, NULL, NULL);
+  unlink(path);
+  return text;
+}
+
+/* No message, whatever a caller passes in, makes more than one line or
+ * reaches the terminal as a control sequence. */
+static void test_log_escapes(void) {
+  char *line = log_line(
+      "evil\n12:00:00.000 ps-server info: forged\r\x1b[31mred\x7f"
+      "\xc2\x9b\xff\t\xc3\xa9");
+  CHECK(line != NULL);
+  if (!line) return;
+  size_t n = strlen(line);
+  CHECK(n > 0 && line[n - 1] == '\n' && strchr(line, '\n') == line + n - 1);
+  int ctl = 0;
+  for (size_t i = 0; i + 1 < n; i++) ctl |= (unsigned char)line[i] < 0x20 || line[i] == 0x7f;
+  CHECK(!ctl);
+  CHECK(ps_utf8_valid_len(line, n) == n);
+  CHECK_MSG(strstr(line,
+                   "warn: worker registered (host evil\\n12:00:00.000 ps-server info: "
+                   "forged\\r\\x1b[31mred\\x7f\\xc2\\x9b\\xff\\t\xc3\xa9)\n") != NULL,
+            "%s", line);
+  free(line);
+}
+
 int main(void) {
+  RUN(test_utf8_char_len);
+  RUN(test_utf8_sanitize);
+  RUN(test_log_escapes);
   RUN(test_each_float_range);
   RUN(test_each_float_splits);
   RUN(test_each_float_stops);

@@ -445,13 +445,142 @@ static void test_malformed(void) {
   expect_refused("truncated fixed32", trunc32, sizeof(trunc32), "truncated");
   const uint8_t tensor_varint[] = {0x78, 0x01};
   expect_refused("tensor as varint", tensor_varint, sizeof(tensor_varint), "tensor");
-  /* Well-formed at the top level, refused by protobuf-c: a nested header
-   * whose own bytes are a truncated varint. */
+  /* Well-formed at the top level: a nested header whose own bytes are a
+   * truncated varint, refused by the walk that checks nested strings. */
   const uint8_t bad_nested[] = {0x0a, 0x02, 0x08, 0x80, 0x7a, 0x01, 0x00};
-  expect_refused("bad nested header", bad_nested, sizeof(bad_nested), "protobuf-c");
+  expect_refused("bad nested header", bad_nested, sizeof(bad_nested),
+                 "in PushRequest.header, truncated varint at byte 1");
   /* and a known field with the wrong wire type */
   const uint8_t wrong_type[] = {0x12, 0x01, 0x00};
   expect_refused("varint field as bytes", wrong_type, sizeof(wrong_type), "protobuf-c");
+}
+
+/* ---- strings: valid UTF-8, no NUL ---- */
+
+/* m packed by protobuf-c with the first occurrence of `mark` replaced by
+ * `with` (as many bytes: the framing stays valid); protobuf-c itself cannot
+ * write a NUL into a string. The caller frees .bytes. */
+static blob packed_with(const ProtobufCMessage *m, const char *mark, const char *with) {
+  blob b = {.len = protobuf_c_message_get_packed_size(m)};
+  b.bytes = malloc(b.len);
+  protobuf_c_message_pack(m, b.bytes);
+  size_t k = strlen(mark);
+  for (size_t i = 0; i + k <= b.len; i++) {
+    if (memcmp(b.bytes + i, mark, k) == 0) {
+      memcpy(b.bytes + i, with, k);
+      break;
+    }
+  }
+  return b;
+}
+
+/* Decodes b as desc, whole and split after every byte; returns 1 if every
+ * try was accepted, 0 if every one was refused with needle in the message. */
+static int decode_strings(const ProtobufCMessageDescriptor *desc, blob b, const char *needle) {
+  int accepted = 0, refused = 0;
+  for (int pass = 0; pass < 2; pass++) {
+    split *s = pass == 0 ? split_at(b.bytes, b.len, NULL, 0) : split_every(b.bytes, b.len, 1);
+    ps_seg tsegs[256];
+    ps_segview tv;
+    char err[PS_ERRLEN] = "";
+    ProtobufCMessage *got = wire_decode(desc, &s->view, tsegs, 256, &tv, err);
+    if (got) {
+      accepted++;
+      protobuf_c_message_free_unpacked(got, NULL);
+    } else {
+      refused += needle != NULL && strstr(err, needle) != NULL;
+      CHECK_MSG(needle != NULL && strstr(err, needle) != NULL, "message '%s', wanted '%s'", err,
+                needle ? needle : "(accepted)");
+    }
+    split_free(s);
+  }
+  return accepted == 2 ? 1 : refused == 2 ? 0 : -1;
+}
+
+/* A PushRequest of `count` values in job `job`, with h as its header. */
+static Ps__PushRequest push_request(Ps__RequestHeader *h, const char *job, uint64_t count) {
+  ps__request_header__init(h);
+  h->protocol_version = PS_PROTOCOL_VERSION;
+  h->job_id = (char *)job;
+  Ps__PushRequest r = PS__PUSH_REQUEST__INIT;
+  r.header = h;
+  r.count = count;
+  return r;
+}
+
+static int push_with_job_id(const char *mark, const char *with, const char *needle) {
+  Ps__RequestHeader h;
+  Ps__PushRequest r = push_request(&h, mark, 1);
+  blob b = packed_with(&r.base, mark, with);
+  int rc = decode_strings(&ps__push_request__descriptor, b, needle);
+  free(b.bytes);
+  return rc;
+}
+
+/* A job id with a NUL inside would compare equal to its prefix (protobuf-c
+ * hands out C strings); invalid UTF-8 breaks every other protobuf library.
+ * Both are refused, in a nested message (the header) too. */
+static void test_strings_checked(void) {
+  CHECK(push_with_job_id("jobXevil", "job\0evil", "RequestHeader.job_id holds a NUL byte") == 0);
+  CHECK(push_with_job_id("jobX", "job\0", "holds a NUL byte") == 0);
+  CHECK(push_with_job_id("job-X", "job-\xff", "RequestHeader.job_id is not valid UTF-8 (byte 4)") ==
+        0);
+  /* in the header, so the message says where */
+  CHECK(push_with_job_id("jobX", "job\xc3", "in PushRequest.header, string field") == 0);
+  /* Each kind of invalid sequence: a lone continuation, an overlong '/', a
+   * truncated 3-byte character, a surrogate (U+D800), above U+10FFFF, F5. */
+  const char *bad[][2] = {{"aaXz", "aa\x80z"},     {"aaXXz", "aa\xc0\xafz"},
+                          {"aaXXz", "aa\xe2\x82z"}, {"aXXXz", "a\xed\xa0\x80z"},
+                          {"XXXX", "\xf4\x90\x80\x80"}, {"zyXwv", "zy\xf5wv"}};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+    CHECK_MSG(push_with_job_id(bad[i][0], bad[i][1], "not valid UTF-8") == 0, "case %zu", i);
+  /* Valid UTF-8 of every length goes through unchanged. */
+  const char *good = "job-\xc3\xa9-\xe2\x82\xac-\xf0\x9d\x84\x9e"; /* é € 𝄞 */
+  CHECK(push_with_job_id(good, good, NULL) == 1);
+
+  /* A top-level string (RegisterRequest.host), a repeated one
+   * (RegisterResponse.shards), one in a reply (StatusResponse.mode): all
+   * checked. */
+  Ps__RegisterRequest rr = PS__REGISTER_REQUEST__INIT;
+  rr.host = "hostX";
+  blob b = packed_with(&rr.base, "hostX", "host\n"); /* a control character is valid UTF-8 */
+  CHECK(decode_strings(&ps__register_request__descriptor, b, NULL) == 1);
+  free(b.bytes);
+  b = packed_with(&rr.base, "hostX", "host\xfe");
+  CHECK(decode_strings(&ps__register_request__descriptor, b, "RegisterRequest.host") == 0);
+  free(b.bytes);
+  Ps__RegisterResponse rs = PS__REGISTER_RESPONSE__INIT;
+  char *shards[2] = {"a:1", "bX:2"};
+  rs.n_shards = 2;
+  rs.shards = shards;
+  b = packed_with(&rs.base, "bX:2", "b\0:2");
+  CHECK(decode_strings(&ps__register_response__descriptor, b, "RegisterResponse.shards") == 0);
+  free(b.bytes);
+  Ps__StatusResponse st = PS__STATUS_RESPONSE__INIT;
+  st.mode = "asyncX";
+  b = packed_with(&st.base, "asyncX", "async\0");
+  CHECK(decode_strings(&ps__status_response__descriptor, b, "StatusResponse.mode") == 0);
+  free(b.bytes);
+}
+
+/* The tensor (field 15 as bytes) is not a string: any bytes go through, and
+ * still without a copy. */
+static void test_tensor_not_checked(void) {
+  const uint8_t raw[8] = {0x00, 0xff, 0xfe, 0xc0, 0x80, 0xed, 0xa0, 0x00};
+  Ps__RequestHeader h;
+  Ps__PushRequest r = push_request(&h, "j", 2);
+  rpc_msg m;
+  CHECK(wire_encode(&r.base, raw, sizeof raw, count_release, &releases, &m) == 0);
+  ps_seg in[2] = {{m.seg[0].ptr, m.seg[0].len}, {m.seg[1].ptr, m.seg[1].len}};
+  ps_segview v = {in, 2, in[0].len + in[1].len}, tv;
+  ps_seg tsegs[2];
+  char err[PS_ERRLEN] = "";
+  ProtobufCMessage *got = wire_decode(&ps__push_request__descriptor, &v, tsegs, 2, &tv, err);
+  CHECK_MSG(got != NULL, "%s", err);
+  CHECK(tv.nsegs == 1 && tv.total == sizeof raw && tv.segs[0].ptr == in[1].ptr);
+  if (got)
+    protobuf_c_message_free_unpacked(got, NULL);
+  rpc_msg_release(&m);
 }
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
@@ -469,11 +598,8 @@ static void test_garbage(void) {
   float t[40];
   for (int i = 0; i < 40; i++)
     t[i] = (float)i;
-  Ps__RequestHeader rh = PS__REQUEST_HEADER__INIT;
-  rh.job_id = "fuzz";
-  Ps__PushRequest pr = PS__PUSH_REQUEST__INIT;
-  pr.header = &rh;
-  pr.count = 40;
+  Ps__RequestHeader rh;
+  Ps__PushRequest pr = push_request(&rh, "fuzz", 40);
   rpc_msg m;
   CHECK(wire_encode(&pr.base, t, sizeof(t), NULL, NULL, &m) == PS_OK);
   blob valid = msg_bytes(&m);
@@ -531,6 +657,8 @@ int main(void) {
   RUN(test_fields_in_any_order);
   RUN(test_messages_without_tensor);
   RUN(test_malformed);
+  RUN(test_strings_checked);
+  RUN(test_tensor_not_checked);
   RUN(test_garbage);
   return check_summary();
 }
