@@ -21,121 +21,42 @@
 #include "../../common/wire.h"
 #include "../unit/check.h"
 #include "proto/ps.pb-c.h"
+#include "raw_client.h"
 
-#define M(name) "/ps.ParameterServer/" name
+#define M RAW_METHOD
 
-typedef struct {
-  uint64_t id;
-  uint8_t session[PS_SESSION_LEN];
-  size_t session_len;
-} identity;
-
-static rpc_channel *ch;
-static rpc_queue *q;
-static char job_id[64];
-static uint64_t range_off, range_cnt;
+typedef raw_identity identity;
+static raw_client C = {.timeout_ms = 10000};
 static ps_token token, read_token, wrong_token;
 
-/* A header with the given token and identity (either may be NULL). */
 static void header(Ps__RequestHeader *h, const ps_token *t, const identity *who) {
-  ps__request_header__init(h);
-  h->protocol_version = PS_PROTOCOL_VERSION;
-  h->job_id = job_id;
-  if (t) h->token = (ProtobufCBinaryData){.len = t->len, .data = (uint8_t *)t->bytes};
-  if (who) {
-    h->worker_id = who->id;
-    h->session = (ProtobufCBinaryData){.len = who->session_len, .data = (uint8_t *)who->session};
-  }
+  raw_header(&C, h, t, who);
 }
 
-/* One call on channel c; *resp (may be NULL) receives the reply. */
 static int call_on(rpc_channel *c, const char *method, const ProtobufCMessage *m, const void *tensor,
                    size_t tbytes, char *detail, uint8_t **resp, size_t *resp_len, int timeout_ms) {
-  rpc_msg msg;
-  if (wire_encode(m, tensor, tbytes, NULL, NULL, &msg) != 0) return -1;
-  uint8_t *r = NULL;
-  size_t rl = 0;
-  detail[0] = '\0';
-  int st = rpc_call_sync(q, c, method, &msg, timeout_ms, 1, &r, &rl, detail);
-  if (resp) {
-    *resp = r;
-    *resp_len = rl;
-  } else {
-    free(r);
-  }
-  return st;
+  raw_client shorter = C;
+  shorter.timeout_ms = timeout_ms;
+  return raw_call_on(&shorter, c, method, m, tensor, tbytes, detail, resp, resp_len);
 }
 
 static int call(const char *method, const ProtobufCMessage *m, const void *tensor, size_t tbytes,
                 char *detail, uint8_t **resp, size_t *resp_len) {
-  return call_on(ch, method, m, tensor, tbytes, detail, resp, resp_len, 10000);
+  return raw_call_on(&C, NULL, method, m, tensor, tbytes, detail, resp, resp_len);
 }
 
 static int do_register(const ps_token *t, const char *role, const char *host, const identity *as,
                        identity *out, char *detail) {
-  Ps__RequestHeader h;
-  header(&h, t, as);
-  Ps__RegisterRequest rr = PS__REGISTER_REQUEST__INIT;
-  rr.header = &h;
-  rr.host = (char *)host;
-  rr.role = (char *)role;
-  rr.task_index = -1;
-  uint8_t *resp = NULL;
-  size_t len = 0;
-  int st = call(M("Register"), &rr.base, NULL, 0, detail, &resp, &len);
-  if (st == RPC_OK && out) {
-    Ps__RegisterResponse *r = ps__register_response__unpack(NULL, len, resp);
-    CHECK(r != NULL);
-    if (r) {
-      out->id = r->worker_id;
-      out->session_len = r->session.len <= PS_SESSION_LEN ? r->session.len : 0;
-      memcpy(out->session, r->session.data, out->session_len);
-      snprintf(job_id, sizeof job_id, "%s", r->job_id);
-      range_off = r->range_offset;
-      range_cnt = r->range_count;
-      ps__register_response__free_unpacked(r, NULL);
-    }
-  }
-  free(resp);
-  return st;
+  return raw_register(&C, t, role, host, as, out, detail);
 }
 
 static int do_pull(const ps_token *t, const identity *who, float *vals, uint64_t *version,
                    char *detail) {
-  Ps__RequestHeader h;
-  header(&h, t, who);
-  Ps__PullRequest req = PS__PULL_REQUEST__INIT;
-  req.header = &h;
-  req.offset = range_off;
-  req.count = range_cnt;
-  uint8_t *resp = NULL;
-  size_t len = 0;
-  int st = call(M("Pull"), &req.base, NULL, 0, detail, &resp, &len);
-  if (st == RPC_OK && vals) {
-    ps_seg seg = {resp, len}, tseg[2];
-    ps_segview v = {&seg, 1, len}, tensor;
-    char err[PS_ERRLEN];
-    ProtobufCMessage *m = wire_decode(&ps__pull_response__descriptor, &v, tseg, 2, &tensor, err);
-    CHECK(m != NULL && tensor.total == range_cnt * sizeof(float));
-    if (m) {
-      ps_segview_copy(&tensor, 0, vals, range_cnt * sizeof(float));
-      *version = ((Ps__PullResponse *)m)->version;
-      protobuf_c_message_free_unpacked(m, NULL);
-    }
-  }
-  free(resp);
-  return st;
+  return raw_pull(&C, t, who, vals, version, detail);
 }
 
 static int do_push(const ps_token *t, const identity *who, const float *g, char *detail) {
-  Ps__RequestHeader h;
-  header(&h, t, who);
-  Ps__PushRequest req = PS__PUSH_REQUEST__INIT;
-  req.header = &h;
-  req.offset = range_off;
-  req.count = range_cnt;
-  req.batch_size = 1;
-  return call(M("Push"), &req.base, g, range_cnt * sizeof(float), detail, NULL, NULL);
+  return raw_push(&C, NULL, t, who, g, C.range_cnt, detail);
 }
 
 static int do_simple(const char *method, const ps_token *t, const identity *who, char *detail) {
@@ -226,9 +147,9 @@ int main(int argc, char **argv) {
   wrong_token = token;
   wrong_token.bytes[0] ^= 1;
   rpc_global_init();
-  ch = channel(addr, ca, cert, key);
-  q = rpc_queue_create();
-  if (!ch || !q) return 1;
+  C.ch = channel(addr, ca, cert, key);
+  C.q = rpc_queue_create();
+  if (!C.ch || !C.q) return 1;
 
   /* Transport first (before the workers' registrations could time out):
    * another CA, no client certificate, plaintext get no answer. */
@@ -256,9 +177,9 @@ int main(int argc, char **argv) {
   CHECK(memcmp(a.session, b.session, PS_SESSION_LEN) != 0);
   printf("registered a=%016" PRIx64 " b=%016" PRIx64 "\n", a.id, b.id);
 
-  float *before = malloc(range_cnt * sizeof(float)), *after = malloc(range_cnt * sizeof(float));
-  float *g = malloc(range_cnt * sizeof(float));
-  for (size_t i = 0; i < range_cnt; i++) g[i] = 0.5f;
+  float *before = malloc(C.range_cnt * sizeof(float)), *after = malloc(C.range_cnt * sizeof(float));
+  float *g = malloc(C.range_cnt * sizeof(float));
+  for (size_t i = 0; i < C.range_cnt; i++) g[i] = 0.5f;
   uint64_t v0 = 0, v1 = 0;
   CHECK(do_pull(&token, &a, before, &v0, detail) == RPC_OK);
   Ps__StatusResponse *s0 = status();
@@ -305,7 +226,7 @@ int main(int argc, char **argv) {
   EXPECT(do_simple(M("Leave"), &read_token, &e, detail), RPC_OK, "");
   /* Nothing changed: the parameters, the version, who is registered. */
   CHECK(do_pull(&token, &a, after, &v1, detail) == RPC_OK);
-  CHECK_MSG(v1 == v0 && memcmp(before, after, range_cnt * sizeof(float)) == 0,
+  CHECK_MSG(v1 == v0 && memcmp(before, after, C.range_cnt * sizeof(float)) == 0,
             "the refused requests changed the shard: version %" PRIu64 " -> %" PRIu64, v0, v1);
   Ps__StatusResponse *s1 = status();
   CHECK(s0 && s1 && s0->n_workers == 2 && s1->n_workers == 2);
@@ -322,7 +243,7 @@ int main(int argc, char **argv) {
   /* ... while the right secrets work: a's push changes the shard. */
   EXPECT(do_push(&token, &a, g, detail), RPC_OK, "");
   CHECK(do_pull(&token, &a, after, &v1, detail) == RPC_OK);
-  CHECK_MSG(v1 == v0 + 1 && memcmp(before, after, range_cnt * sizeof(float)) != 0,
+  CHECK_MSG(v1 == v0 + 1 && memcmp(before, after, C.range_cnt * sizeof(float)) != 0,
             "a good push did not change the shard (version %" PRIu64 " -> %" PRIu64 ")", v0, v1);
   EXPECT(do_simple(M("Leave"), &token, &a, detail), RPC_OK, "");
   EXPECT(do_simple(M("Leave"), &token, &b, detail), RPC_OK, "");
@@ -330,8 +251,8 @@ int main(int argc, char **argv) {
   free(before);
   free(after);
   free(g);
-  rpc_queue_destroy(q);
-  rpc_channel_destroy(ch);
+  rpc_queue_destroy(C.q);
+  rpc_channel_destroy(C.ch);
   rpc_global_shutdown();
   return check_summary();
 }

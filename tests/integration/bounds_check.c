@@ -19,112 +19,38 @@
 #include "../../common/wire.h"
 #include "../unit/check.h"
 #include "proto/ps.pb-c.h"
+#include "raw_client.h"
 
-#define M(name) "/ps.ParameterServer/" name
+#define M RAW_METHOD
 enum { MAX_WORKERS = 4 };
 
-typedef struct {
-  uint64_t id;
-  uint8_t session[PS_SESSION_LEN];
-  size_t session_len;
-} identity;
-
-static rpc_queue *q;
+typedef raw_identity identity;
+static raw_client C = {.timeout_ms = 20000};
 static ps_token token;
-static char job_id[64];
-static uint64_t range_off, range_cnt;
-static uint64_t base_version; /* what pushes say they were computed from */
 
-static void header(Ps__RequestHeader *h, const identity *who) {
-  ps__request_header__init(h);
-  h->protocol_version = PS_PROTOCOL_VERSION;
-  h->job_id = job_id;
-  h->token = (ProtobufCBinaryData){.len = token.len, .data = token.bytes};
-  if (who) {
-    h->worker_id = who->id;
-    h->session = (ProtobufCBinaryData){.len = who->session_len, .data = (uint8_t *)who->session};
-  }
-}
+static void header(Ps__RequestHeader *h, const identity *who) { raw_header(&C, h, &token, who); }
 
 static int call(rpc_channel *ch, const char *method, const ProtobufCMessage *m,
                 const void *tensor, size_t tbytes, char *detail, uint8_t **resp, size_t *len) {
-  rpc_msg msg;
-  if (wire_encode(m, tensor, tbytes, NULL, NULL, &msg) != 0) return -1;
-  uint8_t *r = NULL;
-  size_t rl = 0;
-  detail[0] = '\0';
-  int st = rpc_call_sync(q, ch, method, &msg, 20000, 1, &r, &rl, detail);
-  if (resp) {
-    *resp = r;
-    *len = rl;
-  } else {
-    free(r);
-  }
-  return st;
+  return raw_call_on(&C, ch, method, m, tensor, tbytes, detail, resp, len);
 }
 
 static int do_register(rpc_channel *ch, identity *out, char *detail) {
-  Ps__RequestHeader h;
-  header(&h, NULL);
-  Ps__RegisterRequest rr = PS__REGISTER_REQUEST__INIT;
-  rr.header = &h;
-  rr.host = "bounds";
-  rr.role = "worker";
-  uint8_t *resp = NULL;
-  size_t len = 0;
-  int st = call(ch, M("Register"), &rr.base, NULL, 0, detail, &resp, &len);
-  if (st == RPC_OK) {
-    Ps__RegisterResponse *r = ps__register_response__unpack(NULL, len, resp);
-    out->id = r->worker_id;
-    out->session_len = r->session.len <= PS_SESSION_LEN ? r->session.len : 0;
-    memcpy(out->session, r->session.data, out->session_len);
-    snprintf(job_id, sizeof job_id, "%s", r->job_id);
-    range_off = r->range_offset;
-    range_cnt = r->range_count;
-    ps__register_response__free_unpacked(r, NULL);
-  }
-  free(resp);
-  return st;
+  (void)ch;
+  return raw_register(&C, &token, "worker", "bounds", NULL, out, detail);
 }
 
 static int do_push(rpc_channel *ch, const identity *who, const float *g, size_t count,
                    char *detail) {
-  Ps__RequestHeader h;
-  header(&h, who);
-  Ps__PushRequest req = PS__PUSH_REQUEST__INIT;
-  req.header = &h;
-  req.offset = range_off;
-  req.count = count;
-  req.batch_size = 1;
-  req.base_version = base_version;
-  return call(ch, M("Push"), &req.base, g, count * sizeof(float), detail, NULL, NULL);
+  return raw_push(&C, ch, &token, who, g, count, detail);
 }
 
 /* The shard's values and version now (a pull that need not wait). */
 static int snapshot(rpc_channel *ch, const identity *who, float *vals, uint64_t *version) {
-  Ps__RequestHeader h;
-  header(&h, who);
-  Ps__PullRequest req = PS__PULL_REQUEST__INIT;
-  req.header = &h;
-  req.offset = range_off;
-  req.count = range_cnt;
+  (void)ch;
   char detail[PS_ERRLEN];
-  uint8_t *resp = NULL;
-  size_t len = 0;
-  int st = call(ch, M("Pull"), &req.base, NULL, 0, detail, &resp, &len);
+  int st = raw_pull(&C, &token, who, vals, version, detail);
   CHECK_MSG(st == RPC_OK, "pull: %s %s", rpc_status_name(st), detail);
-  if (st == RPC_OK) {
-    ps_seg seg = {resp, len}, tseg[2];
-    ps_segview v = {&seg, 1, len}, tensor;
-    char err[PS_ERRLEN];
-    ProtobufCMessage *m = wire_decode(&ps__pull_response__descriptor, &v, tseg, 2, &tensor, err);
-    if (m) {
-      ps_segview_copy(&tensor, 0, vals, range_cnt * sizeof(float));
-      *version = ((Ps__PullResponse *)m)->version;
-      protobuf_c_message_free_unpacked(m, NULL);
-    }
-  }
-  free(resp);
   return st;
 }
 
@@ -140,14 +66,7 @@ static double peak_mib(const char *pid) {
   return kb / 1024;
 }
 
-#define EXPECT(what, st_expr, code, substr)                                                  \
-  do {                                                                                       \
-    int st_ = (st_expr);                                                                     \
-    CHECK_MSG(st_ == (code) && strstr(detail, substr) != NULL,                               \
-              "%s: got %s '%s', want %s containing '%s'", what, rpc_status_name(st_), detail, \
-              rpc_status_name(code), substr);                                                \
-    printf("  %-44s -> %s: %.70s\n", what, rpc_status_name(st_), detail);                   \
-  } while (0)
+#define EXPECT RAW_EXPECT
 
 int main(int argc, char **argv) {
   if (argc != 3) {
@@ -165,15 +84,16 @@ int main(int argc, char **argv) {
   rpc_channel_opts gz = {.keepalive_ms = RPC_DEFAULT_KEEPALIVE_MS, .gzip = 1};
   rpc_channel *ch = rpc_channel_create(argv[1], &plain, err);
   rpc_channel *zch = rpc_channel_create(argv[1], &gz, err);
-  q = rpc_queue_create();
-  if (!ch || !zch || !q) return 1;
+  C.q = rpc_queue_create();
+  C.ch = ch;
+  if (!ch || !zch || !C.q) return 1;
 
   identity w[MAX_WORKERS + 1];
   for (int i = 0; i < MAX_WORKERS; i++)
     EXPECT("Register within max_workers", do_register(ch, &w[i], detail), RPC_OK, "");
   EXPECT("Register beyond max_workers", do_register(ch, &w[MAX_WORKERS], detail),
          RPC_RESOURCE_EXHAUSTED, "max_workers");
-  float *before = malloc(range_cnt * sizeof(float)), *after = malloc(range_cnt * sizeof(float));
+  float *before = malloc(C.range_cnt * sizeof(float)), *after = malloc(C.range_cnt * sizeof(float));
   uint64_t v0 = 0, v1 = 0;
   snapshot(ch, &w[0], before, &v0);
   double peak0 = peak_mib(argv[2]);
@@ -182,17 +102,7 @@ int main(int argc, char **argv) {
   enum { WAITING = 2 * MAX_WORKERS };
   rpc_request *held[WAITING];
   for (int i = 0; i < WAITING; i++) {
-    Ps__RequestHeader h;
-    header(&h, &w[i % MAX_WORKERS]);
-    Ps__PullRequest req = PS__PULL_REQUEST__INIT;
-    req.header = &h;
-    req.offset = range_off;
-    req.count = range_cnt;
-    req.min_version = 1;
-    rpc_msg msg;
-    held[i] = wire_encode(&req.base, NULL, 0, NULL, NULL, &msg) == 0
-                  ? rpc_start(q, ch, M("Pull"), &msg, 20000, 1, err)
-                  : NULL;
+    held[i] = raw_pull_start(&C, &token, &w[i % MAX_WORKERS], 1);
     CHECK(held[i] != NULL);
   }
   ps_sleep_ms(500); /* they reach the shard and wait */
@@ -201,8 +111,8 @@ int main(int argc, char **argv) {
     header(&h, &w[0]);
     Ps__PullRequest req = PS__PULL_REQUEST__INIT;
     req.header = &h;
-    req.offset = range_off;
-    req.count = range_cnt;
+    req.offset = C.range_off;
+    req.count = C.range_cnt;
     req.min_version = 1;
     EXPECT("a pull beyond 2 x max_workers waiting",
            call(ch, M("Pull"), &req.base, NULL, 0, detail, NULL, NULL), RPC_RESOURCE_EXHAUSTED,
@@ -212,12 +122,12 @@ int main(int argc, char **argv) {
     if (held[i]) rpc_request_free(held[i]); /* cancelled */
 
   /* A push larger than the shard's range could ever need. */
-  size_t big = range_cnt + 32 * 1024;
+  size_t big = C.range_cnt + 32 * 1024;
   float *g = calloc(big, sizeof(float));
   EXPECT("a push past the shard's size", do_push(ch, &w[0], g, big, detail),
          RPC_RESOURCE_EXHAUSTED, "");
   /* A compressed push (gzip of zeros: tiny on the wire). */
-  EXPECT("a gzip-compressed push", do_push(zch, &w[0], g, range_cnt, detail), RPC_UNIMPLEMENTED,
+  EXPECT("a gzip-compressed push", do_push(zch, &w[0], g, C.range_cnt, detail), RPC_UNIMPLEMENTED,
          "");
   /* A Status request with a 256 MiB unknown field (number 100, bytes). */
   {
@@ -236,7 +146,7 @@ int main(int argc, char **argv) {
     uint8_t *r = NULL;
     size_t rl = 0;
     detail[0] = '\0';
-    int st = rpc_call_sync(q, ch, M("Status"), &msg, 30000, 1, &r, &rl, detail);
+    int st = rpc_call_sync(C.q, ch, M("Status"), &msg, 30000, 1, &r, &rl, detail);
     free(r);
     free(raw);
     EXPECT("a 256 MiB unknown field", st, RPC_RESOURCE_EXHAUSTED, "");
@@ -246,36 +156,26 @@ int main(int argc, char **argv) {
   CHECK_MSG(peak0 > 0 && peak1 - peak0 < 64, "the server's peak memory grew by %.0f MiB",
             peak1 - peak0);
   snapshot(ch, &w[0], after, &v1);
-  CHECK_MSG(v1 == v0 && memcmp(before, after, range_cnt * sizeof(float)) == 0,
+  CHECK_MSG(v1 == v0 && memcmp(before, after, C.range_cnt * sizeof(float)) == 0,
             "refused requests changed the shard (version %" PRIu64 " -> %" PRIu64 ")", v0, v1);
   /* The four workers' gradients apply step 1. */
-  for (size_t i = 0; i < range_cnt; i++) g[i] = 0.25f;
+  for (size_t i = 0; i < C.range_cnt; i++) g[i] = 0.25f;
   for (int i = 0; i < MAX_WORKERS; i++)
-    EXPECT("a sync gradient", do_push(ch, &w[i], g, range_cnt, detail), RPC_OK, "");
+    EXPECT("a sync gradient", do_push(ch, &w[i], g, C.range_cnt, detail), RPC_OK, "");
   snapshot(ch, &w[0], after, &v1);
-  CHECK_MSG(v1 == v0 + 1 && memcmp(before, after, range_cnt * sizeof(float)) != 0,
+  CHECK_MSG(v1 == v0 + 1 && memcmp(before, after, C.range_cnt * sizeof(float)) != 0,
             "the step was not applied (version %" PRIu64 " -> %" PRIu64 ")", v0, v1);
   /* Steps whose momentum grows past FLT_MAX: the one that would make the
    * model non-finite is refused, and the pull waiting for it is told at
    * once (not after its deadline) why, with nothing changed. */
-  for (size_t i = 0; i < range_cnt; i++) g[i] = 8e37f;
+  for (size_t i = 0; i < C.range_cnt; i++) g[i] = 8e37f;
   int refused = 0;
   for (uint64_t step = v1 + 1; step < v1 + 12 && !refused; step++) {
-    Ps__RequestHeader h;
-    header(&h, &w[0]);
-    Ps__PullRequest req = PS__PULL_REQUEST__INIT;
-    req.header = &h;
-    req.offset = range_off;
-    req.count = range_cnt;
-    req.min_version = step;
-    rpc_msg msg;
-    rpc_request *waiting = wire_encode(&req.base, NULL, 0, NULL, NULL, &msg) == 0
-                               ? rpc_start(q, ch, M("Pull"), &msg, 20000, 1, err)
-                               : NULL;
+    rpc_request *waiting = raw_pull_start(&C, &token, &w[0], step);
     ps_sleep_ms(100);
     snapshot(ch, &w[1], before, &v0);
-    base_version = v0;
-    for (int i = 0; i < MAX_WORKERS; i++) do_push(ch, &w[i], g, range_cnt, detail);
+    C.base_version = v0;
+    for (int i = 0; i < MAX_WORKERS; i++) do_push(ch, &w[i], g, C.range_cnt, detail);
     double t0 = ps_now_s();
     ps_segview view;
     int st = waiting ? rpc_wait(waiting, detail, &view) : -1;
@@ -286,14 +186,14 @@ int main(int argc, char **argv) {
     EXPECT("a pull waiting for a step that is refused", st, RPC_FAILED_PRECONDITION, "refused");
     CHECK_MSG(waited < 5, "the refused step's pull waited %.1f s", waited);
     snapshot(ch, &w[1], after, &v1);
-    CHECK_MSG(v1 == v0 && memcmp(before, after, range_cnt * sizeof(float)) == 0,
+    CHECK_MSG(v1 == v0 && memcmp(before, after, C.range_cnt * sizeof(float)) == 0,
               "the refused step changed the shard");
   }
   CHECK_MSG(refused, "no step was refused: momentum never overflowed");
   free(before);
   free(after);
   free(g);
-  rpc_queue_destroy(q);
+  rpc_queue_destroy(C.q);
   rpc_channel_destroy(ch);
   rpc_channel_destroy(zch);
   rpc_global_shutdown();
