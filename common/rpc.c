@@ -584,21 +584,25 @@ rpc_server *rpc_server_create(const char *addr, const rpc_server_opts *opts, int
       int_arg(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, SERVER_MIN_PING_INTERVAL_MS),
       int_arg(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1),
   };
-  /* What the server's connections may hold in memory, in all: reading a
-   * request larger than that closes its connection. */
-  grpc_resource_quota *quota = grpc_resource_quota_create("rpc_server");
-  grpc_resource_quota_resize(quota, (size_t)s->opts.max_receive_bytes * 4 + (32u << 20));
+  /* What the server's connections may hold in memory, in all. */
+  grpc_resource_quota *quota = NULL;
   grpc_arg all[sizeof(args) / sizeof(args[0]) + 1];
   memcpy(all, args, sizeof args);
-  grpc_arg *qa = &all[sizeof(args) / sizeof(args[0])];
-  memset(qa, 0, sizeof *qa);
-  qa->type = GRPC_ARG_POINTER;
-  qa->key = (char *)GRPC_ARG_RESOURCE_QUOTA;
-  qa->value.pointer.p = quota;
-  qa->value.pointer.vtable = grpc_resource_quota_arg_vtable();
-  grpc_channel_args cargs = {.num_args = sizeof(all) / sizeof(all[0]), .args = all};
+  size_t nargs = sizeof(args) / sizeof(args[0]);
+  if (s->opts.memory_bytes > 0) {
+    quota = grpc_resource_quota_create("rpc_server");
+    grpc_resource_quota_resize(quota, s->opts.memory_bytes);
+    grpc_arg *qa = &all[nargs++];
+    memset(qa, 0, sizeof *qa);
+    qa->type = GRPC_ARG_POINTER;
+    qa->key = (char *)GRPC_ARG_RESOURCE_QUOTA;
+    qa->value.pointer.p = quota;
+    qa->value.pointer.vtable = grpc_resource_quota_arg_vtable();
+  }
+  grpc_channel_args cargs = {.num_args = nargs, .args = all};
   s->srv = grpc_server_create(&cargs, NULL);
-  grpc_resource_quota_unref(quota);
+  if (quota != NULL)
+    grpc_resource_quota_unref(quota);
   s->cq = grpc_completion_queue_create_for_next(NULL);
   grpc_server_register_completion_queue(s->srv, s->cq, NULL);
 

@@ -98,6 +98,10 @@ typedef struct {
   int max_streams;       /* calls in flight per connection; default 32 */
   int max_metadata_bytes; /* request headers; default 16 KiB */
   int idle_ms;           /* a connection with no call this long is closed; default 10 min */
+  /* What all connections may hold in memory (0: no bound): a request that
+   * would pass it has its stream reset rather than being buffered whole
+   * (gRPC reads a message before it checks its size). */
+  size_t memory_bytes;
 } rpc_server_opts;
 
 /* Creates a server listening on addr ("host:port"; port 0 picks a free one,

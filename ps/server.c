@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 /* ---------------- the loop (main thread) ---------------- */
 
@@ -199,11 +200,18 @@ static int start_rpc(ps_server *sv, const ps_server_opts *o) {
   /* No request can need more than this shard's range and a small header. */
   size_t range_bytes = (ps_shard_end(sv->shard) - ps_shard_begin(sv->shard)) * sizeof(float);
   size_t max_request = range_bytes + 64 * 1024;
+  if (max_request > RPC_DEFAULT_MAX_MESSAGE) max_request = RPC_DEFAULT_MAX_MESSAGE;
+  /* Memory for every registered worker's push at once (a sync step), and
+   * no more than half of the machine's: a flood of large messages has its
+   * streams reset instead of taking the host down. */
+  size_t memory = (size_t)(sv->job.max_workers + 4) * max_request + (32u << 20);
+  long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages > 0 && page > 0 && memory > (size_t)pages / 2 * (size_t)page)
+    memory = (size_t)pages / 2 * (size_t)page;
   rpc_server_opts so = {.threads = o->threads,
                         .tls = ps_security_tls(&sv->sec),
-                        .max_receive_bytes = max_request < RPC_DEFAULT_MAX_MESSAGE
-                                                 ? (int)max_request
-                                                 : RPC_DEFAULT_MAX_MESSAGE};
+                        .max_receive_bytes = (int)max_request,
+                        .memory_bytes = memory};
   int port = 0;
   sv->rpc = rpc_server_create(addr, &so, &port, err);
   if (!sv->rpc) {
