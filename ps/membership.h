@@ -19,7 +19,7 @@ typedef struct {
   uint64_t pushes;
   uint64_t clock;       /* steps pushed, counted from the slowest worker's clock at join */
   int64_t last_seen_ms; /* ps_now_ms() of the last message */
-  int reader;           /* registered with the read-only token: may not push */
+  int reader;           /* registered with the read-only token, or as an evaluator: may not push */
   uint8_t session[PS_SESSION_LEN]; /* its secret on this shard (never sent but to it) */
 } ps_member;
 

@@ -552,8 +552,8 @@ static void dispatch(rpc_call *call, const ps_segview *req, void *user) {
     /* answered */
   } else if (m->writes && reader) {
     rpc_call_fail(call, RPC_PERMISSION_DENIED,
-                  "%s: this worker registered with the read-only token; it may not change the "
-                  "model or take data",
+                  "%s: this client registered as an evaluator or with the read-only token; it "
+                  "may not change the model or take data",
                   m->name);
   } else {
     request q = {.sv = b->sv, .call = call, .msg = msg, .req = req, .tensor = &tensor,

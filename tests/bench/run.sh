@@ -8,7 +8,9 @@
 #              in-process (ps-worker --local)
 #   pipeline:  examples/s of the quickstart CNN with BENCH_SHARDS (default 4)
 #              servers + 1 worker, --pipeline on against off
-#   tests/bench/run.sh [transport|training|pipeline|all] [BUILD_DIR]
+#   tls:       examples/s of the quickstart CNN with 2 servers + 1 worker,
+#              over mutual TLS against plaintext
+#   tests/bench/run.sh [transport|training|pipeline|tls|all] [BUILD_DIR]
 set -euo pipefail
 what=${1:-all}
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -106,18 +108,49 @@ PY
 }
 
 # One run of S servers + 1 worker; WORKER-ARGS... go to the worker; the
-# log goes to $out/NAME.log.
+# log goes to $out/NAME.log. Plaintext unless server_sec/client_sec say.
+server_sec=(--insecure) client_sec=(--insecure)
 cluster_run() {
   local name=$1 shards=$2; shift 2
   local job="$root/deploy/jobs/fashion_mnist_cnn.json" addrs="" spids=()
   for s in $(seq 1 "$shards"); do addrs+="${addrs:+,}127.0.0.1:$(port)"; done
   for s in $(seq 0 $((shards - 1))); do
-    "$build/ps-server" --insecure --job "$job" --ps "$addrs" --index "$s" >"$out/$name-server-$s.log" 2>&1 &
+    "$build/ps-server" "${server_sec[@]}" --job "$job" --ps "$addrs" --index "$s" \
+      >"$out/$name-server-$s.log" 2>&1 &
     pids+=($!); spids+=($!)
   done
-  "$build/ps-worker" --insecure --ps "${addrs%%,*}" --eval-interval 0 --log-interval 1000 "$@" \
+  "$build/ps-worker" "${client_sec[@]}" --ps "${addrs%%,*}" --eval-interval 0 --log-interval 1000 "$@" \
     >"$out/$name.log" 2>&1
   for p in "${spids[@]}"; do kill -TERM "$p"; wait "$p" || true; done
+}
+
+# Training over mutual TLS against plaintext: the quickstart CNN, 2 servers
+# + 1 worker, interleaved rounds.
+tls() {
+  local steps=${BENCH_STEPS:-300} plain=() sec=()
+  "$root/deploy/certs.sh" "$out/certs" 127.0.0.1 localhost >/dev/null
+  local c=$out/certs
+  for round in $(seq 1 "${BENCH_ROUNDS:-5}"); do
+    server_sec=(--insecure) client_sec=(--insecure)
+    cluster_run "plain-$round" 2 --max-steps "$steps"
+    plain+=("$(eps "$out/plain-$round.log")")
+    server_sec=(--tls-cert "$c/127.0.0.1.pem" --tls-key "$c/127.0.0.1.key" --tls-ca "$c/ca.pem"
+                --tls-require-client-cert)
+    client_sec=(--tls-ca "$c/ca.pem" --tls-cert "$c/localhost.pem" --tls-key "$c/localhost.key")
+    cluster_run "tls-$round" 2 --max-steps "$steps"
+    sec+=("$(eps "$out/tls-$round.log")")
+    echo "round $round: 2 servers + 1 worker: plaintext ${plain[-1]}, mutual TLS ${sec[-1]} examples/s"
+  done
+  server_sec=(--insecure) client_sec=(--insecure)
+  python3 - "${plain[@]}" "${sec[@]}" <<'PY'
+import statistics, sys
+v = [float(x) for x in sys.argv[1:]]
+n = len(v) // 2
+p, t = v[:n], v[n:]
+r = statistics.median(b / a for a, b in zip(p, t))
+print(f"tls, medians over {n} rounds: plaintext {statistics.median(p):.0f} examples/s, "
+      f"mutual TLS {statistics.median(t):.0f}; TLS/plaintext within rounds {r:.3f}")
+PY
 }
 
 pipeline() {
@@ -145,6 +178,7 @@ case "$what" in
   transport) transport ;;
   training) training ;;
   pipeline) pipeline ;;
-  all) transport; training; pipeline ;;
-  *) echo "usage: tests/bench/run.sh [transport|training|pipeline|all] [BUILD_DIR]" >&2; exit 2 ;;
+  tls) tls ;;
+  all) transport; training; pipeline; tls ;;
+  *) echo "usage: tests/bench/run.sh [transport|training|pipeline|tls|all] [BUILD_DIR]" >&2; exit 2 ;;
 esac

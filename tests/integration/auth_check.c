@@ -224,6 +224,11 @@ int main(int argc, char **argv) {
   EXPECT(do_push(&token, &e, g, detail), RPC_PERMISSION_DENIED, "read-only");
   EXPECT(do_simple(M("Lease"), &token, &e, detail), RPC_PERMISSION_DENIED, "read-only");
   EXPECT(do_simple(M("Leave"), &read_token, &e, detail), RPC_OK, "");
+  /* An evaluator with the job token reads only too. */
+  identity e2 = {0};
+  EXPECT(do_register(&token, "evaluator", "ev", NULL, &e2, detail), RPC_OK, "");
+  EXPECT(do_push(&token, &e2, g, detail), RPC_PERMISSION_DENIED, "evaluator");
+  EXPECT(do_simple(M("Leave"), &token, &e2, detail), RPC_OK, "");
   /* Nothing changed: the parameters, the version, who is registered. */
   CHECK(do_pull(&token, &a, after, &v1, detail) == RPC_OK);
   CHECK_MSG(v1 == v0 && memcmp(before, after, C.range_cnt * sizeof(float)) == 0,
