@@ -13,6 +13,20 @@
 
 #include "../common/util.h"
 
+/* A worker's recent request ids, in a ring. */
+typedef struct {
+  uint64_t id;
+  int kind;
+  int state; /* 0 free, 1 pending, 2 answered */
+  size_t len;
+  uint8_t reply[PS_REPLY_MAX];
+} recent_slot;
+
+struct ps_recent {
+  recent_slot slot[PS_RECENT_REQUESTS];
+  int next;
+};
+
 struct ps_membership {
   pthread_mutex_t mu;
   ps_member *members; /* (n), registration order */
@@ -41,6 +55,7 @@ void ps_membership_set_limit(ps_membership *m, int max) {
 void ps_membership_destroy(ps_membership *m) {
   if (!m) return;
   pthread_mutex_destroy(&m->mu);
+  for (int i = 0; i < m->n; i++) free(m->members[i].recent);
   free(m->members);
   free(m);
 }
@@ -102,6 +117,11 @@ int ps_membership_join(ps_membership *m, uint64_t id, const char *host, const ch
       pthread_mutex_unlock(&m->mu);
       return PS_EIO;
     }
+    struct ps_recent *recent = calloc(1, sizeof *recent);
+    if (!recent) {
+      pthread_mutex_unlock(&m->mu);
+      return PS_ENOMEM;
+    }
     if (m->n == m->cap) {
       int cap = m->cap ? m->cap * 2 : 16;
       ps_member *grown = realloc(m->members, (size_t)cap * sizeof *grown);
@@ -124,6 +144,7 @@ int ps_membership_join(ps_membership *m, uint64_t id, const char *host, const ch
     memset(w, 0, sizeof *w);
     w->clock = min_clock;
     w->id = fresh;
+    w->recent = recent;
     w->rank = m->next_rank++;
     /* An evaluator reads: it may not change the model whatever token it
      * registered with, and a later refresh does not change that. */
@@ -207,6 +228,7 @@ int ps_membership_remove(ps_membership *m, uint64_t id) {
     pthread_mutex_unlock(&m->mu);
     return PS_ENOTFOUND;
   }
+  free(m->members[at].recent);
   memmove(&m->members[at], &m->members[at + 1], (size_t)(m->n - at - 1) * sizeof(ps_member));
   m->n--;
   pthread_mutex_unlock(&m->mu);
@@ -222,6 +244,7 @@ int ps_membership_sweep(ps_membership *m, int64_t now_ms, int timeout_ms, uint64
     ps_member *w = &m->members[i];
     if (now_ms - w->last_seen_ms > (int64_t)timeout_ms) {
       if (dropped && gone < max) dropped[gone] = w->id;
+      free(w->recent);
       gone++;
     } else {
       if (kept != i) m->members[kept] = *w;
@@ -232,6 +255,56 @@ int ps_membership_sweep(ps_membership *m, int64_t now_ms, int timeout_ms, uint64
   m->dropped_total += (uint64_t)gone;
   pthread_mutex_unlock(&m->mu);
   return gone;
+}
+
+int ps_membership_request_begin(ps_membership *m, uint64_t worker, int kind, uint64_t request_id,
+                                void *reply, size_t reply_cap, size_t *len) {
+  pthread_mutex_lock(&m->mu);
+  int at = find(m, worker), rc = PS_ENOTFOUND;
+  if (at >= 0) {
+    struct ps_recent *r = m->members[at].recent;
+    rc = PS_OK;
+    for (int i = 0; i < PS_RECENT_REQUESTS && rc == PS_OK; i++) {
+      recent_slot *s = &r->slot[i];
+      if (s->state == 0 || s->id != request_id || s->kind != kind) continue;
+      if (s->state == 1) {
+        rc = PS_REQUEST_PENDING;
+      } else {
+        *len = s->len <= reply_cap ? s->len : 0;
+        memcpy(reply, s->reply, *len);
+        rc = PS_REQUEST_ANSWERED;
+      }
+    }
+    if (rc == PS_OK) { /* the oldest slot makes room */
+      recent_slot *s = &r->slot[r->next];
+      r->next = (r->next + 1) % PS_RECENT_REQUESTS;
+      s->id = request_id;
+      s->kind = kind;
+      s->state = 1;
+      s->len = 0;
+    }
+  }
+  pthread_mutex_unlock(&m->mu);
+  return rc;
+}
+
+void ps_membership_request_end(ps_membership *m, uint64_t worker, int kind, uint64_t request_id,
+                               const void *reply, size_t len) {
+  pthread_mutex_lock(&m->mu);
+  int at = find(m, worker);
+  for (int i = 0; at >= 0 && i < PS_RECENT_REQUESTS; i++) {
+    recent_slot *s = &m->members[at].recent->slot[i];
+    if (s->state != 1 || s->id != request_id || s->kind != kind) continue;
+    if (len == 0 || len > PS_REPLY_MAX) {
+      s->state = 0; /* refused (or an answer too large to keep): a retry tries again */
+    } else {
+      memcpy(s->reply, reply, len);
+      s->len = len;
+      s->state = 2;
+    }
+    break;
+  }
+  pthread_mutex_unlock(&m->mu);
 }
 
 int ps_membership_count(ps_membership *m) {

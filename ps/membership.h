@@ -21,6 +21,7 @@ typedef struct {
   int64_t last_seen_ms; /* ps_now_ms() of the last message */
   int reader;           /* registered with the read-only token, or as an evaluator: may not push */
   uint8_t session[PS_SESSION_LEN]; /* its secret on this shard (never sent but to it) */
+  struct ps_recent *recent; /* its recent request ids and answers (membership.c's own) */
 } ps_member;
 
 /* What a registering caller proved. */
@@ -82,6 +83,26 @@ int ps_membership_clock(ps_membership *m, uint64_t id, uint64_t *clock, uint64_t
 int ps_membership_count(ps_membership *m);
 /* Copies up to max members into out; returns how many. */
 int ps_membership_list(ps_membership *m, ps_member *out, int max);
+/* Request ids: a mutation a worker may retry (Push, Lease) carries a
+ * non-zero id, the same on a retry; kind tells the mutations apart (each
+ * counts its ids on its own). The table keeps each worker's most recent
+ * PS_RECENT_REQUESTS (kind, id) with the answers given.
+ *   begin: PS_OK: new, now pending: apply it, then call end;
+ *          PS_REQUEST_ANSWERED: applied before: *reply (reply_cap bytes)
+ *          holds the first answer (*len bytes), send it again, apply nothing;
+ *          PS_REQUEST_PENDING: still being applied: the caller says so;
+ *          PS_ENOTFOUND: unknown worker.
+ *   end:   records the answer (reply, len <= PS_REPLY_MAX) of a pending id,
+ *          or with len 0 forgets it (the request was refused and a retry
+ *          may try again). */
+#define PS_RECENT_REQUESTS 16
+#define PS_REPLY_MAX 96
+enum { PS_REQUEST_ANSWERED = 1, PS_REQUEST_PENDING = 2 };
+int ps_membership_request_begin(ps_membership *m, uint64_t worker, int kind, uint64_t request_id,
+                                void *reply, size_t reply_cap, size_t *len);
+void ps_membership_request_end(ps_membership *m, uint64_t worker, int kind, uint64_t request_id,
+                               const void *reply, size_t len);
+
 /* Total workers dropped by time-out since creation. */
 uint64_t ps_membership_dropped_total(ps_membership *m);
 

@@ -21,6 +21,7 @@ typedef struct {
   const ps_segview *req;       /* the request's bytes */
   const ps_segview *tensor;    /* its field 15 (empty when absent) */
   int reader;                  /* the caller holds the read-only token or session only */
+  int kind;                    /* which method (its request ids are its own) */
 } request;
 
 /* Decodes a request; on failure answers INVALID_ARGUMENT and returns NULL.
@@ -123,6 +124,51 @@ static void reply_small(rpc_call *call, const ProtobufCMessage *m) {
     return;
   }
   rpc_call_reply(call, &out);
+}
+
+/* A mutation the worker may retry (Push, Lease) with request id rid != 0:
+ * answers a repeat from the worker's recent requests and returns 1 (the
+ * caller applies nothing); returns 0 when the request is new (it is then
+ * pending: finish it with reply_recorded or forget_request). */
+static int answer_repeat(const request *q, uint64_t worker, uint64_t rid, const char *method) {
+  if (rid == 0) return 0;
+  uint8_t reply[PS_REPLY_MAX];
+  size_t len = 0;
+  int rc = ps_membership_request_begin(q->sv->members, worker, q->kind, rid, reply, sizeof reply,
+                                       &len);
+  if (rc == PS_REQUEST_ANSWERED) {
+    PS_DEBUG("%s %" PRIu64 " of worker %016" PRIx64 " again: answered as the first time, "
+             "nothing applied", method, rid, worker);
+    rpc_msg out = {.nseg = 1};
+    out.seg[0] = (rpc_seg){.ptr = reply, .len = len}; /* copied */
+    rpc_call_reply(q->call, &out);
+    return 1;
+  }
+  if (rc == PS_REQUEST_PENDING) {
+    rpc_call_fail(q->call, RPC_UNAVAILABLE,
+                  "%s %" PRIu64 " of this worker is still being applied by shard %d: ask again",
+                  method, rid, q->sv->index);
+    return 1;
+  }
+  return 0; /* new (or the worker is gone: the handler finds out) */
+}
+
+/* Answers m and keeps it as request rid's answer (rid 0: just answers). */
+static void reply_recorded(const request *q, uint64_t worker, uint64_t rid,
+                           const ProtobufCMessage *m) {
+  if (rid) {
+    uint8_t buf[PS_REPLY_MAX];
+    size_t len = protobuf_c_message_get_packed_size(m);
+    if (len <= sizeof buf) protobuf_c_message_pack(m, buf);
+    ps_membership_request_end(q->sv->members, worker, q->kind, rid, buf,
+                              len <= sizeof buf ? len : 0);
+  }
+  reply_small(q->call, m);
+}
+
+/* A request rid that was refused: a retry may try it again. */
+static void forget_request(const request *q, uint64_t worker, uint64_t rid) {
+  if (rid) ps_membership_request_end(q->sv->members, worker, q->kind, rid, NULL, 0);
 }
 
 static void handle_register(const request *q) {
@@ -288,6 +334,8 @@ static void handle_push(const request *q) {
   ps_server *sv = q->sv;
   rpc_call *call = q->call;
   const Ps__PushRequest *r = (const Ps__PushRequest *)q->msg;
+  const uint64_t wid = r->header->worker_id;
+  if (answer_repeat(q, wid, r->request_id, "Push")) return;
   char err[PS_ERRLEN];
   uint64_t version = 0, staleness = 0;
   double t0 = ps_now_s();
@@ -314,6 +362,7 @@ static void handle_push(const request *q) {
            dropped ? "dropped" : "taken", (ps_now_s() - t0) * 1e3, have);
   if (rc != 0) {
     PS_WARN("push from worker %016" PRIx64 " refused: %s", r->header->worker_id, err);
+    forget_request(q, wid, r->request_id);
     rpc_call_fail(call, rc == PS_ERANGE ? RPC_OUT_OF_RANGE : RPC_INVALID_ARGUMENT, "%s", err);
   } else {
     ps_membership_note_push(sv->members, r->header->worker_id, r->step, ps_now_ms());
@@ -321,7 +370,7 @@ static void handle_push(const request *q) {
     resp.version = version;
     resp.staleness = staleness;
     resp.dropped = dropped;
-    reply_small(call, &resp.base);
+    reply_recorded(q, wid, r->request_id, &resp.base);
     if (sv->job.mode_kind == PS_MODE_SYNC)
       ps_sync_try_step(sv);
     else if (sv->job.mode_kind == PS_MODE_SSP)
@@ -467,6 +516,9 @@ static void handle_lease(const request *q) {
     return;
   }
   uint64_t wid = r->header->worker_id;
+  /* A retry of a Lease whose answer was lost gets the same chunk, not a
+   * second one that nobody would ever work on. */
+  if (answer_repeat(q, wid, r->request_id, "Lease")) return;
   int64_t now = ps_now_ms();
   Ps__LeaseResponse resp = PS__LEASE_RESPONSE__INIT;
   if (r->complete_lease) {
@@ -490,11 +542,12 @@ static void handle_lease(const request *q) {
     } else if (rc == PS_LEASE_FINISHED) {
       resp.status = 2;
     } else if (rc < 0) {
+      forget_request(q, wid, r->request_id);
       rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "lease: %s", ps_leases_strerror(rc));
       return;
     } /* WAIT and FULL: ask again later */
   }
-  reply_small(call, &resp.base);
+  reply_recorded(q, wid, r->request_id, &resp.base);
 }
 
 /* Gives the data a departed worker held back to the others. */
@@ -557,7 +610,7 @@ static void dispatch(rpc_call *call, const ps_segview *req, void *user) {
                   m->name);
   } else {
     request q = {.sv = b->sv, .call = call, .msg = msg, .req = req, .tensor = &tensor,
-                 .reader = reader};
+                 .reader = reader, .kind = (int)(m - methods)};
     m->handle(&q);
   }
   protobuf_c_message_free_unpacked(msg, NULL);

@@ -44,6 +44,9 @@ struct ps_client {
   rpc_queue *hb_q; /* heartbeat thread */
   rpc_queue *lease_q; /* lease calls, from any thread, under lease_mu */
   pthread_mutex_t lease_mu;
+  uint64_t lease_request;  /* the id of the last Lease call (under lease_mu) */
+  int lease_unanswered;    /* it ended without an answer: a retry reuses its id */
+  uint64_t lease_args[2];  /* its complete_id and want_next */
   pthread_mutex_t reg_mu; /* serializes re-registration */
   pthread_mutex_t sess_mu; /* the shards' session secrets */
   ps_token token;
@@ -53,6 +56,7 @@ struct ps_client {
   struct {
     uint64_t *versions; /* per shard */
     uint64_t step;
+    uint64_t request_id; /* of this round, the same on every retry of it */
     int batch_size;
     char *state;        /* per shard: PUSH_PENDING, PUSH_IN_FLIGHT, PUSH_DONE */
     rpc_request **reqs; /* per shard, while in flight */
@@ -446,6 +450,7 @@ int ps_client_push_begin(ps_client *c, const uint64_t *versions, uint64_t step,
   memset(&c->push.res, 0, sizeof c->push.res);
   c->push.step = step;
   c->push.batch_size = batch_size;
+  c->push.request_id++;
   return PS_OK;
 }
 
@@ -462,6 +467,7 @@ int ps_client_push_shard(ps_client *c, int s, const float *grads, char *err) {
   req.offset = c->shards[s].off;
   req.count = c->shards[s].cnt;
   req.step = c->push.step;
+  req.request_id = c->push.request_id;
   req.batch_size = (uint32_t)c->push.batch_size;
   rpc_msg msg;
   rpc_request *r = NULL;
@@ -627,10 +633,19 @@ int ps_client_lease_call(ps_client *c, uint64_t complete_id, int want_next,
     req.complete_lease = complete_id;
     req.want_next = want_next != 0;
     req.dataset_size = dataset_size;
+    /* The same request again after no answer (a retry of what the shard
+     * may have granted already), else a new one. */
+    int same = c->lease_args[0] == complete_id && c->lease_args[1] == (uint64_t)(want_next != 0);
+    if (!c->lease_unanswered || !same || attempt > 0) c->lease_request++;
+    c->lease_args[0] = complete_id;
+    c->lease_args[1] = want_next != 0;
+    req.request_id = c->lease_request;
     ProtobufCMessage *m = NULL;
     char detail[PS_ERRLEN] = "";
     int st = small_call(c->lease_q, c->shards[0].ch, M_LEASE, &req.base,
                         &ps__lease_response__descriptor, &m, c->opts.timeout_ms, 1, detail);
+    /* No answer: shard 0 may have granted it; the next call asks again. */
+    c->lease_unanswered = st == RPC_DEADLINE_EXCEEDED || st == RPC_UNAVAILABLE;
     if (st == RPC_OK) {
       Ps__LeaseResponse *r = (Ps__LeaseResponse *)m;
       out->status = (int)r->status;

@@ -660,6 +660,55 @@ PY
   at_least 2 "$worst" || fail "a bystander's Status took ${worst} s during the flood"
   kill -TERM "$spid"; wait "$spid" || fail "ps-server did not exit 0 on SIGTERM"
   ;;
+exactly_once)
+  # Replies held past the callers' deadline (a proxy holds shard 0's replies
+  # 1.5 s in one second of every three and then cuts the connections;
+  # --timeout-ms 600): the workers retry pushes and leases whose first
+  # attempt the shard applied. Async: the shard's version must equal the
+  # steps the workers trained (each push applied once). With leases: the
+  # run must finish, and every chunk of every epoch be completed once.
+  for variant in async leases; do
+    real=$(free_ports 1); px=$(free_ports 1)
+    job=$here/jobs/synthetic.json
+    [ "$variant" = leases ] && job=$here/jobs/exactly_once_leases.json
+    "$build/ps-server" --insecure --job "$job" --ps "$px" --index 0 --listen "$real" \
+      >"$out/$variant-server.log" 2>&1 &
+    spid=$!; pids+=($spid)
+    python3 "$here/tools/delay_proxy.py" "${px##*:}" "$real" 1200 1500 700 200 --cut \
+      >"$out/$variant-proxy.log" 2>&1 &
+    ppid=$!; pids+=($ppid)
+    wpids=()
+    for k in 0 1; do
+      "$build/ps-worker" --insecure --ps "$px" --index "$k" --num-workers 2 --threads 1 \
+        --timeout-ms 600 --max-steps 150 --straggle-ms 30 --log-interval 1 \
+        >"$out/$variant-worker-$k.log" 2>&1 &
+      wpids+=($!); pids+=($!)
+    done
+    for k in 0 1; do
+      for _ in $(seq 1 450); do kill -0 "${wpids[$k]}" 2>/dev/null || break; sleep 0.2; done
+      kill -0 "${wpids[$k]}" 2>/dev/null && { tail -5 "$out/$variant-worker-$k.log"; fail "$variant: worker $k hung"; }
+      wait "${wpids[$k]}" || { tail -5 "$out/$variant-worker-$k.log"; fail "$variant: worker $k failed"; }
+    done
+    "$build/ps-server" --insecure --status "$real" >"$out/$variant-status.json" || fail "no Status"
+    kill "$ppid" 2>/dev/null || true
+    retried=$(cat "$out/$variant"-worker-*.log | grep -c "failed (.*); retrying" || true)
+    trained=$(cat "$out/$variant"-worker-*.log | sed -n 's/^trained \([0-9]*\) steps.*/\1/p' | awk '{s += $1} END {print s + 0}')
+    python3 - "$out/$variant-status.json" "$trained" "$variant" <<'PY' || fail "$variant: records do not match what was trained"
+import json, sys
+st, trained, variant = json.load(open(sys.argv[1])), int(sys.argv[2]), sys.argv[3]
+print(f"{variant}: the workers trained {trained} steps; the shard applied {st['version']} pushes")
+assert st["version"] == trained, f"pushes applied {st['version']} != steps trained {trained}"
+if variant == "leases":
+    for e in st["lease_epochs"]:
+        assert e["chunks_once"] == e["chunks"], e
+        print(f"  epoch {e['epoch']}: {e['chunks']} chunks each completed once, "
+              f"{e['examples_rehanded']} examples handed out again")
+PY
+    echo "$variant: $retried call(s) retried after a held reply ($(tail -1 "$out/$variant-proxy.log"))"
+    [ "$retried" -ge 1 ] || fail "$variant: no call was retried: the proxy held nothing back"
+    kill -TERM "$spid"; wait "$spid" || fail "ps-server did not exit 0 on SIGTERM"
+  done
+  ;;
 *)
   fail "unknown test '$name'"
   ;;

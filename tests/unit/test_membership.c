@@ -228,7 +228,42 @@ static void test_host_role_sanitized(void) {
   ps_membership_destroy(m);
 }
 
+/* Request ids: a retry of an applied request gets its first answer; one
+ * still being applied is said to be; a refused one may be tried again;
+ * kinds and workers keep their ids apart; the window is bounded. */
+static void test_request_window(void) {
+  ps_membership *m = ps_membership_create();
+  uint64_t a = 0, b = 0;
+  CHECK(ps_membership_add(m, 0, "a", "worker", 0, 0, &a, NULL) == PS_OK);
+  CHECK(ps_membership_add(m, 0, "b", "worker", 1, 0, &b, NULL) == PS_OK);
+  uint8_t reply[PS_REPLY_MAX];
+  size_t len = 0;
+  CHECK(ps_membership_request_begin(m, a, 0, 7, reply, sizeof reply, &len) == PS_OK);
+  CHECK(ps_membership_request_begin(m, a, 0, 7, reply, sizeof reply, &len) == PS_REQUEST_PENDING);
+  CHECK(ps_membership_request_begin(m, a, 1, 7, reply, sizeof reply, &len) == PS_OK); /* kind */
+  CHECK(ps_membership_request_begin(m, b, 0, 7, reply, sizeof reply, &len) == PS_OK); /* worker */
+  ps_membership_request_end(m, a, 0, 7, "first", 5);
+  len = 0;
+  CHECK(ps_membership_request_begin(m, a, 0, 7, reply, sizeof reply, &len) == PS_REQUEST_ANSWERED);
+  CHECK(len == 5 && memcmp(reply, "first", 5) == 0);
+  ps_membership_request_end(m, a, 1, 7, NULL, 0); /* refused: forgotten */
+  CHECK(ps_membership_request_begin(m, a, 1, 7, reply, sizeof reply, &len) == PS_OK);
+  CHECK(ps_membership_request_begin(m, 12345, 0, 1, reply, sizeof reply, &len) == PS_ENOTFOUND);
+  /* The window keeps the most recent PS_RECENT_REQUESTS ids of a worker. */
+  for (uint64_t id = 100; id <= 100 + PS_RECENT_REQUESTS; id++) {
+    CHECK(ps_membership_request_begin(m, b, 2, id, reply, sizeof reply, &len) == PS_OK);
+    ps_membership_request_end(m, b, 2, id, "x", 1);
+  }
+  CHECK(ps_membership_request_begin(m, b, 2, 100 + PS_RECENT_REQUESTS, reply, sizeof reply,
+                                    &len) == PS_REQUEST_ANSWERED);
+  CHECK(ps_membership_request_begin(m, b, 2, 100, reply, sizeof reply, &len) == PS_OK);
+  /* A worker that leaves takes its window with it (no leak: ASan). */
+  CHECK(ps_membership_remove(m, a) == PS_OK);
+  ps_membership_destroy(m);
+}
+
 int main(void) {
+  RUN(test_request_window);
   RUN(test_clocks);
   RUN(test_host_role_sanitized);
   RUN(test_add_list);
