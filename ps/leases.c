@@ -418,6 +418,25 @@ int ps_leases_renew(ps_leases *t, uint64_t worker, int64_t now_ms) {
   return n;
 }
 
+int ps_leases_renew_named(ps_leases *t, uint64_t worker, const uint64_t *ids, size_t n,
+                          int64_t now_ms) {
+  if (!t || (n && !ids)) return PS_EINVAL;
+  pthread_mutex_lock(&t->mu);
+  int renewed = 0;
+  for (int i = 0; i < t->n_leases; i++) {
+    if (t->leases[i].worker != worker) continue;
+    for (size_t k = 0; k < n; k++) {
+      if (ids[k] == t->leases[i].id) {
+        t->leases[i].seen_ms = now_ms;
+        renewed++;
+        break;
+      }
+    }
+  }
+  pthread_mutex_unlock(&t->mu);
+  return renewed;
+}
+
 int ps_leases_expire(ps_leases *t, int64_t now_ms, int64_t timeout_ms) {
   if (!t) return PS_EINVAL;
   pthread_mutex_lock(&t->mu);

@@ -134,6 +134,13 @@ int ps_leases_release_worker(ps_leases *t, uint64_t worker);
  * many it holds. */
 int ps_leases_renew(ps_leases *t, uint64_t worker, int64_t now_ms);
 
+/* Marks alive at now_ms those of the worker's leases named in ids (n of
+ * them): a heartbeat names what the worker holds, so that a lease it never
+ * heard of (its grant was lost) is not kept alive and expires. Ids the
+ * worker does not hold are ignored. Returns how many were renewed. */
+int ps_leases_renew_named(ps_leases *t, uint64_t worker, const uint64_t *ids, size_t n,
+                          int64_t now_ms);
+
 /* Takes back every lease last granted or renewed more than timeout_ms before
  * now_ms. Returns how many. */
 int ps_leases_expire(ps_leases *t, int64_t now_ms, int64_t timeout_ms);

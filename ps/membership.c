@@ -63,7 +63,19 @@ void ps_membership_destroy(ps_membership *m) {
 /* Index of id in the table, or -1. Called with the lock held. */
 /* Evaluators read the parameters but train nothing: they are not counted
  * among the live workers (quorums, clocks). */
-static int trains(const ps_member *w) { return strcmp(w->role, "evaluator") != 0; }
+static int trains(const ps_member *w) { return strcmp(w->role, "evaluator") != 0 && !w->idle; }
+
+/* Back from idle: not behind the slowest active worker. Lock held. */
+static void wake(ps_membership *m, ps_member *w) {
+  w->idle = 0;
+  int seen = 0;
+  uint64_t lo = 0;
+  for (int i = 0; i < m->n; i++) {
+    const ps_member *o = &m->members[i];
+    if (o != w && trains(o) && (!seen++ || o->clock < lo)) lo = o->clock;
+  }
+  if (seen && lo > w->clock) w->clock = lo;
+}
 
 static int find(const ps_membership *m, uint64_t id) {
   for (int i = 0; i < m->n; i++)
@@ -190,6 +202,7 @@ static int touch(ps_membership *m, uint64_t id, uint64_t step, int64_t now_ms, i
   w->last_seen_ms = now_ms;
   if (step != UINT64_MAX) w->step = step;
   if (push) {
+    if (w->idle) wake(m, w);
     w->pushes++;
     w->clock++;
   }
@@ -211,6 +224,19 @@ int ps_membership_clock(ps_membership *m, uint64_t id, uint64_t *clock, uint64_t
   *min_clock = lo;
   pthread_mutex_unlock(&m->mu);
   return PS_OK;
+}
+
+int ps_membership_set_idle(ps_membership *m, uint64_t id, int idle) {
+  pthread_mutex_lock(&m->mu);
+  int at = find(m, id), rc = PS_ENOTFOUND;
+  if (at >= 0) {
+    ps_member *w = &m->members[at];
+    rc = (w->idle != 0) != (idle != 0);
+    if (rc && idle) w->idle = 1;
+    else if (rc) wake(m, w);
+  }
+  pthread_mutex_unlock(&m->mu);
+  return rc;
 }
 
 int ps_membership_touch(ps_membership *m, uint64_t id, uint64_t step, int64_t now_ms) {

@@ -20,6 +20,7 @@ typedef struct {
   uint64_t clock;       /* steps pushed, counted from the slowest worker's clock at join */
   int64_t last_seen_ms; /* ps_now_ms() of the last message */
   int reader;           /* registered with the read-only token, or as an evaluator: may not push */
+  int idle;             /* waits for data: not counted until it pushes (or says so) again */
   uint8_t session[PS_SESSION_LEN]; /* its secret on this shard (never sent but to it) */
   struct ps_recent *recent; /* its recent request ids and answers (membership.c's own) */
 } ps_member;
@@ -79,7 +80,14 @@ int ps_membership_sweep(ps_membership *m, int64_t now_ms, int timeout_ms, uint64
  * (bounded staleness compares the two; the smallest is never above the
  * worker's own). PS_ENOTFOUND if the id is unknown. */
 int ps_membership_clock(ps_membership *m, uint64_t id, uint64_t *clock, uint64_t *min_clock);
-/* Live workers that train (role "evaluator" is not counted). */
+/* The worker says it waits for data (idle) or not. An idle worker is left
+ * out of ps_membership_count and of the smallest clock, so a sync step or
+ * an ssp pull does not wait for it; when it comes back (this call with 0,
+ * or a push) its clock starts at the slowest active worker's if that is
+ * ahead. Returns 1 when the state changed, 0 when not, PS_ENOTFOUND. */
+int ps_membership_set_idle(ps_membership *m, uint64_t id, int idle);
+/* Live workers that train (role "evaluator" and idle workers are not
+ * counted). */
 int ps_membership_count(ps_membership *m);
 /* Copies up to max members into out; returns how many. */
 int ps_membership_list(ps_membership *m, ps_member *out, int max);

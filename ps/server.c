@@ -32,6 +32,7 @@ static void on_sweep(uv_timer_t *t) {
   pthread_mutex_unlock(&sv->lease_mu);
   if (n > 0 && sv->job.mode_kind == PS_MODE_SYNC) ps_sync_try_step(sv);
   ps_waits_recheck(sv); /* deadlines, and pulls the dropped workers held back */
+  ps_sync_watch(sv);    /* a shard that makes no progress says what it waits for */
 }
 
 static void on_report(uv_timer_t *t) {
@@ -183,8 +184,10 @@ static int build_shard(ps_server *sv, const ps_server_opts *o) {
 }
 
 /* Initializes the loop, then creates the RPC server, registers the methods
- * and starts serving. Returns 0, or the exit code 1 with a message on
- * stderr. */
+ * and starts serving. Returns 0, or the exit code with a message on
+ * stderr: 2 when the token or TLS flags do not resolve (a file missing or
+ * bad), 1 when the RPC server cannot be made or started (the address
+ * cannot be bound). */
 static int start_rpc(ps_server *sv, const ps_server_opts *o) {
   char err[PS_ERRLEN];
   /* libuv first: its loop and signal handlers do not use gRPC. */

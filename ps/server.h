@@ -106,6 +106,9 @@ typedef struct ps_server {
   ps_ckpt ckpt_state; /* the copy being written */
   int ckpt_rc;
   char ckpt_path[PS_CKPT_PATHLEN], ckpt_err[PS_ERRLEN];
+  /* the progress watchdog (ps_sync_watch): when the version last moved */
+  uint64_t watch_version;
+  double watch_since_s, watch_warned_s;
   /* for rates in progress lines */
   uint64_t last_pushes, last_pulls;
   double last_report_s;
@@ -174,6 +177,16 @@ void ps_waits_recheck(ps_server *sv);
 /* Fails every waiting pull at once with status and "shard N: why" (a sync
  * step that can never be applied). Never fails. */
 void ps_waits_fail_all(ps_server *sv, int status, const char *why);
+
+/* Seconds without an update, while workers train, before a shard says
+ * what it waits for. */
+#define PS_SERVER_STALL_S 30
+
+/* The progress watchdog, on the loop's sweep timer: when the shard's
+ * version has not moved for PS_SERVER_STALL_S while workers train, logs
+ * (once per period) what it waits for: a sync step's missing gradients,
+ * pulls held for the slowest ssp worker, or no pushes at all. */
+void ps_sync_watch(ps_server *sv);
 
 /* Frees the waiters still in the list without answering them: at shutdown,
  * after rpc_server_shutdown has cancelled their calls. */

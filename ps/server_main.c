@@ -73,18 +73,42 @@ static const ps_optspec server_spec = {
                 "Serves shard N of the model's parameters to ps-worker processes.\n",
     .opts = server_flags,
     .n_opts = (int)(sizeof server_flags / sizeof server_flags[0]),
-    .footer = "SIGINT or SIGTERM: a final checkpoint (with --checkpoint-dir), then exit 0.",
+    .footer =
+        "SIGINT or SIGTERM: a final checkpoint (with --checkpoint-dir), then exit 0.\n"
+        "\n"
+        "Exit codes (the last line on stderr says which and why):\n"
+        "  0  stopped by SIGINT or SIGTERM, the final checkpoint written\n"
+        "  1  a failure: the address cannot be bound, no checkpoint there can be\n"
+        "     restored, the final checkpoint cannot be written, no memory\n"
+        "  2  a bad command line: a flag, the job file, the cluster (--ps, --index,\n"
+        "     TF_CONFIG), the token, TLS or metrics files a flag names\n"
+        "With --status: 0, or 1 when the shard did not answer.",
 };
+
+/* What ps_server_run's exit codes mean (server.h), for the last line. */
+static const char *const exit_meaning[] = {
+    [0] = "stopped",
+    [1] = "a failure: see above",
+    [2] = "a bad command line, job or cluster: see --help",
+};
+
+/* The process's exit code rc, with a last line that says what it means
+ * when it is not 0. */
+static int exit_code(int rc) {
+  if (rc != 0) fprintf(stderr, "ps-server: exit %d (%s)\n", rc, exit_meaning[rc]);
+  return rc;
+}
 
 int main(int argc, char **argv) {
   ps_server_opts o = {.index = -1};
-  if (ps_options_defaults(&server_spec, &o) != 0) return 2;
+  if (ps_options_defaults(&server_spec, &o) != 0) return exit_code(2);
   int rc = ps_options_parse(&server_spec, argc, argv, &o);
-  if (rc != 0) return rc == 1 ? 0 : rc;
+  if (rc == 1) return 0; /* --help */
+  if (rc != 0) return exit_code(2);
   if (o.status_addr) return ps_status_print(o.status_addr, &o.sec, 10000);
   if (!o.job_path) {
     fprintf(stderr, "ps-server: --job FILE is required (see --help)\n");
-    return 2;
+    return exit_code(2);
   }
-  return ps_server_run(&o);
+  return exit_code(ps_server_run(&o));
 }

@@ -249,9 +249,22 @@ static void handle_heartbeat(const request *q) {
   ps_server *sv = q->sv;
   rpc_call *call = q->call;
   const Ps__HeartbeatRequest *r = (const Ps__HeartbeatRequest *)q->msg;
+  const uint64_t wid = r->header->worker_id;
   pthread_mutex_lock(&sv->lease_mu);
-  if (sv->leases) ps_leases_renew(sv->leases, r->header->worker_id, ps_now_ms());
+  if (sv->leases && r->names_leases)
+    ps_leases_renew_named(sv->leases, wid, r->leases, r->n_leases, ps_now_ms());
+  else if (sv->leases)
+    ps_leases_renew(sv->leases, wid, ps_now_ms());
   pthread_mutex_unlock(&sv->lease_mu);
+  if (ps_membership_set_idle(sv->members, wid, r->idle) == 1) {
+    PS_INFO("worker %016" PRIx64 " %s; %d training", wid,
+            r->idle ? "waits for data: the others go on without it" : "has data again",
+            ps_membership_count(sv->members));
+    /* One fewer (or one more) to wait for: a smaller quorum, a new
+     * slowest clock. */
+    if (sv->job.mode_kind == PS_MODE_SYNC) ps_sync_try_step(sv);
+    ps_waits_recheck(sv);
+  }
   ps_shard_stats st;
   ps_shard_stats_get(sv->shard, &st);
   Ps__HeartbeatResponse resp = PS__HEARTBEAT_RESPONSE__INIT;
@@ -443,7 +456,12 @@ static void handle_status(const request *q) {
   ps_member *mem = calloc(MAXW, sizeof *mem);
   Ps__WorkerInfo *wi = calloc(MAXW, sizeof *wi);
   Ps__WorkerInfo **wp = calloc(MAXW, sizeof *wp);
-  if (!mem || !wi || !wp) {
+  enum { HELD = 8 };
+  uint64_t *held = calloc((size_t)MAXW * HELD, sizeof *held);
+  pthread_mutex_lock(&sv->lease_mu);
+  ps_leases *leases = sv->leases;
+  pthread_mutex_unlock(&sv->lease_mu);
+  if (!mem || !wi || !wp || !held) {
     rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
   } else {
     int n = ps_membership_list(sv->members, mem, MAXW);
@@ -458,6 +476,15 @@ static void handle_status(const request *q) {
       wi[i].pushes = mem[i].pushes;
       wi[i].ms_since_seen = (uint64_t)(now - mem[i].last_seen_ms);
       wi[i].clock = mem[i].clock;
+      wi[i].idle = mem[i].idle;
+      if (leases) {
+        ps_lease got[HELD];
+        int k = ps_leases_held(leases, mem[i].id, got, HELD);
+        if (k > HELD) k = HELD;
+        for (int j = 0; j < k; j++) held[(size_t)i * HELD + (size_t)j] = got[j].lease_id;
+        wi[i].n_leases = (size_t)(k > 0 ? k : 0);
+        wi[i].leases = &held[(size_t)i * HELD];
+      }
       wp[i] = &wi[i];
     }
     resp.n_workers = (size_t)n;
@@ -467,6 +494,7 @@ static void handle_status(const request *q) {
   free(mem);
   free(wi);
   free(wp);
+  free(held);
 }
 
 static void handle_lease(const request *q) {

@@ -86,12 +86,18 @@ int ps_status_print(const char *addr, const ps_security_opts *sec, int timeout_m
     Ps__WorkerInfo *w = r->workers[i];
     char id[32];
     snprintf(id, sizeof id, "%08" PRIx32 "...", (uint32_t)(w->worker_id >> 32)); /* not in full */
+    json_t *held = json_array();
+    for (size_t k = 0; k < w->n_leases; k++) {
+      char lid[24];
+      snprintf(lid, sizeof lid, "%" PRIx64, w->leases[k]);
+      json_array_append_new(held, json_string(lid));
+    }
     json_array_append_new(
-        ws, json_pack("{s:s,s:s,s:s,s:i,s:I,s:I,s:I,s:I}", "id", id, "host",
+        ws, json_pack("{s:s,s:s,s:s,s:i,s:I,s:I,s:I,s:I,s:b,s:o}", "id", id, "host",
                       w->host ? w->host : "", "role", w->role ? w->role : "", "task_index",
                       w->task_index, "step", (json_int_t)w->step, "pushes", (json_int_t)w->pushes,
                       "clock", (json_int_t)w->clock, "ms_since_seen",
-                      (json_int_t)w->ms_since_seen));
+                      (json_int_t)w->ms_since_seen, "idle", (int)w->idle, "leases", held));
   }
   json_object_set_new(o, "workers", ws);
   json_t *eps = json_array();

@@ -158,6 +158,39 @@ void ps_waits_fail_all(ps_server *sv, int status, const char *why) {
   }
 }
 
+void ps_sync_watch(ps_server *sv) {
+  ps_shard_stats st;
+  ps_shard_stats_get(sv->shard, &st);
+  double now = ps_now_s();
+  int live = ps_membership_count(sv->members);
+  if (st.version != sv->watch_version || live == 0 || sv->watch_since_s == 0) {
+    sv->watch_version = st.version;
+    sv->watch_since_s = now;
+    return;
+  }
+  if (now - sv->watch_since_s < PS_SERVER_STALL_S || now - sv->watch_warned_s < PS_SERVER_STALL_S)
+    return;
+  sv->watch_warned_s = now;
+  pthread_mutex_lock(&sv->wait_mu);
+  int waiting = sv->n_waiting;
+  pthread_mutex_unlock(&sv->wait_mu);
+  char what[PS_ERRLEN];
+  if (sv->job.mode_kind == PS_MODE_SYNC)
+    snprintf(what, sizeof what,
+             "step %" PRIu64 " has %d of the %d gradients it needs (live workers %d, backup %d); "
+             "%d pull(s) wait for it",
+             st.version + 1, st.sync_pending, live - sv->job.backup_workers, live,
+             sv->job.backup_workers, waiting);
+  else if (sv->job.mode_kind == PS_MODE_SSP)
+    snprintf(what, sizeof what, "%d pull(s) wait for the slowest worker to come within %d steps",
+             waiting, sv->job.ssp_k);
+  else
+    snprintf(what, sizeof what, "no worker has pushed");
+  PS_WARN("no update for %.0f s with %d worker(s) training: %s (ps-server --status lists the "
+          "workers, their steps and leases)",
+          now - sv->watch_since_s, live, what);
+}
+
 void ps_waits_free(ps_server *sv) {
   while (sv->waiters) {
     ps_waiter *w = sv->waiters;

@@ -42,8 +42,9 @@ int ps_worker_evaluator_run(ps_worker *w) {
   PS_INFO("evaluator: every %.1f s on %d test examples", interval, w->test.n);
   while (!atomic_load(&w->stop)) {
     if (ps_worker_pull(w, err) != 0) {
-      PS_ERROR("%s", err);
-      return 1;
+      int rc = ps_worker_failure(w, err);
+      if (rc != PS_WORKER_EXIT_DONE) return rc;
+      break;
     }
     uint64_t v = 0;
     for (int s = 0; s < w->nshards; s++) v += w->versions[s];
@@ -69,5 +70,5 @@ int ps_worker_evaluator_run(ps_worker *w) {
   printf("final test accuracy %.4f (test loss %.4f, %d examples, evaluation %d)\n", acc,
          (double)tl, w->test.n, n);
   fflush(stdout);
-  return 0;
+  return PS_WORKER_EXIT_DONE;
 }

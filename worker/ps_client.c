@@ -594,7 +594,7 @@ void ps_client_shard_range(const ps_client *c, int s, size_t *off, size_t *cnt) 
   *cnt = c->shards[s].cnt;
 }
 
-int ps_client_heartbeat(ps_client *c, uint64_t step, char *err) {
+int ps_client_heartbeat(ps_client *c, uint64_t step, const ps_client_hb_state *state, char *err) {
   int rc = PS_OK;
   for (int s = 0; s < c->nshards; s++) {
     Ps__RequestHeader h;
@@ -603,6 +603,14 @@ int ps_client_heartbeat(ps_client *c, uint64_t step, char *err) {
     Ps__HeartbeatRequest req = PS__HEARTBEAT_REQUEST__INIT;
     req.header = &h;
     req.step = step;
+    if (state) {
+      req.idle = state->idle != 0;
+      if (s == 0 && state->names_leases) { /* leases live on shard 0 */
+        req.names_leases = 1;
+        req.n_leases = (size_t)state->n_leases;
+        req.leases = (uint64_t *)state->leases;
+      }
+    }
     ProtobufCMessage *m = NULL;
     char detail[PS_ERRLEN] = "";
     int st = small_call(c->hb_q, c->shards[s].ch, M_HEARTBEAT, &req.base,

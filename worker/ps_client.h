@@ -100,9 +100,17 @@ int ps_client_push_shard(ps_client *c, int s, const float *grads, char *err);
 int ps_client_push_end(ps_client *c, const float *grads, ps_push_result *res, char *err);
 int ps_client_push_pending(const ps_client *c);
 
-/* Heartbeat to every shard; a shard that no longer knows this worker is
- * registered with again. */
-int ps_client_heartbeat(ps_client *c, uint64_t step, char *err);
+/* What a heartbeat says besides the step (see ps_source_heartbeat_state). */
+typedef struct {
+  const uint64_t *leases; /* the leases this worker holds (names_leases) */
+  int n_leases;
+  int names_leases;       /* shard 0 renews the named leases only */
+  int idle;               /* waiting for data: not counted in steps and clocks */
+} ps_client_hb_state;
+
+/* Heartbeat to every shard (state may be NULL); a shard that no longer
+ * knows this worker is registered with again. */
+int ps_client_heartbeat(ps_client *c, uint64_t step, const ps_client_hb_state *state, char *err);
 
 typedef struct {
   int status;         /* 0 granted, 1 wait and ask again, 2 no more data */

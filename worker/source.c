@@ -3,8 +3,10 @@
 #include "source.h"
 
 #include <inttypes.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "../common/util.h"
 
@@ -20,17 +22,28 @@ struct ps_source {
   /* Why the leases ended early: written by the batcher's thread before it
    * hands out its last (empty) batch, read after that batch is taken. */
   int failed;
+  int unreachable; /* ... because shard 0 did not answer for retry_s */
   char failure[PS_ERRLEN];
+  /* What heartbeats say of the data (under mu): the leases granted and not
+   * yet reported done, whether the batcher waits for others' chunks, and
+   * since when the training loop has waited for a batch (0: it is not). */
+  pthread_mutex_t mu;
+  uint64_t held[PS_SOURCE_MAX_HELD];
+  int n_held;
+  int lease_waiting;
+  int64_t consumer_waiting_since;
 };
 
 ps_source *ps_source_share(const ps_dataset *train, int batch, int rank, int num_workers,
                            uint64_t seed, int shuffle, int epochs, int64_t max_steps) {
   ps_source *s = calloc(1, sizeof *s);
   if (!s) return NULL;
+  pthread_mutex_init(&s->mu, NULL);
   s->batch = batch;
   s->n_examples = train->n;
   s->batcher = ps_batcher_create_ordered(train, batch, rank, num_workers, seed, 4, shuffle);
   if (!s->batcher) {
+    pthread_mutex_destroy(&s->mu);
     free(s);
     return NULL;
   }
@@ -74,12 +87,24 @@ static int next_chunk(void *user, uint64_t *begin, uint32_t *count, uint64_t *ta
       *count = l.count;
       *tag = l.lease_id;
       *epoch = l.epoch;
+      pthread_mutex_lock(&s->mu);
+      s->lease_waiting = 0;
+      if (s->n_held < PS_SOURCE_MAX_HELD) s->held[s->n_held++] = l.lease_id;
+      pthread_mutex_unlock(&s->mu);
       return 0;
     }
     if (rc == 0 && l.status == 2) return 1; /* the last epoch is done */
+    if (rc == 0) {
+      pthread_mutex_lock(&s->mu);
+      s->lease_waiting = 1;
+      pthread_mutex_unlock(&s->mu);
+    }
     if (rc != 0) {
-      if ((rc != PS_EUNAVAIL && rc != PS_ETIMEDOUT) || ps_now_s() > give_up)
+      if (rc != PS_EUNAVAIL && rc != PS_ETIMEDOUT) return lease_failed(s, err);
+      if (ps_now_s() > give_up) {
+        s->unreachable = 1;
         return lease_failed(s, err);
+      }
       PS_WARN("%s; retrying", err);
     } else {
       if (!said_waiting++)
@@ -96,6 +121,7 @@ ps_source *ps_source_leases(const ps_dataset *train, int batch, uint64_t seed, p
                             double retry_s, atomic_int *stop, int64_t max_steps) {
   ps_source *s = calloc(1, sizeof *s);
   if (!s) return NULL;
+  pthread_mutex_init(&s->mu, NULL);
   s->batch = batch;
   s->n_examples = train->n;
   s->client = client;
@@ -105,6 +131,7 @@ ps_source *ps_source_leases(const ps_dataset *train, int batch, uint64_t seed, p
   s->total_steps = max_steps > 0 ? max_steps : INT64_MAX;
   s->batcher = ps_batcher_create_source(train, batch, seed, 4, next_chunk, s);
   if (!s->batcher) {
+    pthread_mutex_destroy(&s->mu);
     free(s);
     return NULL;
   }
@@ -129,7 +156,14 @@ int64_t ps_source_total_steps(const ps_source *s) { return s->total_steps; }
 
 int ps_source_next(ps_source *s, ps_batch **out, char *err) {
   ps_batch *b = NULL;
-  if (ps_batcher_next(s->batcher, &b) != 0) {
+  pthread_mutex_lock(&s->mu);
+  s->consumer_waiting_since = ps_now_ms();
+  pthread_mutex_unlock(&s->mu);
+  int got = ps_batcher_next(s->batcher, &b);
+  pthread_mutex_lock(&s->mu);
+  s->consumer_waiting_since = 0;
+  pthread_mutex_unlock(&s->mu);
+  if (got != 0) {
     snprintf(err, PS_ERRLEN, "the input pipeline has stopped");
     return -1;
   }
@@ -149,6 +183,13 @@ void ps_source_release(ps_source *s, ps_batch *b) { ps_batcher_release(s->batche
 
 void ps_source_chunk_done(ps_source *s, uint64_t lease) {
   if (!s->client) return;
+  pthread_mutex_lock(&s->mu);
+  for (int i = 0; i < s->n_held; i++)
+    if (s->held[i] == lease) {
+      s->held[i] = s->held[--s->n_held];
+      break;
+    }
+  pthread_mutex_unlock(&s->mu);
   /* Every example of the chunk went into a pushed gradient. */
   ps_client_lease l;
   char err[PS_ERRLEN] = "";
@@ -171,8 +212,34 @@ void ps_source_log_summary(const ps_source *s) {
             (uint64_t)atomic_load(&s->chunks_done), (uint64_t)atomic_load(&s->chunks_lost));
 }
 
+int ps_source_heartbeat_state(ps_source *s, uint64_t *ids, int max, int *names, int *idle) {
+  *names = *idle = 0;
+  if (!s || !s->client) return 0;
+  pthread_mutex_lock(&s->mu);
+  int n = s->n_held < max ? s->n_held : max;
+  memcpy(ids, s->held, (size_t)n * sizeof *ids);
+  *names = 1;
+  *idle = s->lease_waiting && s->consumer_waiting_since &&
+          ps_now_ms() - s->consumer_waiting_since >= PS_SOURCE_IDLE_MS;
+  pthread_mutex_unlock(&s->mu);
+  return n;
+}
+
+int ps_source_unreachable(const ps_source *s) { return s && s->unreachable; }
+
+int64_t ps_source_waiting_ms(ps_source *s, int *for_leases) {
+  *for_leases = 0;
+  if (!s) return 0;
+  pthread_mutex_lock(&s->mu);
+  int64_t since = s->consumer_waiting_since;
+  *for_leases = s->lease_waiting;
+  pthread_mutex_unlock(&s->mu);
+  return since ? ps_now_ms() - since : 0;
+}
+
 void ps_source_destroy(ps_source *s) {
   if (!s) return;
   ps_batcher_destroy(s->batcher);
+  pthread_mutex_destroy(&s->mu);
   free(s);
 }

@@ -53,6 +53,25 @@ void ps_source_chunk_done(ps_source *s, uint64_t lease);
  * static share). */
 void ps_source_log_summary(const ps_source *s);
 
+/* What a heartbeat says of this worker's data: with leases (*names set),
+ * the leases it holds (granted, not yet reported done: up to max written to
+ * ids; returns how many), which shard 0 keeps alive and no other; and
+ * whether it is idle: the training loop has waited PS_SOURCE_IDLE_MS for a
+ * batch while every chunk left of the epoch is leased to other workers, so
+ * sync steps and ssp clocks should not wait for it. Any thread. */
+#define PS_SOURCE_MAX_HELD 16
+#define PS_SOURCE_IDLE_MS 200
+int ps_source_heartbeat_state(ps_source *s, uint64_t *ids, int max, int *names, int *idle);
+
+/* After ps_source_next failed: whether it was because shard 0 did not
+ * answer lease calls for retry_s seconds. */
+int ps_source_unreachable(const ps_source *s);
+
+/* How long the training loop has waited for a batch (0: it is not
+ * waiting), and whether the leases wait for other workers' chunks. Any
+ * thread; NULL gives 0. */
+int64_t ps_source_waiting_ms(ps_source *s, int *for_leases);
+
 /* Stops the batcher's thread (and its lease calls); frees. NULL is fine. */
 void ps_source_destroy(ps_source *s);
 

@@ -111,7 +111,7 @@ static int sync_dir_of(const char *path) {
  * name, then the directory is fsynced; on a failure the temporary file is
  * removed and what was at path is left as it was. A symbolic link's target
  * is what gets replaced; a device or a pipe (/dev/null) is written in
- * place. Returns 0, or the exit code 1 with the cause (strerror) logged. */
+ * place. Returns 0, or PS_WORKER_EXIT_ERROR with the cause (strerror) logged. */
 static int save_params(ps_worker *w, const char *path) {
   const size_t P = w->job.model.n_params;
   char final_path[PATH_MAX], tmp[PATH_MAX + 32];
@@ -122,7 +122,7 @@ static int save_params(ps_worker *w, const char *path) {
     int e = fd < 0 ? errno : write_params_fd(fd, w->params, P);
     if (e) {
       PS_ERROR("--save-params: cannot write the parameters to '%s': %s", path, strerror(e));
-      return 1;
+      return PS_WORKER_EXIT_ERROR;
     }
     PS_INFO("wrote the %zu parameters to %s", P, path);
     return 0;
@@ -133,7 +133,7 @@ static int save_params(ps_worker *w, const char *path) {
                    (long)getpid());
   if (n < 0 || (size_t)n >= sizeof tmp) {
     PS_ERROR("--save-params: the path '%s' is too long", path);
-    return 1;
+    return PS_WORKER_EXIT_ERROR;
   }
   /* The name holds this process's id: a file there is a dead process's. */
   int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0666);
@@ -148,13 +148,13 @@ static int save_params(ps_worker *w, const char *path) {
     PS_ERROR("--save-params: cannot %s '%s': %s (%s)", what, path, strerror(e),
              fd >= 0 ? "the temporary file is removed; what was there is unchanged"
                      : "nothing was written");
-    return 1;
+    return PS_WORKER_EXIT_ERROR;
   }
   if ((e = sync_dir_of(final_path)) != 0) {
     PS_ERROR("--save-params: wrote '%s' but cannot sync its directory: %s (the file may not "
              "survive a crash)",
              path, strerror(e));
-    return 1;
+    return PS_WORKER_EXIT_ERROR;
   }
   PS_INFO("wrote the %zu parameters to %s", P, path);
   return 0;
@@ -170,16 +170,16 @@ static int finish(ps_worker *w, int64_t steps, int64_t examples, double t0) {
          examples, elapsed, examples / (elapsed > 0 ? elapsed : 1e-9));
   if ((w->o.chief || w->o.save_path) && w->client && ps_worker_pull(w, err) != 0) {
     PS_ERROR("final pull: %s", err);
-    return 1;
+    return PS_WORKER_EXIT_ERROR;
   }
-  if (w->o.save_path && save_params(w, w->o.save_path) != 0) return 1;
+  if (w->o.save_path && save_params(w, w->o.save_path) != 0) return PS_WORKER_EXIT_ERROR;
   if (w->o.chief) {
     float tl;
     double acc = ps_worker_evaluate(w, steps, t0, &tl);
     printf("final test accuracy %.4f (test loss %.4f, %d examples)\n", acc, (double)tl, w->test.n);
   }
   fflush(stdout);
-  return 0;
+  return PS_WORKER_EXIT_DONE;
 }
 
 int ps_worker_train(ps_worker *w) {
@@ -188,29 +188,26 @@ int ps_worker_train(ps_worker *w) {
   const int64_t total = ps_source_total_steps(w->source);
   const ps_step_kind *kind = ps_step_choose(w);
   void *state = NULL;
-  if (kind->begin(w, &state, err) != 0) {
-    PS_ERROR("%s", err);
-    return 1;
-  }
+  if (kind->begin(w, &state, err) != 0) return ps_worker_failure(w, err);
   double t0 = ps_now_s(), last_eval = t0;
   progress p = {.last_log = t0};
   int64_t total_ex = 0, step = 0;
-  int rc = 0;
+  int rc = PS_WORKER_EXIT_DONE;
   for (; step < total && !atomic_load(&w->stop); step++) {
     ps_batch *b = NULL;
     int src = ps_source_next(w->source, &b, err);
     if (src != 0) {
       if (src < 0) {
         PS_ERROR("the input pipeline failed: %s", err);
-        rc = 1;
+        rc = PS_WORKER_EXIT_ERROR;
+        if (ps_source_unreachable(w->source)) ps_worker_note_gave_up(w, w->o.retry_s, err);
       }
       break;
     }
     ps_step_result r = {0};
     if (kind->run(state, step, b, &r, err) != 0) {
-      PS_ERROR("%s", err);
       ps_source_release(w->source, b);
-      rc = 1;
+      rc = ps_worker_failure(w, err);
       break;
     }
     progress_add(&p, &r, b->n, w->nshards);
@@ -233,9 +230,9 @@ int ps_worker_train(ps_worker *w) {
       last_eval = ps_now_s();
     }
   }
-  if (kind->end(state, rc == 0, err) != 0) {
-    PS_ERROR("%s", err);
-    rc = 1;
+  if (kind->end(state, rc == PS_WORKER_EXIT_DONE, err) != 0) {
+    int end_rc = ps_worker_failure(w, err);
+    if (rc == PS_WORKER_EXIT_DONE) rc = end_rc;
   }
-  return rc == 0 ? finish(w, step, total_ex, t0) : rc;
+  return rc == PS_WORKER_EXIT_DONE ? finish(w, step, total_ex, t0) : rc;
 }

@@ -3,6 +3,7 @@
 #include "worker.h"
 
 #include <inttypes.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,21 +18,54 @@
 
 /* ---------------- helpers of the steps ---------------- */
 
+/* Records the first give-up on servers that did not answer (see
+ * ps_worker_exit_code); the later ones are the same outage. */
+void ps_worker_note_gave_up(ps_worker *w, double waited_s, const char *err) {
+  int expected = 0;
+  if (!atomic_compare_exchange_strong(&w->gave_up, &expected, 1)) return;
+  snprintf(w->gave_up_msg, sizeof w->gave_up_msg,
+           "gave up after %.0f s without an answer (--retry-s %g): %s", waited_s, w->o.retry_s,
+           err);
+}
+
 int ps_worker_retry(ps_worker *w, const char *what, ps_worker_op op, void *ctx, char *err) {
   /* Unreachable servers, and shards that gave up holding a pull back. */
-  double deadline = ps_now_s() + w->o.retry_s;
+  double start = ps_now_s(), deadline = start + w->o.retry_s;
   int64_t backoff = 100;
   ps_rand r;
   ps_rand_seed(&r, (uint64_t)getpid() ^ (uint64_t)ps_now_ms());
-  for (int attempt = 0;; attempt++) {
-    int rc = op(ctx, err);
-    if (rc == 0 || (rc != PS_EUNAVAIL && rc != PS_ETIMEDOUT) || atomic_load(&w->stop)) return rc;
-    if (ps_now_s() + backoff / 1000.0 > deadline) return rc;
+  int rc;
+  for (;;) {
+    rc = op(ctx, err);
+    if (rc == 0 || (rc != PS_EUNAVAIL && rc != PS_ETIMEDOUT)) return rc;
+    if (atomic_load(&w->stop)) break;
+    double left_ms = (deadline - ps_now_s()) * 1000;
+    if (left_ms <= 0) {
+      ps_worker_note_gave_up(w, ps_now_s() - start, err);
+      return rc;
+    }
+    /* The last attempt comes at the deadline, so that a server back just
+     * before it is found. */
     int64_t sleep = backoff / 2 + (int64_t)ps_rand_below(&r, (uint64_t)backoff / 2 + 1);
+    if (sleep > left_ms) sleep = (int64_t)left_ms + 1;
     PS_WARN("%s failed (%s); retrying in %" PRId64 " ms", what, err, sleep);
-    ps_sleep_ms(sleep);
+    /* In slices, so that a signal is heard within 100 ms. */
+    for (int64_t slept = 0; slept < sleep && !atomic_load(&w->stop); slept += 100)
+      ps_sleep_ms(sleep - slept < 100 ? sleep - slept : 100);
+    if (atomic_load(&w->stop)) break;
     if (backoff < 5000) backoff *= 2;
   }
+  atomic_store(&w->retry_stopped, 1);
+  return rc;
+}
+
+int ps_worker_failure(ps_worker *w, const char *err) {
+  if (atomic_load(&w->retry_stopped)) {
+    PS_WARN("%s; stopped by a signal while retrying", err);
+    return PS_WORKER_EXIT_DONE;
+  }
+  PS_ERROR("%s", err);
+  return PS_WORKER_EXIT_ERROR;
 }
 
 static int op_pull(void *ctx, char *err) {
@@ -89,44 +123,61 @@ void ps_worker_host_buffer_free(ps_worker *w, float *p) {
 
 /* ---------------- set-up ---------------- */
 
+/* How long the first registration waits for the servers: --retry-s, or
+ * with --retry-s 0 (no retries) one call's deadline. */
+static int connect_timeout_ms(const ps_worker_opts *o) {
+  if (o->retry_s <= 0) return o->timeout_ms;
+  return o->retry_s * 1000 < INT_MAX ? (int)(o->retry_s * 1000) : INT_MAX;
+}
+
 /* The job: from the servers (registering with them), or from the file
- * with --local; then the options the job fills in. */
+ * with --local; then the options the job fills in. Returns 0, or the exit
+ * code with the message printed (or kept in w->gave_up_msg). */
 static int setup_job(ps_worker *w, char *err) {
   ps_worker_opts *o = &w->o;
   if (o->local) {
     if (ps_job_load(o->job_path, &w->job, &w->job_text, err) != 0) {
       fprintf(stderr, "ps-worker: %s\n", err);
-      return 2;
+      return PS_WORKER_EXIT_USAGE;
     }
     w->rank = o->index >= 0 ? o->index : 0;
     if (o->chief < 0) o->chief = 1;
   } else {
     if (ps_security_resolve(&o->sec, PS_SECURITY_CLIENT, &w->sec, err) != 0) {
       fprintf(stderr, "ps-worker: %s\n", err);
-      return 2;
+      return PS_WORKER_EXIT_USAGE;
     }
     PS_INFO("servers: %s", w->sec.summary);
     ps_client_opts co = {.host = o->host,
                          .role = o->evaluator ? "evaluator" : o->chief == 1 ? "chief" : "worker",
                          .task_index = o->index,
                          .timeout_ms = o->timeout_ms,
-                         .connect_timeout_ms = (int)(o->retry_s * 1000),
+                         .connect_timeout_ms = connect_timeout_ms(o),
                          .token = &w->sec.token,
                          .tls = ps_security_tls(&w->sec)};
+    double t0 = ps_now_s();
     w->client = ps_client_connect(o->ps_addr, &co, err);
     if (!w->client) {
+      /* No code comes back, but the connection waits for the servers (gRPC's
+       * wait-for-ready) until connect_timeout_ms: a failure that took that
+       * long is servers that never answered. */
+      double waited = ps_now_s() - t0;
+      if (waited * 1000 + 10 >= co.connect_timeout_ms) {
+        ps_worker_note_gave_up(w, waited, err);
+        return PS_WORKER_EXIT_UNREACHABLE;
+      }
       fprintf(stderr, "ps-worker: %s\n", err);
-      return 1;
+      return PS_WORKER_EXIT_ERROR;
     }
     w->nshards = ps_client_num_shards(w->client);
     if (ps_job_parse(ps_client_job_json(w->client), &w->job, err) != 0) {
       fprintf(stderr, "ps-worker: the job from %s does not parse: %s\n", o->ps_addr, err);
-      return 1;
+      return PS_WORKER_EXIT_ERROR;
     }
     if (ps_client_param_count(w->client) != w->job.model.n_params) {
       fprintf(stderr, "ps-worker: the servers hold %zu values, the job's model has %zu\n",
               ps_client_param_count(w->client), w->job.model.n_params);
-      return 1;
+      return PS_WORKER_EXIT_ERROR;
     }
     w->rank = o->index >= 0 ? o->index : ps_client_rank(w->client);
     if (w->job.mode_kind != PS_MODE_ASYNC) ps_client_set_wait_ms(w->client, w->job.wait_timeout_ms);
@@ -139,7 +190,7 @@ static int setup_job(ps_worker *w, char *err) {
   if (w->rank >= o->num_workers && !(w->client && w->job.lease_chunk > 0) && !o->evaluator) {
     fprintf(stderr, "ps-worker: index %d but only %d workers share the data (--num-workers)\n",
             w->rank, o->num_workers);
-    return 2;
+    return PS_WORKER_EXIT_USAGE;
   }
   if (o->per_replica_batch > 0) {
     int global = o->per_replica_batch * o->replicas;
@@ -176,7 +227,7 @@ static int setup_data(ps_worker *w, char *err) {
   }
   if (rc != 0) {
     fprintf(stderr, "ps-worker: %s\n", err);
-    return 1;
+    return PS_WORKER_EXIT_ERROR;
   }
   if (w->train.c != spec->in_c || w->train.h != spec->in_h || w->train.w != spec->in_w ||
       w->train.classes != spec->classes) {
@@ -184,7 +235,7 @@ static int setup_data(ps_worker *w, char *err) {
                     "%dx%dx%d in %d\n",
             w->train.c, w->train.h, w->train.w, w->train.classes, spec->in_c, spec->in_h,
             spec->in_w, spec->classes);
-    return 1;
+    return PS_WORKER_EXIT_ERROR;
   }
   PS_INFO("data: %s, %d train / %d test examples (%.1f s to load)", w->job.dataset, w->train.n,
           w->test.n, ps_now_s() - tl);
@@ -201,7 +252,7 @@ static int setup_compute(ps_worker *w, char *err) {
     w->reps = ps_replicas_create_for(spec, w->o.replicas, w->job.batch_size, w->ops->name, err);
     if (!w->reps) {
       fprintf(stderr, "ps-worker: %s\n", err);
-      return 1;
+      return PS_WORKER_EXIT_ERROR;
     }
     PS_INFO("replicas: %d, %s", w->o.replicas,
             !ps_replicas_on_device(w->reps) ? "one per cpu thread, summed in host memory"
@@ -224,7 +275,7 @@ static int setup_compute(ps_worker *w, char *err) {
   if (!w->model || (w->o.chief && !w->eval_model) || !w->params || !w->grads || !w->versions ||
       !w->min_versions || !w->dparams || !w->dgrads) {
     fprintf(stderr, "ps-worker: %s\n", err[0] ? err : "out of memory");
-    return 1;
+    return PS_WORKER_EXIT_ERROR;
   }
   char desc[512];
   ps_model_spec_describe(spec, desc, sizeof desc);
@@ -240,7 +291,7 @@ int ps_worker_setup(ps_worker *w) {
   w->ops = ps_device_open(o->device, o->threads, w->device_desc, sizeof w->device_desc, err);
   if (!w->ops) {
     fprintf(stderr, "ps-worker: --device %s: %s\n", o->device ? o->device : "auto", err);
-    return 2;
+    return PS_WORKER_EXIT_USAGE;
   }
   PS_INFO("device: %s", w->device_desc);
   int rc = setup_job(w, err);
@@ -251,7 +302,7 @@ int ps_worker_setup(ps_worker *w) {
     w->metrics = ps_metrics_open(o->metrics_path, err);
     if (!w->metrics) {
       fprintf(stderr, "ps-worker: %s\n", err);
-      return 2;
+      return PS_WORKER_EXIT_USAGE;
     }
   }
   if (!o->evaluator) {
@@ -263,7 +314,7 @@ int ps_worker_setup(ps_worker *w) {
                                   w->job.seed, w->job.shuffle, o->epochs, o->max_steps);
     if (!w->source) {
       fprintf(stderr, "ps-worker: cannot start the input pipeline\n");
-      return 1;
+      return PS_WORKER_EXIT_ERROR;
     }
   }
   return 0;
@@ -299,4 +350,22 @@ void ps_worker_teardown(ps_worker *w) {
   ps_dataset_free(&w->test);
   ps_metrics_close(w->metrics);
   free(w->job_text);
+}
+
+/* What each exit code means, for the last line. */
+static const char *const exit_meaning[] = {
+    [PS_WORKER_EXIT_DONE] = "done",
+    [PS_WORKER_EXIT_ERROR] = "an error in the job, the data or a request: see above",
+    [PS_WORKER_EXIT_USAGE] = "a bad command line: see --help",
+    [PS_WORKER_EXIT_UNREACHABLE] = "the servers could not be reached; a later start may succeed",
+};
+
+int ps_worker_exit_code(ps_worker *w, int rc) {
+  /* A retry that gave up is what failed, however the failure came up. */
+  if (rc == PS_WORKER_EXIT_ERROR && atomic_load(&w->gave_up)) rc = PS_WORKER_EXIT_UNREACHABLE;
+  if (rc == PS_WORKER_EXIT_UNREACHABLE)
+    fprintf(stderr, "ps-worker: %s; exit %d (%s)\n", w->gave_up_msg, rc, exit_meaning[rc]);
+  else if (rc != PS_WORKER_EXIT_DONE)
+    fprintf(stderr, "ps-worker: exit %d (%s)\n", rc, exit_meaning[rc]);
+  return rc;
 }

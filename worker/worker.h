@@ -22,6 +22,23 @@
 #include "source.h"
 #include "worker_options.h"
 
+/* The process's exit codes, for whoever runs it (a supervisor restarts on
+ * 1 and 3, not on 2: see deploy/systemd/). --help's footer and the README
+ * list them. */
+enum {
+  PS_WORKER_EXIT_DONE = 0,        /* the data or the steps are done, the evaluator saw training
+                                   * end, or SIGINT/SIGTERM: left the servers */
+  PS_WORKER_EXIT_ERROR = 1,       /* an error in the job or the data, a request a server
+                                   * refused, or no memory */
+  PS_WORKER_EXIT_USAGE = 2,       /* a bad command line: a flag, TF_CONFIG, or a file or
+                                   * device a flag names */
+  PS_WORKER_EXIT_UNREACHABLE = 3, /* the servers did not answer for --retry-s seconds:
+                                   * starting again later may succeed */
+};
+
+/* Seconds without a finished step before the worker says what it waits for. */
+#define PS_WORKER_STALL_S 30
+
 typedef struct ps_worker {
   ps_worker_opts o; /* resolved: epochs, max_steps, eval_interval from the job */
   ps_job job;       /* batch_size is the global batch */
@@ -45,6 +62,14 @@ typedef struct ps_worker {
   uint64_t *versions;     /* per shard: the version pulled */
   uint64_t *min_versions; /* per shard: sync mode waits for the step pushed */
   ps_push_result push_res; /* the last push's answers */
+  /* The first give-up on servers that did not answer for --retry-s (any
+   * thread sets it once; read after the threads are joined): the process
+   * exits PS_WORKER_EXIT_UNREACHABLE with this as its last line. */
+  atomic_int gave_up;
+  char gave_up_msg[2 * PS_ERRLEN];
+  /* A signal stopped ps_worker_retry while the servers did not answer:
+   * the step that failed so is not an error. */
+  atomic_int retry_stopped;
   /* shared with the loop thread */
   atomic_int stop;
   atomic_uint_fast64_t step;
@@ -52,6 +77,11 @@ typedef struct ps_worker {
     uv_loop_t loop;
     uv_thread_t thread;
     uv_timer_t hb_timer;
+    uv_timer_t idle_timer; /* watches for the worker starting or stopping to wait for data */
+    atomic_int idle_said;  /* what the last heartbeat said */
+    uv_timer_t stall_timer; /* says when no step finishes for PS_WORKER_STALL_S */
+    uint64_t stall_step;
+    int64_t stall_since;
     uv_signal_t sigint, sigterm;
     uv_async_t quit;
     uv_work_t hb_work;
@@ -61,10 +91,22 @@ typedef struct ps_worker {
 
 /* Builds the parts from the options: the device, the job (from the
  * servers, or the file with --local), the data, the models, the buffers,
- * metrics and the data source. Returns 0, or the process's exit code (1 or
- * 2) with the message printed; what was built is freed by
- * ps_worker_teardown either way. */
+ * metrics and the data source. Returns 0, or the process's exit code with
+ * the message printed (PS_WORKER_EXIT_UNREACHABLE: kept for the last
+ * line); what was built is freed by ps_worker_teardown either way. */
 int ps_worker_setup(ps_worker *w);
+
+/* The process's exit code for rc, what the set-up or the run returned
+ * (PS_WORKER_EXIT_ERROR after a retry gave up becomes
+ * PS_WORKER_EXIT_UNREACHABLE), with a last line on stderr that says what
+ * it means (none for PS_WORKER_EXIT_DONE). Call it last, after the
+ * tear-down. */
+int ps_worker_exit_code(ps_worker *w, int rc);
+
+/* Records that the servers did not answer for waited_s seconds (err says
+ * which): the exit code becomes PS_WORKER_EXIT_UNREACHABLE. The first
+ * record counts; any thread. */
+void ps_worker_note_gave_up(ps_worker *w, double waited_s, const char *err);
 
 /* Stops the threads in order (the data source's before the client it
  * uses), leaves the servers, frees everything. Safe on a partial setup. */
@@ -89,10 +131,19 @@ int ps_worker_evaluator_run(ps_worker *w);
 double ps_worker_evaluate(ps_worker *w, int64_t step, double t0, float *loss_out);
 
 /* Retries op(ctx, err) with exponential backoff and jitter while the
- * servers are unreachable (or a shard gave up holding a pull back), for at
- * most --retry-s seconds, and not after a signal. Returns op's last code. */
+ * servers are unreachable (or a shard gave up holding a pull back), for
+ * --retry-s seconds (the last attempt at the deadline; then w->gave_up is
+ * set), and not after a signal (then w->retry_stopped is). Returns op's
+ * last code. Any thread. */
 typedef int (*ps_worker_op)(void *ctx, char *err);
 int ps_worker_retry(ps_worker *w, const char *what, ps_worker_op op, void *ctx, char *err);
+
+/* What a failure with err (of a step, or a pull) ends in: the exit code
+ * PS_WORKER_EXIT_DONE when a signal stopped a retry in it (err logged as a
+ * warning: the worker stops as after any signal), else
+ * PS_WORKER_EXIT_ERROR (err logged as an error). For failures seen before
+ * anything but a signal can set w->stop: before the step kind's end. */
+int ps_worker_failure(ps_worker *w, const char *err);
 
 /* Pulls every shard into w->params and w->versions, retrying; in sync
  * mode each shard answers once the step this worker pushed is applied. */

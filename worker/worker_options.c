@@ -9,6 +9,7 @@
 
 #include "../common/options.h"
 #include "../common/util.h"
+#include "worker.h" /* the exit codes */
 
 #define O(field) offsetof(ps_worker_opts, field)
 
@@ -73,7 +74,9 @@ static const ps_option worker_flags[] = {
     {"timeout-ms", "MS", PS_OPT_INT, O(timeout_ms), 1, 3600000, .def = "30000",
      .help = "deadline of every call to a server"},
     {"retry-s", "SEC", PS_OPT_SECS, O(retry_s), 0, .def = "60", .help =
-     "how long to retry unreachable servers, with exponential backoff and jitter"},
+     "how long to retry unreachable servers, with exponential backoff and jitter (the first "
+     "registration waits this long for them; 0: one call, no retries); then the worker leaves "
+     "and exits 3"},
     {"host", "NAME", PS_OPT_STR, O(host), .def_doc = "the host name",
      .help = "name reported to the servers"},
     {"save-params", "FILE", PS_OPT_STR, O(save_path), .help =
@@ -117,7 +120,16 @@ static const ps_optspec worker_spec = {
         "computes gradients on this worker's share of the data, pushes them.\n",
     .opts = worker_flags,
     .n_opts = (int)(sizeof worker_flags / sizeof worker_flags[0]),
-    .footer = "SIGINT or SIGTERM: the worker finishes its step, leaves the servers and exits.",
+    .footer =
+        "SIGINT or SIGTERM: the worker finishes its step, leaves the servers and exits 0.\n"
+        "\n"
+        "Exit codes (the last line on stderr says which and why):\n"
+        "  0  done: the data or --max-steps, the evaluator saw training end, or a signal\n"
+        "  1  an error: in the job or the data, a NaN loss, a request a server refused\n"
+        "     (a wrong token), no memory, a failed --save-params\n"
+        "  2  a bad command line: a flag, TF_CONFIG, or a file or device a flag names\n"
+        "  3  the servers did not answer for --retry-s seconds (at the start or during\n"
+        "     the run): starting again later may succeed",
 };
 
 /* Without --ps: the cluster and this task from TF_CONFIG. The chief counts
@@ -127,24 +139,24 @@ static int merge_tf_config(ps_worker_opts *o) {
   if (!tf) {
     fprintf(stderr, "ps-worker: give --ps HOST:PORT, set TF_CONFIG, or use --local --job FILE "
                     "(see --help)\n");
-    return 2;
+    return PS_WORKER_EXIT_USAGE;
   }
   static ps_cluster cluster;
   char err[PS_ERRLEN];
   if (ps_cluster_from_tf_config(tf, &cluster, err) != 0) {
     fprintf(stderr, "ps-worker: TF_CONFIG: %s\n", err);
-    return 2;
+    return PS_WORKER_EXIT_USAGE;
   }
   if (!strcmp(cluster.task_type, "evaluator")) {
     o->evaluator = 1;
   } else if (strcmp(cluster.task_type, "worker") != 0 && strcmp(cluster.task_type, "chief") != 0) {
     fprintf(stderr, "ps-worker: TF_CONFIG names task type '%s'; ps-worker runs 'worker', "
                     "'chief' or 'evaluator'\n", cluster.task_type);
-    return 2;
+    return PS_WORKER_EXIT_USAGE;
   }
   if (cluster.n_ps == 0) {
     fprintf(stderr, "ps-worker: TF_CONFIG has no ps addresses\n");
-    return 2;
+    return PS_WORKER_EXIT_USAGE;
   }
   o->have_tf_config = 1;
   o->ps_addr = cluster.ps[0];
@@ -164,7 +176,7 @@ int ps_worker_opts_parse(ps_worker_opts *o, int argc, char **argv) {
   o->eval_interval = -1;
   o->threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
   if (o->threads < 1) o->threads = 1;
-  if (ps_options_defaults(&worker_spec, o) != 0) return 2;
+  if (ps_options_defaults(&worker_spec, o) != 0) return PS_WORKER_EXIT_USAGE;
   int rc = ps_options_parse(&worker_spec, argc, argv, o);
   if (rc != 0) return rc;
 
@@ -175,12 +187,12 @@ int ps_worker_opts_parse(ps_worker_opts *o, int argc, char **argv) {
   }
   if (o->local && !o->job_path) {
     fprintf(stderr, "ps-worker: --local needs --job FILE\n");
-    return 2;
+    return PS_WORKER_EXIT_USAGE;
   }
   if (o->evaluator && o->local) {
     fprintf(stderr, "ps-worker: --evaluator evaluates what servers hold; it needs --ps, not "
                     "--local\n");
-    return 2;
+    return PS_WORKER_EXIT_USAGE;
   }
   if (o->ps_addr) {
     /* Only the first address of a list is needed. */
@@ -191,7 +203,7 @@ int ps_worker_opts_parse(ps_worker_opts *o, int argc, char **argv) {
     int port;
     if (ps_parse_hostport(o->ps_first, host, sizeof host, &port) != 0 || port == 0) {
       fprintf(stderr, "ps-worker: '%s' is not a server address HOST:PORT\n", o->ps_first);
-      return 2;
+      return PS_WORKER_EXIT_USAGE;
     }
     o->ps_addr = o->ps_first;
   }

@@ -86,13 +86,13 @@ lease_holder() {
 # (an extended regular expression) in its log, not by a signal nor with a
 # sanitizer report (124: it hung), and its batcher had waited for a lease.
 lease_worker_check() {
-  local name=$1 log=$2 rc=$3 pattern=$4
+  local name=$1 log=$2 rc=$3 pattern=$4 want=${5:-1}
   clean_exit "$log" || { tail -40 "$log"; fail "$name: the worker crashed (exit $rc)"; }
-  [ "$rc" = 1 ] || { tail -20 "$log"; fail "$name: exit $rc, expected 1 (124: hung)"; }
+  [ "$rc" = "$want" ] || { tail -20 "$log"; fail "$name: exit $rc, expected $want (124: hung)"; }
   grep -Eq "$pattern" "$log" || { tail -20 "$log"; fail "$name: no message matching '$pattern'"; }
   grep -q "leased to other workers; waiting" "$log" \
     || { tail -20 "$log"; fail "$name: the batcher never waited for a lease"; }
-  echo "lease_error: $name: exit 1: $(grep -Eo "($pattern).{0,60}" "$log" | head -1)"
+  echo "lease_error: $name: exit $want: $(grep -Eo "($pattern).{0,60}" "$log" | head -1)"
 }
 
 # lease_error_run NAME WORKER-ARGS...: jobs/lease_nan.json (an absurd
@@ -443,7 +443,8 @@ lease_error)
   lease_error_run overlap --overlap
   # Shard 0 dies while the batcher waits for a lease and the worker has
   # used up its chunk: after --retry-s the input pipeline fails, and that
-  # is an error (exit 1 naming the lease call), not the end of the data.
+  # is the servers out of reach (exit 3 naming the lease call), not the end
+  # of the data.
   sed 's/"lr": 3e38/"lr": 0.01/' "$here/jobs/lease_nan.json" >"$out/lease_ok.json"
   lease_holder "$out/lost" "$out/lease_ok.json"
   "$build/ps-worker" --insecure --ps "$port" --index 1 --threads 1 --retry-s 2 --timeout-ms 1000 \
@@ -459,7 +460,7 @@ lease_error)
   wait "$wpid" || rc=$?
   kill -9 "$hpid" 2>/dev/null || true
   wait "$hpid" 2>/dev/null || true
-  lease_worker_check lost "$out/lost/worker.log" "$rc" "the input pipeline failed: Lease from shard 0"
+  lease_worker_check lost "$out/lost/worker.log" "$rc" "the input pipeline failed: Lease from shard 0" 3
   ;;
 ckpt_stale_tmp)
   # A shard killed while it writes a checkpoint leaves its temporary file;
@@ -707,6 +708,109 @@ PY
     echo "$variant: $retried call(s) retried after a held reply ($(tail -1 "$out/$variant-proxy.log"))"
     [ "$retried" -ge 1 ] || fail "$variant: no call was retried: the proxy held nothing back"
     kill -TERM "$spid"; wait "$spid" || fail "ps-server did not exit 0 on SIGTERM"
+  done
+  ;;
+sync_leases)
+  # sync with data leases, 33 chunks (8448 examples in chunks of 256) for
+  # 1, 2 and 3 workers: at each epoch's end some workers have no chunk left
+  # while another still trains; they say so (idle) and the steps go on
+  # without them, so every run ends, and every chunk of both epochs is
+  # completed once.
+  for w in 1 2 3; do
+    start=$(date +%s)
+    "$root/deploy/local-cluster.sh" --job "$here/jobs/sync_leases.json" --bin "$build" \
+      --servers 2 --workers "$w" --out "$out/w$w" --timeout 240 --threads 1 -- --log-interval 1 \
+      >"$out/w$w.out" 2>&1 || { tail -20 "$out/w$w.out"; fail "sync + leases with $w worker(s) failed"; }
+    python3 - "$out/w$w/status-0.json" "$w" <<'PY' || fail "$w worker(s): the lease records are wrong"
+import json, sys
+st, w = json.load(open(sys.argv[1])), sys.argv[2]
+eps = st["lease_epochs"]
+assert len(eps) == 2 and all(e["finished"] for e in eps), eps
+for e in eps:
+    assert e["chunks"] == 33 and e["chunks_once"] == 33 and e["examples_completed"] == 8448, e
+print(f"sync + leases, {w} worker(s): version {st['version']}, both epochs: 33 chunks each completed once")
+PY
+    echo "  in $(( $(date +%s) - start )) s; $(grep -c 'waits for data' "$out/w$w/server-0.log" || true) idle spell(s) on shard 0"
+  done
+  ;;
+supervision)
+  # The exit codes a supervisor acts on (deploy/systemd restarts 1 and 3,
+  # not 2), each said on the process's last line. A worker pointed at a
+  # port where nothing listens, and one whose only server is SIGKILLed
+  # mid-run, give up after --retry-s 2 and exit 3 naming the server; one
+  # stopped by SIGTERM while it retries exits 0; bad flags exit 2 for both
+  # programs, and so does a server's bad job file.
+  # last_line_says NAME LOG PATTERN: the log's last line matches PATTERN.
+  last_line_says() {
+    tail -1 "$2" | grep -Eq "$3" || { tail -3 "$2"; fail "$1: the last line does not match '$3'"; }
+  }
+  # exits_within NAME PID LOG SECONDS: waits (bounded) for PID to end; sets
+  # rc (its exit code) and took (seconds since the call).
+  exits_within() {
+    local t0; t0=$(date +%s.%N)
+    for _ in $(seq 1 $(( $4 * 10 ))); do kill -0 "$2" 2>/dev/null || break; sleep 0.1; done
+    kill -0 "$2" 2>/dev/null && { tail -5 "$3"; fail "$1: still running after $4 s: hung"; }
+    rc=0; wait "$2" || rc=$?
+    took=$(python3 -c "print(round($(date +%s.%N) - $t0, 1))")
+    clean_exit "$3" || fail "$1: the process crashed (exit $rc)"
+  }
+  wargs=(--insecure --threads 1 --timeout-ms 1000 --straggle-ms 50 --log-interval 0.2)
+
+  port=$(free_ports 1) # bound and closed again: nothing listens there
+  "$build/ps-worker" "${wargs[@]}" --ps "$port" --retry-s 2 >"$out/nothing.log" 2>&1 &
+  pids+=($!)
+  exits_within nothing $! "$out/nothing.log" 20
+  [ "$rc" = 3 ] || { tail -3 "$out/nothing.log"; fail "nothing listens: exit $rc, expected 3"; }
+  at_least "$took" 2 && at_least 10 "$took" || fail "nothing listens: exit 3 after $took s, not ~2"
+  last_line_says nothing "$out/nothing.log" "^ps-worker: gave up after .*$port.*; exit 3"
+  echo "supervision: nothing at $port: exit 3 after $took s: $(tail -1 "$out/nothing.log" | cut -c1-110)..."
+
+  # A server SIGKILLed under a training worker (--retry-s 2), and under one
+  # retrying with --retry-s 60 that gets SIGTERM (not the chief, which
+  # would need a final pull).
+  for variant in killed sigterm; do
+    port=$(free_ports 1)
+    "$build/ps-server" --insecure --job "$here/jobs/synthetic.json" --ps "$port" --index 0 \
+      >"$out/$variant-server.log" 2>&1 &
+    spid=$!; pids+=($spid)
+    retry=(--retry-s 2)
+    [ "$variant" = sigterm ] && retry=(--retry-s 60 --index 1 --num-workers 2)
+    "$build/ps-worker" "${wargs[@]}" --ps "$port" "${retry[@]}" >"$out/$variant.log" 2>&1 &
+    wpid=$!; pids+=($wpid)
+    for _ in $(seq 1 150); do grep -q "step [0-9]*/" "$out/$variant.log" && break; sleep 0.1; done
+    grep -q "step [0-9]*/" "$out/$variant.log" || { tail -5 "$out/$variant.log"; fail "$variant: no steps in 15 s"; }
+    kill -9 "$spid"; wait "$spid" 2>/dev/null || true
+    if [ "$variant" = killed ]; then
+      exits_within killed "$wpid" "$out/killed.log" 30
+      [ "$rc" = 3 ] || { tail -5 "$out/killed.log"; fail "server killed: exit $rc, expected 3"; }
+      # (took counts from just after the kill: the first failed call may come before)
+      at_least "$took" 1.8 && at_least 15 "$took" || fail "server killed: exit 3 after $took s, not ~2-4"
+      last_line_says killed "$out/killed.log" "^ps-worker: gave up after .*$port.*; exit 3"
+      echo "supervision: server killed mid-run: exit 3 $took s later"
+    else
+      for _ in $(seq 1 100); do grep -q "retrying in" "$out/sigterm.log" && break; sleep 0.1; done
+      grep -q "retrying in" "$out/sigterm.log" || { tail -5 "$out/sigterm.log"; fail "sigterm: no retry in 10 s"; }
+      kill -TERM "$wpid"
+      exits_within sigterm "$wpid" "$out/sigterm.log" 15
+      [ "$rc" = 0 ] || { tail -5 "$out/sigterm.log"; fail "SIGTERM while retrying: exit $rc, expected 0"; }
+      grep -q "stopped by a signal while retrying" "$out/sigterm.log" || fail "sigterm: not said"
+      echo "supervision: SIGTERM while retrying (--retry-s 60): exit 0 $took s later"
+    fi
+  done
+
+  # Bad command lines: 2, said last.
+  sed 's/"lr": 0.05/"lr": -1/' "$here/jobs/synthetic.json" >"$out/bad_lr.json"
+  port=$(free_ports 1)
+  for bad in "ps-worker --insecure --ps $port --retry-s -1" "ps-worker --insecure --ps $port --no-such-flag" \
+             "ps-server --insecure --job $here/jobs/synthetic.json --ps $port --index 0 --threads 0" \
+             "ps-server --insecure --job $here/jobs/broken.json --ps $port --index 0" \
+             "ps-server --insecure --job $out/bad_lr.json --ps $port --index 0"; do
+    read -ra cmd <<<"$bad"
+    rc=0
+    timeout 20 "$build/${cmd[0]}" "${cmd[@]:1}" >"$out/bad.log" 2>&1 || rc=$?
+    [ "$rc" = 2 ] || { tail -3 "$out/bad.log"; fail "$bad: exit $rc, expected 2"; }
+    last_line_says "$bad" "$out/bad.log" "^${cmd[0]}: exit 2 "
+    echo "supervision: exit 2: ${cmd[*]:1}: $(tail -2 "$out/bad.log" | head -1 | cut -c1-90)"
   done
   ;;
 *)

@@ -361,6 +361,28 @@ static void test_expire_renew(void) {
   ps_leases_destroy(t);
 }
 
+/* A heartbeat that names the worker's leases keeps those alive only: a
+ * lease whose grant the worker never heard of expires (no orphan kept
+ * alive forever). */
+static void test_renew_named(void) {
+  ps_leases *t = make(100, 10, 0, 5, 2);
+  if (!t) return;
+  ps_lease a, orphan, other;
+  CHECK(ps_leases_acquire(t, 1, 0, &a) == PS_OK);
+  CHECK(ps_leases_acquire(t, 1, 0, &orphan) == PS_OK); /* its answer was lost */
+  CHECK(ps_leases_acquire(t, 2, 0, &other) == PS_OK);
+  uint64_t named[] = {a.lease_id, other.lease_id /* not worker 1's */, 12345};
+  for (int64_t now = 500; now <= 3000; now += 500)
+    CHECK(ps_leases_renew_named(t, 1, named, 3, now) == 1);
+  CHECK(ps_leases_renew_named(t, 1, NULL, 0, 3000) == 0);
+  /* At 3000 only a (renewed at 3000) is younger than 1000 ms. */
+  CHECK(ps_leases_expire(t, 3000, 1000) == 2);
+  ps_lease held[4];
+  CHECK(ps_leases_held(t, 1, held, 4) == 1 && held[0].lease_id == a.lease_id);
+  CHECK(ps_leases_held(t, 2, held, 4) == 0);
+  ps_leases_destroy(t);
+}
+
 static void test_late_and_lost_completions(void) {
   ps_leases *t = make(60, 10, 0, 8, 2);
   if (!t) return;
@@ -913,6 +935,7 @@ int main(void) {
   RUN(test_wait_full_finished);
   RUN(test_release_mid_epoch);
   RUN(test_expire_renew);
+  RUN(test_renew_named);
   RUN(test_late_and_lost_completions);
   RUN(test_history_kept);
   RUN(test_save_load);

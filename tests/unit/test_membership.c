@@ -262,7 +262,29 @@ static void test_request_window(void) {
   ps_membership_destroy(m);
 }
 
+/* An idle worker is not counted and holds no clock back; back, it starts
+ * at the slowest active clock. */
+static void test_idle(void) {
+  ps_membership *m = ps_membership_create();
+  uint64_t a = 0, b = 0, clock = 0, lo = 0;
+  CHECK(ps_membership_add(m, 0, "a", "worker", 0, 0, &a, NULL) == PS_OK);
+  CHECK(ps_membership_add(m, 0, "b", "worker", 1, 0, &b, NULL) == PS_OK);
+  for (int i = 0; i < 5; i++) CHECK(ps_membership_note_push(m, a, (uint64_t)i, 0) == PS_OK);
+  CHECK(ps_membership_count(m) == 2);
+  CHECK(ps_membership_clock(m, a, &clock, &lo) == PS_OK && clock == 5 && lo == 0);
+  CHECK(ps_membership_set_idle(m, b, 1) == 1);
+  CHECK(ps_membership_set_idle(m, b, 1) == 0); /* no change */
+  CHECK(ps_membership_count(m) == 1);
+  CHECK(ps_membership_clock(m, a, &clock, &lo) == PS_OK && lo == 5); /* b holds nothing back */
+  CHECK(ps_membership_note_push(m, b, 9, 0) == PS_OK); /* back by pushing */
+  CHECK(ps_membership_count(m) == 2);
+  CHECK(ps_membership_clock(m, b, &clock, &lo) == PS_OK && clock == 6 && lo == 5);
+  CHECK(ps_membership_set_idle(m, 99, 1) == PS_ENOTFOUND);
+  ps_membership_destroy(m);
+}
+
 int main(void) {
+  RUN(test_idle);
   RUN(test_request_window);
   RUN(test_clocks);
   RUN(test_host_role_sanitized);
