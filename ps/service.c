@@ -4,6 +4,7 @@
  * pulls that must wait are handed to sync.c. Also the table that registers
  * them on the RPC server, and the release of a departed worker's leases. */
 #include <inttypes.h>
+#include <jansson.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -497,6 +498,30 @@ static void handle_status(const request *q) {
   free(held);
 }
 
+/* An epoch of leases just finished: its summary goes to the log and the
+ * metrics file, which keep every epoch of a long run (Status keeps the
+ * last few). */
+static void record_epoch(ps_server *sv, ps_leases *t, uint32_t epoch) {
+  ps_lease_epoch_record e;
+  if (ps_leases_epoch_record(t, epoch, &e, NULL, 0) < 0) return;
+  PS_INFO("leases: epoch %u done in %.1f s: %u chunks, %u completed once, %" PRIu64
+          " examples completed, %" PRIu64 " handed out (%" PRIu64 " again after %" PRIu64
+          " reclaims)",
+          e.epoch, e.end_ms >= 0 && e.start_ms >= 0 ? (double)(e.end_ms - e.start_ms) / 1e3 : 0.0,
+          e.chunks, e.chunks_once, e.examples_completed, e.examples_handed_out,
+          e.examples_rehanded, e.reclaims);
+  if (!sv->metrics) return;
+  json_t *rec = json_pack("{s:i,s:i,s:i,s:i,s:i,s:I,s:I,s:I,s:I}", "shard", sv->index,
+                          "lease_epoch", (int)e.epoch, "chunks", (int)e.chunks,
+                          "chunks_completed", (int)e.chunks_completed, "chunks_once",
+                          (int)e.chunks_once, "examples_completed",
+                          (json_int_t)e.examples_completed, "examples_handed_out",
+                          (json_int_t)e.examples_handed_out, "examples_rehanded",
+                          (json_int_t)e.examples_rehanded, "reclaims", (json_int_t)e.reclaims);
+  ps_metrics_write(sv->metrics, rec);
+  json_decref(rec);
+}
+
 static void handle_lease(const request *q) {
   ps_server *sv = q->sv;
   rpc_call *call = q->call;
@@ -550,7 +575,17 @@ static void handle_lease(const request *q) {
   int64_t now = ps_now_ms();
   Ps__LeaseResponse resp = PS__LEASE_RESPONSE__INIT;
   if (r->complete_lease) {
+    /* Under lease_mu, so that the epoch a completion finishes is recorded
+     * once. */
+    pthread_mutex_lock(&sv->lease_mu);
+    ps_lease_stats before;
+    ps_leases_stats(t, &before);
     int rc = ps_leases_complete(t, wid, r->complete_lease, now);
+    ps_lease_stats after;
+    ps_leases_stats(t, &after);
+    if (after.epoch != before.epoch || after.finished != before.finished)
+      record_epoch(sv, t, before.epoch);
+    pthread_mutex_unlock(&sv->lease_mu);
     resp.completed_counted = rc == PS_OK;
     if (rc != PS_OK)
       PS_INFO("lease %" PRIx64 " of worker %016" PRIx64 " finished but not counted: %s",

@@ -721,9 +721,13 @@ sync_leases)
     "$root/deploy/local-cluster.sh" --job "$here/jobs/sync_leases.json" --bin "$build" \
       --servers 2 --workers "$w" --out "$out/w$w" --timeout 240 --threads 1 -- --log-interval 1 \
       >"$out/w$w.out" 2>&1 || { tail -20 "$out/w$w.out"; fail "sync + leases with $w worker(s) failed"; }
-    python3 - "$out/w$w/status-0.json" "$w" <<'PY' || fail "$w worker(s): the lease records are wrong"
+    python3 - "$out/w$w/status-0.json" "$w" "$out/w$w/server-0.jsonl" <<'PY' || fail "$w worker(s): the lease records are wrong"
 import json, sys
 st, w = json.load(open(sys.argv[1])), sys.argv[2]
+# The metrics file keeps every finished epoch's summary.
+recs = [json.loads(l) for l in open(sys.argv[3]) if '"lease_epoch"' in l]
+assert [r["lease_epoch"] for r in recs] == [0, 1], recs
+assert all(r["chunks_once"] == 33 and r["examples_completed"] == 8448 for r in recs), recs
 eps = st["lease_epochs"]
 assert len(eps) == 2 and all(e["finished"] for e in eps), eps
 for e in eps:
