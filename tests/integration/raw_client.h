@@ -103,17 +103,28 @@ __attribute__((unused)) static int raw_register(raw_client *c, const ps_token *t
   return st;
 }
 
+/* A pull of the shard's whole range, once min_version is reached; h is
+ * the header it points to. */
+__attribute__((unused)) static void raw_pull_request(raw_client *c, Ps__PullRequest *req,
+                                                     Ps__RequestHeader *h, const ps_token *t,
+                                                     const raw_identity *who,
+                                                     uint64_t min_version) {
+  raw_header(c, h, t, who);
+  ps__pull_request__init(req);
+  req->header = h;
+  req->offset = c->range_off;
+  req->count = c->range_cnt;
+  req->min_version = min_version;
+}
+
 /* Pulls the shard's whole range (answered at once: min_version 0) into
  * vals (may be NULL) and *version. */
 __attribute__((unused)) static int raw_pull(raw_client *c, const ps_token *t,
-                                            const raw_identity *who, float *vals,
-                                            uint64_t *version, char *detail) {
+                                            const raw_identity *who, float *vals, uint64_t *version,
+                                            char *detail) {
   Ps__RequestHeader h;
-  raw_header(c, &h, t, who);
-  Ps__PullRequest req = PS__PULL_REQUEST__INIT;
-  req.header = &h;
-  req.offset = c->range_off;
-  req.count = c->range_cnt;
+  Ps__PullRequest req;
+  raw_pull_request(c, &req, &h, t, who, 0);
   uint8_t *resp = NULL;
   size_t len = 0;
   int st = raw_call_on(c, NULL, RAW_METHOD("Pull"), &req.base, NULL, 0, detail, &resp, &len);
@@ -158,12 +169,8 @@ __attribute__((unused)) static rpc_request *raw_pull_start(raw_client *c, const 
                                                            const raw_identity *who,
                                                            uint64_t min_version) {
   Ps__RequestHeader h;
-  raw_header(c, &h, t, who);
-  Ps__PullRequest req = PS__PULL_REQUEST__INIT;
-  req.header = &h;
-  req.offset = c->range_off;
-  req.count = c->range_cnt;
-  req.min_version = min_version;
+  Ps__PullRequest req;
+  raw_pull_request(c, &req, &h, t, who, min_version);
   rpc_msg msg;
   char err[PS_ERRLEN];
   if (wire_encode(&req.base, NULL, 0, NULL, NULL, &msg) != 0) return NULL;
@@ -173,13 +180,13 @@ __attribute__((unused)) static rpc_request *raw_pull_start(raw_client *c, const 
 /* EXPECT(what, status expression, code, substring): checks the status and
  * that the message (in a `detail` buffer in scope) holds the substring,
  * and prints the line. */
-#define RAW_EXPECT(what, st_expr, code, substr)                                              \
-  do {                                                                                       \
-    int st_ = (st_expr);                                                                     \
-    CHECK_MSG(st_ == (code) && strstr(detail, substr) != NULL,                               \
+#define RAW_EXPECT(what, st_expr, code, substr)                                               \
+  do {                                                                                        \
+    int st_ = (st_expr);                                                                      \
+    CHECK_MSG(st_ == (code) && strstr(detail, substr) != NULL,                                \
               "%s: got %s '%s', want %s containing '%s'", what, rpc_status_name(st_), detail, \
-              rpc_status_name(code), substr);                                                \
-    printf("  %-50.50s -> %s: %.60s\n", what, rpc_status_name(st_), detail);                 \
+              rpc_status_name(code), substr);                                                 \
+    printf("  %-50.50s -> %s: %.60s\n", what, rpc_status_name(st_), detail);                  \
   } while (0)
 
 #endif
