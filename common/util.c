@@ -169,9 +169,17 @@ size_t ps_utf8_valid_len(const void *s, size_t n) {
 
 /* A control character: C0, DEL, or C1 (U+0080..U+009F, encoded C2 80..C2 9F)
  * starting at s, whose valid UTF-8 length is len. */
+/* C0, DEL and C1 controls, and the characters that move or reorder text
+ * on a terminal: LRM, RLM, ALM, the line and paragraph separators (U+2028,
+ * U+2029) and the bidirectional embeddings, overrides and isolates
+ * (U+202A-202E, U+2066-2069), which can make a log line read as another. */
 static int utf8_is_control(const uint8_t *s, size_t len) {
   if (len == 1) return s[0] < 0x20 || s[0] == 0x7f;
-  return len == 2 && s[0] == 0xc2 && s[1] < 0xa0;
+  if (len == 2) return (s[0] == 0xc2 && s[1] < 0xa0) || (s[0] == 0xd8 && s[1] == 0x9c);
+  if (len == 3 && s[0] == 0xe2 && s[1] == 0x80)
+    return s[2] == 0x8e || s[2] == 0x8f || (s[2] >= 0xa8 && s[2] <= 0xae);
+  if (len == 3 && s[0] == 0xe2 && s[1] == 0x81) return s[2] >= 0xa6 && s[2] <= 0xa9;
+  return 0;
 }
 
 /* Copies the NUL-terminated src into dst (cap bytes, cap > 0), writing in
@@ -232,8 +240,8 @@ void ps_log_init(const char *prog, int level) {
   log_level = level;
 }
 
-/* \n, \r, \t, or \xNN for each of the k bytes at s (k <= 2: a C1 control
- * is the longest character escaped). */
+/* \n, \r, \t, or \xNN for each of the k bytes at s (k <= 3: a bidi
+ * control is the longest character escaped). */
 static size_t log_escape(const uint8_t *s, size_t k, char *out) {
   size_t e = 0;
   for (size_t j = 0; j < k; j++) {

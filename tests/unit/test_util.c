@@ -261,6 +261,13 @@ static void test_log_escapes(void) {
                    "forged\\r\\x1b[31mred\\x7f\\xc2\\x9b\\xff\\t\xc3\xa9)\n") != NULL,
             "%s", line);
   free(line);
+  /* Characters that reorder or break a line on a terminal: escaped too. */
+  line = log_line("a\xe2\x80\xae" "b\xe2\x80\xa8" "c\xe2\x81\xa6" "d\xe2\x80\x8f" "e\xd8\x9c" "\xe2\x82\xac");
+  CHECK(line && strstr(line, "a\\xe2\\x80\\xaeb\\xe2\\x80\\xa8c\\xe2\\x81\\xa6d\\xe2\\x80\\x8fe\\xd8\\x9c\xe2\x82\xac)"));
+  free(line);
+  char clean[32];
+  ps_utf8_sanitize(clean, sizeof clean, "x\xe2\x80\xaey");
+  CHECK(strcmp(clean, "x\xef\xbf\xbdy") == 0);
 }
 
 int main(void) {
