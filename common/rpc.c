@@ -36,6 +36,7 @@
 #define DEFAULT_SERVER_THREADS 2
 #define DEFAULT_CALLS_PER_METHOD 8
 #define DEFAULT_MAX_STREAMS 32
+#define MAX_RECONNECT_BACKOFF_MS 3000
 #define DEFAULT_MAX_METADATA (16 * 1024)
 #define DEFAULT_IDLE_MS (10 * 60 * 1000)
 #define STATUS_DETAIL_MAX 1024
@@ -868,7 +869,7 @@ rpc_channel *rpc_channel_create(const char *target, const rpc_channel_opts *opts
     creds = grpc_ssl_credentials_create(p.ca, p.cert ? &pair : NULL, NULL, NULL);
     tls_pem_free(&p);
   }
-  grpc_arg args[10];
+  grpc_arg args[12];
   size_t n = 0;
   if (opts != NULL && opts->gzip)
     args[n++] = int_arg(GRPC_COMPRESSION_CHANNEL_DEFAULT_ALGORITHM, GRPC_COMPRESS_GZIP);
@@ -879,6 +880,9 @@ rpc_channel *rpc_channel_create(const char *target, const rpc_channel_opts *opts
   }
   args[n++] = int_arg(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, max_msg);
   args[n++] = int_arg(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, max_msg);
+  /* A shard that comes back is found within seconds (gRPC's default
+   * reconnect back-off grows to two minutes). */
+  args[n++] = int_arg(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, MAX_RECONNECT_BACKOFF_MS);
   if (keepalive > 0) {
     args[n++] = int_arg(GRPC_ARG_KEEPALIVE_TIME_MS, keepalive);
     args[n++] =

@@ -122,53 +122,69 @@ static void part_range(size_t n, int part, int parts, size_t *begin, size_t *end
 
 /* ---- loops over float arrays ----
  *
- * These work in blocks of BLOCK floats copied into a local array,
- * transformed there and copied back. GCC at -O2 vectorizes only loops that
- * need no runtime checks (for aliasing, for the trip count), and a block
- * like this needs none; written as plain loops they stay scalar, and the
- * max/select ones compile to a branch per element that the random signs of
- * activations mispredict half the time (6x slower, measured). Working on a
- * local copy also keeps them correct when the output is the input. */
-enum { BLOCK = 8 };
+ * Written so that GCC vectorizes them at every build type. At -O2 (the
+ * default build type, RelWithDebInfo) GCC 12 vectorizes a loop only if the
+ * vector code replaces it whole: no runtime check that its arrays do not
+ * overlap, and a trip count known to be a multiple of the vector width. So
+ * the arrays are restrict parameters (callers pass arrays that do not
+ * overlap), and each loop runs over vec_floor(n) elements, whose low zero
+ * bits GCC can see, before a tail loop of fewer than VEC_FLOATS. A select
+ * in such a loop becomes a compare and a mask, never a branch.
+ *
+ * Not a loop over a block of a few floats, as this file had: that is
+ * vectorized at -O2, but -O3 (Release) unrolls loops of a small constant
+ * count completely before the vectorizer runs, which leaves scalar code and,
+ * for relu, a branch per element that random signs mispredict half the
+ * time: in a Release build relu took 10 ms instead of 0.7 on conv1's
+ * output, and training ran at 0.80 of the default build's speed
+ * (tests/bench/build_types.sh).
+ *
+ * Loops marked with a trailing "vectorized" comment are checked by the
+ * test unit.kernels_vectorized (tests/bench/check_vectorized.sh): GCC must
+ * report each of them vectorized at -O2 and at -O3, wherever it is
+ * inlined. */
 
-/* dst[i] = src[i] + bias */
-static void add_scalar(float *dst, const float *src, size_t n, float bias) {
-  size_t i = 0;
-  for (; i + BLOCK <= n; i += BLOCK) {
-    float v[BLOCK];
-    memcpy(v, src + i, sizeof v);
-    for (int k = 0; k < BLOCK; k++) v[k] += bias;
-    memcpy(dst + i, v, sizeof v);
-  }
-  for (; i < n; i++) dst[i] = src[i] + bias;
+/* A multiple of every x86 vector width in floats (4, 8, 16). */
+enum { VEC_FLOATS = 16 };
+
+/* n rounded down to a multiple of VEC_FLOATS. */
+static inline size_t vec_floor(size_t n) { return n / VEC_FLOATS * VEC_FLOATS; }
+
+/* dst[i] = src[i] + bias. Not inlined: in the loops of conv_forward_part,
+ * GCC turns the inlined loop's guard into n > 15, no longer sees that the
+ * trip count is a multiple of the vector width, and leaves it scalar at
+ * -O2. */
+__attribute__((noinline)) static void add_scalar(float *restrict dst, const float *restrict src,
+                                                 size_t n, float bias) {
+  const size_t nv = vec_floor(n);
+  for (size_t i = 0; i < nv; i++) dst[i] = src[i] + bias; /* vectorized */
+  for (size_t i = nv; i < n; i++) dst[i] = src[i] + bias;
 }
 
 /* dst[i] += src[i] */
-static void add_into(float *dst, const float *src, size_t n) {
-  size_t i = 0;
-  for (; i + BLOCK <= n; i += BLOCK) {
-    float v[BLOCK], d[BLOCK];
-    memcpy(v, src + i, sizeof v);
-    memcpy(d, dst + i, sizeof d);
-    for (int k = 0; k < BLOCK; k++) d[k] += v[k];
-    memcpy(dst + i, d, sizeof d);
-  }
-  for (; i < n; i++) dst[i] += src[i];
+static void add_into(float *restrict dst, const float *restrict src, size_t n) {
+  const size_t nv = vec_floor(n);
+  for (size_t i = 0; i < nv; i++) dst[i] += src[i]; /* vectorized */
+  for (size_t i = nv; i < n; i++) dst[i] += src[i];
 }
 
-/* The sum of a[0..n), in BLOCK partial sums so the adds do not wait on
- * each other. */
+/* The sum of a[0..n), in SUM_LANES partial sums so the adds do not wait on
+ * each other: lane k sums a[k], a[k + SUM_LANES], ... in order, then the
+ * lanes are added in order, then the tail; the same sum at every build type
+ * and vector width. The inner loop is the one vectorized: `unroll 1` keeps
+ * -O3 from unrolling it into its outer loop first (which -O3 would then
+ * vectorize instead, to the same code), so one loop is checked for both. */
+enum { SUM_LANES = 8 };
+
 static float sum_floats(const float *a, size_t n) {
-  float part[BLOCK] = {0};
-  size_t i = 0;
-  for (; i + BLOCK <= n; i += BLOCK) {
-    float v[BLOCK];
-    memcpy(v, a + i, sizeof v);
-    for (int k = 0; k < BLOCK; k++) part[k] += v[k];
-  }
+  float part[SUM_LANES] = {0};
+  const size_t nv = n - n % SUM_LANES;
+  for (size_t i = 0; i < nv; i += SUM_LANES)
+#pragma GCC unroll 1
+    for (int k = 0; k < SUM_LANES; k++) part[k] += a[i + k]; /* vectorized */
   float sum = 0.0f;
-  for (int k = 0; k < BLOCK; k++) sum += part[k];
-  for (; i < n; i++) sum += a[i];
+  for (int k = 0; k < SUM_LANES; k++) sum += part[k];
+  for (size_t i = nv; i < n; i++) sum += a[i];
   return sum;
 }
 
@@ -459,16 +475,65 @@ static inline void max_tap(const float *xp, int at, int *best, float *best_v) {
   *best_v = better ? v : *best_v;
 }
 
+/* 2x2 windows with stride 2, the common pooling, one output row at a time
+ * (the row's first window starts at xp[top]) over its first windows, a
+ * multiple of POOL_VEC of them: GCC vectorizes these loops at -O2 as at -O3
+ * (see "loops over float arrays"); with the stride a constant, each tap of
+ * consecutive windows is every other float of a row, loaded as whole
+ * vectors and split into even and odd. Both return how many windows they
+ * did; the callers do the rest of the row one window at a time, with the
+ * same selects in the same order. */
+enum { POOL_VEC = 4 };
+
+static int maxpool2_forward_row(const float *restrict xp, int top, int w, int ow_n,
+                                float *restrict y, int32_t *restrict argmax) {
+  const int nv = ow_n & ~(POOL_VEC - 1);
+  for (int ow = 0; ow < nv; ow++) { /* vectorized */
+    const int first = top + 2 * ow;
+    int best = first;
+    float best_v = xp[first];
+    max_tap(xp, first + 1, &best, &best_v);
+    max_tap(xp, first + w, &best, &best_v);
+    max_tap(xp, first + w + 1, &best, &best_v);
+    y[ow] = best_v;
+    argmax[ow] = best;
+  }
+  return nv;
+}
+
+/* The windows do not overlap, so each tap of the zeroed plane gets at most
+ * one window's gradient: assigned here as 0 + dy (as the scatter in
+ * maxpool_backward_part adds it: a -0 gradient lands as +0) where the tap
+ * was the maximum, else 0 again. dx_top is the plane's row `top` / w, and
+ * dx_bottom the row below it: as two restrict rows, GCC needs no check that
+ * the stores to one do not overlap the other's. */
+static int maxpool2_backward_row(float *restrict dx_top, float *restrict dx_bottom, int top, int w,
+                                 int ow_n, const float *restrict dy,
+                                 const int32_t *restrict argmax) {
+  const int nv = ow_n & ~(POOL_VEC - 1);
+  for (int ow = 0; ow < nv; ow++) { /* vectorized */
+    const int first = top + 2 * ow;
+    const float g = 0.0f + dy[ow];
+    dx_top[2 * ow] = argmax[ow] == first ? g : 0.0f;
+    dx_top[2 * ow + 1] = argmax[ow] == first + 1 ? g : 0.0f;
+    dx_bottom[2 * ow] = argmax[ow] == first + w ? g : 0.0f;
+    dx_bottom[2 * ow + 1] = argmax[ow] == first + w + 1 ? g : 0.0f;
+  }
+  return nv;
+}
+
 /* The maximum is kept in locals and updated with selects, which GCC turns
- * into maxss and cmov: after a relu, which input of a window wins is a
- * coin toss, and a branch there is mispredicted half the time (a select on
- * the output arrays instead compiles to such a branch, 2.5x slower). Later
- * taps replace the maximum only when greater, so ties keep the first in
+ * into maxss and cmov (or, in maxpool2_forward_row, vector compares and
+ * masks): after a relu, which input of a window wins is a coin toss, and a
+ * branch there is mispredicted half the time (a select on the output
+ * arrays instead compiles to such a branch, 2.5x slower). Later taps
+ * replace the maximum only when greater, so ties keep the first in
  * row-major order. */
 static void maxpool_forward_part(void *arg, int part, int parts) {
   const pool_job *j = arg;
   const ps_pool_shape *s = j->s;
   const int stride = s->stride, size = s->size, w = s->w;
+  const int pairs = size == 2 && stride == 2; /* maxpool2_forward_row's windows */
   const size_t in_plane = (size_t)s->h * w, out_plane = (size_t)s->oh * s->ow;
   size_t first, end;
   part_range((size_t)s->n * s->c, part, parts, &first, &end);
@@ -477,7 +542,10 @@ static void maxpool_forward_part(void *arg, int part, int parts) {
     float *yp = j->y + p * out_plane;      /* (OH, OW) */
     int32_t *ap = j->argmax + p * out_plane;
     for (int oh = 0; oh < s->oh; oh++) {
-      for (int ow = 0; ow < s->ow; ow++) {
+      float *y_row = yp + (size_t)oh * s->ow;
+      int32_t *a_row = ap + (size_t)oh * s->ow;
+      int ow = pairs ? maxpool2_forward_row(xp, oh * 2 * w, w, s->ow, y_row, a_row) : 0;
+      for (; ow < s->ow; ow++) {
         const int top = oh * stride * w + ow * stride; /* the window's first tap */
         int best = top;
         float best_v = xp[top];
@@ -490,8 +558,8 @@ static void maxpool_forward_part(void *arg, int part, int parts) {
           for (int kh = 0; kh < size; kh++)
             for (int kw = 0; kw < size; kw++) max_tap(xp, top + kh * w + kw, &best, &best_v);
         }
-        yp[oh * s->ow + ow] = best_v;
-        ap[oh * s->ow + ow] = best;
+        y_row[ow] = best_v;
+        a_row[ow] = best;
       }
     }
   }
@@ -502,6 +570,7 @@ static void maxpool_forward_part(void *arg, int part, int parts) {
 static void maxpool_backward_part(void *arg, int part, int parts) {
   const pool_job *j = arg;
   const ps_pool_shape *s = j->s;
+  const int pairs = s->size == 2 && s->stride == 2; /* maxpool2_backward_row's windows */
   const size_t in_plane = (size_t)s->h * s->w, out_plane = (size_t)s->oh * s->ow;
   size_t first, end;
   part_range((size_t)s->n * s->c, part, parts, &first, &end);
@@ -510,7 +579,14 @@ static void maxpool_backward_part(void *arg, int part, int parts) {
     const float *dyp = j->dy + p * out_plane;
     const int32_t *ap = j->argmax_in + p * out_plane;
     memset(dxp, 0, in_plane * sizeof(float));
-    for (size_t o = 0; o < out_plane; o++) dxp[ap[o]] += dyp[o];
+    for (int oh = 0; oh < s->oh; oh++) {
+      const size_t row = (size_t)oh * s->ow;
+      const int top = oh * 2 * s->w;
+      int ow = pairs ? maxpool2_backward_row(dxp + top, dxp + top + s->w, top, s->w, s->ow,
+                                             dyp + row, ap + row)
+                     : 0;
+      for (; ow < s->ow; ow++) dxp[ap[row + ow]] += dyp[row + ow];
+    }
   }
 }
 
@@ -606,33 +682,73 @@ typedef struct {
   uint64_t seed, stream;
 } map_job;
 
-/* In blocks, see add_scalar; out may be x. */
-static void relu_forward_part(void *arg, int part, int parts) {
-  const map_job *j = arg;
-  size_t i, end;
-  part_range(j->n, part, parts, &i, &end);
-  for (; i + BLOCK <= end; i += BLOCK) {
-    float v[BLOCK];
-    memcpy(v, j->x + i, sizeof v);
-    for (int k = 0; k < BLOCK; k++) v[k] = v[k] > 0.0f ? v[k] : 0.0f;
-    memcpy(j->out + i, v, sizeof v);
+/* out[i] = f(a[i], b[i]) for i in [0, n): one op's loop over arrays that
+ * do not overlap (see "loops over float arrays"). An op of one input is
+ * given it as both a and b. */
+typedef void (*map_span_fn)(float *restrict out, const float *restrict a, const float *restrict b,
+                            size_t n);
+
+/* Floats of the stack tile that an op run in place goes through. */
+enum { MAP_TILE = 512 };
+
+/* Runs span over this part's range. Element-wise ops may run in place
+ * (ops.h: out is a or b, or overlaps neither), and a span's arrays must not
+ * overlap; so in place each tile of the range is computed into a stack tile
+ * and then copied over the input it was read from. */
+static void map_part(const map_job *j, int part, int parts, map_span_fn span, const float *a,
+                     const float *b) {
+  size_t begin, end;
+  part_range(j->n, part, parts, &begin, &end);
+  float *out = j->out;
+  if (out != a && out != b) {
+    span(out + begin, a + begin, b + begin, end - begin);
+    return;
   }
-  for (; i < end; i++) j->out[i] = j->x[i] > 0.0f ? j->x[i] : 0.0f;
+  for (size_t i = begin; i < end; i += MAP_TILE) {
+    float tile[MAP_TILE];
+    const size_t m = end - i < MAP_TILE ? end - i : MAP_TILE;
+    span(tile, a + i, b + i, m);
+    memcpy(out + i, tile, m * sizeof(float));
+  }
 }
 
-/* In blocks, see add_scalar; out may be dy. */
+/* max(x, 0) as a select: x where x > 0, else +0 (so -0 and NaN give +0). */
+static inline float relu(float x) { return x > 0.0f ? x : 0.0f; }
+
+/* The gradient g where the output y is positive, else +0. g is an argument,
+ * read whether or not it is used: a conditional read would keep GCC from
+ * vectorizing the loop ("control flow in loop"). */
+static inline float relu_grad(float y, float g) { return y > 0.0f ? g : 0.0f; }
+
+static void relu_forward_span(float *restrict y, const float *restrict x,
+                              const float *restrict unused, size_t n) {
+  const size_t nv = vec_floor(n);
+  for (size_t i = 0; i < nv; i++) y[i] = relu(x[i]); /* vectorized */
+  for (size_t i = nv; i < n; i++) y[i] = relu(x[i]);
+}
+
+static void relu_backward_span(float *restrict dx, const float *restrict y,
+                               const float *restrict dy, size_t n) {
+  const size_t nv = vec_floor(n);
+  for (size_t i = 0; i < nv; i++) dx[i] = relu_grad(y[i], dy[i]); /* vectorized */
+  for (size_t i = nv; i < n; i++) dx[i] = relu_grad(y[i], dy[i]);
+}
+
+static void dropout_backward_span(float *restrict dx, const float *restrict dy,
+                                  const float *restrict mask, size_t n) {
+  const size_t nv = vec_floor(n);
+  for (size_t i = 0; i < nv; i++) dx[i] = dy[i] * mask[i]; /* vectorized */
+  for (size_t i = nv; i < n; i++) dx[i] = dy[i] * mask[i];
+}
+
+static void relu_forward_part(void *arg, int part, int parts) {
+  const map_job *j = arg;
+  map_part(j, part, parts, relu_forward_span, j->x, j->x);
+}
+
 static void relu_backward_part(void *arg, int part, int parts) {
   const map_job *j = arg;
-  size_t i, end;
-  part_range(j->n, part, parts, &i, &end);
-  for (; i + BLOCK <= end; i += BLOCK) {
-    float v[BLOCK], g[BLOCK];
-    memcpy(v, j->y + i, sizeof v);
-    memcpy(g, j->dy + i, sizeof g);
-    for (int k = 0; k < BLOCK; k++) g[k] = v[k] > 0.0f ? g[k] : 0.0f;
-    memcpy(j->out + i, g, sizeof g);
-  }
-  for (; i < end; i++) j->out[i] = j->y[i] > 0.0f ? j->dy[i] : 0.0f;
+  map_part(j, part, parts, relu_backward_span, j->y, j->dy);
 }
 
 /* A rate >= 1 drops everything (no infinite scale); a rate <= 0 keeps
@@ -652,16 +768,7 @@ static void dropout_forward_part(void *arg, int part, int parts) {
 
 static void dropout_backward_part(void *arg, int part, int parts) {
   const map_job *j = arg;
-  size_t i, end;
-  part_range(j->n, part, parts, &i, &end);
-  for (; i + BLOCK <= end; i += BLOCK) {
-    float m[BLOCK], g[BLOCK];
-    memcpy(m, j->mask + i, sizeof m);
-    memcpy(g, j->dy + i, sizeof g);
-    for (int k = 0; k < BLOCK; k++) g[k] *= m[k];
-    memcpy(j->out + i, g, sizeof g);
-  }
-  for (; i < end; i++) j->out[i] = j->dy[i] * j->mask[i];
+  map_part(j, part, parts, dropout_backward_span, j->dy, j->mask);
 }
 
 static void cpu_relu_forward(void *ctx, size_t n, const float *x, float *y) {
@@ -777,7 +884,9 @@ static void cpu_ticket_wait(void *ctx, uint64_t ticket) {
 
 static void cpu_scale(void *ctx, size_t n, float alpha, float *x) {
   (void)ctx;
-  for (size_t i = 0; i < n; i++) x[i] *= alpha;
+  const size_t nv = vec_floor(n);
+  for (size_t i = 0; i < nv; i++) x[i] *= alpha; /* vectorized */
+  for (size_t i = nv; i < n; i++) x[i] *= alpha;
 }
 
 /* ---- the table ---- */

@@ -681,7 +681,7 @@ exactly_once)
     wpids=()
     for k in 0 1; do
       "$build/ps-worker" --insecure --ps "$px" --index "$k" --num-workers 2 --threads 1 \
-        --timeout-ms 600 --max-steps 150 --straggle-ms 30 --log-interval 1 \
+        --timeout-ms 600 --max-steps 150 --straggle-ms 50 --log-interval 1 \
         >"$out/$variant-worker-$k.log" 2>&1 &
       wpids+=($!); pids+=($!)
     done

@@ -340,6 +340,55 @@ static void test_maxpool_ties(void) {
   CHECK(ok);
 }
 
+/* 2x2 windows with stride 2 on rows of 4 windows (all in the vectorized
+ * part), 14 (the quickstart's first pooling: 12 + 2 one at a time) and 7
+ * (its second: 4 + 3), against the reference; then, bit for bit on rows
+ * of 14 windows: ties (the first in row-major order wins; +0 does not
+ * beat an earlier -0), a NaN first tap (no later tap compares greater),
+ * and a -0 gradient, which the zeroed plane plus dy makes +0 at its tap. */
+static void test_maxpool_pairs(void) {
+  check_maxpool(2, 3, 8, 8, 2, 2);
+  check_maxpool(2, 3, 28, 28, 2, 2);
+  check_maxpool(2, 3, 14, 14, 2, 2);
+
+  ps_pool_shape s = {.n = 1, .c = 1, .h = 2, .w = 28, .size = 2, .stride = 2};
+  ps_pool_shape_finish(&s);
+  enum { W = 28, OW = 14 };
+  /* Windows (tl, tr, bl, br), and which of them must win: 0 tl ... 3 br. */
+  enum { KINDS = 6 };
+  const float pattern[KINDS][4] = {
+      {0.5f, 0.5f, 0.5f, 0.5f},     /* all equal: tl */
+      {-0.0f, 0.0f, 0.0f, -0.0f},   /* +0 is not greater than -0: tl */
+      {1.0f, 2.0f, 2.0f, 1.0f},     /* tie of tr and bl: tr */
+      {1.0f, 1.0f, 3.0f, 3.0f},     /* tie of bl and br: bl */
+      {-1.0f, -3.0f, -1.0f, -0.5f}, /* br */
+      {NAN, 1.0f, 2.0f, 3.0f},      /* nothing compares greater than NaN: tl */
+  };
+  const int want_tap[KINDS] = {0, 0, 1, 2, 3, 0};
+  float x[2 * W], y[OW], dy[OW], dx[2 * W];
+  int32_t arg[OW];
+  for (int ow = 0; ow < OW; ow++) {
+    const float *t = pattern[ow % KINDS];
+    x[2 * ow] = t[0], x[2 * ow + 1] = t[1], x[W + 2 * ow] = t[2], x[W + 2 * ow + 1] = t[3];
+    dy[ow] = ow % 2 ? -0.0f : (float)ow;
+  }
+  ops->maxpool_forward(ops->ctx, &s, x, y, arg);
+  int ok = 1;
+  for (int ow = 0; ow < OW; ow++) {
+    const int tap = want_tap[ow % KINDS], at = 2 * ow + (tap & 1) + (tap >> 1) * W;
+    ok &= arg[ow] == at && memcmp(&y[ow], &x[at], sizeof(float)) == 0;
+  }
+  CHECK_MSG(ok, "2x2 pooling: first maximum, bit for bit");
+  ops->maxpool_backward(ops->ctx, &s, dy, arg, dx);
+  ok = 1;
+  for (int i = 0; i < 2 * W; i++) {
+    const int ow = i % W / 2;
+    const float want = i == arg[ow] ? 0.0f + dy[ow] : 0.0f;
+    ok &= memcmp(&dx[i], &want, sizeof(float)) == 0;
+  }
+  CHECK_MSG(ok, "2x2 pooling gradient: dy at the maximum, +0 elsewhere and for a -0 dy");
+}
+
 /* ---- dense ---- */
 
 static void check_dense(int n, int in, int out) {
@@ -432,6 +481,34 @@ static void test_relu_large(void) {
   for (size_t i = 0; i < N; i++) ok &= x[i] == y[i];
   CHECK(ok);
   free(x), free(y), free(dy), free(dx);
+}
+
+/* The backward ops of two inputs, relu's and dropout's. */
+typedef void (*backward_op)(void *ctx, size_t n, const float *a, const float *b, float *out);
+
+/* op in place over a, then over b, gives bit for bit what it writes to an
+ * array of its own (ops.h: element-wise ops may run in place). */
+static void check_in_place(const char *name, backward_op op, const float *a, const float *b,
+                           size_t n) {
+  float *want = alloc_nan(n), *buf = alloc_nan(n);
+  op(ops->ctx, n, a, b, want);
+  memcpy(buf, a, n * sizeof(float));
+  op(ops->ctx, n, buf, b, buf);
+  CHECK_MSG(memcmp(buf, want, n * sizeof(float)) == 0, "%s in place over its first input", name);
+  memcpy(buf, b, n * sizeof(float));
+  op(ops->ctx, n, a, buf, buf);
+  CHECK_MSG(memcmp(buf, want, n * sizeof(float)) == 0, "%s in place over its second input", name);
+  free(want), free(buf);
+}
+
+/* Over a size that is no multiple of any block or tile and is split into
+ * parts. */
+static void test_backward_in_place(void) {
+  enum { N = 100003 };
+  float *y = alloc_uniform(N, -1, 1), *dy = alloc_uniform(N, -1, 1), *mask = alloc_uniform(N, 0, 2);
+  check_in_place("relu_backward", ops->relu_backward, y, dy, N);
+  check_in_place("dropout_backward", ops->dropout_backward, mask, dy, N);
+  free(y), free(dy), free(mask);
 }
 
 static void test_dropout(void) {
@@ -679,9 +756,11 @@ static void run_tests(int threads) {
   RUN(test_conv_workspace_monotone);
   RUN(test_maxpool);
   RUN(test_maxpool_ties);
+  RUN(test_maxpool_pairs);
   RUN(test_dense);
   RUN(test_relu);
   RUN(test_relu_large);
+  RUN(test_backward_in_place);
   RUN(test_dropout);
   RUN(test_softmax_xent);
   ops->destroy(ops);

@@ -2,7 +2,7 @@
 """A TCP proxy on loopback that holds back what a server sends, for the
 tests of retries: every connection's client-to-server bytes go through at
 once; server-to-client bytes are held DELAY_MS during a window of WINDOW_MS
-in every PERIOD_MS (in order, so the stream stays valid), so that replies
+in every PERIOD_MS, from 3 s on (in order, so the stream stays valid), so that replies
 arrive after the callers' deadlines. With --cut, each window also ends with
 every connection closed (the replies in flight are lost). Stops by itself
 after DURATION seconds.
@@ -16,12 +16,14 @@ listen, target = int(sys.argv[1]), sys.argv[2]
 delay, period, window = (int(x) / 1000 for x in sys.argv[3:6])
 duration = float(sys.argv[6])
 cut = "--cut" in sys.argv[7:]
+GRACE = 3.0
 t0 = time.monotonic()
 stats = {"connections": 0, "held": 0, "cut": 0}
 conns = set()
 
 def in_window(t):
-    return (t - t0) % period >= period - window  # the end of every period
+    # the end of every period, after GRACE seconds (the clients register)
+    return t - t0 >= GRACE and (t - t0) % period >= period - window
 
 async def pump(reader, writer, hold):
     last = 0.0
