@@ -40,9 +40,12 @@ enum {
   H_EXTRA_LEN = 72,
   H_OPTIMIZER = 80,
   H_JOB_ID = 96,
+  H_SET_ID = 160,
+  H_CUT_LEN = 168,
+  H_CUT_CRC = 176,
   H_HEADER_CRC = 188,
 };
-_Static_assert(H_JOB_ID + 64 <= H_HEADER_CRC && H_HEADER_CRC + 4 == PS_CKPT_HEADER_BYTES,
+_Static_assert(H_JOB_ID + 64 <= H_SET_ID && H_CUT_CRC + 4 <= H_HEADER_CRC && H_HEADER_CRC + 4 == PS_CKPT_HEADER_BYTES,
                "header fields must fit before the header checksum");
 _Static_assert(sizeof(((ps_ckpt_meta *)0)->optimizer) == 16 &&
                    sizeof(((ps_ckpt_meta *)0)->job_id) == 64,
@@ -243,14 +246,17 @@ static int skip_literal(const char **s, const char *lit) {
   return 0;
 }
 
-/* "shard-<index>-of-<S>-v<version>.ckpt" exactly, with index < S. */
+/* "shard-<index>-of-<S>-v<version>.ckpt" (written alone) or
+ * "shard-<index>-of-<S>-v<version>-s<set>.ckpt" (a set's) exactly, with
+ * index < S. */
 static int parse_ckpt_name(const char *name, int *index, int *num_shards, uint64_t *version) {
   const char *p = name;
-  uint64_t i, s, v;
+  uint64_t i, s, v, set;
   if (skip_literal(&p, "shard-") || parse_u64(&p, &i) || skip_literal(&p, "-of-") ||
-      parse_u64(&p, &s) || skip_literal(&p, "-v") || parse_u64(&p, &v) ||
-      skip_literal(&p, ".ckpt") || *p != '\0')
+      parse_u64(&p, &s) || skip_literal(&p, "-v") || parse_u64(&p, &v))
     return -1;
+  if (skip_literal(&p, "-s") == 0 && (parse_u64(&p, &set) || set == 0)) return -1;
+  if (skip_literal(&p, ".ckpt") || *p != '\0') return -1;
   if (s < 1 || s > INT32_MAX || i >= s) return -1;
   *index = (int)i;
   *num_shards = (int)s;
@@ -287,13 +293,14 @@ static int name_field_ok(const char *s, size_t cap) { return memchr(s, '\0', cap
 
 /* Bytes after the header: extra, parameters, slots, checksum. PS_ERANGE
  * if that does not fit in 63 bits. */
-static int body_bytes(uint64_t n, uint64_t n_slots, uint64_t extra_len, uint64_t *out) {
+static int body_bytes(uint64_t n, uint64_t n_slots, uint64_t extra_len, uint64_t cut_len,
+                      uint64_t *out) {
   const uint64_t max = (uint64_t)INT64_MAX - PS_CKPT_HEADER_BYTES - 4;
   uint64_t arrays = 1 + n_slots;
   if (n > max / 4 / arrays) return PS_ERANGE;
   uint64_t b = n * 4 * arrays;
-  if (extra_len > max - b) return PS_ERANGE;
-  *out = b + extra_len + 4;
+  if (cut_len > PS_CKPT_MAX_CUT || extra_len > max - b - cut_len) return PS_ERANGE;
+  *out = b + extra_len + cut_len + 4;
   return PS_OK;
 }
 
@@ -322,8 +329,11 @@ static int check_ckpt(const ps_ckpt *ck, char *err) {
   if (ck->extra_len > 0 && !ck->extra)
     return ps_seterr(err, PS_EINVAL, "checkpoint: extra blob of %zu bytes not given",
                      ck->extra_len);
+  if ((ck->cut_len > 0 && !ck->cut) || ck->cut_len > PS_CKPT_MAX_CUT)
+    return ps_seterr(err, PS_EINVAL, "checkpoint: cut record of %zu bytes not given or over %zu",
+                     ck->cut_len, PS_CKPT_MAX_CUT);
   uint64_t body;
-  if (body_bytes(n, (uint64_t)ck->n_slots, ck->extra_len, &body) != PS_OK)
+  if (body_bytes(n, (uint64_t)ck->n_slots, ck->extra_len, ck->cut_len, &body) != PS_OK)
     return ps_seterr(err, PS_ERANGE, "checkpoint: %zu values with %d slots is too large", n,
                      ck->n_slots);
   return PS_OK;
@@ -344,6 +354,9 @@ static void header_encode(const ps_ckpt *ck, int64_t written_ms, uint8_t *h) {
   put_u64(h + H_WRITTEN_MS, (uint64_t)written_ms);
   put_u32(h + H_N_SLOTS, (uint32_t)ck->n_slots);
   put_u64(h + H_EXTRA_LEN, ck->extra_len);
+  put_u64(h + H_SET_ID, m->set_id);
+  put_u64(h + H_CUT_LEN, ck->cut_len);
+  put_u32(h + H_CUT_CRC, ck->cut_len ? ps_crc32c(0, ck->cut, ck->cut_len) : 0);
   /* strnlen: the fields are checked to hold a NUL, the rest stays zero. */
   memcpy(h + H_OPTIMIZER, m->optimizer, strnlen(m->optimizer, 15));
   memcpy(h + H_JOB_ID, m->job_id, strnlen(m->job_id, 63));
@@ -361,7 +374,7 @@ static int header_decode(const char *path, const uint8_t *h, uint64_t file_size,
   uint32_t format = get_u32(h + H_FORMAT);
   uint32_t stored = get_u32(h + H_HEADER_CRC), computed = ps_crc32c(0, h, H_HEADER_CRC);
   if (stored != computed) {
-    if (format != PS_CKPT_FORMAT_VERSION)
+    if (format != PS_CKPT_FORMAT_VERSION && format != 1)
       return ps_seterr(err, PS_EPROTO,
                        "header checksum mismatch in '%s' with format version %" PRIu32
                        " (this build reads %d): corrupt, or written by a newer version",
@@ -371,7 +384,7 @@ static int header_decode(const char *path, const uint8_t *h, uint64_t file_size,
                      ", computed 0x%08" PRIx32 ")",
                      path, stored, computed);
   }
-  if (format != PS_CKPT_FORMAT_VERSION)
+  if (format != PS_CKPT_FORMAT_VERSION && format != 1)
     return ps_seterr(err, PS_EPROTO,
                      "'%s' has checkpoint format version %" PRIu32
                      ", this build reads %d: written by a newer version",
@@ -383,11 +396,14 @@ static int header_decode(const char *path, const uint8_t *h, uint64_t file_size,
   uint64_t P = get_u64(h + H_P), b = get_u64(h + H_BEGIN), e = get_u64(h + H_END);
   uint32_t k = get_u32(h + H_N_SLOTS);
   uint64_t elen = get_u64(h + H_EXTRA_LEN);
+  /* Format 1 wrote zeros where format 2 keeps the set id and the cut. */
+  uint64_t set_id = get_u64(h + H_SET_ID), clen = get_u64(h + H_CUT_LEN);
   char opt[16], job[64];
   memcpy(opt, h + H_OPTIMIZER, sizeof opt);
   memcpy(job, h + H_JOB_ID, sizeof job);
   if (hb != PS_CKPT_HEADER_BYTES || num < 1 || index < 0 || index >= num || b > e || e > P ||
-      P > SIZE_MAX || k > PS_CKPT_MAX_SLOTS || elen > SIZE_MAX || !name_field_ok(opt, 16) ||
+      P > SIZE_MAX || k > PS_CKPT_MAX_SLOTS || elen > SIZE_MAX || clen > PS_CKPT_MAX_CUT ||
+      (format == 1 && (set_id != 0 || clen != 0)) || !name_field_ok(opt, 16) ||
       !name_field_ok(job, 64))
     return ps_seterr(err, PS_EINVAL,
                      "inconsistent header in '%s' (shard %" PRId32 " of %" PRId32
@@ -395,13 +411,13 @@ static int header_decode(const char *path, const uint8_t *h, uint64_t file_size,
                      " slots): not written by ps-server",
                      path, index, num, b, e, P, k);
   uint64_t body;
-  if (body_bytes(e - b, k, elen, &body) != PS_OK)
+  if (body_bytes(e - b, k, elen, clen, &body) != PS_OK)
     return ps_seterr(err, PS_EINVAL, "inconsistent header in '%s': sizes overflow", path);
   uint64_t after = file_size - PS_CKPT_HEADER_BYTES;
   if (after < body)
     return ps_seterr(err, PS_EINVAL,
                      "truncated checkpoint '%s': header says %" PRIu64
-                     " bytes of extra, parameters and %" PRIu32
+                     " bytes of extra, cut, parameters and %" PRIu32
                      " slots (+4 of checksum), "
                      "file has %" PRIu64 " after the header: an interrupted copy?",
                      path, body - 4, k, after);
@@ -421,6 +437,9 @@ static int header_decode(const char *path, const uint8_t *h, uint64_t file_size,
   m->written_ms = (int64_t)get_u64(h + H_WRITTEN_MS);
   memcpy(m->optimizer, opt, sizeof opt);
   memcpy(m->job_id, job, sizeof job);
+  m->set_id = set_id;
+  m->cut_len = (size_t)clen;
+  m->cut_crc = get_u32(h + H_CUT_CRC);
   if (n_slots) *n_slots = (int)k;
   if (extra_len) *extra_len = (size_t)elen;
   return PS_OK;
@@ -475,6 +494,7 @@ void ps_ckpt_free(ps_ckpt *c) {
   free(c->params);
   for (int k = 0; k < PS_CKPT_MAX_SLOTS; k++) free(c->slots[k]);
   free(c->extra);
+  free(c->cut);
   memset(c, 0, sizeof *c);
 }
 
@@ -545,9 +565,13 @@ int ps_ckpt_write(const char *dir, const ps_ckpt *ck, int keep, char *path_out, 
   int rc = check_ckpt(ck, err);
   if (rc) return rc;
   const ps_ckpt_meta *m = &ck->meta;
-  char name[96], final_path[PS_CKPT_PATHLEN], tmp[PS_CKPT_PATHLEN];
-  snprintf(name, sizeof name, "shard-%d-of-%d-v%" PRIu64 ".ckpt", m->index, m->num_shards,
-           m->version);
+  char name[128], final_path[PS_CKPT_PATHLEN], tmp[PS_CKPT_PATHLEN];
+  if (m->set_id)
+    snprintf(name, sizeof name, "shard-%d-of-%d-v%" PRIu64 "-s%" PRIu64 ".ckpt", m->index,
+             m->num_shards, m->version, m->set_id);
+  else
+    snprintf(name, sizeof name, "shard-%d-of-%d-v%" PRIu64 ".ckpt", m->index, m->num_shards,
+             m->version);
   if ((rc = join_path(final_path, dir, name, err))) return rc;
   int fd = open_temp(final_path, tmp, err);
   if (fd < 0) return fd;
@@ -558,6 +582,7 @@ int ps_ckpt_write(const char *dir, const ps_ckpt *ck, int keep, char *path_out, 
   uint32_t crc = 0;
   int e = write_summed(fd, h, sizeof h, &crc);
   if (!e && ck->extra_len) e = write_summed(fd, ck->extra, ck->extra_len, &crc);
+  if (!e && ck->cut_len) e = write_summed(fd, ck->cut, ck->cut_len, &crc);
   if (!e && n) e = write_summed(fd, ck->params, n * sizeof(float), &crc);
   for (int k = 0; !e && n && k < ck->n_slots; k++)
     e = write_summed(fd, ck->slots[k], n * sizeof(float), &crc);
@@ -680,7 +705,9 @@ int ps_ckpt_read(const char *path, ps_ckpt *out, char *err) {
   c.params = malloc(bytes);
   for (int k = 0; k < c.n_slots; k++) c.slots[k] = malloc(bytes);
   if (c.extra_len) c.extra = malloc(c.extra_len);
-  int oom = !c.params || (c.extra_len && !c.extra);
+  c.cut_len = c.meta.cut_len;
+  if (c.cut_len) c.cut = malloc(c.cut_len);
+  int oom = !c.params || (c.extra_len && !c.extra) || (c.cut_len && !c.cut);
   for (int k = 0; k < c.n_slots; k++) oom |= !c.slots[k];
   if (oom) {
     rc = ps_seterr(err, PS_ENOMEM, "out of memory reading '%s' (%zu values, %d slots)", path, n,
@@ -689,6 +716,7 @@ int ps_ckpt_read(const char *path, ps_ckpt *out, char *err) {
   }
   uint32_t crc = ps_crc32c(0, h, sizeof h);
   int bad = c.extra_len && read_summed(fd, c.extra, c.extra_len, &crc);
+  if (!bad && c.cut_len) bad = read_summed(fd, c.cut, c.cut_len, &crc);
   if (!bad && n) bad = read_summed(fd, c.params, n * sizeof(float), &crc);
   for (int k = 0; !bad && n && k < c.n_slots; k++)
     bad = read_summed(fd, c.slots[k], n * sizeof(float), &crc);
@@ -712,6 +740,11 @@ int ps_ckpt_read(const char *path, ps_ckpt *out, char *err) {
                    "checksum mismatch in '%s': the file is corrupt (stored 0x%08" PRIx32
                    ", computed 0x%08" PRIx32 ")",
                    path, stored, crc);
+    goto fail;
+  }
+  if (c.cut_len && ps_crc32c(0, c.cut, c.cut_len) != c.meta.cut_crc) {
+    rc = ps_seterr(err, PS_EINVAL, "'%s': its cut record does not match the header's checksum",
+                   path);
     goto fail;
   }
   close(fd);
@@ -747,6 +780,9 @@ typedef struct {
   int64_t mtime_ns;
   int64_t written_ms; /* from the header; mtime when not peeked */
   size_t begin, end;  /* from the header, when peeked */
+  uint64_t set_id;    /* from the header, when peeked */
+  size_t cut_len;
+  uint32_t cut_crc;
   char *name;
 } ckpt_entry;
 
@@ -916,16 +952,26 @@ int ps_ckpt_find_latest(const ps_ckpt_source *src, int index, int num_shards, ps
   return rc;
 }
 
-/* The checkpoints written with one number of shards. */
+/* A group of checkpoints written with one number of shards, from which a
+ * range may be restored. */
+enum {
+  GROUP_SET = 0,    /* the files of one set id, one per shard */
+  GROUP_NEWEST = 1, /* each shard's newest file, their cut records equal */
+  GROUP_MIXED = 2,  /* each shard's newest valid file, whatever its moment */
+};
 typedef struct {
+  int kind;
+  uint64_t set_id; /* GROUP_SET */
   int num_shards;
   size_t first, count; /* entries [first, first+count) of the sorted list */
-  int complete;        /* every shard has at least one file */
-  int64_t time_ms;     /* the oldest of the shards' newest write times */
+  int complete;        /* every shard has a file */
+  int64_t time_ms;     /* the oldest of the shards' (newest) write times */
 } ckpt_set;
 
 static int set_cmp(const void *a, const void *b) {
   const ckpt_set *x = a, *y = b;
+  int xc = x->kind != GROUP_MIXED, yc = y->kind != GROUP_MIXED;
+  if (xc != yc) return xc ? -1 : 1;
   if (x->complete != y->complete) return x->complete ? -1 : 1;
   if (x->time_ms != y->time_ms) return x->time_ms > y->time_ms ? -1 : 1;
   return x->num_shards < y->num_shards ? -1 : x->num_shards > y->num_shards;
@@ -950,6 +996,13 @@ static int load_from_set(const load_job *j, const ckpt_set *set, ps_ckpt_restore
     while (at + run < set->count && v[at + run].index == i) run++;
     const ckpt_entry *e = v + at;
     at += run;
+    if (set->kind == GROUP_NEWEST && run > 1) run = 1;
+    if (set->kind == GROUP_SET) {
+      size_t r = 0;
+      while (r < run && e[r].set_id != set->set_id) r++;
+      e += r;
+      run = r < run ? 1 : 0;
+    }
     if (run == 0) {
       if (first_missing < 0) first_missing = i;
       if (i == 0 && j->want_extra)
@@ -1008,7 +1061,53 @@ static int load_from_set(const load_job *j, const ckpt_set *set, ps_ckpt_restore
                      j->end - j->begin, j->begin, j->end);
   }
   out->num_shards = set->num_shards;
+  out->set_id = set->kind == GROUP_SET ? set->set_id : 0;
+  out->consistent = set->kind != GROUP_MIXED;
   return PS_OK;
+}
+
+/* Adds to sets the consistent groups of the S' shards whose files are
+ * entries [first, first+count) (sorted by shard, newest first): one per
+ * set id that every shard wrote, and the shards' newest files when their
+ * cut records are equal (and they are not one set already). Returns how
+ * many were added (at most count + 1). */
+static size_t consistent_groups(const ckpt_list *l, size_t first, size_t count, int num_shards,
+                                ckpt_set *sets) {
+  const ckpt_entry *v = l->v + first;
+  size_t added = 0;
+  /* Set ids: each one found on shard 0 is checked on every other shard. */
+  for (size_t a = 0; a < count && v[a].index == 0; a++) {
+    uint64_t id = v[a].set_id;
+    if (id == 0) continue;
+    int shards = 0, last = -1;
+    int64_t t = INT64_MAX;
+    for (size_t b = 0; b < count; b++)
+      if (v[b].set_id == id && v[b].index != last) {
+        last = v[b].index;
+        shards++;
+        if (v[b].written_ms < t) t = v[b].written_ms;
+      }
+    if (shards != num_shards) continue;
+    sets[added++] = (ckpt_set){.kind = GROUP_SET, .set_id = id, .num_shards = num_shards,
+                               .first = first, .count = count, .complete = 1, .time_ms = t};
+  }
+  /* The newest file of each shard, when every shard has one and all carry
+   * the same cut record (files without one, format 1, never match). */
+  int shards = 0, equal = 1, same_set = 1;
+  int64_t t = INT64_MAX;
+  const ckpt_entry *head = NULL;
+  for (size_t b = 0; b < count; b++) {
+    if (b > 0 && v[b - 1].index == v[b].index) continue;
+    if (!head) head = &v[b];
+    shards++;
+    equal &= v[b].cut_len == head->cut_len && v[b].cut_crc == head->cut_crc;
+    same_set &= v[b].set_id == head->set_id && head->set_id != 0;
+    if (v[b].written_ms < t) t = v[b].written_ms;
+  }
+  if (shards == num_shards && equal && !same_set && head && head->cut_len > 0)
+    sets[added++] = (ckpt_set){.kind = GROUP_NEWEST, .num_shards = num_shards, .first = first,
+                               .count = count, .complete = 1, .time_ms = t};
+  return added;
 }
 
 int ps_ckpt_load_range(const ps_ckpt_source *src, size_t begin, size_t end, float *params,
@@ -1055,6 +1154,9 @@ int ps_ckpt_load_range(const ps_ckpt_source *src, size_t begin, size_t end, floa
     e->written_ms = m.written_ms;
     e->begin = m.begin;
     e->end = m.end;
+    e->set_id = m.set_id;
+    e->cut_len = m.cut_len;
+    e->cut_crc = m.cut_crc;
     l.v[kept++] = *e;
   }
   l.n = kept;
@@ -1071,8 +1173,9 @@ int ps_ckpt_load_range(const ps_ckpt_source *src, size_t begin, size_t end, floa
   }
   qsort(l.v, l.n, sizeof *l.v, entry_cmp);
 
-  /* Group by number of shards. */
-  ckpt_set *sets = calloc(l.n, sizeof *sets);
+  /* Group by number of shards: the consistent groups of each S', then the
+   * files of each S' whatever their moments. */
+  ckpt_set *sets = calloc(3 * l.n + 1, sizeof *sets);
   if (!sets) {
     list_free(&l);
     return ps_seterr(err, PS_ENOMEM, "out of memory choosing checkpoints");
@@ -1094,6 +1197,11 @@ int ps_ckpt_load_range(const ps_ckpt_source *src, size_t begin, size_t end, floa
     }
     s->count = i - s->first;
     s->complete = shards_seen == s->num_shards;
+    s->kind = GROUP_MIXED;
+    ckpt_set mixed = *s;
+    n_sets--;
+    n_sets += consistent_groups(&l, mixed.first, mixed.count, mixed.num_shards, &sets[n_sets]);
+    sets[n_sets++] = mixed;
   }
   qsort(sets, n_sets, sizeof *sets, set_cmp);
 
@@ -1104,17 +1212,32 @@ int ps_ckpt_load_range(const ps_ckpt_source *src, size_t begin, size_t end, floa
     memset(out, 0, sizeof *out);
     if (load_from_set(&job, &sets[s], out, why) == PS_OK) {
       rc = PS_OK;
-      note(src, sets[s].complete ? PS_LOG_INFO : PS_LOG_WARN,
-           "restored [%zu, %zu) from %d file%s of the %s%d-shard checkpoints in '%s', version "
-           "%" PRIu64,
-           begin, end, out->files_used, out->files_used == 1 ? "" : "s",
-           sets[s].complete ? "" : "incomplete ", sets[s].num_shards, src->dir, out->version);
+      char what[64];
+      if (sets[s].kind == GROUP_SET)
+        snprintf(what, sizeof what, "set %" PRIu64 " of the", sets[s].set_id);
+      else if (sets[s].kind == GROUP_NEWEST)
+        snprintf(what, sizeof what, "the newest (equal cut records) of the");
+      else
+        snprintf(what, sizeof what, "the%s", sets[s].complete ? "" : " incomplete");
+      note(src, sets[s].kind == GROUP_MIXED ? PS_LOG_WARN : PS_LOG_INFO,
+           "restored [%zu, %zu) from %d file%s of %s %d-shard checkpoints in '%s', version "
+           "%" PRIu64 "%s",
+           begin, end, out->files_used, out->files_used == 1 ? "" : "s", what,
+           sets[s].num_shards, src->dir, out->version,
+           sets[s].kind == GROUP_MIXED
+               ? ": no consistent set could fill the range, so the shards' files may hold "
+                 "different moments"
+               : "");
       break;
     }
     free(out->extra);
     memset(out, 0, sizeof *out);
-    note(src, PS_LOG_WARN, "cannot restore [%zu, %zu) from the %d-shard checkpoints in '%s': %s",
-         begin, end, sets[s].num_shards, src->dir, why);
+    if (sets[s].kind == GROUP_SET)
+      note(src, PS_LOG_WARN, "cannot restore [%zu, %zu) from set %" PRIu64 " of the %d-shard "
+           "checkpoints in '%s': %s", begin, end, sets[s].set_id, sets[s].num_shards, src->dir, why);
+    else
+      note(src, PS_LOG_WARN, "cannot restore [%zu, %zu) from the %d-shard checkpoints in '%s': %s",
+           begin, end, sets[s].num_shards, src->dir, why);
   }
   if (rc != PS_OK)
     ps_seterr(err, PS_EINVAL,
@@ -1124,6 +1247,70 @@ int ps_ckpt_load_range(const ps_ckpt_source *src, size_t begin, size_t end, floa
   free(sets);
   list_free(&l);
   return rc;
+}
+
+int ps_ckpt_prune_sets(const char *dir, int index, int num_shards, const char *job_id,
+                       const uint64_t *keep_sets, int n_keep, uint64_t current, int drop_other_s,
+                       int *deleted, char *err) {
+  if (deleted) *deleted = 0;
+  if (!dir || !job_id || num_shards < 1 || index < 0 || index >= num_shards || n_keep < 0 ||
+      (n_keep > 0 && !keep_sets))
+    return ps_seterr(err, PS_EINVAL, "checkpoint prune: bad arguments");
+  if (n_keep == 0) return PS_OK;
+  ckpt_list l;
+  int rc = list_dir(dir, -1, 0, &l, err);
+  if (rc == PS_ENOTFOUND) return PS_OK;
+  if (rc) return rc;
+  /* Headers first: the newest write time among this shard's kept sets. */
+  ps_ckpt_meta *meta = calloc(l.n ? l.n : 1, sizeof *meta);
+  char *ok = calloc(l.n ? l.n : 1, 1);
+  if (!meta || !ok) {
+    free(meta);
+    free(ok);
+    list_free(&l);
+    return ps_seterr(err, PS_ENOMEM, "out of memory pruning '%s'", dir);
+  }
+  int64_t newest_kept = INT64_MIN;
+  for (size_t i = 0; i < l.n; i++) {
+    char path[PS_CKPT_PATHLEN];
+    ok[i] = join_path(path, dir, l.v[i].name, NULL) == PS_OK &&
+            ps_ckpt_read_header(path, &meta[i], NULL, NULL, NULL) == PS_OK &&
+            strcmp(meta[i].job_id, job_id) == 0 && meta[i].index == l.v[i].index &&
+            meta[i].num_shards == l.v[i].num_shards;
+    if (!ok[i] || meta[i].num_shards != num_shards || meta[i].index != index ||
+        meta[i].set_id == 0)
+      continue;
+    for (int k = 0; k < n_keep; k++)
+      if (meta[i].set_id == keep_sets[k] && meta[i].written_ms > newest_kept)
+        newest_kept = meta[i].written_ms;
+  }
+  for (size_t i = 0; i < l.n; i++) {
+    if (!ok[i]) continue;
+    const ps_ckpt_meta *m = &meta[i];
+    int drop = 0;
+    if (m->num_shards != num_shards) {
+      drop = drop_other_s;
+    } else if (m->index == index) {
+      if (m->set_id == 0) {
+        drop = m->written_ms < newest_kept;
+      } else if (m->set_id != current) {
+        drop = 1;
+        for (int k = 0; k < n_keep; k++) drop &= m->set_id != keep_sets[k];
+      }
+    }
+    if (!drop) continue;
+    char path[PS_CKPT_PATHLEN];
+    if (join_path(path, dir, l.v[i].name, NULL) != PS_OK) continue;
+    if (unlink(path) != 0) {
+      PS_WARN("checkpoint: cannot delete old checkpoint '%s': %s", path, strerror(errno));
+      continue;
+    }
+    if (deleted) (*deleted)++;
+  }
+  free(meta);
+  free(ok);
+  list_free(&l);
+  return PS_OK;
 }
 
 /* ---------------------------------------------------------------- export */

@@ -2,10 +2,22 @@
  * verified completely when read, and restorable onto any number of shards;
  * and the export of a whole model as NumPy .npy files (ps-export).
  *
- * File name: <dir>/shard-<index>-of-<S>-v<version>.ckpt
+ * File name: <dir>/shard-<index>-of-<S>-v<version>.ckpt, or for a set's file
+ * <dir>/shard-<index>-of-<S>-v<version>-s<set id>.ckpt
  *
- * Layout (format version 1; integers little-endian, floats IEEE float32
- * little-endian; n = end - begin; E = extra_len; T = total bytes):
+ * Sets. The files the shards write at one cut (ps/cut.c: shard 0 picks
+ * the point, every shard writes its state there) carry the same set id;
+ * every file also carries its cut record, what its shard had applied (the
+ * same bytes on every shard of a consistent group). A restore takes the
+ * newest consistent group: the files of one set id, one per shard, or the
+ * newest file of each shard when their cut records are equal (the final
+ * checkpoints of a stop after the workers left). Only when no consistent
+ * group can fill the range are files of different moments combined, with
+ * a warning.
+ *
+ * Layout (format version 2; integers little-endian, floats IEEE float32
+ * little-endian; n = end - begin; E = extra_len; C = cut_len; T = total
+ * bytes; format 1 is format 2 with set id 0 and C = 0, and is read too):
  *
  *   offset      bytes   field
  *   0           8       magic "PSCKPT\0\1"
@@ -23,13 +35,17 @@
  *   72          8       u64 E, length of the extra blob
  *   80          16      optimizer name, NUL-padded (at most 15 characters)
  *   96          64      job id, NUL-padded (at most 63 characters)
- *   160         28      reserved, 0
+ *   160         8       u64 set id (0: written alone, e.g. at a stop)
+ *   168         8       u64 C, length of the cut record
+ *   176         4       u32 CRC-32C of the cut record (0 when C = 0)
+ *   180         8       reserved, 0
  *   188         4       u32 CRC-32C of bytes [0, 188): the header alone
  *   192         E       extra blob (opaque; shard 0 keeps its data leases here)
- *   192+E       4n      parameters [begin, end)
- *   192+E+4n    4n*K    slot 0, slot 1, ... (each n values)
+ *   192+E       C       cut record (opaque here; compared byte for byte)
+ *   192+E+C     4n      parameters [begin, end)
+ *   192+E+C+4n  4n*K    slot 0, slot 1, ... (each n values)
  *   T-4         4       u32 CRC-32C of bytes [0, T-4): everything before it
- *   T = 192 + E + 4n(1 + K) + 4
+ *   T = 192 + E + C + 4n(1 + K) + 4
  *
  * The header has a checksum of its own so that a damaged size field is
  * reported as damage, not as a truncated file, before any size in it is
@@ -48,9 +64,11 @@
 #include "../common/model_spec.h"
 #include "../common/util.h"
 
-#define PS_CKPT_FORMAT_VERSION 1
+#define PS_CKPT_FORMAT_VERSION 2
 #define PS_CKPT_HEADER_BYTES 192
 #define PS_CKPT_MAX_SLOTS 8
+/* The largest cut record a file may carry. */
+#define PS_CKPT_MAX_CUT ((size_t)1 << 20)
 /* Size of the path buffers (path_out, used_path). */
 #define PS_CKPT_PATHLEN 4096
 
@@ -62,6 +80,9 @@ typedef struct {
   int64_t written_ms;    /* Unix ms; set by ps_ckpt_write, ignored on input */
   char optimizer[16];    /* "adam", ... */
   char job_id[64];
+  uint64_t set_id;       /* the cut it was written at; 0: written alone */
+  size_t cut_len;        /* its cut record: set by the reader (ps_ckpt.cut_len on write) */
+  uint32_t cut_crc;      /* ... and its CRC-32C; set by the reader */
 } ps_ckpt_meta;
 
 /* One shard's state. On write the pointers are borrowed from the caller; on
@@ -73,6 +94,8 @@ typedef struct {
   int n_slots;
   void *extra; /* extra_len opaque bytes; NULL when extra_len is 0 */
   size_t extra_len;
+  void *cut; /* cut_len bytes (<= PS_CKPT_MAX_CUT); NULL when cut_len is 0 */
+  size_t cut_len;
 } ps_ckpt;
 
 /* Releases what ps_ckpt_read (or find_latest) allocated and zeroes *c.
@@ -94,6 +117,21 @@ void ps_ckpt_free(ps_ckpt *c);
  * checkpoints are as they were. (If only the final fsync of the directory
  * fails, the new file is in place but may not survive a crash.) */
 int ps_ckpt_write(const char *dir, const ps_ckpt *ck, int keep, char *path_out, char *err);
+
+/* Deletes the files of shard `index` of `num_shards` of job_id in dir that
+ * belong to no set worth keeping, once shard 0 knows which sets are
+ * complete: the set files (set id != 0) whose set is not in keep_sets
+ * (n_keep ids) and not `current` (the one just written), and the files
+ * written alone (set id 0) before the newest file of a kept set. With
+ * drop_other_s, also every file of the job written with another number of
+ * shards (any index): from before a reshard, once enough complete sets of
+ * the new layout exist. Nothing is deleted when n_keep is 0. Files whose
+ * header cannot be read are left alone. *deleted (may be NULL) counts the
+ * files deleted. Returns 0; PS_EINVAL (bad arguments), PS_EIO (dir cannot
+ * be listed). A file that cannot be deleted is logged and skipped. */
+int ps_ckpt_prune_sets(const char *dir, int index, int num_shards, const char *job_id,
+                       const uint64_t *keep_sets, int n_keep, uint64_t current, int drop_other_s,
+                       int *deleted, char *err);
 
 /* Removes the temporary files that writers of shard `index` of
  * `num_shards` left in dir when they died in the middle of a write
@@ -165,6 +203,9 @@ typedef struct {
   void *extra; /* with want_extra: a copy of the set's shard 0 extra blob
                   (malloc'd, caller frees; NULL if it was empty) */
   size_t extra_len;
+  uint64_t set_id; /* the set restored (0: files written alone) */
+  int consistent;  /* 1: one consistent group (a set, or equal cut records);
+                      0: files of different moments combined */
 } ps_ckpt_restored;
 
 /* Fills params[0 .. end-begin) (and slots[k][0 .. end-begin) for k <
@@ -172,15 +213,19 @@ typedef struct {
  * global range [begin, end) from the checkpoints in src->dir, whatever the
  * number of shards S' they were written with (resharding).
  *
- * Sets: the checkpoint files are grouped by S'. A set is usable for the
- * range when each of its shards that overlaps [begin, end) (and shard 0,
- * with want_extra) has a valid checkpoint; for each shard the newest valid
- * one is used, falling back to older versions of that shard (WARN note).
- * Complete sets (a checkpoint for every one of the S' shards) are tried
- * first, then incomplete ones; within each, the most recent first: a set's
- * time is the oldest among its shards' newest write times. When n_slots >
- * 0, a checkpoint must hold exactly n_slots slots. The files used are
- * named in INFO notes.
+ * Groups, tried in this order until one can fill the range:
+ *  1. consistent groups, the most recent first (a group's time is the
+ *     oldest write time among its files): the files of one set id, one for
+ *     each of the S' shards; and, for each S', the newest file of every
+ *     shard when all S' carry equal cut records;
+ *  2. then, with a WARN note that moments may differ, the files grouped by
+ *     S' as shards wrote them on their own: complete groups (a file for
+ *     every shard) first, the most recent first; for each shard the newest
+ *     valid file, falling back to older versions of that shard.
+ * A group is usable when each of its shards that overlaps [begin, end)
+ * (and shard 0, with want_extra) has a valid file in it. When n_slots > 0,
+ * a checkpoint must hold exactly n_slots slots. The files used are named
+ * in INFO notes.
  *
  * Version: each shard counts its own updates, so versions of different
  * shards are not comparable; the maximum is returned so that a version

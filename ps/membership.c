@@ -247,6 +247,22 @@ int ps_membership_note_push(ps_membership *m, uint64_t id, uint64_t step, int64_
   return touch(m, id, step, now_ms, 1);
 }
 
+int ps_membership_note_round(ps_membership *m, uint64_t id, uint64_t round) {
+  pthread_mutex_lock(&m->mu);
+  int at = find(m, id);
+  if (at >= 0 && round > m->members[at].round) m->members[at].round = round;
+  pthread_mutex_unlock(&m->mu);
+  return at >= 0 ? PS_OK : PS_ENOTFOUND;
+}
+
+int ps_membership_round(ps_membership *m, uint64_t id, uint64_t *round) {
+  pthread_mutex_lock(&m->mu);
+  int at = find(m, id);
+  if (at >= 0) *round = m->members[at].round;
+  pthread_mutex_unlock(&m->mu);
+  return at >= 0 ? PS_OK : PS_ENOTFOUND;
+}
+
 int ps_membership_remove(ps_membership *m, uint64_t id) {
   pthread_mutex_lock(&m->mu);
   int at = find(m, id);

@@ -21,6 +21,7 @@ typedef struct {
   int64_t last_seen_ms; /* ps_now_ms() of the last message */
   int reader;           /* registered with the read-only token, or as an evaluator: may not push */
   int idle;             /* waits for data: not counted until it pushes (or says so) again */
+  uint64_t round;       /* the request id of its last push applied here (0: none) */
   uint8_t session[PS_SESSION_LEN]; /* its secret on this shard (never sent but to it) */
   struct ps_recent *recent; /* its recent request ids and answers (membership.c's own) */
 } ps_member;
@@ -70,6 +71,12 @@ int ps_membership_authorize(ps_membership *m, uint64_t id, const void *session, 
 int ps_membership_touch(ps_membership *m, uint64_t id, uint64_t step, int64_t now_ms);
 /* As touch, and counts a push. */
 int ps_membership_note_push(ps_membership *m, uint64_t id, uint64_t step, int64_t now_ms);
+/* Push rounds: a worker's pushes carry increasing request ids, one round
+ * in flight at a time; note_round records a round applied here (never
+ * going back), round reads the last one. PS_ENOTFOUND if the id is
+ * unknown. */
+int ps_membership_note_round(ps_membership *m, uint64_t id, uint64_t round);
+int ps_membership_round(ps_membership *m, uint64_t id, uint64_t *round);
 /* Removes a worker; PS_ENOTFOUND if unknown. */
 int ps_membership_remove(ps_membership *m, uint64_t id);
 /* Drops workers not seen for more than timeout_ms; writes up to max of their

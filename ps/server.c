@@ -33,6 +33,7 @@ static void on_sweep(uv_timer_t *t) {
   if (n > 0 && sv->job.mode_kind == PS_MODE_SYNC) ps_sync_try_step(sv);
   ps_waits_recheck(sv); /* deadlines, and pulls the dropped workers held back */
   ps_sync_watch(sv);    /* a shard that makes no progress says what it waits for */
+  ps_cut_watch(sv);     /* a checkpoint set that cannot be met does not hold the shard */
 }
 
 static void on_report(uv_timer_t *t) {
@@ -194,6 +195,10 @@ static int start_rpc(ps_server *sv, const ps_server_opts *o) {
   uv_loop_init(&sv->loop);
   if (ps_fd_guard_init() != 0) PS_WARN("cannot keep a spare file descriptor: a server out of "
                                        "descriptors may stop accepting");
+  if (sv->ckpt_dir && ps_cut_init(sv, sv->ckpt_restored_set) != 0) {
+    fprintf(stderr, "ps-server: out of memory\n");
+    return 1;
+  }
   rpc_global_init();
   const char *addr = o->listen_addr ? o->listen_addr : sv->cluster.ps[sv->index];
   if (ps_security_resolve(&o->sec, PS_SECURITY_SERVER, &sv->sec, err) != 0) {
@@ -261,7 +266,9 @@ static void start_timers(ps_server *sv, const ps_server_opts *o) {
  * Returns the exit code: 1 when the final checkpoint failed, else 0. */
 static int shut_down(ps_server *sv) {
   on_report(&sv->report_timer);
+  ps_cut_drain(sv, 60); /* a checkpoint set under way ends (its writes need the loop) */
   rpc_server_shutdown(sv->rpc); /* answers the waiting pulls CANCELLED */
+  ps_cut_close(sv); /* its held calls were cancelled with the server's */
   rpc_server_destroy(sv->rpc);
   ps_waits_free(sv);
   uv_close((uv_handle_t *)&sv->sweep_timer, NULL);
@@ -273,6 +280,7 @@ static int shut_down(ps_server *sv) {
   /* No more updates can come: the final checkpoint holds everything applied. */
   int exit_code = 0;
   if (sv->ckpt_dir && ps_server_ckpt_write_now(sv) != 0) exit_code = 1;
+  ps_cut_free(sv);
   uv_loop_close(&sv->loop);
   ps_shard_destroy(sv->shard);
   ps_leases_destroy(sv->leases);

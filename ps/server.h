@@ -21,6 +21,7 @@
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <protobuf-c/protobuf-c.h>
 #include <uv.h>
 
 #include "../common/cluster.h"
@@ -56,10 +57,21 @@ typedef struct {
 /* A pull that waits on the server (defined in sync.c). */
 typedef struct ps_waiter ps_waiter;
 
+/* Checkpoint sets (cut.c). */
+typedef struct ps_cut ps_cut;
+
+/* A push as the handler applies it (service.c), or as a cut holds it. */
+typedef struct {
+  rpc_call *call;
+  int kind; /* the Push method's request-id kind */
+  uint64_t worker, request_id, base_version, offset, count, step;
+  const ps_segview *tensor;
+} ps_push_args;
+
 /* service.c's methods, each bound to its server (the user pointer of the
  * method's RPC handler). */
 typedef struct ps_method ps_method;
-enum { PS_SERVICE_METHODS = 7 };
+enum { PS_SERVICE_METHODS = 8 };
 typedef struct {
   struct ps_server *sv;
   const ps_method *method;
@@ -98,14 +110,11 @@ typedef struct ps_server {
   double ckpt_secs;      /* write every this many seconds (0: not by time) */
   uint64_t ckpt_updates; /* ... or every this many updates (0: not by count) */
   int ckpt_keep;
-  int ckpt_busy; /* a write is under way on the work queue */
   double ckpt_last_s;
   uint64_t ckpt_last_version;
   uv_timer_t ckpt_timer;
-  uv_work_t ckpt_work;
-  ps_ckpt ckpt_state; /* the copy being written */
-  int ckpt_rc;
-  char ckpt_path[PS_CKPT_PATHLEN], ckpt_err[PS_ERRLEN];
+  uint64_t ckpt_restored_set; /* the set restored at start (0: none, or files written alone) */
+  ps_cut *cut; /* checkpoint sets: with a checkpoint directory */
   /* the progress watchdog (ps_sync_watch): when the version last moved */
   uint64_t watch_version;
   double watch_since_s, watch_warned_s;
@@ -143,6 +152,16 @@ void ps_service_register(ps_server *sv, rpc_server *rpc);
  * RESOURCE_EXHAUSTED. The call is answered in every case; the shard's
  * values are unchanged (a granted pull is counted). */
 void ps_service_serve_pull(ps_server *sv, rpc_call *call, size_t offset, size_t count);
+
+/* Applies a push (async, ssp: to the shard; sync: to the step's sum) and
+ * answers it, keeping the answer under its request id; a refused push is
+ * answered with the cause and its id forgotten. Used by the Push handler
+ * and for the pushes a checkpoint cut held. */
+void ps_service_apply_push(ps_server *sv, const ps_push_args *a);
+
+/* Answers a call with a small message (RESOURCE_EXHAUSTED when it cannot
+ * be encoded). */
+void ps_service_reply(rpc_call *call, const ProtobufCMessage *m);
 
 /* Gives the data leases a departed worker held back to the pool (logs how
  * many). Nothing happens when the shard has no lease table or the worker
@@ -216,9 +235,57 @@ int ps_server_ckpt_restore(ps_server *sv, char *err);
 int ps_server_ckpt_write_now(ps_server *sv);
 
 /* The checkpoint timer's callback (t->data is the server), every second:
- * when a checkpoint is due (by time or by updates) it takes a copy and
- * writes it on the loop's work queue. Failures are logged. */
+ * on shard 0, when a checkpoint is due (by time or by updates), it starts
+ * a set across all shards (cut.c). Failures are logged. */
 void ps_server_ckpt_on_timer(uv_timer_t *t);
+
+/* The copy of the shard's state a checkpoint writes (and shard 0's data
+ * leases), taken now; free it with ps_server_ckpt_state_free. PS_ENOMEM. */
+int ps_server_ckpt_capture(ps_server *sv, ps_ckpt *ck);
+void ps_server_ckpt_state_free(ps_ckpt *ck);
+
+/* ---------------- cut.c ---------------- */
+
+/* Complete sets shard 0 remembers (the most --keep-checkpoints can keep). */
+#define PS_CUT_MAX_KEEP 64
+/* A shard held this long by a set that does not come goes on without it. */
+#define PS_CUT_HOLD_S 5.0
+/* Deadlines of shard 0's calls: PREPARE and ABORT; CUT (the file written). */
+#define PS_CUT_CALL_MS 5000
+#define PS_CUT_WRITE_MS 120000
+
+/* Sets up checkpoint sets (after the loop is initialized); restored_set is
+ * the set the shard was restored from (0: none). PS_ENOMEM. */
+int ps_cut_init(ps_server *sv, uint64_t restored_set);
+/* The gate of an async or ssp push, before it is applied: 0, apply it now
+ * and call ps_cut_leave after; 1, held by a cut (it is applied and
+ * answered when the cut is taken); PS_ENOMEM (not held: the caller
+ * answers). Without sets: 0. */
+int ps_cut_push_enter(ps_server *sv, const ps_push_args *a);
+/* The gate of a sync step: 0, apply it and call ps_cut_leave after; 1,
+ * held (the step is tried again when the cut is taken). */
+int ps_cut_step_enter(ps_server *sv);
+void ps_cut_leave(ps_server *sv);
+/* The Checkpoint RPC (request: a Ps__CheckpointRequest). */
+void ps_cut_handle(ps_server *sv, rpc_call *call, const void *request);
+/* On the sweep timer: a cut met by workers leaving is taken; a shard held
+ * longer than PS_CUT_HOLD_S goes on. */
+void ps_cut_watch(ps_server *sv);
+/* Shard 0, on the checkpoint timer: starts a set on the work queue unless
+ * one is under way. 1 when started. */
+int ps_cut_coordinate(ps_server *sv);
+/* The cut record of this shard's state now, for a file written alone. */
+int ps_cut_record_now(ps_server *sv, void **out, size_t *len);
+/* The newest set this shard wrote, and its version there (0 0: none). */
+void ps_cut_set_info(ps_server *sv, uint64_t *set, uint64_t *version);
+/* Shutdown, with the loop stopped: drain first runs the loop (the RPC
+ * server still up) until a set under way is over, at most max_s seconds,
+ * and starts no new one; close (after the RPC server is down) forgets the
+ * held calls and closes the loop's handle; free releases the rest after
+ * the last uv_run. */
+void ps_cut_drain(ps_server *sv, double max_s);
+void ps_cut_close(ps_server *sv);
+void ps_cut_free(ps_server *sv);
 
 /* ---------------- fd_guard.c ---------------- */
 

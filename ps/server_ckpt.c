@@ -1,18 +1,18 @@
-/* When and what ps-server checkpoints: a consistent copy of the shard (and
- * shard 0's data leases), written now on the calling thread (at shutdown)
- * or by the loop's timer on the work queue, and the restore at start. The
- * file format is checkpoint.c's. */
+/* When and what ps-server checkpoints: a copy of the shard (and shard 0's
+ * data leases), taken at a set's cut (cut.c, started here by shard 0's
+ * timer) or written alone at shutdown; and the restore at start. The file
+ * format is checkpoint.c's. */
+#include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "server.h"
 
-/* A consistent copy of the shard's state, ready for ps_ckpt_write; the
- * arrays are freed by ckpt_state_free. */
-static int ckpt_capture(ps_server *sv, ps_ckpt *ck) {
+int ps_server_ckpt_capture(ps_server *sv, ps_ckpt *ck) {
   memset(ck, 0, sizeof *ck);
   size_t n = ps_shard_end(sv->shard) - ps_shard_begin(sv->shard);
   ck->n_slots = ps_shard_n_slots(sv->shard);
@@ -38,19 +38,22 @@ static int ckpt_capture(ps_server *sv, ps_ckpt *ck) {
   return rc;
 }
 
-static void ckpt_state_free(ps_ckpt *ck) {
+void ps_server_ckpt_state_free(ps_ckpt *ck) {
   ps_free(ck->params);
   for (int k = 0; k < PS_CKPT_MAX_SLOTS; k++) ps_free(ck->slots[k]);
   free(ck->extra);
+  free(ck->cut);
   memset(ck, 0, sizeof *ck);
 }
 
-/* Writes a checkpoint now, on the calling thread. */
+/* Writes a checkpoint now, on the calling thread: a file written alone,
+ * with the cut record of what the shard has applied. */
 int ps_server_ckpt_write_now(ps_server *sv) {
   ps_ckpt ck;
   char path[PS_CKPT_PATHLEN], err[PS_ERRLEN];
   double t0 = ps_now_s();
-  int rc = ckpt_capture(sv, &ck);
+  int rc = ps_server_ckpt_capture(sv, &ck);
+  if (rc == 0) rc = ps_cut_record_now(sv, &ck.cut, &ck.cut_len);
   if (rc == 0) rc = ps_ckpt_write(sv->ckpt_dir, &ck, sv->ckpt_keep, path, err);
   else snprintf(err, sizeof err, "out of memory for the checkpoint's copy");
   if (rc == 0)
@@ -58,49 +61,23 @@ int ps_server_ckpt_write_now(ps_server *sv) {
             (ps_now_s() - t0) * 1e3);
   else
     PS_ERROR("checkpoint failed: %s", err);
-  ckpt_state_free(&ck);
+  ps_server_ckpt_state_free(&ck);
   return rc;
 }
 
-static void ckpt_run(uv_work_t *req) {
-  ps_server *sv = req->data;
-  sv->ckpt_rc = ps_ckpt_write(sv->ckpt_dir, &sv->ckpt_state, sv->ckpt_keep, sv->ckpt_path,
-                              sv->ckpt_err);
-}
-
-static void ckpt_done(uv_work_t *req, int status) {
-  ps_server *sv = req->data;
-  if (sv->ckpt_rc == 0)
-    PS_INFO("checkpoint: version %" PRIu64 " written to %s", sv->ckpt_state.meta.version,
-            sv->ckpt_path);
-  else
-    PS_ERROR("checkpoint failed: %s", sv->ckpt_err);
-  ckpt_state_free(&sv->ckpt_state);
-  sv->ckpt_busy = 0;
-}
-
-/* Every second: is a checkpoint due (by time or by updates)? The copy is
- * taken here (a few memcpy), the writing and fsyncs run on the work queue
- * so that the loop never blocks on the disk. */
+/* Every second, on shard 0: is a set due (by time or by updates)? Shard 0
+ * then takes one across all shards (cut.c); the other shards write when it
+ * asks them. */
 void ps_server_ckpt_on_timer(uv_timer_t *t) {
   ps_server *sv = t->data;
-  if (sv->ckpt_busy) return;
+  if (sv->index != 0) return;
   ps_shard_stats st;
   ps_shard_stats_get(sv->shard, &st);
   double now = ps_now_s();
   int due = (sv->ckpt_secs > 0 && now - sv->ckpt_last_s >= sv->ckpt_secs) ||
             (sv->ckpt_updates > 0 && st.version - sv->ckpt_last_version >= sv->ckpt_updates);
   if (!due || st.version == sv->ckpt_last_version) return;
-  if (ckpt_capture(sv, &sv->ckpt_state) != 0) {
-    PS_ERROR("checkpoint: out of memory for the copy");
-    ckpt_state_free(&sv->ckpt_state);
-    return;
-  }
-  sv->ckpt_busy = 1;
-  sv->ckpt_last_s = now;
-  sv->ckpt_last_version = sv->ckpt_state.meta.version;
-  sv->ckpt_work.data = sv;
-  uv_queue_work(&sv->loop, &sv->ckpt_work, ckpt_run, ckpt_done);
+  if (ps_cut_coordinate(sv)) sv->ckpt_last_s = now;
 }
 
 /* Removes what an earlier process of this shard left of a write cut short
@@ -120,6 +97,14 @@ static void ckpt_remove_stale(ps_server *sv) {
  * when there is none (a fresh start); an error when there are some but
  * none is usable. */
 int ps_server_ckpt_restore(ps_server *sv, char *err) {
+  /* A directory that does not exist yet is made (its parent must). */
+  if (mkdir(sv->ckpt_dir, 0700) == 0)
+    PS_INFO("checkpoint: made the directory %s", sv->ckpt_dir);
+  else if (errno != EEXIST) {
+    snprintf(err, PS_ERRLEN, "cannot make the checkpoint directory '%s': %s", sv->ckpt_dir,
+             strerror(errno));
+    return PS_EIO;
+  }
   ckpt_remove_stale(sv);
   size_t n = ps_shard_end(sv->shard) - ps_shard_begin(sv->shard);
   int n_slots = ps_shard_n_slots(sv->shard);
@@ -145,10 +130,19 @@ int ps_server_ckpt_restore(ps_server *sv, char *err) {
     } else if (rc == 0) {
       ps_shard_restore_state(sv->shard, params, slots, got.version);
       sv->ckpt_last_version = got.version;
+      sv->ckpt_restored_set = got.set_id;
+      /* The job had begun: under sync the steps go on with whoever comes
+       * back, min_workers is for the job's start. */
+      if (got.version > 0) sv->sync_started = 1;
+      char from[64];
+      if (got.set_id)
+        snprintf(from, sizeof from, "set %" PRIu64, got.set_id);
+      else
+        snprintf(from, sizeof from, "%s", got.consistent ? "files of one moment" : "files of different moments");
       PS_INFO("checkpoint: restored [%zu, %zu) at version %" PRIu64 " from %d file(s) written by "
-              "%d shard(s)",
+              "%d shard(s): %s",
               ps_shard_begin(sv->shard), ps_shard_end(sv->shard), got.version, got.files_used,
-              got.num_shards);
+              got.num_shards, from);
       if (got.extra && sv->job.lease_chunk > 0) {
         sv->leases = ps_leases_load(got.extra, got.extra_len, err);
         if (!sv->leases) {

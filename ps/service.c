@@ -118,7 +118,7 @@ static int check_header(ps_server *sv, rpc_call *call, const Ps__RequestHeader *
   return 0;
 }
 
-static void reply_small(rpc_call *call, const ProtobufCMessage *m) {
+void ps_service_reply(rpc_call *call, const ProtobufCMessage *m) {
   rpc_msg out;
   if (wire_encode(m, NULL, 0, NULL, NULL, &out) != 0) {
     rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory encoding the reply");
@@ -164,7 +164,7 @@ static void reply_recorded(const request *q, uint64_t worker, uint64_t rid,
     ps_membership_request_end(q->sv->members, worker, q->kind, rid, buf,
                               len <= sizeof buf ? len : 0);
   }
-  reply_small(q->call, m);
+  ps_service_reply(q->call, m);
 }
 
 /* A request rid that was refused: a retry may try it again. */
@@ -203,7 +203,7 @@ static void handle_register(const request *q) {
   resp.job_id = sv->job.job_id;
   if (id == 0 && sv->index != 0) {
     /* Ids come from shard 0: send the worker there. */
-    reply_small(call, &resp.base);
+    ps_service_reply(call, &resp.base);
     return;
   }
   uint64_t new_id = 0;
@@ -242,7 +242,7 @@ static void handle_register(const request *q) {
   resp.worker_rank = (uint32_t)rank;
   resp.session = (ProtobufCBinaryData){.len = PS_SESSION_LEN, .data = session};
   resp.job_json = sv->job_text;
-  reply_small(call, &resp.base);
+  ps_service_reply(call, &resp.base);
   if (sv->job.mode_kind == PS_MODE_SYNC) ps_sync_try_step(sv);
 }
 
@@ -270,7 +270,7 @@ static void handle_heartbeat(const request *q) {
   ps_shard_stats_get(sv->shard, &st);
   Ps__HeartbeatResponse resp = PS__HEARTBEAT_RESPONSE__INIT;
   resp.version = st.version;
-  reply_small(call, &resp.base);
+  ps_service_reply(call, &resp.base);
 }
 
 static void handle_leave(const request *q) {
@@ -282,7 +282,7 @@ static void handle_leave(const request *q) {
   PS_INFO("worker %016" PRIx64 " left; %d live", r->header->worker_id,
           ps_membership_count(sv->members));
   Ps__LeaveResponse resp = PS__LEAVE_RESPONSE__INIT;
-  reply_small(call, &resp.base);
+  ps_service_reply(call, &resp.base);
   /* One fewer worker: a smaller quorum, or a new slowest clock. */
   if (sv->job.mode_kind == PS_MODE_SYNC) ps_sync_try_step(sv);
   ps_waits_recheck(sv);
@@ -344,19 +344,16 @@ static void handle_pull(const request *q) {
     rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
 }
 
-static void handle_push(const request *q) {
-  ps_server *sv = q->sv;
-  rpc_call *call = q->call;
-  const Ps__PushRequest *r = (const Ps__PushRequest *)q->msg;
-  const uint64_t wid = r->header->worker_id;
-  if (answer_repeat(q, wid, r->request_id, "Push")) return;
+void ps_service_apply_push(ps_server *sv, const ps_push_args *a) {
+  const request q = {.sv = sv, .call = a->call, .kind = a->kind};
+  const uint64_t wid = a->worker;
   char err[PS_ERRLEN];
   uint64_t version = 0, staleness = 0;
   double t0 = ps_now_s();
   int dropped = 0, have = 0, rc;
   if (sv->job.mode_kind == PS_MODE_SYNC) {
-    rc = ps_shard_sync_add(sv->shard, r->header->worker_id, r->base_version, r->offset,
-                           r->count, q->tensor, &dropped, &have, err);
+    rc = ps_shard_sync_add(sv->shard, wid, a->base_version, a->offset, a->count, a->tensor,
+                           &dropped, &have, err);
     if (rc == 0) {
       ps_shard_stats st;
       ps_shard_stats_get(sv->shard, &st);
@@ -364,32 +361,76 @@ static void handle_push(const request *q) {
       if (dropped)
         PS_DEBUG("dropped a late gradient of step %" PRIu64 " from worker %016" PRIx64
                  " (step %" PRIu64 " is under way)",
-                 r->base_version, r->header->worker_id, version);
+                 a->base_version, wid, version);
     }
   } else {
-    rc = ps_shard_push(sv->shard, r->base_version, r->offset, r->count, q->tensor, &version,
+    rc = ps_shard_push(sv->shard, a->base_version, a->offset, a->count, a->tensor, &version,
                        &staleness, err);
   }
+  if (rc == 0) ps_membership_note_round(sv->members, wid, a->request_id);
   PS_DEBUG("push of %" PRIu64 " values (step %" PRIu64 ", base version %" PRIu64
            ") from worker %016" PRIx64 " in %d slices: %s in %.2f ms (%d in this step)",
-           r->count, r->step, r->base_version, r->header->worker_id, q->req->nsegs,
+           a->count, a->step, a->base_version, wid, a->tensor->nsegs,
            dropped ? "dropped" : "taken", (ps_now_s() - t0) * 1e3, have);
   if (rc != 0) {
-    PS_WARN("push from worker %016" PRIx64 " refused: %s", r->header->worker_id, err);
-    forget_request(q, wid, r->request_id);
-    rpc_call_fail(call, rc == PS_ERANGE ? RPC_OUT_OF_RANGE : RPC_INVALID_ARGUMENT, "%s", err);
+    PS_WARN("push from worker %016" PRIx64 " refused: %s", wid, err);
+    forget_request(&q, wid, a->request_id);
+    rpc_call_fail(a->call, rc == PS_ERANGE ? RPC_OUT_OF_RANGE : RPC_INVALID_ARGUMENT, "%s", err);
   } else {
-    ps_membership_note_push(sv->members, r->header->worker_id, r->step, ps_now_ms());
+    ps_membership_note_push(sv->members, wid, a->step, ps_now_ms());
     Ps__PushResponse resp = PS__PUSH_RESPONSE__INIT;
     resp.version = version;
     resp.staleness = staleness;
     resp.dropped = dropped;
-    reply_recorded(q, wid, r->request_id, &resp.base);
+    reply_recorded(&q, wid, a->request_id, &resp.base);
     if (sv->job.mode_kind == PS_MODE_SYNC)
       ps_sync_try_step(sv);
     else if (sv->job.mode_kind == PS_MODE_SSP)
       ps_waits_recheck(sv); /* a clock moved */
   }
+}
+
+static void handle_push(const request *q) {
+  const Ps__PushRequest *r = (const Ps__PushRequest *)q->msg;
+  const uint64_t wid = r->header->worker_id;
+  if (answer_repeat(q, wid, r->request_id, "Push")) return;
+  ps_push_args a = {.call = q->call,
+                    .kind = q->kind,
+                    .worker = wid,
+                    .request_id = r->request_id,
+                    .base_version = r->base_version,
+                    .offset = r->offset,
+                    .count = r->count,
+                    .step = r->step,
+                    .tensor = q->tensor};
+  /* Under sync only steps wait for a checkpoint cut; async and ssp
+   * pushes pass its gate (or wait there, answered later). */
+  if (q->sv->job.mode_kind == PS_MODE_SYNC) {
+    ps_service_apply_push(q->sv, &a);
+    return;
+  }
+  int gate = ps_cut_push_enter(q->sv, &a);
+  if (gate == 1) return; /* held: answered when the cut is taken */
+  if (gate < 0) {
+    forget_request(q, wid, r->request_id);
+    rpc_call_fail(q->call, RPC_RESOURCE_EXHAUSTED,
+                  "shard %d: out of memory holding a push during a checkpoint", q->sv->index);
+    return;
+  }
+  ps_service_apply_push(q->sv, &a);
+  ps_cut_leave(q->sv);
+}
+
+static void handle_checkpoint(const request *q) {
+  const Ps__CheckpointRequest *r = (const Ps__CheckpointRequest *)q->msg;
+  const char *jid = r->header->job_id ? r->header->job_id : "";
+  if (strcmp(jid, q->sv->job.job_id) != 0) {
+    rpc_call_fail(q->call, RPC_FAILED_PRECONDITION,
+                  "job id mismatch: caller is in job '%s', shard %d serves job '%s'", jid,
+                  q->sv->index, q->sv->job.job_id);
+    return;
+  }
+  ps_cut_handle(q->sv, q->call, r);
 }
 
 static void handle_status(const request *q) {
@@ -453,6 +494,7 @@ static void handle_status(const request *q) {
     resp.n_lease_epochs = (size_t)ne;
     resp.lease_epochs = lep;
   }
+  ps_cut_set_info(sv, &resp.checkpoint_set, &resp.checkpoint_set_version);
   const int MAXW = sv->job.max_workers;
   ps_member *mem = calloc(MAXW, sizeof *mem);
   Ps__WorkerInfo *wi = calloc(MAXW, sizeof *wi);
@@ -490,7 +532,7 @@ static void handle_status(const request *q) {
     }
     resp.n_workers = (size_t)n;
     resp.workers = wp;
-    reply_small(call, &resp.base);
+    ps_service_reply(call, &resp.base);
   }
   free(mem);
   free(wi);
@@ -647,6 +689,8 @@ static const ps_method methods[PS_SERVICE_METHODS] = {
     {"/ps.ParameterServer/Status", &ps__status_request__descriptor, "Status", 0, 0, 0,
      handle_status},
     {"/ps.ParameterServer/Lease", &ps__lease_request__descriptor, "Lease", 1, 0, 1, handle_lease},
+    {"/ps.ParameterServer/Checkpoint", &ps__checkpoint_request__descriptor, "Checkpoint", 0, 0, 1,
+     handle_checkpoint},
 };
 
 /* Every call: decode the request, check its header (and the worker, where

@@ -38,6 +38,15 @@ static int pull_ready(ps_server *sv, uint64_t worker, uint64_t min_version, int 
     case PS_MODE_SYNC: {
       ps_shard_stats st;
       ps_shard_stats_get(sv->shard, &st);
+      /* A step further than the next one can never come: this shard went
+       * back (restored from a checkpoint) after the worker pulled from it.
+       * The worker goes on from what the shard holds. */
+      if (min_version > st.version + 1) {
+        PS_INFO("worker %016" PRIx64 " waits for version %" PRIu64 ", this shard is at %" PRIu64
+                " (restored from a checkpoint): it gets version %" PRIu64,
+                worker, min_version, st.version, st.version);
+        return 1;
+      }
       return st.version >= min_version;
     }
     default:
@@ -49,15 +58,47 @@ static int pull_ready(ps_server *sv, uint64_t worker, uint64_t min_version, int 
  * deadline or whose worker is gone. Called after anything that can
  * release a pull (an update, a worker leaving or timed out) and by the
  * timer. */
+/* sync, under wait_mu: every live worker has waited here for at least a
+ * second for the next step, and not one gradient of it is in. No worker
+ * will push one: they pushed it before this shard restarted from a
+ * checkpoint, were answered, and it was lost with the process. The wait
+ * cannot end; the pulls are answered with the version the shard holds,
+ * and the workers' next gradients make the step. */
+static int step_lost(ps_server *sv, int64_t now, uint64_t *version) {
+  if (sv->job.mode_kind != PS_MODE_SYNC || !sv->waiters) return 0;
+  ps_shard_stats st;
+  ps_shard_stats_get(sv->shard, &st);
+  int live = ps_membership_count(sv->members);
+  if (live == 0 || st.sync_pending != 0) return 0;
+  int waiting = 0;
+  for (ps_waiter *w = sv->waiters; w; w = w->next) {
+    if (w->min_version != st.version + 1 || now - w->since_ms < 1000) continue;
+    int first = 1; /* each worker once */
+    for (ps_waiter *v = sv->waiters; v != w && first; v = v->next)
+      first = !(v->worker == w->worker && v->min_version == w->min_version &&
+                now - v->since_ms >= 1000);
+    waiting += first;
+  }
+  *version = st.version;
+  return waiting >= live;
+}
+
 void ps_waits_recheck(ps_server *sv) {
   int64_t now = ps_now_ms();
   ps_waiter *go = NULL, *fail = NULL, *gone = NULL;
   pthread_mutex_lock(&sv->wait_mu);
+  uint64_t held = 0;
+  int lost = step_lost(sv, now, &held);
+  if (lost)
+    PS_WARN("every live worker (%d) waits for step %" PRIu64 " and none of its gradients is "
+            "in: they were lost when this shard restarted from its checkpoint; the workers get "
+            "version %" PRIu64 " and their next gradients make the step",
+            ps_membership_count(sv->members), held + 1, held);
   for (ps_waiter **pp = &sv->waiters; *pp;) {
     ps_waiter *w = *pp;
     int known = 1;
     ps_waiter **dest = NULL;
-    if (pull_ready(sv, w->worker, w->min_version, &known))
+    if ((lost && w->min_version == held + 1) || pull_ready(sv, w->worker, w->min_version, &known))
       dest = &go;
     else if (!known)
       dest = &gone;
@@ -175,7 +216,14 @@ void ps_sync_watch(ps_server *sv) {
   int waiting = sv->n_waiting;
   pthread_mutex_unlock(&sv->wait_mu);
   char what[PS_ERRLEN];
-  if (sv->job.mode_kind == PS_MODE_SYNC)
+  pthread_mutex_lock(&sv->wait_mu);
+  int started = sv->sync_started;
+  pthread_mutex_unlock(&sv->wait_mu);
+  if (sv->job.mode_kind == PS_MODE_SYNC && !started)
+    snprintf(what, sizeof what,
+             "steps have not begun: %d of the job's min_workers %d have registered", live,
+             sv->job.min_workers);
+  else if (sv->job.mode_kind == PS_MODE_SYNC)
     snprintf(what, sizeof what,
              "step %" PRIu64 " has %d of the %d gradients it needs (live workers %d, backup %d); "
              "%d pull(s) wait for it",
@@ -218,7 +266,10 @@ void ps_sync_try_step(ps_server *sv) {
   int quorum = live - sv->job.backup_workers;
   char err[PS_ERRLEN];
   uint64_t v = 0;
+  /* A checkpoint cut holds steps past its version (cut.c tries again). */
+  if (ps_cut_step_enter(sv)) return;
   int rc = ps_shard_sync_try_apply(sv->shard, quorum < 1 ? 1 : quorum, &v, err);
+  ps_cut_leave(sv);
   if (rc < 0) PS_ERROR("cannot apply the step: %s", err);
   /* A step that can never be applied (it would make the model non-finite)
    * would hold every pull waiting for it until its deadline, and then

@@ -351,7 +351,11 @@ int ps_client_pull_ex(ps_client *c, float *params, uint64_t *versions,
                       char *err) {
   int rc = PS_OK;
   char forgot[c->nshards];
-  for (int attempt = 0; attempt < 2; attempt++) {
+  /* Each attempt after the first follows registering again with the
+   * shards that had forgotten this worker; shards restarted one after the
+   * other each take one. */
+  const int attempts = c->nshards + 1;
+  for (int attempt = 0; attempt < attempts; attempt++) {
     int any_forgot = 0;
     memset(forgot, 0, sizeof forgot);
     /* Starting over: said before anything of this attempt is written. */
@@ -422,7 +426,7 @@ int ps_client_pull_ex(ps_client *c, float *params, uint64_t *versions,
       free(tsegs);
       rpc_request_free(c->reqs[s]);
     }
-    if (rc == PS_OK || !any_forgot || attempt == 1) break;
+    if (rc == PS_OK || !any_forgot) break;
     /* Every shard that had forgotten this worker (a long pause makes them
      * all forget it): register again, then pull once more. */
     int rr = PS_OK;
@@ -432,6 +436,9 @@ int ps_client_pull_ex(ps_client *c, float *params, uint64_t *versions,
       rc = rr;
       break;
     }
+    /* Still forgotten after every attempt: shards that keep restarting,
+     * as unavailable ones (the caller's retries go on). */
+    if (attempt == attempts - 1) rc = PS_EUNAVAIL;
   }
   return rc;
 }
@@ -560,18 +567,19 @@ int ps_client_push_end(ps_client *c, const float *grads, ps_push_result *res, ch
   int rc = push_round(c, grads, &again, err);
   /* A shard that had forgotten this worker applied nothing from it:
    * register again and push that shard's slice once more. */
-  if (rc == PS_OK && again) {
+  /* Shards restarted one after the other each take a round. */
+  for (int round = 0; rc == PS_OK && again && round < c->nshards; round++) {
     for (int s = 0; s < c->nshards; s++) {
       if (c->push.state[s] != PUSH_PENDING) continue;
       int r = reregister(c, c->q, s, err);
       if (r != 0) return r;
     }
     rc = push_round(c, grads, &again, err);
-    for (int s = 0; s < c->nshards && rc == PS_OK; s++)
-      if (again && c->push.state[s] == PUSH_PENDING)
-        rc = ps_seterr(err, PS_ENOTFOUND, "shard %d refused this worker after it registered again",
-                       s);
   }
+  for (int s = 0; s < c->nshards && rc == PS_OK; s++)
+    if (again && c->push.state[s] == PUSH_PENDING)
+      rc = ps_seterr(err, PS_EUNAVAIL,
+                     "shard %d forgot this worker again after it registered again", s);
   if (res) *res = c->push.res;
   return rc;
 }

@@ -1,7 +1,9 @@
 /* Shard checkpoints (ps/checkpoint.c): the byte layout, round trips,
  * retention, refusal of damaged files with a message that says so, the
  * search for the newest usable checkpoint, restoring onto another number of
- * shards, failed writes that leave nothing behind, and the .npy export.
+ * shards, failed writes that leave nothing behind, and the .npy export;
+ * set ids and cut records (format 2), format 1 files, the choice of a
+ * consistent group to restore from, and the pruning of sets.
  * Everything happens in a mkdtemp directory removed at the end. */
 #include <dirent.h>
 #include <errno.h>
@@ -246,7 +248,7 @@ static void test_round_trip(void) {
   size_t E = sizeof extra;
   CHECK(len == 192 + E + n * 4 * 3 + 4);
   CHECK(memcmp(b, "PSCKPT\0\1", 8) == 0);
-  CHECK(le32(b + 8) == 1 && le32(b + 12) == 192);
+  CHECK(le32(b + 8) == 2 && le32(b + 12) == 192);
   CHECK(le32(b + 16) == 1 && le32(b + 20) == 3);
   CHECK(le64(b + 24) == 1000 && le64(b + 32) == 320 && le64(b + 40) == 656);
   CHECK(le64(b + 48) == 42);
@@ -678,6 +680,560 @@ static void test_reshard(void) {
   model_free(&old);
 }
 
+/* ---------------------------------------------------------------- sets and cuts */
+
+static void put_le32(uint8_t *p, uint32_t v) {
+  for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static void put_le64(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+
+/* Recomputes the header checksum (at 188) and the whole file's (the last
+ * 4 bytes) of a checkpoint's bytes after an edit. */
+static void reseal(uint8_t *b, size_t len) {
+  put_le32(b + 188, ps_crc32c(0, b, 188));
+  put_le32(b + len - 4, ps_crc32c(0, b, len - 4));
+}
+
+/* A model whose values all differ from those of another offset. */
+static model_state model_offset(size_t P, int n_slots, float off) {
+  model_state m = model_make(P, n_slots, 1.0f);
+  for (size_t i = 0; i < P; i++) m.params[i] += off;
+  for (int k = 0; k < n_slots; k++)
+    for (size_t i = 0; i < P; i++) m.slots[k][i] += off;
+  return m;
+}
+
+/* Writes shard index of S of the model with a set id and a cut record
+ * (cut NULL: none); the file's name (not its directory) goes to name
+ * (NULL or PS_CKPT_PATHLEN bytes). */
+static int write_set_shard(const char *dir, const model_state *m, const char *job, int index, int S,
+                           uint64_t version, uint64_t set_id, const char *cut, char *name) {
+  ps_ckpt ck = shard_view(m, job, "momentum", index, S, version);
+  ck.meta.set_id = set_id;
+  ck.cut = (void *)cut;
+  ck.cut_len = cut ? strlen(cut) : 0;
+  char err[PS_ERRLEN] = "", path[PS_CKPT_PATHLEN] = "";
+  int rc = ps_ckpt_write(dir, &ck, 0, path, err);
+  CHECK_MSG(rc == PS_OK, "write shard %d of %d v%llu set %llu: %s", index, S,
+            (unsigned long long)version, (unsigned long long)set_id, err);
+  if (name) {
+    const char *slash = strrchr(path, '/');
+    snprintf(name, PS_CKPT_PATHLEN, "%s", slash ? slash + 1 : path);
+  }
+  return rc;
+}
+
+/* A note at level that contains a (and b when not NULL). */
+static int has_note_at(const notes *ns, int level, const char *a, const char *b) {
+  for (int i = 0; i < ns->n; i++)
+    if (ns->level[i] == level && strstr(ns->msg[i], a) && (!b || strstr(ns->msg[i], b))) return 1;
+  return 0;
+}
+
+/* Loads [0, P) with one slot; 1 when params and slot equal want's. */
+static int load_equals(const ps_ckpt_source *src, const model_state *want, ps_ckpt_restored *info) {
+  size_t P = want->P;
+  float *p = malloc(P * 4), *sl[1] = {malloc(P * 4)};
+  char err[PS_ERRLEN] = "";
+  int rc = ps_ckpt_load_range(src, 0, P, p, sl, 1, 0, info, err);
+  CHECK_MSG(rc == PS_OK, "load [0, %zu): %s", P, err);
+  int same = rc == PS_OK && memcmp(p, want->params, P * 4) == 0 &&
+             memcmp(sl[0], want->slots[0], P * 4) == 0;
+  free(p);
+  free(sl[0]);
+  return same;
+}
+
+static void test_set_and_cut(void) {
+  char dir[512], err[PS_ERRLEN] = "", path[PS_CKPT_PATHLEN] = "";
+  fresh_dir(dir, sizeof dir, "setcut");
+  model_state m = model_make(300, 1, 1.0f);
+  ps_ckpt ck = shard_view(&m, "job-a", "momentum", 1, 2, 17);
+  const uint64_t set_id = 0x0123456789abcdefull;
+  static const char extra[] = "xtra";
+  static const uint8_t cut[] = {'c', 'u', 't', 0, 0xff, 0x80, 'r', 'e', 'c', 0x01, 0};
+  const size_t E = sizeof extra, C = sizeof cut;
+  ck.meta.set_id = set_id;
+  ck.extra = (void *)extra;
+  ck.extra_len = E;
+  ck.cut = (void *)cut;
+  ck.cut_len = C;
+  int rc = ps_ckpt_write(dir, &ck, 0, path, err);
+  CHECK_MSG(rc == PS_OK, "%s", err);
+  size_t b0 = ck.meta.begin, n = ck.meta.end - ck.meta.begin;
+
+  /* The bytes on disk: set id, cut length and cut checksum in the header,
+   * the cut after the extra blob, then the arrays. */
+  char *raw;
+  size_t len;
+  if (ps_read_file(path, &raw, &len, err) != PS_OK) {
+    CHECK_MSG(0, "%s", err);
+    model_free(&m);
+    return;
+  }
+  uint8_t *b = (uint8_t *)raw;
+  CHECK(len == 192 + E + C + n * 4 * 2 + 4);
+  CHECK(le32(b + 8) == PS_CKPT_FORMAT_VERSION && PS_CKPT_FORMAT_VERSION == 2);
+  CHECK(le64(b + 160) == set_id);
+  CHECK(le64(b + 168) == C);
+  CHECK(le32(b + 176) == ps_crc32c(0, cut, C));
+  int zero = 1;
+  for (int i = 180; i < 188; i++) zero = zero && b[i] == 0;
+  CHECK(zero);
+  CHECK(le32(b + 188) == ps_crc32c(0, b, 188));
+  CHECK(memcmp(b + 192, extra, E) == 0);
+  CHECK(memcmp(b + 192 + E, cut, C) == 0);
+  CHECK(memcmp(b + 192 + E + C, m.params + b0, n * 4) == 0);
+  CHECK(memcmp(b + 192 + E + C + n * 4, m.slots[0] + b0, n * 4) == 0);
+  CHECK(le32(b + len - 4) == ps_crc32c(0, b, len - 4));
+
+  /* Read back: set id and cut record as written. */
+  ps_ckpt got;
+  rc = ps_ckpt_read(path, &got, err);
+  CHECK_MSG(rc == PS_OK, "%s", err);
+  if (rc == PS_OK) {
+    CHECK(got.meta.set_id == set_id);
+    CHECK(got.cut_len == C && got.meta.cut_len == C && got.cut && memcmp(got.cut, cut, C) == 0);
+    CHECK(got.meta.cut_crc == ps_crc32c(0, cut, C));
+    CHECK(got.extra_len == E && got.extra && memcmp(got.extra, extra, E) == 0);
+    CHECK(memcmp(got.params, m.params + b0, n * 4) == 0);
+  }
+  ps_ckpt_free(&got);
+  CHECK(got.cut == NULL && got.cut_len == 0);
+  ps_ckpt_meta meta;
+  CHECK(ps_ckpt_read_header(path, &meta, NULL, NULL, err) == PS_OK);
+  CHECK(meta.set_id == set_id && meta.cut_len == C && meta.cut_crc == ps_crc32c(0, cut, C));
+
+  /* No cut: none read back, zeros in the header. */
+  ps_ckpt plain = shard_view(&m, "job-a", "momentum", 0, 2, 3);
+  CHECK(ps_ckpt_write(dir, &plain, 0, path, err) == PS_OK);
+  CHECK(ps_ckpt_read(path, &got, err) == PS_OK);
+  CHECK(got.meta.set_id == 0 && got.cut == NULL && got.cut_len == 0 && got.meta.cut_len == 0);
+  ps_ckpt_free(&got);
+  char *raw2;
+  size_t len2;
+  if (ps_read_file(path, &raw2, &len2, err) == PS_OK) {
+    const uint8_t *p = (const uint8_t *)raw2;
+    CHECK(le64(p + 160) == 0 && le64(p + 168) == 0 && le32(p + 176) == 0);
+    free(raw2);
+  }
+
+  /* A flipped byte of the cut record: the whole file's checksum says so. */
+  char bad_path[1024];
+  snprintf(bad_path, sizeof bad_path, "%s/shard-1-of-2-v18.ckpt", dir);
+  b[192 + E + 4] ^= 0x10;
+  CHECK(write_file(bad_path, raw, len) == 0);
+  rc = ps_ckpt_read(bad_path, &got, err);
+  CHECK_MSG(rc == PS_EINVAL && strstr(err, "checksum mismatch") && strstr(err, "v18.ckpt"), "%d %s",
+            rc, err);
+  CHECK(got.cut == NULL && got.params == NULL);
+  /* ... and with the whole file's checksum redone, the cut's own in the
+   * header does. */
+  reseal(b, len);
+  CHECK(write_file(bad_path, raw, len) == 0);
+  rc = ps_ckpt_read(bad_path, &got, err);
+  CHECK_MSG(rc == PS_EINVAL && strstr(err, "cut record"), "%d %s", rc, err);
+  b[192 + E + 4] ^= 0x10;
+  /* A cut length over the limit in a header: refused before it is used. */
+  put_le64(b + 168, (uint64_t)PS_CKPT_MAX_CUT + 1);
+  reseal(b, len);
+  CHECK(write_file(bad_path, raw, len) == 0);
+  rc = ps_ckpt_read(bad_path, &got, err);
+  CHECK_MSG(rc == PS_EINVAL && strstr(err, "inconsistent header"), "%d %s", rc, err);
+  CHECK(ps_ckpt_read_header(bad_path, &meta, NULL, NULL, err) == PS_EINVAL);
+  free(raw);
+
+  /* Writes refused: a cut over PS_CKPT_MAX_CUT, a cut length without
+   * bytes; nothing is left in the directory. The largest allowed works. */
+  char empty[512];
+  fresh_dir(empty, sizeof empty, "setcut-big");
+  uint8_t *big = malloc(PS_CKPT_MAX_CUT + 1);
+  for (size_t i = 0; i < PS_CKPT_MAX_CUT + 1; i++) big[i] = (uint8_t)(i * 13 + 5);
+  ps_ckpt over = shard_view(&m, "job-a", "momentum", 0, 1, 1);
+  over.cut = big;
+  over.cut_len = PS_CKPT_MAX_CUT + 1;
+  err[0] = '\0';
+  rc = ps_ckpt_write(empty, &over, 0, NULL, err);
+  CHECK_MSG(rc == PS_EINVAL && err[0], "%d %s", rc, err);
+  CHECK(count_entries(empty, NULL) == 0);
+  over.cut = NULL;
+  over.cut_len = 4;
+  CHECK(ps_ckpt_write(empty, &over, 0, NULL, err) == PS_EINVAL);
+  CHECK(count_entries(empty, NULL) == 0);
+  over.cut = big;
+  over.cut_len = PS_CKPT_MAX_CUT;
+  CHECK(ps_ckpt_write(empty, &over, 0, path, err) == PS_OK);
+  CHECK(ps_ckpt_read(path, &got, err) == PS_OK);
+  CHECK(got.cut_len == PS_CKPT_MAX_CUT && got.cut && memcmp(got.cut, big, PS_CKPT_MAX_CUT) == 0);
+  ps_ckpt_free(&got);
+  CHECK(count_entries(empty, NULL) == 1);
+  free(big);
+  model_free(&m);
+}
+
+static void test_format_1(void) {
+  char dir[512], err[PS_ERRLEN] = "", path[PS_CKPT_PATHLEN] = "";
+  fresh_dir(dir, sizeof dir, "format1");
+  const size_t P = 100;
+  model_state m = model_offset(P, 1, 50.0f);
+  ps_ckpt ck = shard_view(&m, "job-a", "momentum", 0, 1, 9);
+  ck.extra = (void *)"old-leases";
+  ck.extra_len = 10;
+  CHECK(ps_ckpt_write(dir, &ck, 0, path, err) == PS_OK);
+  char *raw;
+  size_t len;
+  if (ps_read_file(path, &raw, &len, err) != PS_OK) {
+    CHECK_MSG(0, "%s", err);
+    model_free(&m);
+    return;
+  }
+  uint8_t *b = (uint8_t *)raw;
+  CHECK(le64(b + 160) == 0 && le64(b + 168) == 0 && le32(b + 176) == 0);
+  /* As format 1 wrote it: the same bytes but the version. */
+  put_le32(b + 8, 1);
+  reseal(b, len);
+  CHECK(write_file(path, raw, len) == 0);
+  ps_ckpt got;
+  int rc = ps_ckpt_read(path, &got, err);
+  CHECK_MSG(rc == PS_OK, "%s", err);
+  if (rc == PS_OK) {
+    CHECK(got.meta.version == 9 && got.meta.set_id == 0 && got.cut == NULL && got.cut_len == 0);
+    CHECK(got.extra_len == 10 && memcmp(got.extra, "old-leases", 10) == 0);
+    CHECK(memcmp(got.params, m.params, P * 4) == 0 && memcmp(got.slots[0], m.slots[0], P * 4) == 0);
+  }
+  ps_ckpt_free(&got);
+  /* Found and restored. */
+  notes ns = {0};
+  ps_ckpt_source src = {dir, "job-a", P, "momentum", collect_note, &ns};
+  rc = ps_ckpt_find_latest(&src, 0, 1, &got, NULL, err);
+  CHECK_MSG(rc == PS_OK && got.meta.version == 9, "%s", err);
+  ps_ckpt_free(&got);
+  ps_ckpt_restored info;
+  CHECK(load_equals(&src, &m, &info));
+  CHECK(info.files_used == 1 && info.version == 9 && info.set_id == 0 && info.num_shards == 1);
+
+  /* Format 1 with a set id, or with a cut length: not written by format 1. */
+  char bad_path[1024];
+  snprintf(bad_path, sizeof bad_path, "%s/f1-bad.ckpt", dir);
+  put_le64(b + 160, 7);
+  reseal(b, len);
+  CHECK(write_file(bad_path, raw, len) == 0);
+  rc = ps_ckpt_read(bad_path, &got, err);
+  CHECK_MSG(rc == PS_EINVAL && strstr(err, "inconsistent header"), "%d %s", rc, err);
+  CHECK(ps_ckpt_read_header(bad_path, &(ps_ckpt_meta){0}, NULL, NULL, err) == PS_EINVAL);
+  put_le64(b + 160, 0);
+  put_le64(b + 168, 1);
+  reseal(b, len);
+  CHECK(write_file(bad_path, raw, len) == 0);
+  rc = ps_ckpt_read(bad_path, &got, err);
+  CHECK_MSG(rc == PS_EINVAL && strstr(err, "inconsistent header"), "%d %s", rc, err);
+  /* Format 2 with the same set id is fine; an unknown format is not. */
+  put_le64(b + 168, 0);
+  put_le64(b + 160, 7);
+  put_le32(b + 8, 2);
+  reseal(b, len);
+  CHECK(write_file(bad_path, raw, len) == 0);
+  rc = ps_ckpt_read(bad_path, &got, err);
+  CHECK_MSG(rc == PS_OK && got.meta.set_id == 7, "%d %s", rc, err);
+  ps_ckpt_free(&got);
+  put_le32(b + 8, 3);
+  reseal(b, len);
+  CHECK(write_file(bad_path, raw, len) == 0);
+  rc = ps_ckpt_read(bad_path, &got, err);
+  CHECK_MSG(rc == PS_EPROTO && strstr(err, "newer version"), "%d %s", rc, err);
+  free(raw);
+  model_free(&m);
+}
+
+static void test_consistent_groups(void) {
+  char dir[512];
+  fresh_dir(dir, sizeof dir, "groups");
+  const size_t P = 100;
+  size_t b1, e1;
+  ps_shard_range(P, 2, 1, &b1, &e1);
+  CHECK(b1 == 48 && e1 == P);
+  model_state s7 = model_offset(P, 1, 100.0f), s8 = model_offset(P, 1, 200.0f);
+  model_state solo = model_offset(P, 1, 300.0f), eq = model_offset(P, 1, 400.0f);
+  notes ns = {0};
+  ps_ckpt_source src = {dir, "job-a", P, "momentum", collect_note, &ns};
+  ps_ckpt_restored info;
+  char n7a[PS_CKPT_PATHLEN], n7b[PS_CKPT_PATHLEN];
+
+  /* Set 7 complete; set 8 on shard 0 only; then files of both shards
+   * written alone, newer still, whose cut records differ. */
+  write_set_shard(dir, &s7, "job-a", 0, 2, 10, 7, "cut-A", n7a);
+  write_set_shard(dir, &s7, "job-a", 1, 2, 11, 7, "cut-A", n7b);
+  ps_sleep_ms(5);
+  write_set_shard(dir, &s8, "job-a", 0, 2, 20, 8, "cut-B", NULL);
+  ps_sleep_ms(5);
+  write_set_shard(dir, &solo, "job-a", 0, 2, 30, 0, "cut-C0", NULL);
+  write_set_shard(dir, &solo, "job-a", 1, 2, 31, 0, "cut-C1", NULL);
+  int same = load_equals(&src, &s7, &info);
+  CHECK(same);
+  CHECK_MSG(info.set_id == 7 && info.consistent == 1 && info.num_shards == 2 &&
+                info.files_used == 2 && info.version == 11,
+            "set %llu consistent %d S %d files %d version %llu", (unsigned long long)info.set_id,
+            info.consistent, info.num_shards, info.files_used, (unsigned long long)info.version);
+  int ok = has_note_at(&ns, PS_LOG_INFO, "restored [0, 100)", "set 7") &&
+           !has_note(&ns, "different moments", NULL) && has_note(&ns, n7a, "[0, 48)") &&
+           has_note(&ns, n7b, "[48, 100)");
+  CHECK(ok);
+  if (!ok || !same) dump_notes(&ns);
+  /* A range within one shard too; set 8, on shard 0 only, is no set even
+   * for shard 0's range. */
+  ns.n = 0;
+  CHECK(range_equals(&src, &s7, 50, 90, 1, &info, 0));
+  CHECK(info.set_id == 7 && info.consistent == 1 && info.files_used == 1);
+  ns.n = 0;
+  CHECK(range_equals(&src, &s7, 0, 48, 1, &info, 0));
+  CHECK(info.set_id == 7 && info.consistent == 1 && info.files_used == 1);
+
+  /* Newer files written alone with equal cut records: they win. */
+  ps_sleep_ms(5);
+  write_set_shard(dir, &eq, "job-a", 0, 2, 40, 0, "cut-D", NULL);
+  write_set_shard(dir, &eq, "job-a", 1, 2, 41, 0, "cut-D", NULL);
+  ns.n = 0;
+  same = load_equals(&src, &eq, &info);
+  CHECK(same);
+  CHECK_MSG(info.set_id == 0 && info.consistent == 1 && info.files_used == 2 && info.version == 41,
+            "set %llu consistent %d", (unsigned long long)info.set_id, info.consistent);
+  ok = has_note_at(&ns, PS_LOG_INFO, "restored [0, 100)", "equal cut records") &&
+       !has_note(&ns, "different moments", NULL) && !has_note(&ns, "set 7", NULL);
+  CHECK(ok);
+  if (!ok || !same) dump_notes(&ns);
+
+  /* Cut records of equal length but other bytes are not equal: set 7
+   * again. */
+  ps_sleep_ms(5);
+  write_set_shard(dir, &solo, "job-a", 0, 2, 50, 0, "cut-E0", NULL);
+  write_set_shard(dir, &solo, "job-a", 1, 2, 51, 0, "cut-E1", NULL);
+  ns.n = 0;
+  CHECK(load_equals(&src, &s7, &info));
+  CHECK(info.set_id == 7 && info.consistent == 1);
+
+  /* A set's time is its oldest file's: set 9 begun first and finished
+   * last is older than set 5 written in between. */
+  char dir3[512];
+  fresh_dir(dir3, sizeof dir3, "groups-time");
+  src.dir = dir3;
+  write_set_shard(dir3, &s8, "job-a", 0, 2, 1, 9, "cut-9", NULL);
+  ps_sleep_ms(5);
+  write_set_shard(dir3, &s7, "job-a", 0, 2, 2, 5, "cut-5", NULL);
+  write_set_shard(dir3, &s7, "job-a", 1, 2, 2, 5, "cut-5", NULL);
+  ps_sleep_ms(5);
+  write_set_shard(dir3, &s8, "job-a", 1, 2, 1, 9, "cut-9", NULL);
+  ns.n = 0;
+  CHECK(load_equals(&src, &s7, &info));
+  CHECK_MSG(info.set_id == 5 && info.consistent == 1, "set %llu", (unsigned long long)info.set_id);
+
+  /* Files without cut records (as format 1 wrote them) of different
+   * moments: combined, with a warning. */
+  char dir2[512];
+  fresh_dir(dir2, sizeof dir2, "groups-mixed");
+  src.dir = dir2;
+  model_state e = model_offset(P, 1, 500.0f), f = model_offset(P, 1, 600.0f);
+  write_set_shard(dir2, &e, "job-a", 0, 2, 5, 0, NULL, NULL);
+  ps_sleep_ms(5);
+  write_set_shard(dir2, &f, "job-a", 1, 2, 6, 0, NULL, NULL);
+  model_state want = model_offset(P, 1, 0.0f);
+  memcpy(want.params, e.params, b1 * 4);
+  memcpy(want.params + b1, f.params + b1, (P - b1) * 4);
+  memcpy(want.slots[0], e.slots[0], b1 * 4);
+  memcpy(want.slots[0] + b1, f.slots[0] + b1, (P - b1) * 4);
+  ns.n = 0;
+  same = load_equals(&src, &want, &info);
+  CHECK(same);
+  CHECK_MSG(info.consistent == 0 && info.set_id == 0 && info.files_used == 2 && info.version == 6,
+            "consistent %d set %llu", info.consistent, (unsigned long long)info.set_id);
+  ok = has_note_at(&ns, PS_LOG_WARN, "restored [0, 100)", "different moments");
+  CHECK(ok);
+  if (!ok || !same) dump_notes(&ns);
+  /* Both without a cut record and of one moment is no proof: still mixed. */
+  write_set_shard(dir2, &e, "job-a", 1, 2, 7, 0, NULL, NULL);
+  ns.n = 0;
+  CHECK(load_equals(&src, &e, &info));
+  CHECK(info.consistent == 0 && has_note_at(&ns, PS_LOG_WARN, "different moments", NULL));
+
+  model_free(&want);
+  model_free(&e);
+  model_free(&f);
+  model_free(&s7);
+  model_free(&s8);
+  model_free(&solo);
+  model_free(&eq);
+}
+
+static void test_corrupt_set(void) {
+  char dir[512];
+  fresh_dir(dir, sizeof dir, "corrupt-set");
+  const size_t P = 100;
+  model_state s3 = model_offset(P, 1, 30.0f), s4 = model_offset(P, 1, 40.0f);
+  notes ns = {0};
+  ps_ckpt_source src = {dir, "job-a", P, "momentum", collect_note, &ns};
+  ps_ckpt_restored info;
+  write_set_shard(dir, &s3, "job-a", 0, 2, 10, 3, "cut-3", NULL);
+  write_set_shard(dir, &s3, "job-a", 1, 2, 10, 3, "cut-3", NULL);
+  ps_sleep_ms(5);
+  char n4[PS_CKPT_PATHLEN];
+  write_set_shard(dir, &s4, "job-a", 0, 2, 20, 4, "cut-4", NULL);
+  write_set_shard(dir, &s4, "job-a", 1, 2, 20, 4, "cut-4", n4);
+  CHECK(load_equals(&src, &s4, &info));
+  CHECK(info.set_id == 4 && info.consistent == 1);
+
+  /* Set 4's file of shard 1 damaged in its body (its header still reads):
+   * set 3 whole, not set 4's shard 0 with set 3's shard 1. */
+  flip_byte(dir, n4, 20);
+  ns.n = 0;
+  int same = load_equals(&src, &s3, &info);
+  CHECK(same);
+  CHECK_MSG(info.set_id == 3 && info.consistent == 1 && info.version == 10,
+            "set %llu consistent %d version %llu", (unsigned long long)info.set_id, info.consistent,
+            (unsigned long long)info.version);
+  int ok = has_note(&ns, n4, "checksum mismatch") &&
+           has_note_at(&ns, PS_LOG_WARN, "cannot restore", "set 4") &&
+           has_note_at(&ns, PS_LOG_INFO, "restored [0, 100)", "set 3") &&
+           !has_note(&ns, "different moments", NULL);
+  CHECK(ok);
+  if (!ok || !same) dump_notes(&ns);
+  /* Only shard 0's range is wanted: set 4 serves it. */
+  ns.n = 0;
+  CHECK(range_equals(&src, &s4, 0, 48, 1, &info, 0));
+  CHECK(info.set_id == 4 && info.consistent == 1 && info.files_used == 1);
+  /* Its header damaged (the file then is not listed at all): set 4 is no
+   * longer complete, and set 3 serves even shard 0's range. */
+  flip_byte(dir, n4, 20); /* undo */
+  char p[PS_CKPT_PATHLEN + 600];
+  snprintf(p, sizeof p, "%s/%s", dir, n4);
+  char *raw, err[PS_ERRLEN];
+  size_t len;
+  if (ps_read_file(p, &raw, &len, err) == PS_OK) {
+    raw[100] ^= 0x01; /* job id */
+    CHECK(write_file(p, raw, len) == 0);
+    free(raw);
+  }
+  ns.n = 0;
+  CHECK(load_equals(&src, &s3, &info));
+  CHECK(info.set_id == 3 && info.consistent == 1);
+  ns.n = 0;
+  CHECK(range_equals(&src, &s3, 0, 48, 1, &info, 0));
+  CHECK(info.set_id == 3 && info.consistent == 1);
+  model_free(&s3);
+  model_free(&s4);
+}
+
+/* The files test_prune_sets starts from, by name. */
+typedef struct {
+  char b_set[PS_CKPT_PATHLEN], b_solo[PS_CKPT_PATHLEN], b_other_s[PS_CKPT_PATHLEN]; /* job-b */
+  char shard1[PS_CKPT_PATHLEN];                              /* job-a, shard 1 of 2 */
+  char other_s0[PS_CKPT_PATHLEN], other_s2[PS_CKPT_PATHLEN]; /* job-a, of 3 shards */
+  char s3[PS_CKPT_PATHLEN], s4[PS_CKPT_PATHLEN], s5[PS_CKPT_PATHLEN], s6[PS_CKPT_PATHLEN];
+  char solo_old[PS_CKPT_PATHLEN], solo_mid[PS_CKPT_PATHLEN], solo_new[PS_CKPT_PATHLEN];
+} prune_files;
+
+/* Writes them into dir (shard 0 of 2 of job-a unless said otherwise), in
+ * this order of time; with_mid adds a file written alone between sets 5
+ * and 6. */
+static void prune_fixture(const char *dir, const model_state *m, int with_mid, prune_files *f) {
+  memset(f, 0, sizeof *f);
+  /* Other jobs' files: older than everything of job-a. */
+  write_set_shard(dir, m, "job-b", 0, 2, 100, 3, "b3", f->b_set);
+  write_set_shard(dir, m, "job-b", 0, 2, 101, 0, "b0", f->b_solo);
+  write_set_shard(dir, m, "job-b", 1, 3, 1, 3, "b3", f->b_other_s);
+  ps_sleep_ms(5);
+  write_set_shard(dir, m, "job-a", 1, 2, 1, 3, "a3", f->shard1);
+  write_set_shard(dir, m, "job-a", 0, 3, 1, 3, "a3", f->other_s0);
+  write_set_shard(dir, m, "job-a", 2, 3, 2, 0, "a0", f->other_s2);
+  write_set_shard(dir, m, "job-a", 0, 2, 1, 3, "a3", f->s3);
+  ps_sleep_ms(5);
+  write_set_shard(dir, m, "job-a", 0, 2, 2, 4, "a4", f->s4);
+  ps_sleep_ms(5);
+  write_set_shard(dir, m, "job-a", 0, 2, 3, 0, "solo-old", f->solo_old);
+  ps_sleep_ms(5);
+  write_set_shard(dir, m, "job-a", 0, 2, 4, 5, "a5", f->s5);
+  ps_sleep_ms(5);
+  if (with_mid) {
+    write_set_shard(dir, m, "job-a", 0, 2, 5, 0, "solo-mid", f->solo_mid);
+    ps_sleep_ms(5);
+  }
+  write_set_shard(dir, m, "job-a", 0, 2, 6, 6, "a6", f->s6);
+  ps_sleep_ms(5);
+  write_set_shard(dir, m, "job-a", 0, 2, 7, 0, "solo-new", f->solo_new);
+  /* A file whose header cannot be read: left for a person. */
+  char p[1024];
+  snprintf(p, sizeof p, "%s/shard-0-of-2-v50.ckpt", dir);
+  CHECK(write_file(p, "not a checkpoint", 16) == 0);
+}
+
+static void test_prune_sets(void) {
+  char dir[512], err[PS_ERRLEN] = "";
+  fresh_dir(dir, sizeof dir, "prune-sets");
+  model_state m = model_make(100, 1, 1.0f);
+  prune_files f;
+  prune_fixture(dir, &m, 1, &f);
+  const int total = 14;
+  CHECK(count_entries(dir, NULL) == total);
+  const uint64_t keep[2] = {5, 6};
+  int deleted = -1;
+
+  /* No kept sets known: nothing deleted, even with drop_other_s. */
+  CHECK(ps_ckpt_prune_sets(dir, 0, 2, "job-a", keep, 0, 6, 1, &deleted, err) == PS_OK);
+  CHECK(deleted == 0 && count_entries(dir, NULL) == total);
+
+  /* Keep 5 and 6: sets 3 and 4 go, and the files written alone before
+   * set 6's; the newer one stays. */
+  int rc = ps_ckpt_prune_sets(dir, 0, 2, "job-a", keep, 2, 6, 0, &deleted, err);
+  CHECK_MSG(rc == PS_OK && deleted == 4, "%d deleted %d: %s", rc, deleted, err);
+  CHECK(!exists(dir, f.s3) && !exists(dir, f.s4));
+  CHECK(!exists(dir, f.solo_old) && !exists(dir, f.solo_mid));
+  CHECK(exists(dir, f.s5) && exists(dir, f.s6) && exists(dir, f.solo_new));
+  CHECK(exists(dir, "shard-0-of-2-v50.ckpt"));
+  CHECK(exists(dir, f.shard1)); /* another shard's */
+  CHECK(exists(dir, f.b_set) && exists(dir, f.b_solo) && exists(dir, f.b_other_s)); /* job-b's */
+  CHECK(exists(dir, f.other_s0) && exists(dir, f.other_s2));
+  CHECK(count_entries(dir, NULL) == total - 4);
+  CHECK(count_entries(dir, ".") == 0);
+  /* Again: nothing more. */
+  CHECK(ps_ckpt_prune_sets(dir, 0, 2, "job-a", keep, 2, 6, 0, &deleted, err) == PS_OK &&
+        deleted == 0);
+  /* With drop_other_s: this job's files of another S, not another job's. */
+  rc = ps_ckpt_prune_sets(dir, 0, 2, "job-a", keep, 2, 6, 1, &deleted, err);
+  CHECK_MSG(rc == PS_OK && deleted == 2, "%d deleted %d: %s", rc, deleted, err);
+  CHECK(!exists(dir, f.other_s0) && !exists(dir, f.other_s2));
+  CHECK(exists(dir, f.b_other_s) && exists(dir, f.b_set) && exists(dir, f.b_solo));
+  CHECK(exists(dir, f.s5) && exists(dir, f.s6) && exists(dir, f.solo_new) && exists(dir, f.shard1));
+  CHECK(count_entries(dir, NULL) == total - 6);
+
+  /* The current set is kept though not in keep_sets; without it, it goes. */
+  fresh_dir(dir, sizeof dir, "prune-sets-2");
+  prune_fixture(dir, &m, 0, &f);
+  CHECK(count_entries(dir, NULL) == total - 1);
+  rc = ps_ckpt_prune_sets(dir, 0, 2, "job-a", keep, 1, 6, 0, &deleted, err);
+  CHECK_MSG(rc == PS_OK && deleted == 3, "%d deleted %d: %s", rc, deleted, err);
+  CHECK(!exists(dir, f.s3) && !exists(dir, f.s4) && !exists(dir, f.solo_old));
+  CHECK(exists(dir, f.s5) && exists(dir, f.s6) && exists(dir, f.solo_new));
+  rc = ps_ckpt_prune_sets(dir, 0, 2, "job-a", keep, 1, 0, 0, &deleted, err);
+  CHECK_MSG(rc == PS_OK && deleted == 1, "%d deleted %d: %s", rc, deleted, err);
+  CHECK(!exists(dir, f.s6) && exists(dir, f.s5) && exists(dir, f.solo_new));
+  /* Shard 1's files are its own to prune. */
+  const uint64_t keep9 = 9;
+  rc = ps_ckpt_prune_sets(dir, 1, 2, "job-a", &keep9, 1, 9, 0, &deleted, err);
+  CHECK_MSG(rc == PS_OK && deleted == 1, "%d deleted %d: %s", rc, deleted, err);
+  CHECK(!exists(dir, f.shard1) && exists(dir, f.s5));
+  CHECK(exists(dir, f.b_set) && exists(dir, f.b_solo) && exists(dir, f.b_other_s));
+
+  /* No directory: nothing to do; bad arguments. */
+  char missing[1024];
+  snprintf(missing, sizeof missing, "%s/no-such-dir", dir);
+  CHECK(ps_ckpt_prune_sets(missing, 0, 2, "job-a", keep, 2, 6, 1, &deleted, err) == PS_OK &&
+        deleted == 0);
+  CHECK(ps_ckpt_prune_sets(dir, 2, 2, "job-a", keep, 2, 6, 0, &deleted, err) == PS_EINVAL);
+  CHECK(ps_ckpt_prune_sets(dir, 0, 2, NULL, keep, 2, 6, 0, &deleted, err) == PS_EINVAL);
+  CHECK(ps_ckpt_prune_sets(dir, 0, 2, "job-a", NULL, 2, 6, 0, &deleted, err) == PS_EINVAL);
+  model_free(&m);
+}
+
 /* ---------------------------------------------------------------- failures */
 
 static void test_write_failures(void) {
@@ -986,6 +1542,11 @@ int main(void) {
   RUN(test_truncated);
   RUN(test_find_latest);
   RUN(test_reshard);
+  RUN(test_set_and_cut);
+  RUN(test_format_1);
+  RUN(test_consistent_groups);
+  RUN(test_corrupt_set);
+  RUN(test_prune_sets);
   RUN(test_write_failures);
   RUN(test_stale_temps);
   RUN(test_npy);

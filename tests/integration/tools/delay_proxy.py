@@ -4,10 +4,15 @@ tests of retries: every connection's client-to-server bytes go through at
 once; server-to-client bytes are held DELAY_MS during a window of WINDOW_MS
 in every PERIOD_MS, from 3 s on (in order, so the stream stays valid), so that replies
 arrive after the callers' deadlines. With --cut, each window also ends with
-every connection closed (the replies in flight are lost). Stops by itself
-after DURATION seconds.
+every connection closed (the replies in flight are lost). With --requests,
+client-to-server bytes are held instead (requests reach the server late;
+replies go through at once). With --min-bytes N, only a read of at least N
+bytes starts a hold (what follows it on that connection waits behind it):
+large messages are late, small ones on other connections are not. Stops by
+itself after DURATION seconds.
 
-  delay_proxy.py LISTEN_PORT TARGET_HOST:PORT DELAY_MS PERIOD_MS WINDOW_MS DURATION [--cut]
+  delay_proxy.py LISTEN_PORT TARGET_HOST:PORT DELAY_MS PERIOD_MS WINDOW_MS DURATION
+                 [--cut] [--requests] [--min-bytes N]
 
 Prints one line per window, and the counts at the end."""
 import asyncio, sys, time
@@ -16,6 +21,10 @@ listen, target = int(sys.argv[1]), sys.argv[2]
 delay, period, window = (int(x) / 1000 for x in sys.argv[3:6])
 duration = float(sys.argv[6])
 cut = "--cut" in sys.argv[7:]
+requests = "--requests" in sys.argv[7:]
+min_bytes = 0
+if "--min-bytes" in sys.argv[7:]:
+    min_bytes = int(sys.argv[sys.argv.index("--min-bytes") + 1])
 GRACE = 3.0
 t0 = time.monotonic()
 stats = {"connections": 0, "held": 0, "cut": 0}
@@ -34,7 +43,8 @@ async def pump(reader, writer, hold):
                 break
             if hold:
                 now = time.monotonic()
-                release = max(now + (delay if in_window(now) else 0.0), last)
+                late = in_window(now) and len(data) >= min_bytes
+                release = max(now + (delay if late else 0.0), last)
                 if release > now:
                     stats["held"] += 1
                     await asyncio.sleep(release - now)
@@ -59,7 +69,7 @@ async def handle(creader, cwriter):
     stats["connections"] += 1
     pair = (cwriter, swriter)
     conns.add(pair)
-    await asyncio.gather(pump(creader, swriter, False), pump(sreader, cwriter, True))
+    await asyncio.gather(pump(creader, swriter, requests), pump(sreader, cwriter, not requests))
     conns.discard(pair)
 
 async def cutter():
