@@ -1043,6 +1043,11 @@ static int load_from_set(const load_job *j, const ckpt_set *set, ps_ckpt_restore
            "reading the extra state from '%s' (shard 0 of %d, version %" PRIu64 ")", path,
            set->num_shards, ck.meta.version);
     }
+    if (!out->cut && ck.cut_len > 0) {
+      out->cut = ck.cut; /* moved out of ck */
+      out->cut_len = ck.cut_len;
+      ck.cut = NULL;
+    }
     if (i == 0 && j->want_extra && ck.extra_len > 0) {
       out->extra = ck.extra; /* moved out of ck */
       out->extra_len = ck.extra_len;
@@ -1231,6 +1236,7 @@ int ps_ckpt_load_range(const ps_ckpt_source *src, size_t begin, size_t end, floa
       break;
     }
     free(out->extra);
+    free(out->cut);
     memset(out, 0, sizeof *out);
     if (sets[s].kind == GROUP_SET)
       note(src, PS_LOG_WARN, "cannot restore [%zu, %zu) from set %" PRIu64 " of the %d-shard "

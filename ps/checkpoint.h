@@ -206,6 +206,9 @@ typedef struct {
   uint64_t set_id; /* the set restored (0: files written alone) */
   int consistent;  /* 1: one consistent group (a set, or equal cut records);
                       0: files of different moments combined */
+  void *cut;       /* a copy of the cut record of the first file used (malloc'd,
+                      caller frees; NULL if it had none) */
+  size_t cut_len;
 } ps_ckpt_restored;
 
 /* Fills params[0 .. end-begin) (and slots[k][0 .. end-begin) for k <

@@ -155,6 +155,36 @@ int ps_cut_record_now(ps_server *sv, void **out, size_t *len) {
   return rc;
 }
 
+static uint64_t get_le64(const uint8_t *p) {
+  uint64_t v = 0;
+  for (int k = 7; k >= 0; k--) v = v << 8 | p[k];
+  return v;
+}
+
+int ps_cut_seed_rounds(ps_server *sv, const void *record, size_t len) {
+  const uint8_t *b = record;
+  if (!b || len < 24) return PS_EINVAL;
+  uint64_t sync = get_le64(b), n = get_le64(b + 16);
+  if (n > (len - 24) / 16 || len != 24 + n * 16) return PS_EINVAL;
+  if (sync || n == 0) return PS_OK;
+  uint64_t *ids = malloc(n * sizeof *ids), *rounds = malloc(n * sizeof *rounds);
+  int rc = PS_ENOMEM;
+  if (ids && rounds) {
+    for (uint64_t i = 0; i < n; i++) {
+      ids[i] = get_le64(b + 24 + i * 16);
+      rounds[i] = get_le64(b + 24 + i * 16 + 8);
+    }
+    rc = ps_membership_seed_rounds(sv->members, ids, rounds, (int)n);
+    if (rc == PS_OK)
+      PS_INFO("checkpoint: the push rounds of %" PRIu64 " worker(s) restored: a push of a round "
+              "the checkpoint holds is answered, not applied again",
+              n);
+  }
+  free(ids);
+  free(rounds);
+  return rc;
+}
+
 /* ------------------------------------------------------------ the gate */
 
 static int cut_round_of(const ps_cut *c, uint64_t worker, uint64_t *round) {

@@ -88,6 +88,7 @@ int main(int argc, char **argv) {
   ps_ckpt_source src = {.dir = ckpt_dir, .job_id = job->job_id, .P = P};
   ps_ckpt_restored got;
   rc = ps_ckpt_load_range(&src, 0, P, params, NULL, 0, 0, &got, err);
+  if (rc == 0) free(got.cut);
   if (rc) {
     fprintf(stderr, "ps-export: %s\n", err);
     if (rc == PS_ENOTFOUND)

@@ -34,6 +34,10 @@ struct ps_membership {
   int next_rank;
   int limit; /* 0: none */
   uint64_t dropped_total;
+  /* Push rounds restored from a checkpoint, given to those workers when
+   * they register again. */
+  uint64_t *seed_id, *seed_round;
+  int n_seed;
 };
 
 ps_membership *ps_membership_create(void) {
@@ -57,6 +61,8 @@ void ps_membership_destroy(ps_membership *m) {
   pthread_mutex_destroy(&m->mu);
   for (int i = 0; i < m->n; i++) free(m->members[i].recent);
   free(m->members);
+  free(m->seed_id);
+  free(m->seed_round);
   free(m);
 }
 
@@ -158,6 +164,8 @@ int ps_membership_join(ps_membership *m, uint64_t id, const char *host, const ch
     w->id = fresh;
     w->recent = recent;
     w->rank = m->next_rank++;
+    for (int i = 0; i < m->n_seed; i++)
+      if (m->seed_id[i] == fresh) w->round = m->seed_round[i];
     /* An evaluator reads: it may not change the model whatever token it
      * registered with, and a later refresh does not change that. */
     w->reader = (cred && cred->reader) || (role && strcmp(role, "evaluator") == 0);
@@ -253,6 +261,29 @@ int ps_membership_note_round(ps_membership *m, uint64_t id, uint64_t round) {
   if (at >= 0 && round > m->members[at].round) m->members[at].round = round;
   pthread_mutex_unlock(&m->mu);
   return at >= 0 ? PS_OK : PS_ENOTFOUND;
+}
+
+int ps_membership_seed_rounds(ps_membership *m, const uint64_t *ids, const uint64_t *rounds,
+                              int n) {
+  uint64_t *si = malloc((size_t)(n > 0 ? n : 1) * sizeof *si);
+  uint64_t *sr = malloc((size_t)(n > 0 ? n : 1) * sizeof *sr);
+  if (!si || !sr) {
+    free(si);
+    free(sr);
+    return PS_ENOMEM;
+  }
+  if (n > 0) {
+    memcpy(si, ids, (size_t)n * sizeof *si);
+    memcpy(sr, rounds, (size_t)n * sizeof *sr);
+  }
+  pthread_mutex_lock(&m->mu);
+  free(m->seed_id);
+  free(m->seed_round);
+  m->seed_id = si;
+  m->seed_round = sr;
+  m->n_seed = n;
+  pthread_mutex_unlock(&m->mu);
+  return PS_OK;
 }
 
 int ps_membership_round(ps_membership *m, uint64_t id, uint64_t *round) {

@@ -77,6 +77,12 @@ int ps_membership_note_push(ps_membership *m, uint64_t id, uint64_t step, int64_
  * unknown. */
 int ps_membership_note_round(ps_membership *m, uint64_t id, uint64_t round);
 int ps_membership_round(ps_membership *m, uint64_t id, uint64_t *round);
+/* The last rounds of n workers as a restored checkpoint holds them: a
+ * worker of those ids that registers (again) starts at its round, so that
+ * a push of a round the checkpoint holds is known as applied. Replaces an
+ * earlier seed. PS_ENOMEM. */
+int ps_membership_seed_rounds(ps_membership *m, const uint64_t *ids, const uint64_t *rounds,
+                              int n);
 /* Removes a worker; PS_ENOTFOUND if unknown. */
 int ps_membership_remove(ps_membership *m, uint64_t id);
 /* Drops workers not seen for more than timeout_ms; writes up to max of their

@@ -274,6 +274,11 @@ void ps_cut_watch(ps_server *sv);
 /* Shard 0, on the checkpoint timer: starts a set on the work queue unless
  * one is under way. 1 when started. */
 int ps_cut_coordinate(ps_server *sv);
+/* After a restore: the workers' push rounds in the restored cut record
+ * (async, ssp) go to the membership table, so that a worker that registers
+ * again and resends a round the checkpoint holds is answered without it
+ * being applied again. PS_EINVAL for a malformed record, PS_ENOMEM. */
+int ps_cut_seed_rounds(ps_server *sv, const void *record, size_t len);
 /* The cut record of this shard's state now, for a file written alone. */
 int ps_cut_record_now(ps_server *sv, void **out, size_t *len);
 /* The newest set this shard wrote, and its version there (0 0: none). */

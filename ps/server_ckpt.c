@@ -143,6 +143,10 @@ int ps_server_ckpt_restore(ps_server *sv, char *err) {
               "%d shard(s): %s",
               ps_shard_begin(sv->shard), ps_shard_end(sv->shard), got.version, got.files_used,
               got.num_shards, from);
+      if (got.cut && ps_cut_seed_rounds(sv, got.cut, got.cut_len) != PS_OK)
+        PS_WARN("checkpoint: its cut record cannot be read: pushes resent after the restart may "
+                "be applied again");
+      free(got.cut);
       if (got.extra && sv->job.lease_chunk > 0) {
         sv->leases = ps_leases_load(got.extra, got.extra_len, err);
         if (!sv->leases) {

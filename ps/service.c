@@ -394,6 +394,22 @@ static void handle_push(const request *q) {
   const Ps__PushRequest *r = (const Ps__PushRequest *)q->msg;
   const uint64_t wid = r->header->worker_id;
   if (answer_repeat(q, wid, r->request_id, "Push")) return;
+  /* A round at or before the last one applied here, no longer among the
+   * recent answers (a checkpoint restored after it was applied): applied
+   * already, answered as such. */
+  uint64_t last = 0;
+  if (r->request_id && ps_membership_round(q->sv->members, wid, &last) == PS_OK &&
+      r->request_id <= last) {
+    PS_INFO("push round %" PRIu64 " of worker %016" PRIx64 " again: applied before (round %" PRIu64
+            " is the last here); nothing applied",
+            r->request_id, wid, last);
+    ps_shard_stats st;
+    ps_shard_stats_get(q->sv->shard, &st);
+    Ps__PushResponse resp = PS__PUSH_RESPONSE__INIT;
+    resp.version = st.version;
+    reply_recorded(q, wid, r->request_id, &resp.base);
+    return;
+  }
   ps_push_args a = {.call = q->call,
                     .kind = q->kind,
                     .worker = wid,

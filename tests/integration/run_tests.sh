@@ -794,6 +794,40 @@ PY
     for i in 0 1; do kill -TERM "${spids[$i]}"; wait "${spids[$i]}" || fail "$variant: shard $i did not exit 0"; done
   done
   ;;
+restart_rounds)
+  # Request ids kept in checkpoints: a worker's push round applied before
+  # the checkpoint, resent after the shard restarted from it, is answered
+  # and not applied again (restart_rounds.c). The checkpoint is the final
+  # one of a stop (SIGTERM), then a set taken while running (SIGKILL).
+  for variant in stop kill; do
+    port=$(free_ports 1)
+    ck=$out/rounds-$variant
+    start() {
+      "$build/ps-server" --insecure --job "$here/jobs/synthetic.json" --ps "$port" --index 0 \
+        --checkpoint-dir "$ck" --checkpoint-secs 1 >>"$out/rounds-$variant.log" 2>&1 &
+      spid=$!; pids+=($spid)
+    }
+    start
+    timeout 30 "$build/restart_rounds" "$port" before "$out/rounds-$variant.state" \
+      || fail "$variant: the pushes before the restart failed"
+    if [ "$variant" = stop ]; then
+      kill -TERM "$spid"; wait "$spid" || fail "ps-server did not exit 0 on SIGTERM"
+    else
+      for _ in $(seq 1 100); do
+        grep -q "version 2 written" "$out/rounds-$variant.log" && break; sleep 0.1
+      done
+      grep -q "checkpoint set .*: version 2 written" "$out/rounds-$variant.log" \
+        || fail "kill: no checkpoint set at version 2 within 10 s"
+      kill -9 "$spid"; wait "$spid" 2>/dev/null || true
+    fi
+    start
+    timeout 30 "$build/restart_rounds" "$port" after "$out/rounds-$variant.state" \
+      || { tail -5 "$out/rounds-$variant.log"; fail "$variant: a resent round was applied again"; }
+    grep -q "push rounds of 1 worker(s) restored" "$out/rounds-$variant.log" \
+      || fail "$variant: the shard did not say it restored the rounds"
+    kill -TERM "$spid"; wait "$spid" || fail "ps-server did not exit 0 on SIGTERM"
+  done
+  ;;
 sync_leases)
   # sync with data leases, 33 chunks (8448 examples in chunks of 256) for
   # 1, 2 and 3 workers: at each epoch's end some workers have no chunk left

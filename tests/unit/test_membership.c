@@ -283,6 +283,27 @@ static void test_idle(void) {
   ps_membership_destroy(m);
 }
 
+/* Push rounds: noted rounds never go back; rounds seeded from a checkpoint
+ * go to a worker of that id when it registers (again), not to others. */
+static void test_rounds_seeded(void) {
+  ps_membership *m = ps_membership_create();
+  uint64_t r = 99, got_id = 0;
+  CHECK(ps_membership_round(m, 42, &r) == PS_ENOTFOUND && r == 99);
+  const uint64_t ids[2] = {42, 43}, rounds[2] = {7, 9};
+  CHECK(ps_membership_seed_rounds(m, ids, rounds, 2) == PS_OK);
+  CHECK(ps_membership_add(m, 42, "h", "worker", 0, 0, &got_id, NULL) == PS_OK && got_id == 42);
+  CHECK(ps_membership_round(m, 42, &r) == PS_OK && r == 7);
+  CHECK(ps_membership_add(m, 0, "h", "worker", 1, 0, &got_id, NULL) == PS_OK);
+  CHECK(ps_membership_round(m, got_id, &r) == PS_OK && r == 0);
+  CHECK(ps_membership_note_round(m, 42, 5) == PS_OK);
+  CHECK(ps_membership_round(m, 42, &r) == PS_OK && r == 7); /* never back */
+  CHECK(ps_membership_note_round(m, 42, 8) == PS_OK);
+  CHECK(ps_membership_round(m, 42, &r) == PS_OK && r == 8);
+  CHECK(ps_membership_note_round(m, 77, 1) == PS_ENOTFOUND);
+  CHECK(ps_membership_seed_rounds(m, NULL, NULL, 0) == PS_OK); /* cleared */
+  ps_membership_destroy(m);
+}
+
 int main(void) {
   RUN(test_idle);
   RUN(test_request_window);
@@ -293,5 +314,6 @@ int main(void) {
   RUN(test_touch_push_remove);
   RUN(test_sweep);
   RUN(test_ids_unique);
+  RUN(test_rounds_seeded);
   return check_summary();
 }
