@@ -4,12 +4,13 @@
 #
 #   deploy/local-cluster.sh --job FILE [--servers 2] [--workers 2]
 #       [--bin DIR] [--out DIR] [--timeout SEC] [--threads N] [--straggler-ms N]
-#       [--tls DIR] [-- WORKER-ARGS...]
+#       [--tls DIR] [--checkpoint-dir DIR [--checkpoint-secs N]] [-- WORKER-ARGS...]
 # --straggler-ms N makes the last worker sleep N ms in every step.
 # Every process gets the job's token (PS_TOKEN_FILE, or OUT/token made
 # here). Plaintext on loopback (--insecure) unless --tls DIR: mutual TLS
 # with the CA and certificates deploy/certs.sh makes in DIR.
-# In WORKER-ARGS, %k stands for the worker's index.
+# In WORKER-ARGS, %k stands for the worker's index. --checkpoint-dir DIR:
+# every server checkpoints there (a set every --checkpoint-secs, default 30).
 #
 # Logs go to OUT/server-S.log and OUT/worker-W.log; worker 0 (the chief)
 # is shown on the terminal. Metrics: OUT/worker-W.jsonl, OUT/server-S.jsonl.
@@ -19,6 +20,7 @@ set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
 job="" servers=2 workers=2 bin="$here/../build" out="" timeout=900 threads="" straggler=0 tls=""
+ckpt="" ckpt_secs=30
 extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -31,6 +33,8 @@ while [ $# -gt 0 ]; do
     --threads) threads=$2; shift 2 ;;
     --straggler-ms) straggler=$2; shift 2 ;;
     --tls) tls=$2; shift 2 ;;
+    --checkpoint-dir) ckpt=$2; shift 2 ;;
+    --checkpoint-secs) ckpt_secs=$2; shift 2 ;;
     --help|-h) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --) shift; extra=("$@"); break ;;
     *) echo "local-cluster: unknown option '$1' (see --help)" >&2; exit 2 ;;
@@ -85,7 +89,7 @@ trap cleanup EXIT
 server_pids=()
 for ((s = 0; s < servers; s++)); do
   "$bin/ps-server" "${server_sec[@]}" --job "$job" --ps "$ports" --index "$s" --metrics "$out/server-$s.jsonl" \
-    >"$out/server-$s.log" 2>&1 &
+    ${ckpt:+--checkpoint-dir "$ckpt" --checkpoint-secs "$ckpt_secs"} >"$out/server-$s.log" 2>&1 &
   pids+=($!); server_pids+=($!)
 done
 echo "local-cluster: $servers servers on $ports ($([ -n "$tls" ] && echo "mutual TLS" || echo plaintext), job token $PS_TOKEN_FILE); $workers workers; logs in $out"

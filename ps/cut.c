@@ -700,7 +700,7 @@ static void fan_out(ps_server *sv, Ps__CheckpointRequest *req, int timeout_ms,
       free(segs);
       if (!resp[s]) {
         st[s] = RPC_INTERNAL;
-        snprintf(why[s], PS_ERRLEN, "malformed answer: %s", err);
+        snprintf(why[s], PS_ERRLEN, "malformed answer: %.200s", err);
       }
     }
     rpc_request_free(calls[s]);

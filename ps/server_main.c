@@ -27,14 +27,17 @@ static const ps_option server_flags[] = {
     {"threads", "N", PS_OPT_INT, O(threads), 1, 64, .def = "2",
      .help = "threads serving requests"},
     {"checkpoint-dir", "DIR", PS_OPT_STR, O(ckpt_dir), .help =
-     "restore from the newest valid checkpoints there at start (any number of shards may have "
-     "written them); write checkpoints there while running and on SIGTERM/SIGINT"},
+     "restore from the newest consistent checkpoints there at start (any number of shards may "
+     "have written them; made if missing); write checkpoint sets there while running (every "
+     "shard at one cut, shard 0 decides when) and this shard's state on SIGTERM/SIGINT. Give "
+     "every shard the same directory (shared storage) for sets a restore can check"},
     {"checkpoint-secs", "N", PS_OPT_SECS, O(ckpt_secs), 0, .def = "30",
-     .help = "write one every N seconds; 0: not by time"},
+     .help = "shard 0: take a set every N seconds; 0: not by time"},
     {"checkpoint-updates", "N", PS_OPT_I64, O(ckpt_updates), 0, (double)(1LL << 62), .def = "0",
-     .help = "... or every N updates; 0: not by count"},
-    {"keep-checkpoints", "K", PS_OPT_INT, O(ckpt_keep), 1, 1000, .def = "3",
-     .help = "keep the newest K checkpoints of this shard"},
+     .help = "shard 0: ... or every N of its updates; 0: not by count"},
+    {"keep-checkpoints", "K", PS_OPT_INT, O(ckpt_keep), 1, PS_CUT_MAX_KEEP, .def = "3",
+     .help = "keep the newest K complete sets (shard 0 names them; each shard deletes its other "
+     "files)"},
     {"metrics", "FILE", PS_OPT_STR, O(metrics_path), .help =
      "append JSON Lines every log interval: `time`, `shard`, `version`, `pushes`, `pulls`, "
      "`rejected`, `pushes_per_sec`, `staleness_mean`, `staleness_max`, `staleness_hist`, "

@@ -10,7 +10,10 @@
 #              servers + 1 worker, --pipeline on against off
 #   tls:       examples/s of the quickstart CNN with 2 servers + 1 worker,
 #              over mutual TLS against plaintext
-#   tests/bench/run.sh [transport|training|pipeline|tls|all] [BUILD_DIR]
+#   checkpoints: examples/s of the quickstart CNN with 2 servers + 1 worker,
+#              with a checkpoint set every second against none, and how long
+#              shard 0 took for each set
+#   tests/bench/run.sh [transport|training|pipeline|tls|checkpoints|all] [BUILD_DIR]
 set -euo pipefail
 what=${1:-all}
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -153,6 +156,35 @@ print(f"tls, medians over {n} rounds: plaintext {statistics.median(p):.0f} examp
 PY
 }
 
+# Checkpoint sets every second against none: the quickstart CNN, 2
+# servers + 1 worker, interleaved rounds.
+checkpoints() {
+  local steps=${BENCH_STEPS:-600} none=() sets=()
+  server_sec=(--insecure) client_sec=(--insecure)
+  for round in $(seq 1 "${BENCH_ROUNDS:-5}"); do
+    cluster_run "none-$round" 2 --max-steps "$steps"
+    none+=("$(eps "$out/none-$round.log")")
+    server_sec=(--insecure --checkpoint-dir "$out/ck-$round" --checkpoint-secs 1)
+    cluster_run "sets-$round" 2 --max-steps "$steps"
+    server_sec=(--insecure)
+    sets+=("$(eps "$out/sets-$round.log")")
+    echo "round $round: 2 servers + 1 worker: no checkpoints ${none[-1]}, a set every second ${sets[-1]} examples/s"
+  done
+  cat "$out"/sets-*-server-0.log >"$out/sets-server-0.all"
+  python3 - "$out/sets-server-0.all" "${none[@]}" "${sets[@]}" <<'PY'
+import re, statistics, sys
+v = [float(x) for x in sys.argv[2:]]
+n = len(v) // 2
+a, b = v[:n], v[n:]
+r = statistics.median(y / x for x, y in zip(a, b))
+ms = [float(m) for m in re.findall(r"complete: .*, ([0-9.]+) ms", open(sys.argv[1]).read())]
+print(f"checkpoints, medians over {n} rounds: none {statistics.median(a):.0f} examples/s, a set "
+      f"every second {statistics.median(b):.0f}; with/without within rounds {r:.3f}; "
+      f"{len(ms)} sets, median {statistics.median(ms):.0f} ms, max {max(ms):.0f} ms from PREPARE to "
+      f"every file on disk")
+PY
+}
+
 pipeline() {
   local steps=${BENCH_STEPS:-300} shards=${BENCH_SHARDS:-4}
   local on=() off=()
@@ -179,6 +211,7 @@ case "$what" in
   training) training ;;
   pipeline) pipeline ;;
   tls) tls ;;
-  all) transport; training; pipeline; tls ;;
-  *) echo "usage: tests/bench/run.sh [transport|training|pipeline|tls|all] [BUILD_DIR]" >&2; exit 2 ;;
+  checkpoints) checkpoints ;;
+  all) transport; training; pipeline; tls; checkpoints ;;
+  *) echo "usage: tests/bench/run.sh [transport|training|pipeline|tls|checkpoints|all] [BUILD_DIR]" >&2; exit 2 ;;
 esac
