@@ -10,6 +10,11 @@
  * then the permutation. Reclaimed chunks that are then salvaged by their
  * late holder become DONE while still in the pool; popping skips them.
  *
+ * Besides its state, each chunk carries marks for the current epoch:
+ * MARK_POOLED once it went to the pool (a later hand-out counts in
+ * examples_rehanded), MARK_REDONE once a lost completion of it was counted
+ * in examples_redone (ps_leases_note_redone counts a chunk once).
+ *
  * Leases live in a small array in grant order: a job has tens of workers
  * holding a few leases each, so linear scans cost less than an index.
  * Ended leases (completed or reclaimed) are remembered in a ring of the
@@ -27,6 +32,7 @@
 
 enum { CHUNK_FRESH = 0, CHUNK_POOLED = 1, CHUNK_LEASED = 2, CHUNK_DONE = 3 };
 enum { ENDED_COMPLETED = 1, ENDED_RECLAIMED = 2 };
+enum { MARK_REDONE = 1, MARK_POOLED = 2 };
 #define ENDED_KEEP 4096
 /* The stream of ps_rng_u64 that seeds the permutations. */
 #define PERM_STREAM 0x1ea5e5ull
@@ -60,6 +66,7 @@ struct ps_leases {
   uint8_t *counts; /* (n_chunks) completions in this epoch */
   /* (n_chunks) each: the completions of the epoch of history[i]. */
   uint8_t *hist_counts[PS_LEASE_HISTORY];
+  uint8_t *marks; /* (n_chunks) MARK_* of this epoch */
   void *block;
 
   uint32_t cursor; /* next position in order to look at */
@@ -124,6 +131,7 @@ static void epoch_begin(ps_leases *t) {
   ps_rand_shuffle_u32(&r, t->order, n);
   memset(t->state, CHUNK_FRESH, n);
   memset(t->counts, 0, n);
+  memset(t->marks, 0, n);
   t->cursor = 0;
   t->pool_head = t->pool_len = 0;
   t->n_done = 0;
@@ -149,7 +157,7 @@ static ps_leases *table_alloc(const ps_lease_config *cfg, uint32_t n_chunks, cha
   ps_leases *t = calloc(1, sizeof *t);
   size_t n = n_chunks;
   /* u32 arrays first, so the byte arrays after them need no alignment. */
-  void *block = malloc(2 * n * sizeof(uint32_t) + (2 + PS_LEASE_HISTORY) * n);
+  void *block = malloc(2 * n * sizeof(uint32_t) + (3 + PS_LEASE_HISTORY) * n);
   if (!t || !block || pthread_mutex_init(&t->mu, NULL) != 0) {
     free(t);
     free(block);
@@ -162,6 +170,7 @@ static ps_leases *table_alloc(const ps_lease_config *cfg, uint32_t n_chunks, cha
   t->state = (uint8_t *)(t->pool + n);
   t->counts = t->state + n;
   for (int i = 0; i < PS_LEASE_HISTORY; i++) t->hist_counts[i] = t->counts + n * (size_t)(i + 1);
+  t->marks = t->counts + n * (size_t)(PS_LEASE_HISTORY + 1);
   t->cfg = *cfg;
   t->n_chunks = n_chunks;
   return t;
@@ -228,6 +237,7 @@ static void pool_push(ps_leases *t, uint32_t c) {
 static void reclaim(ps_leases *t, int i) {
   lease *l = &t->leases[i];
   t->state[l->chunk] = CHUNK_POOLED;
+  t->marks[l->chunk] |= MARK_POOLED;
   pool_push(t, l->chunk);
   t->cur.reclaims++;
   t->reclaims_total++;
@@ -256,6 +266,7 @@ static void epoch_end(ps_leases *t, int64_t now_ms) {
     t->finished = 1;
     memset(t->state, CHUNK_FRESH, t->n_chunks);
     memset(t->counts, 0, t->n_chunks);
+    memset(t->marks, 0, t->n_chunks);
     t->cursor = t->n_chunks;
     t->pool_head = t->pool_len = 0;
     t->n_done = 0;
@@ -473,6 +484,30 @@ int ps_leases_held(ps_leases *t, uint64_t worker, ps_lease *out, int max) {
   return n;
 }
 
+int ps_leases_note_redone(ps_leases *t, const uint64_t *done, size_t n, uint64_t *examples_out) {
+  if (examples_out) *examples_out = 0;
+  if (!t || (n && !done)) return PS_EINVAL;
+  pthread_mutex_lock(&t->mu);
+  int counted = 0;
+  uint64_t examples = 0;
+  for (size_t i = 0; i < n && !t->finished; i++) {
+    uint64_t epoch = done[i] >> 32;
+    uint32_t c = (uint32_t)done[i];
+    if (epoch != t->epoch || c >= t->n_chunks) continue;
+    /* A chunk that went through the pool is re-handed out: counted there.
+     * One that was counted before, from this worker or another: once. */
+    if (t->state[c] == CHUNK_DONE || (t->marks[c] & (MARK_REDONE | MARK_POOLED))) continue;
+    t->marks[c] |= MARK_REDONE;
+    uint32_t count = chunk_count(t, c);
+    t->cur.examples_redone += count;
+    examples += count;
+    counted++;
+  }
+  pthread_mutex_unlock(&t->mu);
+  if (examples_out) *examples_out = examples;
+  return counted;
+}
+
 void ps_leases_stats(ps_leases *t, ps_lease_stats *out) {
   pthread_mutex_lock(&t->mu);
   memset(out, 0, sizeof *out);
@@ -528,19 +563,27 @@ int ps_leases_epoch_record(ps_leases *t, uint32_t epoch, ps_lease_epoch_record *
  *  44  u32 epoch                     48  u32 finished (0/1)
  *  52  u64 next_lease_id             60  u64 leases_granted
  *  68  u64 reclaims_total            76  u32 n_history (<= PS_LEASE_HISTORY)
- *  80  record of the current epoch (REC_BYTES)
+ *  80  record of the current epoch (rec_bytes)
  *  then n_history times, newest first: record, u8 counts[n_chunks]
  *  then u8 state[n_chunks] (CHUNK_*, by chunk id), u8 counts[n_chunks]
+ *  then (version 2) u8 redone[n_chunks]: 1 where the chunk's lost completion
+ *       was counted in the current epoch's examples_redone, else 0
  *  then u32 CRC-32C of every byte before it.
  *
  * A record: u32 epoch, u32 finished, u32 chunks_completed, u32 chunks_once,
  * u64 examples_completed, u64 examples_handed_out, u64 examples_rehanded,
- * u64 reclaims, i64 start_ms, i64 end_ms. */
+ * u64 reclaims, i64 start_ms, i64 end_ms, then (version 2) u64
+ * examples_redone. Version 1 (without examples_redone and the redone flags)
+ * still loads: nothing was redone then. */
 
 static const uint8_t LEASE_MAGIC[8] = {'P', 'S', 'L', 'E', 'A', 'S', 'E', 0};
-#define LEASE_VERSION 1
+#define LEASE_VERSION 2
 #define HEAD_BYTES 80
-#define REC_BYTES 64
+#define REC_BYTES_V1 64
+#define REC_BYTES 72
+
+/* A record's bytes in a blob of that version. */
+static size_t rec_bytes(uint32_t version) { return version == 1 ? REC_BYTES_V1 : REC_BYTES; }
 
 static uint8_t *put_u32(uint8_t *p, uint32_t v) {
   for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
@@ -573,10 +616,12 @@ static uint8_t *put_record(uint8_t *p, const ps_lease_epoch_record *r) {
   p = put_u64(p, r->examples_rehanded);
   p = put_u64(p, r->reclaims);
   p = put_u64(p, (uint64_t)r->start_ms);
-  return put_u64(p, (uint64_t)r->end_ms);
+  p = put_u64(p, (uint64_t)r->end_ms);
+  return put_u64(p, r->examples_redone);
 }
 
-static void get_record(const uint8_t **p, ps_lease_epoch_record *r, uint32_t n_chunks) {
+static void get_record(const uint8_t **p, ps_lease_epoch_record *r, uint32_t n_chunks,
+                       uint32_t version) {
   r->chunks = n_chunks;
   r->epoch = get_u32(p);
   uint32_t finished = get_u32(p);
@@ -589,11 +634,13 @@ static void get_record(const uint8_t **p, ps_lease_epoch_record *r, uint32_t n_c
   r->reclaims = get_u64(p);
   r->start_ms = (int64_t)get_u64(p);
   r->end_ms = (int64_t)get_u64(p);
+  r->examples_redone = version == 1 ? 0 : get_u64(p);
 }
 
-static size_t blob_bytes(uint32_t n_chunks, uint32_t n_history) {
-  return HEAD_BYTES + REC_BYTES + (size_t)n_history * (REC_BYTES + n_chunks) +
-         2 * (size_t)n_chunks + 4;
+static size_t blob_bytes(uint32_t n_chunks, uint32_t n_history, uint32_t version) {
+  size_t rec = rec_bytes(version);
+  return HEAD_BYTES + rec + (size_t)n_history * (rec + n_chunks) +
+         (version == 1 ? 2 : 3) * (size_t)n_chunks + 4;
 }
 
 int ps_leases_save(const ps_leases *t, void **buf, size_t *len) {
@@ -602,7 +649,7 @@ int ps_leases_save(const ps_leases *t, void **buf, size_t *len) {
   ps_leases *mt = (ps_leases *)t;
   pthread_mutex_lock(&mt->mu);
   size_t n = t->n_chunks;
-  size_t total = blob_bytes(t->n_chunks, (uint32_t)t->n_history);
+  size_t total = blob_bytes(t->n_chunks, (uint32_t)t->n_history, LEASE_VERSION);
   uint8_t *b = malloc(total);
   if (!b) {
     pthread_mutex_unlock(&mt->mu);
@@ -631,6 +678,8 @@ int ps_leases_save(const ps_leases *t, void **buf, size_t *len) {
   memcpy(p, t->state, n);
   p += n;
   memcpy(p, t->counts, n);
+  p += n;
+  for (size_t k = 0; k < n; k++) p[k] = (t->marks[k] & MARK_REDONE) != 0;
   p += n;
   put_u32(p, ps_crc32c(0, b, (size_t)(p - b)));
   pthread_mutex_unlock(&mt->mu);
@@ -667,12 +716,21 @@ static int check_counts(const ps_leases *t, const ps_lease_epoch_record *r, cons
     return ps_seterr(err, PS_EINVAL,
                      "lease table blob: %s, epoch %u: more examples re-handed out than handed out",
                      what, (unsigned)r->epoch);
+  /* Each chunk is counted redone once per epoch at most. */
+  if (r->examples_redone > t->cfg.n_examples)
+    return ps_seterr(err, PS_EINVAL,
+                     "lease table blob: %s, epoch %u: %llu examples redone, more than the %llu "
+                     "of an epoch",
+                     what, (unsigned)r->epoch, (unsigned long long)r->examples_redone,
+                     (unsigned long long)t->cfg.n_examples);
   return PS_OK;
 }
 
-/* Checks the decoded state of t: everything but the lengths and the
- * checksum, which the caller checked. */
-static int check_loaded(const ps_leases *t, const uint8_t *saved_state, char *err) {
+/* Checks the decoded state of t, with the chunks' saved states and redone
+ * flags (saved_redone NULL: a version 1 blob, none): everything but the
+ * lengths and the checksum, which the caller checked. */
+static int check_loaded(const ps_leases *t, const uint8_t *saved_state,
+                        const uint8_t *saved_redone, char *err) {
   const ps_lease_config *cfg = &t->cfg;
   if (t->finished != 0 && t->finished != 1)
     return ps_seterr(err, PS_EINVAL, "lease table blob: finished flag %d", t->finished);
@@ -718,12 +776,25 @@ static int check_loaded(const ps_leases *t, const uint8_t *saved_state, char *er
     return ps_seterr(err, PS_EINVAL,
                      "lease table blob: every chunk of epoch %u done, epoch not ended",
                      (unsigned)t->epoch);
+  /* The flags say which chunks the current record's examples_redone holds. */
+  uint64_t redone = 0;
+  for (uint32_t k = 0; saved_redone && k < t->n_chunks; k++) {
+    if (saved_redone[k] > 1)
+      return ps_seterr(err, PS_EINVAL, "lease table blob: chunk %u with redone flag %u",
+                       (unsigned)k, (unsigned)saved_redone[k]);
+    if (saved_redone[k]) redone += chunk_count(t, k);
+  }
+  if (t->cur.examples_redone != redone)
+    return ps_seterr(err, PS_EINVAL,
+                     "lease table blob: the current record says %llu examples redone, the "
+                     "chunks' flags %llu",
+                     (unsigned long long)t->cur.examples_redone, (unsigned long long)redone);
   return check_counts(t, &t->cur, t->counts, "current record", err);
 }
 
 ps_leases *ps_leases_load(const void *buf, size_t len, char *err) {
   const uint8_t *b = buf;
-  if (!b || len < HEAD_BYTES + REC_BYTES + 4) {
+  if (!b || len < HEAD_BYTES + REC_BYTES_V1 + 4) {
     ps_seterr(err, PS_EINVAL, "lease table blob: %zu bytes, shorter than any table", b ? len : 0);
     return NULL;
   }
@@ -733,10 +804,10 @@ ps_leases *ps_leases_load(const void *buf, size_t len, char *err) {
   }
   const uint8_t *p = b + 8;
   uint32_t version = get_u32(&p);
-  if (version != LEASE_VERSION) {
+  if (version < 1 || version > LEASE_VERSION) {
     ps_seterr(err, PS_EPROTO,
-              "lease table blob: version %u, this build reads version %u (written by a newer "
-              "version?)",
+              "lease table blob: version %u, this build reads versions 1 to %u (written by a "
+              "newer version?)",
               (unsigned)version, (unsigned)LEASE_VERSION);
     return NULL;
   }
@@ -765,7 +836,7 @@ ps_leases *ps_leases_load(const void *buf, size_t len, char *err) {
               (unsigned)n_history, PS_LEASE_HISTORY);
     return NULL;
   }
-  size_t want = blob_bytes(n_chunks, n_history);
+  size_t want = blob_bytes(n_chunks, n_history, version);
   if (len != want) {
     ps_seterr(err, PS_EINVAL, "lease table blob: %zu bytes, %zu expected for %u chunks (%s)", len,
               want, (unsigned)n_chunks, len < want ? "truncated" : "trailing bytes");
@@ -797,16 +868,18 @@ ps_leases *ps_leases_load(const void *buf, size_t len, char *err) {
   t->granted_total = granted;
   t->reclaims_total = reclaims;
   t->n_history = (int)n_history;
-  get_record(&p, &t->cur, n_chunks);
+  get_record(&p, &t->cur, n_chunks, version);
   for (uint32_t i = 0; i < n_history; i++) {
-    get_record(&p, &t->history[i], n_chunks);
+    get_record(&p, &t->history[i], n_chunks, version);
     memcpy(t->hist_counts[i], p, n_chunks);
     p += n_chunks;
   }
   const uint8_t *saved_state = p;
   p += n_chunks;
   memcpy(t->counts, p, n_chunks);
-  if (check_loaded(t, saved_state, err) != PS_OK) {
+  p += n_chunks;
+  const uint8_t *saved_redone = version == 1 ? NULL : p;
+  if (check_loaded(t, saved_state, saved_redone, err) != PS_OK) {
     ps_leases_destroy(t);
     return NULL;
   }
@@ -827,8 +900,12 @@ ps_leases *ps_leases_load(const void *buf, size_t len, char *err) {
       t->cur.reclaims++;
       t->reclaims_total++;
     }
+    /* Marked as gone through the pool: handing them out again counts
+     * them as re-handed out. */
+    t->marks[k] = saved_redone && saved_redone[k] ? MARK_REDONE : 0;
     if (s == CHUNK_LEASED || s == CHUNK_POOLED) {
       s = CHUNK_POOLED;
+      t->marks[k] |= MARK_POOLED;
       pool_push(t, k);
     }
     t->state[k] = s;

@@ -39,7 +39,7 @@ enum {
 };
 
 /* Most chunks a table takes: ceil(N/C) must not exceed this. A table takes
- * 18 bytes per chunk (8 of them the kept epochs' per-chunk counts). */
+ * 19 bytes per chunk (8 of them the kept epochs' per-chunk counts). */
 #define PS_LEASE_MAX_CHUNKS ((uint32_t)1 << 24)
 /* How many finished epochs' records are kept (the newest ones). */
 #define PS_LEASE_HISTORY 8
@@ -75,6 +75,9 @@ typedef struct {
   uint64_t examples_rehanded;   /* of those, handed out again after a reclaim: examples
                                    a reclaimed holder may also have seen */
   uint64_t reclaims;            /* leases taken back (release, expiry, restore) */
+  uint64_t examples_redone;     /* of chunks whose completion a worker had been told was
+                                   counted, lost with a restore from a checkpoint that did
+                                   not hold it: trained again (ps_leases_note_redone) */
   int64_t start_ms;             /* now_ms of the epoch's first acquire; -1: none yet */
   int64_t end_ms;               /* now_ms of its last completion; -1: not finished */
 } ps_lease_epoch_record;
@@ -162,6 +165,21 @@ void ps_leases_stats(ps_leases *t, ps_lease_stats *out);
 int ps_leases_epoch_record(ps_leases *t, uint32_t epoch, ps_lease_epoch_record *rec,
                            uint8_t *counts, uint32_t max);
 
+/* A worker registering again after this table was restored from a
+ * checkpoint names the chunks whose completion it was told was counted
+ * (done: n of them, each epoch << 32 | chunk). Those of the current epoch
+ * that are not done in the table were lost with the restore and will be
+ * trained again: each adds its example count to the current epoch's
+ * examples_redone, at most once per chunk and epoch however many times or
+ * workers name it (a flag per chunk, kept in checkpoints). Ignored: other
+ * epochs, chunks out of range, done chunks, and chunks that went through
+ * the pool of reclaimed chunks this epoch (those leased when the checkpoint
+ * was taken among them): handing them out again counts them in
+ * examples_rehanded already. Returns how many chunks it counted (PS_EINVAL
+ * for a NULL t, or NULL done with n > 0); *examples_out (may be NULL): their
+ * examples. */
+int ps_leases_note_redone(ps_leases *t, const uint64_t *done, size_t n, uint64_t *examples_out);
+
 /* Serializes the whole state for a checkpoint into a malloc'd buffer (free
  * with free()). Outstanding leases are written as chunks back in the pool:
  * their holders re-register after a restore. PS_ENOMEM leaves *buf and *len
@@ -171,7 +189,8 @@ int ps_leases_save(const ps_leases *t, void **buf, size_t *len);
 /* A table from a blob of ps_leases_save. Every field is checked: a
  * truncated, corrupt or newer-version blob gives NULL and a message in err,
  * never a crash. Leases outstanding at save time come back in the pool,
- * counted as reclaims. */
+ * counted as reclaims. A blob of the previous version (before
+ * examples_redone) loads too, with no examples redone. */
 ps_leases *ps_leases_load(const void *buf, size_t len, char *err);
 
 #endif

@@ -172,6 +172,32 @@ static void forget_request(const request *q, uint64_t worker, uint64_t rid) {
   if (rid) ps_membership_request_end(q->sv->members, worker, q->kind, rid, NULL, 0);
 }
 
+/* A worker registering again names the chunks whose completion this shard
+ * acknowledged to it: those the lease table does not hold as done were
+ * lost with a restart and will be trained again, which the epoch's record
+ * counts. */
+static void note_redone(ps_server *sv, uint64_t worker, const uint64_t *done, size_t n) {
+  pthread_mutex_lock(&sv->lease_mu);
+  ps_leases *t = sv->index == 0 ? sv->leases : NULL;
+  int counted = 0;
+  uint64_t examples = 0;
+  if (t) {
+    /* An honest worker names a chunk once per epoch, or a few times
+     * (done again after a restart): no more names than the table has
+     * chunks are looked at. */
+    ps_lease_stats st;
+    ps_leases_stats(t, &st);
+    if (n > st.chunks) n = st.chunks;
+    counted = ps_leases_note_redone(t, done, n, &examples);
+  }
+  pthread_mutex_unlock(&sv->lease_mu);
+  if (counted > 0)
+    PS_INFO("worker %016" PRIx64 " registered again: %d chunk(s) (%" PRIu64
+            " examples) it completed were lost with this shard's restart and will be trained "
+            "again",
+            worker, counted, examples);
+}
+
 static void handle_register(const request *q) {
   ps_server *sv = q->sv;
   rpc_call *call = q->call;
@@ -238,6 +264,8 @@ static void handle_register(const request *q) {
   PS_INFO("worker %016" PRIx64 " registered (host %s, role %s, task %d, rank %d); %d live",
           new_id, r->host ? r->host : "?", r->role ? r->role : "?", r->task_index, rank,
           ps_membership_count(sv->members));
+  if (id != 0 && !q->reader && r->n_done_chunks > 0)
+    note_redone(sv, new_id, r->done_chunks, r->n_done_chunks);
   resp.worker_id = new_id;
   resp.worker_rank = (uint32_t)rank;
   resp.session = (ProtobufCBinaryData){.len = PS_SESSION_LEN, .data = session};
@@ -504,6 +532,7 @@ static void handle_status(const request *q) {
       le[ne].examples_handed_out = e->examples_handed_out;
       le[ne].examples_rehanded = e->examples_rehanded;
       le[ne].reclaims = e->reclaims;
+      le[ne].examples_redone = e->examples_redone;
       lep[ne] = &le[ne];
       ne++;
     }
@@ -564,18 +593,19 @@ static void record_epoch(ps_server *sv, ps_leases *t, uint32_t epoch) {
   if (ps_leases_epoch_record(t, epoch, &e, NULL, 0) < 0) return;
   PS_INFO("leases: epoch %u done in %.1f s: %u chunks, %u completed once, %" PRIu64
           " examples completed, %" PRIu64 " handed out (%" PRIu64 " again after %" PRIu64
-          " reclaims)",
+          " reclaims), %" PRIu64 " redone after a restart lost their completion",
           e.epoch, e.end_ms >= 0 && e.start_ms >= 0 ? (double)(e.end_ms - e.start_ms) / 1e3 : 0.0,
           e.chunks, e.chunks_once, e.examples_completed, e.examples_handed_out,
-          e.examples_rehanded, e.reclaims);
+          e.examples_rehanded, e.reclaims, e.examples_redone);
   if (!sv->metrics) return;
-  json_t *rec = json_pack("{s:i,s:i,s:i,s:i,s:i,s:I,s:I,s:I,s:I}", "shard", sv->index,
+  json_t *rec = json_pack("{s:i,s:i,s:i,s:i,s:i,s:I,s:I,s:I,s:I,s:I}", "shard", sv->index,
                           "lease_epoch", (int)e.epoch, "chunks", (int)e.chunks,
                           "chunks_completed", (int)e.chunks_completed, "chunks_once",
                           (int)e.chunks_once, "examples_completed",
                           (json_int_t)e.examples_completed, "examples_handed_out",
                           (json_int_t)e.examples_handed_out, "examples_rehanded",
-                          (json_int_t)e.examples_rehanded, "reclaims", (json_int_t)e.reclaims);
+                          (json_int_t)e.examples_rehanded, "reclaims", (json_int_t)e.reclaims,
+                          "examples_redone", (json_int_t)e.examples_redone);
   ps_metrics_write(sv->metrics, rec);
   json_decref(rec);
 }

@@ -20,6 +20,16 @@
 #define M_PUSH "/ps.ParameterServer/Push"
 #define M_LEASE "/ps.ParameterServer/Lease"
 
+/* Leases whose epoch and chunk are remembered until their completion is
+ * answered: a worker holds a few at once (shard 0 grants it 2); the oldest
+ * is forgotten beyond this (a lease never reported done). */
+#define GRANTS_KEPT 16
+/* Acknowledged completions kept for a registration again with shard 0 (the
+ * oldest dropped beyond): a restart loses the newest ones, those since its
+ * last checkpoint, and a Register request must stay well within what a
+ * shard takes (its range and 64 KiB): at most 10 bytes each. */
+#define DONE_KEPT 4096
+
 typedef struct {
   char addr[128];
   rpc_channel *ch;
@@ -47,6 +57,20 @@ struct ps_client {
   uint64_t lease_request;  /* the id of the last Lease call (under lease_mu) */
   int lease_unanswered;    /* it ended without an answer: a retry reuses its id */
   uint64_t lease_args[2];  /* its complete_id and want_next */
+  struct {
+    uint64_t id;
+    uint32_t epoch, chunk;
+  } grants[GRANTS_KEPT];   /* leases granted, not yet answered done (under lease_mu) */
+  int n_grants;
+  /* The chunks of lease epoch done_epoch whose completion shard 0
+   * acknowledged, epoch << 32 | chunk, a ring of DONE_KEPT (allocated at
+   * the first): a shard 0 restarted from a checkpoint that lacks them
+   * hears of them when this worker registers again. Under done_mu, taken
+   * last (within lease_mu or reg_mu). */
+  pthread_mutex_t done_mu;
+  uint64_t *done;
+  size_t done_head, done_n;
+  int64_t done_epoch; /* -1: no grant yet */
   pthread_mutex_t reg_mu; /* serializes re-registration */
   pthread_mutex_t sess_mu; /* the shards' session secrets */
   ps_token token;
@@ -124,9 +148,24 @@ static int small_call(rpc_queue *q, rpc_channel *ch, const char *method,
   return RPC_OK;
 }
 
-/* Registers with shard s using the known worker id; fills its range. */
+/* A copy of the acknowledged completions, oldest first, in a malloc'd
+ * array (NULL when there are none, or out of memory: they are a record's,
+ * not training's). */
+static uint64_t *done_copy(ps_client *c, size_t *n) {
+  pthread_mutex_lock(&c->done_mu);
+  uint64_t *out = c->done_n ? malloc(c->done_n * sizeof *out) : NULL;
+  *n = out ? c->done_n : 0;
+  for (size_t i = 0; i < *n; i++) out[i] = c->done[(c->done_head + i) % DONE_KEPT];
+  pthread_mutex_unlock(&c->done_mu);
+  return out;
+}
+
+/* Registers with shard s using the known worker id; fills its range.
+ * again: shard s had forgotten this worker; shard 0 then hears which
+ * chunks of the epoch it acknowledged as done (a restart from a
+ * checkpoint may have lost them). */
 static int register_with(ps_client *c, rpc_queue *q, int s, int timeout_ms, int wait_ready,
-                         char *err) {
+                         int again, char *err) {
   Ps__RequestHeader h;
   uint8_t sess[PS_SESSION_LEN];
   fill_header(c, s, &h, sess);
@@ -135,10 +174,16 @@ static int register_with(ps_client *c, rpc_queue *q, int s, int timeout_ms, int 
   req.host = c->host;
   req.role = c->role;
   req.task_index = c->opts.task_index;
+  uint64_t *done = NULL;
+  if (again && s == 0) {
+    done = done_copy(c, &req.n_done_chunks);
+    req.done_chunks = done;
+  }
   ProtobufCMessage *resp_m = NULL;
   char detail[PS_ERRLEN] = "";
   int st = small_call(q, c->shards[s].ch, M_REGISTER, &req.base, &ps__register_response__descriptor,
                       &resp_m, timeout_ms, wait_ready, detail);
+  free(done);
   if (st != RPC_OK)
     /* ALREADY_EXISTS: the shard still holds a registration of this id
      * whose answer was lost; it times out, and a retry then succeeds. */
@@ -183,6 +228,8 @@ ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char 
   c->hb_q = rpc_queue_create();
   c->lease_q = rpc_queue_create();
   pthread_mutex_init(&c->lease_mu, NULL);
+  pthread_mutex_init(&c->done_mu, NULL);
+  c->done_epoch = -1;
   if (!c->q || !c->hb_q || !c->lease_q) {
     ps_seterr(err, PS_ENOMEM, "cannot create completion queues");
     goto fail;
@@ -263,7 +310,7 @@ ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char 
     if (!c->shards[s].ch) goto fail;
   }
   for (int s = 1; s < c->nshards; s++)
-    if (register_with(c, c->q, s, c->opts.connect_timeout_ms, 1, err) != 0) goto fail;
+    if (register_with(c, c->q, s, c->opts.connect_timeout_ms, 1, 0, err) != 0) goto fail;
   /* The ranges must tile [0, P) in shard order. */
   size_t next = 0;
   for (int s = 0; s < c->nshards; s++) {
@@ -299,6 +346,8 @@ void ps_client_destroy(ps_client *c) {
   if (c->hb_q) rpc_queue_destroy(c->hb_q);
   if (c->lease_q) rpc_queue_destroy(c->lease_q);
   pthread_mutex_destroy(&c->lease_mu);
+  pthread_mutex_destroy(&c->done_mu);
+  free(c->done);
   pthread_mutex_destroy(&c->reg_mu);
   pthread_mutex_destroy(&c->sess_mu);
   memset(&c->token, 0, sizeof c->token);
@@ -316,7 +365,7 @@ int ps_client_heartbeat_timeout_ms(const ps_client *c) { return c->hb_timeout_ms
  * worker out, or restarted): register again and let the caller retry. */
 static int reregister(ps_client *c, rpc_queue *q, int s, char *err) {
   pthread_mutex_lock(&c->reg_mu);
-  int rc = register_with(c, q, s, c->opts.timeout_ms, 1, err);
+  int rc = register_with(c, q, s, c->opts.timeout_ms, 1, 1, err);
   pthread_mutex_unlock(&c->reg_mu);
   if (rc == 0) PS_WARN("shard %d (%s) had forgotten this worker; registered again", s,
                        c->shards[s].addr);
@@ -635,6 +684,53 @@ int ps_client_heartbeat(ps_client *c, uint64_t step, const ps_client_hb_state *s
   return rc;
 }
 
+/* Lease id of a grant: its epoch and chunk, for when its completion is
+ * answered. A grant of another epoch than the kept completions' starts
+ * them anew: the epoch before is done (or, after a restore to an earlier
+ * epoch, begins again). Under lease_mu. */
+static void lease_granted(ps_client *c, uint64_t id, uint32_t epoch, uint32_t chunk) {
+  pthread_mutex_lock(&c->done_mu);
+  if (c->done_epoch != (int64_t)epoch) {
+    c->done_head = c->done_n = 0;
+    c->done_epoch = epoch;
+  }
+  pthread_mutex_unlock(&c->done_mu);
+  for (int i = 0; i < c->n_grants; i++)
+    if (c->grants[i].id == id) return; /* the answer to a retry */
+  if (c->n_grants == GRANTS_KEPT) {
+    memmove(&c->grants[0], &c->grants[1], (GRANTS_KEPT - 1) * sizeof c->grants[0]);
+    c->n_grants--;
+  }
+  c->grants[c->n_grants].id = id;
+  c->grants[c->n_grants].epoch = epoch;
+  c->grants[c->n_grants].chunk = chunk;
+  c->n_grants++;
+}
+
+/* Shard 0 answered the completion of lease id: a counted one is kept (of
+ * the current epoch), and the lease is forgotten. Under lease_mu. */
+static void lease_completed(ps_client *c, uint64_t id, int counted) {
+  for (int i = 0; i < c->n_grants; i++) {
+    if (c->grants[i].id != id) continue;
+    uint32_t epoch = c->grants[i].epoch, chunk = c->grants[i].chunk;
+    memmove(&c->grants[i], &c->grants[i + 1], (size_t)(c->n_grants - i - 1) * sizeof c->grants[0]);
+    c->n_grants--;
+    if (!counted) return;
+    pthread_mutex_lock(&c->done_mu);
+    if (!c->done) c->done = malloc(DONE_KEPT * sizeof *c->done);
+    if (c->done && c->done_epoch == (int64_t)epoch) {
+      if (c->done_n == DONE_KEPT) { /* the oldest goes */
+        c->done_head = (c->done_head + 1) % DONE_KEPT;
+        c->done_n--;
+      }
+      c->done[(c->done_head + c->done_n) % DONE_KEPT] = (uint64_t)epoch << 32 | chunk;
+      c->done_n++;
+    }
+    pthread_mutex_unlock(&c->done_mu);
+    return;
+  }
+}
+
 int ps_client_lease_call(ps_client *c, uint64_t complete_id, int want_next,
                          uint64_t dataset_size, ps_client_lease *out, char *err) {
   memset(out, 0, sizeof *out);
@@ -671,6 +767,8 @@ int ps_client_lease_call(ps_client *c, uint64_t complete_id, int want_next,
       out->begin = r->begin;
       out->count = r->count;
       out->completed_counted = r->completed_counted;
+      if (complete_id) lease_completed(c, complete_id, r->completed_counted);
+      if (r->status == 0 && r->lease_id) lease_granted(c, r->lease_id, r->epoch, r->chunk);
       protobuf_c_message_free_unpacked(m, NULL);
       rc = PS_OK;
       break;

@@ -124,7 +124,11 @@ typedef struct {
 
 /* Data leases from shard 0: reports a finished lease (complete_id != 0)
  * and/or asks for the next chunk (want_next). Thread-safe (its own queue).
- * A shard 0 that forgot this worker is registered with again. */
+ * A shard 0 that forgot this worker is registered with again. The client
+ * keeps the chunks of the current epoch whose completion shard 0 counted
+ * (the newest few thousand) and names them whenever it registers again with
+ * shard 0 (from any call), so that a shard 0 restarted from a checkpoint
+ * that lost them counts them as redone. */
 int ps_client_lease_call(ps_client *c, uint64_t complete_id, int want_next,
                          uint64_t dataset_size, ps_client_lease *out, char *err);
 

@@ -3,7 +3,7 @@
  * shard. Two modes, by the first byte:
  *  - even: the rest of the input is the blob itself;
  *  - odd: the input drives a real table (its configuration, then acquire,
- *    complete, release and expire calls by several workers), whose saved
+ *    complete, release, expire and note_redone calls by several workers), whose saved
  *    blob must load back and save again; then one byte of it,
  *    chosen by the input, is changed, and the changed blob must be loaded
  *    or refused with a message. Near-valid blobs reach the deep checks. */
@@ -56,13 +56,21 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     const uint64_t w = 1 + op % 8;
     now += (int64_t)fuzz_take(&data, &size, 1) * 10;
     ps_lease l;
-    switch ((op >> 3) % 4) {
+    switch ((op >> 3) % 5) {
       case 0:
         if (ps_leases_acquire(t, w, now, &l) == 0) held[w - 1] = l.lease_id;
         break;
       case 1: (void)ps_leases_complete(t, w, held[w - 1], now); break;
       case 2: (void)ps_leases_release_worker(t, w); break;
       case 3: (void)ps_leases_expire(t, now, 500); break;
+      case 4: { /* a worker registering again names chunks it completed */
+        ps_lease_stats st;
+        ps_leases_stats(t, &st);
+        uint64_t named[2] = {(uint64_t)st.epoch << 32 | fuzz_take(&data, &size, 2),
+                             fuzz_take(&data, &size, 8)};
+        (void)ps_leases_note_redone(t, named, 2, NULL);
+        break;
+      }
     }
   }
   void *blob = NULL, *again = NULL;

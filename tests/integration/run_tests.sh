@@ -828,6 +828,107 @@ restart_rounds)
     kill -TERM "$spid"; wait "$spid" || fail "ps-server did not exit 0 on SIGTERM"
   done
   ;;
+lease_records)
+  # The lease records after shard 0 is SIGKILLed twice mid-run and restarted
+  # from its checkpoints (one shard, 1-second checkpoint sets, 2 workers, 5
+  # epochs of 64 chunks of 128 examples). Completions that shard 0
+  # acknowledged after its last checkpoint are lost with the restore: the
+  # workers name them when they register again, and the epochs' records
+  # count them as redone. Then every epoch has every chunk completed once,
+  # and the examples the workers trained are what the records account for:
+  # completed + redone + re-handed out (chunks leased at the checkpoint come
+  # back in the pool: trained by their holder, handed out again and counted
+  # there, not as redone), but for the leases a worker held at a kill whose
+  # grant the restore lost: the worker trains them all the same (their
+  # completion is not counted) and the chunk goes out again afresh, in no
+  # record. Shard 0 lets a worker hold 2 leases at once (max_per_worker), so
+  # that is at most 2 kills x 2 workers x 2 leases x 128 examples.
+  job=$here/jobs/lease_records.json
+  port=$(free_ports 1)
+  ck=$out/ckpt
+  life=0
+  start_shard() { # one log per life of shard 0
+    "$build/ps-server" --insecure --job "$job" --ps "$port" --index 0 --checkpoint-dir "$ck" \
+      --checkpoint-secs 1 --log-interval 1 >"$out/server-$life.log" 2>&1 &
+    spid=$!; pids+=($spid)
+  }
+  # kill_point LOG: waits (60 tries, 42 s at most) for a moment to kill
+  # shard 0: a checkpoint set written after the last lease epoch it
+  # finished, then 0.7 s more of training (chunks completed after the set),
+  # in which no epoch ended. The workers name the current epoch's
+  # completions only: a restore to the epoch before would lose completions
+  # nobody names.
+  kill_point() {
+    local ends
+    for _ in $(seq 1 60); do
+      if grep -E "checkpoint set [0-9]+: .* written|leases: epoch [0-9]+ done" "$1" | tail -1 \
+          | grep -q "checkpoint set"; then
+        ends=$(grep -c "leases: epoch [0-9]* done" "$1" || true)
+        sleep 0.7
+        [ "$(grep -c "leases: epoch [0-9]* done" "$1" || true)" = "$ends" ] && return 0
+      else
+        sleep 0.5
+      fi
+    done
+    return 1
+  }
+  start_shard
+  wpids=()
+  for k in 0 1; do
+    "$build/ps-worker" --insecure --ps "$port" --index "$k" --num-workers 2 --threads 1 \
+      --straggle-ms 20 --timeout-ms 2000 --retry-s 60 --log-interval 1 \
+      >"$out/worker-$k.log" 2>&1 &
+    wpids+=($!); pids+=($!)
+  done
+  for n in 1 2; do
+    kill_point "$out/server-$life.log" \
+      || { tail -5 "$out/server-$life.log"; fail "kill $n: no checkpoint set within an epoch"; }
+    for k in 0 1; do
+      kill -0 "${wpids[$k]}" 2>/dev/null || fail "kill $n: worker $k ended before it"
+    done
+    kill -9 "$spid"; wait "$spid" 2>/dev/null || true
+    set_line=$(grep -o "checkpoint set [0-9]*: version [0-9]*" "$out/server-$life.log" | tail -1)
+    ends=$(grep -c "leases: epoch [0-9]* done" "$out/server-$life.log" || true)
+    echo "lease_records: SIGKILLed shard 0 (last $set_line; $ends epoch(s) ended in that life)"
+    life=$n
+    start_shard
+    for _ in $(seq 1 100); do grep -q "data leases restored" "$out/server-$life.log" && break; sleep 0.1; done
+    grep -q "data leases restored" "$out/server-$life.log" \
+      || { tail -5 "$out/server-$life.log"; fail "kill $n: shard 0 did not restore its leases"; }
+  done
+  for k in 0 1; do
+    for _ in $(seq 1 600); do kill -0 "${wpids[$k]}" 2>/dev/null || break; sleep 0.2; done
+    kill -0 "${wpids[$k]}" 2>/dev/null && { tail -5 "$out/worker-$k.log"; fail "worker $k hung"; }
+    wait "${wpids[$k]}" || { tail -5 "$out/worker-$k.log"; fail "worker $k failed"; }
+  done
+  "$build/ps-server" --insecure --status "$port" >"$out/status.json" || fail "no Status from shard 0"
+  trained=$(sed -n 's/^trained [0-9]* steps, \([0-9]*\) examples in .*/\1/p' "$out"/worker-*.log)
+  [ "$(echo "$trained" | wc -l)" = 2 ] || fail "not every worker said what it trained"
+  python3 - "$out/status.json" $trained <<'PY' || fail "the lease records do not account for what was trained"
+import json, sys
+st, trained = json.load(open(sys.argv[1])), [int(m) for m in sys.argv[2:]]
+eps = st["lease_epochs"]
+assert len(eps) == 5 and all(e["finished"] for e in eps), eps
+for e in sorted(eps, key=lambda e: e["epoch"]):
+    assert e["chunks_once"] == e["chunks"] == e["chunks_completed"] == 64, e
+    assert e["examples_completed"] == 8192, e
+    print(f"  epoch {e['epoch']}: {e['chunks']} chunks each completed once; "
+          f"{e['examples_redone']} examples redone, {e['examples_rehanded']} re-handed out "
+          f"after {e['reclaims']} reclaims")
+completed = sum(e["examples_completed"] for e in eps)
+redone = sum(e["examples_redone"] for e in eps)
+rehanded = sum(e["examples_rehanded"] for e in eps)
+extra = sum(trained) - (completed + redone + rehanded)
+bound = 2 * 2 * 2 * 128  # kills x workers x leases held x lease_chunk
+print(f"lease_records: the workers trained {sum(trained)} examples ({' + '.join(map(str, trained))}); "
+      f"the records: {completed} completed + {redone} redone + {rehanded} re-handed out; "
+      f"{extra} in lost grants (at most {bound})")
+assert redone > 0, "no acknowledged completion lost with the kills was counted as redone"
+assert 0 <= extra <= bound, f"{extra} examples trained beyond the records, not in [0, {bound}]"
+PY
+  grep -h "registered again: " "$out"/server-*.log | sed 's/^.*worker [0-9a-f]* /  shard 0: worker /' || true
+  kill -TERM "$spid"; wait "$spid" || fail "ps-server did not exit 0 on SIGTERM"
+  ;;
 sync_leases)
   # sync with data leases, 33 chunks (8448 examples in chunks of 256) for
   # 1, 2 and 3 workers: at each epoch's end some workers have no chunk left
