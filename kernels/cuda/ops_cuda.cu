@@ -185,16 +185,27 @@ static __global__ void bias_add_kernel(size_t total, size_t plane, int channels,
 }
 
 /* db[c] = the sum of dy over the n examples and the plane of channel c: one
- * block per channel, a fixed order. */
+ * block per channel, a fixed order. Thread t takes the elements t, t + B,
+ * t + 2B, ... of the channel's n x plane values (B threads); their example
+ * and offset advance by B's quotient and remainder, so the loop divides
+ * nothing (a 64-bit divide per element cost more than the load). */
 static __global__ void bias_grad_kernel(int n, int channels, size_t plane, const float *dy,
                                         float *db) {
   __shared__ float part[THREADS];
   const int c = blockIdx.x;
-  const size_t count = (size_t)n * plane;
   float sum = 0.0f;
-  for (size_t k = threadIdx.x; k < count; k += blockDim.x) {
-    const size_t i = k / plane, j = k % plane;
-    sum += dy[(i * (size_t)channels + (size_t)c) * plane + j];
+  if (plane > 0) {
+    const size_t step_i = blockDim.x / plane, step_j = blockDim.x % plane;
+    size_t i = threadIdx.x / plane, j = threadIdx.x % plane;
+    const size_t stride = (size_t)channels * plane;
+    for (; i < (size_t)n; i += step_i, j += step_j) {
+      if (j >= plane) {
+        j -= plane;
+        i++;
+        if (i >= (size_t)n) break;
+      }
+      sum += dy[i * stride + (size_t)c * plane + j];
+    }
   }
   part[threadIdx.x] = sum;
   __syncthreads();
@@ -878,6 +889,45 @@ static bool failed(cublasStatus_t s, const char *call, int device, char *err) {
   return true;
 }
 
+#ifndef PS_CUDA_ARCHS
+#define PS_CUDA_ARCHS "?"
+#endif
+
+/* Writes a mark: a kernel of this build runs on the device. */
+static __global__ void probe_kernel(int *out) { *out = 0x5053; }
+
+/* Runs probe_kernel on be's stream and reads its mark back: a card whose
+ * architecture the fatbinary carries no code for (nor PTX its driver can
+ * compile) fails here, when the backend is created, rather than at the
+ * first step. */
+static bool probe_failed(cuda_backend *be, int device, char *err) {
+  int *mark = NULL, got = 0;
+  cudaError_t e = cudaMalloc((void **)&mark, sizeof(int));
+  if (e == cudaSuccess) {
+    probe_kernel<<<1, 1, 0, be->stream>>>(mark);
+    e = cudaGetLastError();
+  }
+  if (e == cudaSuccess)
+    e = cudaMemcpyAsync(&got, mark, sizeof(int), cudaMemcpyDeviceToHost, be->stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(be->stream);
+  if (mark) (void)cudaFree(mark);
+  if (e == cudaSuccess && got == 0x5053) return false;
+  (void)cudaGetLastError();
+  cudaDeviceProp prop;
+  int major = 0, minor = 0;
+  if (cudaGetDeviceProperties(&prop, device) == cudaSuccess) {
+    major = prop.major;
+    minor = prop.minor;
+  }
+  seterr(err,
+         "CUDA device %d (compute capability %d.%d) cannot run this build's kernels: %s; the "
+         "build carries code for CUDA architectures %s (rebuild with "
+         "-DCMAKE_CUDA_ARCHITECTURES=%d%d)",
+         device, major, minor, e != cudaSuccess ? cudaGetErrorString(e) : "wrong result",
+         PS_CUDA_ARCHS, major, minor);
+  return true;
+}
+
 extern "C" ps_ops *ps_ops_cuda_create(int device, char *err) {
   int count = 0;
   cudaError_t e = cudaGetDeviceCount(&count);
@@ -907,6 +957,10 @@ extern "C" ps_ops *ps_ops_cuda_create(int device, char *err) {
   TRY(cudaSetDevice(device));
   TRY(cudaStreamCreateWithFlags(&be->stream, cudaStreamNonBlocking));
   TRY(cudaStreamCreateWithFlags(&be->copy_stream, cudaStreamNonBlocking));
+  if (probe_failed(be, device, err)) {
+    cuda_free_backend(be, false);
+    return NULL;
+  }
   TRY(cudaEventCreateWithFlags(&be->h2d_done, cudaEventDisableTiming));
   TRY(cudaEventCreateWithFlags(&be->compute_mark, cudaEventDisableTiming));
   for (int i = 0; i < N_TICKETS; i++)

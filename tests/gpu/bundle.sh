@@ -3,22 +3,30 @@
 # its GPU tests and benchmark (tests/gpu/on_device.sh): a CUDA build's
 # programs and tests, the shared libraries they need that a CUDA image does
 # not have (gRPC and its dependencies, protobuf-c, libuv, OpenBLAS, jansson),
-# and the Fashion-MNIST files. The CUDA libraries themselves (cudart,
-# cuBLAS, cuDNN, NCCL) are not packed: the machine has them. Writes
-# .gpu/bundle.tar.xz (ignored by git), well under 64 MiB.
+# and the Fashion-MNIST files. The CUDA runtime is linked statically; the
+# other CUDA libraries (cuBLAS, cuDNN, NCCL) are not packed: the machine
+# has them. The programs find the packed libraries through their RUNPATH
+# ($ORIGIN/../lib), not LD_LIBRARY_PATH, so the system's own libraries
+# keep their precedence for everything else. Writes .gpu/bundle.tar.xz
+# (ignored by git), well under 64 MiB.
 #   tests/gpu/bundle.sh [BUILD_DIR]     (default build-gpu; built if need be)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 build=${1:-build-gpu}
 command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
-cmake -S . -B "$build" -DWITH_CUDA=ON -DPS_WERROR=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+cmake -S . -B "$build" -DWITH_CUDA=ON -DPS_WERROR=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  '-DCMAKE_BUILD_RPATH=$ORIGIN/../lib' '-DCMAKE_EXE_LINKER_FLAGS=-Wl,--enable-new-dtags' >/dev/null
 cmake --build "$build" -j"$(nproc)" >/dev/null
 grep -q '^WITH_CUDA:BOOL=ON' "$build/CMakeCache.txt" || { echo "bundle: $build has no CUDA backend" >&2; exit 1; }
 stage=$(mktemp -d /tmp/ps-gpu-bundle.XXXXXX)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/bin" "$stage/lib" "$stage/data"
 progs=(ps-server ps-worker ps-export test_cuda_parity test_model test_replicas bench_replicas client_rounds)
-for p in "${progs[@]}"; do cp "$build/$p" "$stage/bin/"; done
+for p in "${progs[@]}"; do
+  cp "$build/$p" "$stage/bin/"
+  readelf -d "$build/$p" | grep -q 'RUNPATH.*\$ORIGIN/../lib' ||
+    { echo "bundle: $p has no RUNPATH \$ORIGIN/../lib" >&2; exit 1; }
+done
 # Every library the programs load, but the C runtime and CUDA's.
 for p in "${progs[@]}"; do ldd "$build/$p"; done | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u |
   grep -Ev '/(libc|libm|libdl|libpthread|librt|ld-linux-x86-64|libstdc\+\+|libgcc_s)\.so' |

@@ -22,7 +22,10 @@ PY
 )
 cuda_lib=""
 for d in /usr/local/cuda/lib64 /usr/local/cuda/lib; do [ -d "$d" ] && cuda_lib="$cuda_lib:$d"; done
-export LD_LIBRARY_PATH="$b/lib${extra:+:$extra}$cuda_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# Only the CUDA libraries come through LD_LIBRARY_PATH (after the user's);
+# the bundled ones are on the programs' RUNPATH ($ORIGIN/../lib).
+lib_path="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}${extra}${cuda_lib}"
+export LD_LIBRARY_PATH="${lib_path#:}"
 log=${OUT:+$OUT/gpu.log}
 say() { echo "$*"; [ -n "$log" ] && echo "$*" >>"$log"; return 0; }
 run() { # name timeout command...
@@ -35,9 +38,22 @@ run() { # name timeout command...
 }
 fails=0
 nvidia-smi -L 2>&1 | while read -r l; do say "$l"; done
-for p in ps-worker test_cuda_parity; do
+# The driver: the build's runtime (CUDA 13) needs a driver that supports it.
+drv=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9.]*\).*/\1/p' | head -1)
+say "driver supports CUDA ${drv:-?}; this build needs 13.0 or newer"
+if [ -n "$drv" ] && [ "${drv%%.*}" -lt 13 ]; then
+  say "STOP: the NVIDIA driver is too old for this build (CUDA $drv < 13.0): update the driver, " \
+    "or build with a CUDA toolkit the driver supports"
+  exit 2
+fi
+for p in ps-server ps-worker test_cuda_parity test_model test_replicas bench_replicas; do
   missing=$(ldd "$b/bin/$p" | grep "not found")
-  [ -z "$missing" ] || say "missing libraries for $p: $missing"
+  if [ -n "$missing" ]; then
+    say "STOP: $p cannot load: $missing"
+    say "  (cuBLAS 13, cuDNN 9 and NCCL 2 must be on the system or in LD_LIBRARY_PATH, e.g." \
+      "pip install nvidia-cublas nvidia-cudnn-cu13 nvidia-nccl-cu13)"
+    exit 2
+  fi
 done
 run test_cuda_parity 300 "$b/bin/test_cuda_parity" || fails=$((fails + 1))
 # test_replicas reads job files from the repository (PS_SOURCE_DIR).
