@@ -61,6 +61,9 @@ int ps_status_print(const char *addr, const ps_security_opts *sec, int timeout_m
   json_object_set_new(o, "range", json_pack("[I,I]", (json_int_t)r->range_offset,
                                             (json_int_t)(r->range_offset + r->range_count)));
   json_object_set_new(o, "version", json_integer((json_int_t)r->version));
+  json_object_set_new(o, "checkpoint_set", json_integer((json_int_t)r->checkpoint_set));
+  json_object_set_new(o, "checkpoint_set_version",
+                      json_integer((json_int_t)r->checkpoint_set_version));
   json_object_set_new(o, "pushes", json_integer((json_int_t)r->pushes));
   json_object_set_new(o, "pulls", json_integer((json_int_t)r->pulls));
   json_object_set_new(o, "rejected", json_integer((json_int_t)r->rejected));

@@ -791,6 +791,18 @@ print(f"{variant}: {len(sets)} complete sets, equal versions on both shards in e
       f"{waited} cut(s) waited for a round on its way; both shards restored set {sid} at "
       f"version {version}")
 PY
+    # Status names the newest set each shard wrote: the same one on both.
+    for i in 0 1; do
+      "$build/ps-server" --insecure --status "$([ $i = 0 ] && echo "$r0" || echo "$r1")" \
+        >"$out/$variant-status-$i.json" || fail "$variant: no Status from shard $i"
+    done
+    python3 - "$out/$variant-status-0.json" "$out/$variant-status-1.json" <<'PY' || fail "$variant: the shards' newest sets differ"
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:])
+assert a["checkpoint_set"] > 0 and a["checkpoint_set"] == b["checkpoint_set"], (a, b)
+print(f"Status: both shards' newest set is {a['checkpoint_set']}, at versions "
+      f"{a['checkpoint_set_version']} and {b['checkpoint_set_version']}")
+PY
     for i in 0 1; do kill -TERM "${spids[$i]}"; wait "${spids[$i]}" || fail "$variant: shard $i did not exit 0"; done
   done
   ;;
