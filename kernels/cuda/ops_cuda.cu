@@ -57,6 +57,7 @@ typedef struct {
   cudnnConvolutionBwdDataAlgo_t bwd_data;
   cudnnConvolutionBwdFilterAlgo_t bwd_filter;
   size_t fwd_bytes, bwd_data_bytes, bwd_filter_bytes; /* workspace each needs */
+  int pass[3]; /* pick_algo's pass of each choice (forward, data, filter) */
 } conv_plan;
 
 typedef struct {
@@ -373,7 +374,7 @@ static bool same_conv_shape(const ps_conv_shape *a, const ps_conv_shape *b) {
  * before any data exists), and they take microseconds, not a benchmark. */
 template <typename Perf, typename WorkspaceFn>
 static int pick_algo(const Perf *perf, int count, WorkspaceFn workspace, size_t *bytes,
-                     cudnnMathType_t *math) {
+                     cudnnMathType_t *math, int *pass_out) {
   for (int pass = 0; pass < 3; pass++) {
     for (int i = 0; i < count; i++) {
       const Perf &p = perf[i];
@@ -392,6 +393,7 @@ static int pick_algo(const Perf *perf, int count, WorkspaceFn workspace, size_t 
                 (int)p.algo, (int)m);
       *bytes = b;
       *math = m;
+      *pass_out = pass;
       return i;
     }
   }
@@ -414,7 +416,7 @@ static void conv_plan_choose(cuda_backend *be, conv_plan *p) {
         return cudnnGetConvolutionForwardWorkspaceSize(be->cudnn, p->x, p->w, p->conv_fwd, p->y, a,
                                                        b);
       },
-      &p->fwd_bytes, &math);
+      &p->fwd_bytes, &math, &p->pass[0]);
   if (i < 0) PS_CUDA_FATAL("no cuDNN forward convolution algorithm supports this shape");
   p->fwd = fwd[i].algo;
   CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv_fwd, math));
@@ -429,7 +431,7 @@ static void conv_plan_choose(cuda_backend *be, conv_plan *p) {
         return cudnnGetConvolutionBackwardDataWorkspaceSize(be->cudnn, p->w, p->y, p->conv_bwd_data,
                                                             p->x, a, b);
       },
-      &p->bwd_data_bytes, &math);
+      &p->bwd_data_bytes, &math, &p->pass[1]);
   if (i < 0) PS_CUDA_FATAL("no cuDNN backward-data convolution algorithm supports this shape");
   p->bwd_data = bd[i].algo;
   CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv_bwd_data, math));
@@ -444,7 +446,7 @@ static void conv_plan_choose(cuda_backend *be, conv_plan *p) {
         return cudnnGetConvolutionBackwardFilterWorkspaceSize(be->cudnn, p->x, p->y,
                                                               p->conv_bwd_filter, p->w, a, b);
       },
-      &p->bwd_filter_bytes, &math);
+      &p->bwd_filter_bytes, &math, &p->pass[2]);
   if (i < 0) PS_CUDA_FATAL("no cuDNN backward-filter convolution algorithm supports this shape");
   p->bwd_filter = bf[i].algo;
   CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv_bwd_filter, math));
@@ -1019,6 +1021,27 @@ static cuda_backend *backend_of(ps_ops *ops) {
 extern "C" void ps_cuda_make_current(ps_ops *ops) { (void)backend_of(ops); }
 
 extern "C" void *ps_cuda_stream(ps_ops *ops) { return (void *)backend_of(ops)->stream; }
+
+extern "C" int ps_cuda_conv_choice(ps_ops *ops, const ps_conv_shape *s, ps_cuda_conv_info *out) {
+  cuda_backend *be = backend_of(ops);
+  memset(out, 0, sizeof *out);
+  for (int i = 0; i < be->n_plans; i++) {
+    const conv_plan *p = &be->plans[i];
+    if (!same_conv_shape(&p->s, s)) continue;
+    out->algo[0] = (int)p->fwd;
+    out->algo[1] = (int)p->bwd_data;
+    out->algo[2] = (int)p->bwd_filter;
+    const cudnnConvolutionDescriptor_t d[3] = {p->conv_fwd, p->conv_bwd_data, p->conv_bwd_filter};
+    for (int k = 0; k < 3; k++) {
+      cudnnMathType_t m = CUDNN_DEFAULT_MATH;
+      CUDNN_CHECK(cudnnGetConvolutionMathType(d[k], &m));
+      out->fma[k] = m == CUDNN_FMA_MATH;
+      out->deterministic[k] = p->pass[k] == 0;
+    }
+    return 0;
+  }
+  return -1;
+}
 
 extern "C" int ps_cuda_device_of(ps_ops *ops) { return backend_of(ops)->device; }
 

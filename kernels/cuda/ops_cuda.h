@@ -89,6 +89,19 @@ void ps_cuda_make_current(ps_ops *ops);
 void *ps_cuda_stream(ps_ops *ops);
 int ps_cuda_device_of(ps_ops *ops);
 
+/* What the backend chose for a convolution shape it has planned (conv2d_workspace or a
+ * first forward/backward): the cuDNN algorithm of each direction (forward, backward data,
+ * backward filter), whether its descriptor's math type is FMA (float32 products, no TF32
+ * tensor cores), and whether the choice is the first kind wanted (FMA and deterministic).
+ * 0, or -1 when no plan for s exists. For tests: the intended choices are asserted, so a
+ * silent fallback to TF32 or a non-deterministic algorithm shows. */
+typedef struct {
+  int algo[3];
+  int fma[3];
+  int deterministic[3];
+} ps_cuda_conv_info;
+int ps_cuda_conv_choice(ps_ops *ops, const ps_conv_shape *s, ps_cuda_conv_info *out);
+
 /* Device memory on the calling thread's current device. *p = NULL and 0
  * for bytes == 0; PS_ENOMEM (and *p = NULL) when the device is out of
  * memory, which leaves the device usable. Any other failure aborts. */

@@ -56,6 +56,20 @@ for p in ps-server ps-worker test_cuda_parity test_model test_replicas bench_rep
   fi
 done
 run test_cuda_parity 300 "$b/bin/test_cuda_parity" || fails=$((fails + 1))
+# The CUDA ops and a short training under compute-sanitizer (memory
+# errors, shared-memory races, barrier misuse), where the machine has it.
+cs=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
+if [ -n "$cs" ]; then
+  for tool in memcheck racecheck synccheck; do
+    run "compute-sanitizer $tool" 900 "$cs" --tool "$tool" --error-exitcode 1 \
+      "$b/bin/test_cuda_parity" || fails=$((fails + 1))
+  done
+  run "compute-sanitizer memcheck training" 900 "$cs" --tool memcheck --error-exitcode 1 \
+    "$b/bin/ps-worker" --local --device cuda --job deploy/jobs/fashion_mnist_cnn.json \
+    --data-dir "$b/data" --max-steps 5 --eval-interval 0 || fails=$((fails + 1))
+else
+  say "compute-sanitizer: not on this machine: memcheck, racecheck and synccheck not run"
+fi
 # test_replicas reads job files from the repository (PS_SOURCE_DIR).
 (cd "$root" && run test_model 300 "$b/bin/test_model") || fails=$((fails + 1))
 (cd "$root" && PS_SOURCE_DIR="$root" run test_replicas 300 "$b/bin/test_replicas") ||

@@ -211,6 +211,9 @@ static const conv_case conv_cases[] = {
     {2, 4, 9, 7, 3, 2, 2, 3, 0},     /* stride > kernel: inputs no window reads */
     {2, 3, 6, 8, 4, 3, 1, 1, 1},     /* a non-square kernel */
     {32, 32, 14, 14, 64, 3, 3, 1, 1}, /* the quickstart CNN's second conv, batch 32 */
+    {64, 1, 28, 28, 32, 3, 3, 1, 1},  /* its first conv at its batch, 64 */
+    {64, 32, 14, 14, 64, 3, 3, 1, 1}, /* its second conv at batch 64 */
+    {48, 8, 9, 9, 16, 3, 3, 2, 1},    /* a batch above 32 that is no power of two, stride 2 */
 };
 
 /* off: the weights, bias and their gradients start `off` floats into their
@@ -268,6 +271,19 @@ static void conv_one(const conv_case *k, int off) {
   check_bits(CONV_WHAT("y again"), y2, y, ny);
   check_bits(CONV_WHAT("dw without dx"), dw2 + off, dw, nw);
   check_bits(CONV_WHAT("db without dx"), db2 + off, db, nb);
+  /* The intended choices: FMA math (float32 products, never TF32 tensor
+   * cores) and deterministic algorithms, in every direction. */
+  if (strcmp(dut.ops->name, "cuda") == 0) {
+    ps_cuda_conv_info info;
+    CHECK_MSG(ps_cuda_conv_choice(dut.ops, &s, &info) == 0, "%s", CONV_WHAT("no plan"));
+    static const char *dir[3] = {"forward", "backward data", "backward filter"};
+    for (int d = 0; d < 3; d++) {
+      CHECK_MSG(info.fma[d], "%s: %s algorithm %d without FMA math (TF32?)", CONV_WHAT("math"),
+                dir[d], info.algo[d]);
+      CHECK_MSG(info.deterministic[d], "%s: %s algorithm %d is not the deterministic FMA kind",
+                CONV_WHAT("algorithm"), dir[d], info.algo[d]);
+    }
+  }
   CHECK_MSG(off == 0 || (isnan(dw2[0]) && isnan(db2[0])), "%s", CONV_WHAT("wrote before dw/db"));
 #undef CONV_WHAT
 

@@ -579,6 +579,16 @@ static void test_cuda_replicas(void) {
     }
     printf("replicas on cuda: R=%d (%d device(s), %s): largest difference %.3g of %.3g\n",
            Rs[k], devices, ps_replicas_nccl(r) ? "NCCL" : "host sum", worst, scale);
+    /* The path each R must take: more replicas than GPUs (always so for R
+     * = 3 on one or two GPUs, and R = 2 on one) sum through host memory; one
+     * per GPU uses NCCL when the build has it. */
+    if (Rs[k] == 1 || Rs[k] > devices)
+      CHECK_MSG(!ps_replicas_nccl(r), "R=%d on %d device(s) should sum through the host", Rs[k],
+                devices);
+#ifdef PS_WITH_NCCL
+    else
+      CHECK_MSG(ps_replicas_nccl(r), "R=%d on %d devices should sum with NCCL", Rs[k], devices);
+#endif
     CHECK_MSG(worst <= 1e-3 * scale, "R=%d: gradient off by %.3g (largest entry %.3g)", Rs[k],
               worst, scale);
     CHECK_NEAR(got.loss, want.loss, 1e-6, 1e-4);
