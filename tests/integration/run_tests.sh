@@ -796,12 +796,17 @@ PY
       "$build/ps-server" --insecure --status "$([ $i = 0 ] && echo "$r0" || echo "$r1")" \
         >"$out/$variant-status-$i.json" || fail "$variant: no Status from shard $i"
     done
-    python3 - "$out/$variant-status-0.json" "$out/$variant-status-1.json" <<'PY' || fail "$variant: the shards' newest sets differ"
-import json, sys
-a, b = (json.load(open(p)) for p in sys.argv[1:])
-assert a["checkpoint_set"] > 0 and a["checkpoint_set"] == b["checkpoint_set"], (a, b)
-print(f"Status: both shards' newest set is {a['checkpoint_set']}, at versions "
-      f"{a['checkpoint_set_version']} and {b['checkpoint_set_version']}")
+    # (Not necessarily the same one: a last set the workers' end left
+    # incomplete, a shard that lost a step behind its cut, is on one only.)
+    python3 - "$out/$variant-status-0.json" "$out/$variant-status-1.json" "$out/$variant-server-0.log" <<'PY' || fail "$variant: Status does not name the newest sets"
+import json, re, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+complete = set(re.findall(r"checkpoint set (\d+) complete", open(sys.argv[3]).read()))
+assert a["checkpoint_set"] > 0 and b["checkpoint_set"] > 0, (a, b)
+assert str(min(a["checkpoint_set"], b["checkpoint_set"])) in complete, (a, b)
+print(f"Status: the shards' newest sets are {a['checkpoint_set']} (version "
+      f"{a['checkpoint_set_version']}) and {b['checkpoint_set']} (version "
+      f"{b['checkpoint_set_version']})")
 PY
     for i in 0 1; do kill -TERM "${spids[$i]}"; wait "${spids[$i]}" || fail "$variant: shard $i did not exit 0"; done
   done
@@ -853,8 +858,10 @@ lease_records)
   # there, not as redone), but for the leases a worker held at a kill whose
   # grant the restore lost: the worker trains them all the same (their
   # completion is not counted) and the chunk goes out again afresh, in no
-  # record. Shard 0 lets a worker hold 2 leases at once (max_per_worker), so
-  # that is at most 2 kills x 2 workers x 2 leases x 128 examples.
+  # record. Shard 0 lets a worker hold 2 leases at once (max_per_worker);
+  # add the one whose completion shard 0 answered as the kill came, the
+  # answer lost (the worker never hears it was counted, so never names it):
+  # at most 2 kills x 2 workers x 3 leases x 128 examples.
   job=$here/jobs/lease_records.json
   port=$(free_ports 1)
   ck=$out/ckpt
@@ -931,7 +938,7 @@ completed = sum(e["examples_completed"] for e in eps)
 redone = sum(e["examples_redone"] for e in eps)
 rehanded = sum(e["examples_rehanded"] for e in eps)
 extra = sum(trained) - (completed + redone + rehanded)
-bound = 2 * 2 * 2 * 128  # kills x workers x leases held x lease_chunk
+bound = 2 * 2 * 3 * 128  # kills x workers x (leases held + a completion answered unheard) x chunk
 print(f"lease_records: the workers trained {sum(trained)} examples ({' + '.join(map(str, trained))}); "
       f"the records: {completed} completed + {redone} redone + {rehanded} re-handed out; "
       f"{extra} in lost grants (at most {bound})")
