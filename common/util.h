@@ -90,6 +90,25 @@ typedef struct {
   size_t total; /* sum of segs[i].len */
 } ps_segview;
 
+/* Little-endian integers in byte buffers: the files' and blobs' layouts
+ * (checkpoints, lease tables, cut records). */
+static inline void ps_put_le32(uint8_t *p, uint32_t v) {
+  for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline void ps_put_le64(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline uint32_t ps_get_le32(const uint8_t *p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; i++) v |= (uint32_t)p[i] << (8 * i);
+  return v;
+}
+static inline uint64_t ps_get_le64(const uint8_t *p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
+  return v;
+}
+
 /* Copies `len` bytes starting at byte `pos` of the view into dst.
  * Returns PS_ERANGE (dst untouched) if pos+len exceeds the view. */
 int ps_segview_copy(const ps_segview *v, size_t pos, void *dst, size_t len);

@@ -55,25 +55,6 @@ _Static_assert(sizeof(((ps_ckpt_meta *)0)->optimizer) == 16 &&
  * when the checksum reads it. */
 #define IO_CHUNK ((size_t)4 << 20)
 
-/* ---------------------------------------------------------------- bytes */
-
-static void put_u32(uint8_t *p, uint32_t v) {
-  for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-static void put_u64(uint8_t *p, uint64_t v) {
-  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-static uint32_t get_u32(const uint8_t *p) {
-  uint32_t v = 0;
-  for (int i = 0; i < 4; i++) v |= (uint32_t)p[i] << (8 * i);
-  return v;
-}
-static uint64_t get_u64(const uint8_t *p) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
-  return v;
-}
-
 /* ---------------------------------------------------------------- files */
 
 /* 0 or an errno value. */
@@ -343,24 +324,24 @@ static void header_encode(const ps_ckpt *ck, int64_t written_ms, uint8_t *h) {
   const ps_ckpt_meta *m = &ck->meta;
   memset(h, 0, PS_CKPT_HEADER_BYTES);
   memcpy(h + H_MAGIC, CKPT_MAGIC, sizeof CKPT_MAGIC);
-  put_u32(h + H_FORMAT, PS_CKPT_FORMAT_VERSION);
-  put_u32(h + H_HEADER_BYTES, PS_CKPT_HEADER_BYTES);
-  put_u32(h + H_INDEX, (uint32_t)m->index);
-  put_u32(h + H_NUM_SHARDS, (uint32_t)m->num_shards);
-  put_u64(h + H_P, m->P);
-  put_u64(h + H_BEGIN, m->begin);
-  put_u64(h + H_END, m->end);
-  put_u64(h + H_VERSION, m->version);
-  put_u64(h + H_WRITTEN_MS, (uint64_t)written_ms);
-  put_u32(h + H_N_SLOTS, (uint32_t)ck->n_slots);
-  put_u64(h + H_EXTRA_LEN, ck->extra_len);
-  put_u64(h + H_SET_ID, m->set_id);
-  put_u64(h + H_CUT_LEN, ck->cut_len);
-  put_u32(h + H_CUT_CRC, ck->cut_len ? ps_crc32c(0, ck->cut, ck->cut_len) : 0);
+  ps_put_le32(h + H_FORMAT, PS_CKPT_FORMAT_VERSION);
+  ps_put_le32(h + H_HEADER_BYTES, PS_CKPT_HEADER_BYTES);
+  ps_put_le32(h + H_INDEX, (uint32_t)m->index);
+  ps_put_le32(h + H_NUM_SHARDS, (uint32_t)m->num_shards);
+  ps_put_le64(h + H_P, m->P);
+  ps_put_le64(h + H_BEGIN, m->begin);
+  ps_put_le64(h + H_END, m->end);
+  ps_put_le64(h + H_VERSION, m->version);
+  ps_put_le64(h + H_WRITTEN_MS, (uint64_t)written_ms);
+  ps_put_le32(h + H_N_SLOTS, (uint32_t)ck->n_slots);
+  ps_put_le64(h + H_EXTRA_LEN, ck->extra_len);
+  ps_put_le64(h + H_SET_ID, m->set_id);
+  ps_put_le64(h + H_CUT_LEN, ck->cut_len);
+  ps_put_le32(h + H_CUT_CRC, ck->cut_len ? ps_crc32c(0, ck->cut, ck->cut_len) : 0);
   /* strnlen: the fields are checked to hold a NUL, the rest stays zero. */
   memcpy(h + H_OPTIMIZER, m->optimizer, strnlen(m->optimizer, 15));
   memcpy(h + H_JOB_ID, m->job_id, strnlen(m->job_id, 63));
-  put_u32(h + H_HEADER_CRC, ps_crc32c(0, h, H_HEADER_CRC));
+  ps_put_le32(h + H_HEADER_CRC, ps_crc32c(0, h, H_HEADER_CRC));
 }
 
 /* Verifies a header read from path, whose file has file_size bytes (at
@@ -371,8 +352,8 @@ static int header_decode(const char *path, const uint8_t *h, uint64_t file_size,
     return ps_seterr(err, PS_EPROTO,
                      "bad magic in '%s': not a shard checkpoint, or written by a newer version",
                      path);
-  uint32_t format = get_u32(h + H_FORMAT);
-  uint32_t stored = get_u32(h + H_HEADER_CRC), computed = ps_crc32c(0, h, H_HEADER_CRC);
+  uint32_t format = ps_get_le32(h + H_FORMAT);
+  uint32_t stored = ps_get_le32(h + H_HEADER_CRC), computed = ps_crc32c(0, h, H_HEADER_CRC);
   if (stored != computed) {
     if (format != PS_CKPT_FORMAT_VERSION && format != 1)
       return ps_seterr(err, PS_EPROTO,
@@ -391,13 +372,13 @@ static int header_decode(const char *path, const uint8_t *h, uint64_t file_size,
                      path, format, PS_CKPT_FORMAT_VERSION);
   /* From here on the header is as its writer made it; an inconsistency is
    * a writer's bug, reported as such. */
-  uint32_t hb = get_u32(h + H_HEADER_BYTES);
-  int32_t index = (int32_t)get_u32(h + H_INDEX), num = (int32_t)get_u32(h + H_NUM_SHARDS);
-  uint64_t P = get_u64(h + H_P), b = get_u64(h + H_BEGIN), e = get_u64(h + H_END);
-  uint32_t k = get_u32(h + H_N_SLOTS);
-  uint64_t elen = get_u64(h + H_EXTRA_LEN);
+  uint32_t hb = ps_get_le32(h + H_HEADER_BYTES);
+  int32_t index = (int32_t)ps_get_le32(h + H_INDEX), num = (int32_t)ps_get_le32(h + H_NUM_SHARDS);
+  uint64_t P = ps_get_le64(h + H_P), b = ps_get_le64(h + H_BEGIN), e = ps_get_le64(h + H_END);
+  uint32_t k = ps_get_le32(h + H_N_SLOTS);
+  uint64_t elen = ps_get_le64(h + H_EXTRA_LEN);
   /* Format 1 wrote zeros where format 2 keeps the set id and the cut. */
-  uint64_t set_id = get_u64(h + H_SET_ID), clen = get_u64(h + H_CUT_LEN);
+  uint64_t set_id = ps_get_le64(h + H_SET_ID), clen = ps_get_le64(h + H_CUT_LEN);
   char opt[16], job[64];
   memcpy(opt, h + H_OPTIMIZER, sizeof opt);
   memcpy(job, h + H_JOB_ID, sizeof job);
@@ -433,13 +414,13 @@ static int header_decode(const char *path, const uint8_t *h, uint64_t file_size,
   m->P = (size_t)P;
   m->begin = (size_t)b;
   m->end = (size_t)e;
-  m->version = get_u64(h + H_VERSION);
-  m->written_ms = (int64_t)get_u64(h + H_WRITTEN_MS);
+  m->version = ps_get_le64(h + H_VERSION);
+  m->written_ms = (int64_t)ps_get_le64(h + H_WRITTEN_MS);
   memcpy(m->optimizer, opt, sizeof opt);
   memcpy(m->job_id, job, sizeof job);
   m->set_id = set_id;
   m->cut_len = (size_t)clen;
-  m->cut_crc = get_u32(h + H_CUT_CRC);
+  m->cut_crc = ps_get_le32(h + H_CUT_CRC);
   if (n_slots) *n_slots = (int)k;
   if (extra_len) *extra_len = (size_t)elen;
   return PS_OK;
@@ -587,7 +568,7 @@ int ps_ckpt_write(const char *dir, const ps_ckpt *ck, int keep, char *path_out, 
   for (int k = 0; !e && n && k < ck->n_slots; k++)
     e = write_summed(fd, ck->slots[k], n * sizeof(float), &crc);
   uint8_t trailer[4];
-  put_u32(trailer, crc);
+  ps_put_le32(trailer, crc);
   if (!e) e = write_all(fd, trailer, sizeof trailer);
   if (e) {
     close(fd);
@@ -607,7 +588,7 @@ static int temp_of_other_job(int fd, const char *job_id) {
   uint8_t h[PS_CKPT_HEADER_BYTES];
   if (read_all(fd, h, sizeof h) != (ssize_t)sizeof h ||
       memcmp(h + H_MAGIC, CKPT_MAGIC, sizeof CKPT_MAGIC) != 0 ||
-      get_u32(h + H_HEADER_CRC) != ps_crc32c(0, h, H_HEADER_CRC))
+      ps_get_le32(h + H_HEADER_CRC) != ps_crc32c(0, h, H_HEADER_CRC))
     return 0;
   char job[64];
   memcpy(job, h + H_JOB_ID, sizeof job);
@@ -734,7 +715,7 @@ int ps_ckpt_read(const char *path, ps_ckpt *out, char *err) {
                            path);
     goto fail;
   }
-  uint32_t stored = get_u32(trailer);
+  uint32_t stored = ps_get_le32(trailer);
   if (stored != crc) {
     rc = ps_seterr(err, PS_EINVAL,
                    "checksum mismatch in '%s': the file is corrupt (stored 0x%08" PRIx32

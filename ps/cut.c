@@ -100,9 +100,9 @@ static int record_encode(int sync, uint64_t version, const uint64_t *w, const ui
   size_t bytes = 24 + (size_t)n * 16;
   uint8_t *b = malloc(bytes);
   if (!b) return PS_ENOMEM;
-  uint64_t head[3] = {(uint64_t)sync, sync ? version : 0, (uint64_t)n};
-  for (int i = 0; i < 3; i++)
-    for (int k = 0; k < 8; k++) b[i * 8 + k] = (uint8_t)(head[i] >> (8 * k));
+  ps_put_le64(b, (uint64_t)sync);
+  ps_put_le64(b + 8, sync ? version : 0);
+  ps_put_le64(b + 16, (uint64_t)n);
   /* Sorted by worker: insertion into the output, n is small. */
   int *order = malloc((size_t)(n ? n : 1) * sizeof *order);
   if (!order) {
@@ -118,9 +118,8 @@ static int record_encode(int sync, uint64_t version, const uint64_t *w, const ui
     order[j] = i;
   }
   for (int i = 0; i < n; i++) {
-    uint64_t pair[2] = {w[order[i]], sync ? 0 : r[order[i]]};
-    for (int h = 0; h < 2; h++)
-      for (int k = 0; k < 8; k++) b[24 + i * 16 + h * 8 + k] = (uint8_t)(pair[h] >> (8 * k));
+    ps_put_le64(b + 24 + (size_t)i * 16, w[order[i]]);
+    ps_put_le64(b + 24 + (size_t)i * 16 + 8, sync ? 0 : r[order[i]]);
   }
   free(order);
   *out = b;
@@ -128,51 +127,59 @@ static int record_encode(int sync, uint64_t version, const uint64_t *w, const ui
   return PS_OK;
 }
 
+/* The workers that may push (readers cannot) and the last round each had
+ * applied here: *ids and *rounds are malloc'd arrays of the count returned
+ * (freed by the caller), or PS_ENOMEM with nothing allocated. */
+static int pushers(ps_server *sv, uint64_t **ids, uint64_t **rounds) {
+  int cap = sv->job.max_workers + 16;
+  ps_member *m = malloc((size_t)cap * sizeof *m);
+  uint64_t *w = malloc((size_t)cap * sizeof *w), *r = malloc((size_t)cap * sizeof *r);
+  if (!m || !w || !r) {
+    free(m);
+    free(w);
+    free(r);
+    return PS_ENOMEM;
+  }
+  int n = ps_membership_list(sv->members, m, cap), k = 0;
+  for (int i = 0; i < n; i++)
+    if (!m[i].reader) {
+      w[k] = m[i].id;
+      r[k++] = m[i].round;
+    }
+  free(m);
+  *ids = w;
+  *rounds = r;
+  return k;
+}
+
 /* The record of what this shard has applied now, for a file written alone
  * (a stop, or the only shard's timer): the same bytes on every shard when
  * no update is in flight. */
 int ps_cut_record_now(ps_server *sv, void **out, size_t *len) {
   int sync = sv->job.mode_kind == PS_MODE_SYNC;
-  int cap = sv->job.max_workers + 16;
-  ps_member *m = malloc((size_t)cap * sizeof *m);
-  uint64_t *w = malloc((size_t)cap * sizeof *w), *r = malloc((size_t)cap * sizeof *r);
-  int rc = PS_ENOMEM;
-  if (m && w && r) {
-    int n = sync ? 0 : ps_membership_list(sv->members, m, cap);
-    int k = 0;
-    for (int i = 0; i < n; i++)
-      if (!m[i].reader) {
-        w[k] = m[i].id;
-        r[k++] = m[i].round;
-      }
-    ps_shard_stats st;
-    ps_shard_stats_get(sv->shard, &st);
-    rc = record_encode(sync, st.version, w, r, k, out, len);
-  }
-  free(m);
+  uint64_t *w = NULL, *r = NULL;
+  int k = pushers(sv, &w, &r);
+  if (k < 0) return k;
+  ps_shard_stats st;
+  ps_shard_stats_get(sv->shard, &st);
+  int rc = record_encode(sync, st.version, w, r, sync ? 0 : k, out, len);
   free(w);
   free(r);
   return rc;
 }
 
-static uint64_t get_le64(const uint8_t *p) {
-  uint64_t v = 0;
-  for (int k = 7; k >= 0; k--) v = v << 8 | p[k];
-  return v;
-}
-
 int ps_cut_seed_rounds(ps_server *sv, const void *record, size_t len) {
   const uint8_t *b = record;
   if (!b || len < 24) return PS_EINVAL;
-  uint64_t sync = get_le64(b), n = get_le64(b + 16);
+  uint64_t sync = ps_get_le64(b), n = ps_get_le64(b + 16);
   if (n > (len - 24) / 16 || len != 24 + n * 16) return PS_EINVAL;
   if (sync || n == 0) return PS_OK;
   uint64_t *ids = malloc(n * sizeof *ids), *rounds = malloc(n * sizeof *rounds);
   int rc = PS_ENOMEM;
   if (ids && rounds) {
     for (uint64_t i = 0; i < n; i++) {
-      ids[i] = get_le64(b + 24 + i * 16);
-      rounds[i] = get_le64(b + 24 + i * 16 + 8);
+      ids[i] = ps_get_le64(b + 24 + i * 16);
+      rounds[i] = ps_get_le64(b + 24 + i * 16 + 8);
     }
     rc = ps_membership_seed_rounds(sv->members, ids, rounds, (int)n);
     if (rc == PS_OK)
@@ -470,24 +477,10 @@ static void on_wake(uv_async_t *a) {
 
 static void answer_prepare(ps_server *sv, rpc_call *call, uint64_t set_id) {
   ps_cut *c = sv->cut;
-  int cap = sv->job.max_workers + 16;
-  ps_member *m = malloc((size_t)cap * sizeof *m);
-  Ps__WorkerRound *rounds = malloc((size_t)cap * sizeof *rounds);
-  Ps__WorkerRound **rp = malloc((size_t)cap * sizeof *rp);
-  if (!m || !rounds || !rp) {
-    free(m);
-    free(rounds);
-    free(rp);
-    rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "shard %d: out of memory", sv->index);
-    return;
-  }
   pthread_mutex_lock(&c->mu);
   if (c->phase != CUT_NONE || c->ready || c->writing) {
     uint64_t busy = c->set_id;
     pthread_mutex_unlock(&c->mu);
-    free(m);
-    free(rounds);
-    free(rp);
     rpc_call_fail(call, RPC_UNAVAILABLE, "shard %d is taking checkpoint set %" PRIu64, sv->index,
                   busy);
     return;
@@ -498,29 +491,41 @@ static void answer_prepare(ps_server *sv, rpc_call *call, uint64_t set_id) {
   /* Updates let through before the hold finish first: what is read below
    * is then all that was applied. */
   while (c->in_apply > 0) pthread_cond_wait(&c->quiet, &c->mu);
-  int n = ps_membership_list(sv->members, m, cap), k = 0;
-  c->known = malloc((size_t)(n ? n : 1) * sizeof *c->known);
-  c->n_known = 0;
-  for (int i = 0; i < n; i++) {
-    if (m[i].reader) continue;
-    if (c->known) c->known[c->n_known++] = m[i].id;
-    ps__worker_round__init(&rounds[k]);
-    rounds[k].worker_id = m[i].id;
-    rounds[k].round = m[i].round;
-    rp[k] = &rounds[k];
-    k++;
+  uint64_t *ids = NULL, *rounds = NULL;
+  int k = pushers(sv, &ids, &rounds);
+  Ps__WorkerRound *wr = k >= 0 ? malloc((size_t)(k ? k : 1) * sizeof *wr) : NULL;
+  Ps__WorkerRound **wrp = k >= 0 ? malloc((size_t)(k ? k : 1) * sizeof *wrp) : NULL;
+  held_push *list = NULL;
+  if (!wr || !wrp) {
+    list = end_phase_locked(c); /* nothing was held yet but what came meanwhile */
+  } else {
+    for (int i = 0; i < k; i++) {
+      ps__worker_round__init(&wr[i]);
+      wr[i].worker_id = ids[i];
+      wr[i].round = rounds[i];
+      wrp[i] = &wr[i];
+    }
+    c->known = ids; /* the workers known at the PREPARE (cut_met) */
+    c->n_known = k;
+    ids = NULL;
   }
   ps_shard_stats st;
   ps_shard_stats_get(sv->shard, &st);
   pthread_mutex_unlock(&c->mu);
-  Ps__CheckpointResponse resp = PS__CHECKPOINT_RESPONSE__INIT;
-  resp.version = st.version;
-  resp.n_applied = (size_t)k;
-  resp.applied = rp;
-  ps_service_reply(call, &resp.base);
-  free(m);
+  if (!wr || !wrp) {
+    rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "shard %d: out of memory", sv->index);
+    release(sv, list);
+  } else {
+    Ps__CheckpointResponse resp = PS__CHECKPOINT_RESPONSE__INIT;
+    resp.version = st.version;
+    resp.n_applied = (size_t)k;
+    resp.applied = wrp;
+    ps_service_reply(call, &resp.base);
+  }
+  free(ids);
   free(rounds);
-  free(rp);
+  free(wr);
+  free(wrp);
 }
 
 static void start_cut(ps_server *sv, rpc_call *call, const Ps__CheckpointRequest *r) {

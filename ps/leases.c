@@ -585,25 +585,22 @@ static const uint8_t LEASE_MAGIC[8] = {'P', 'S', 'L', 'E', 'A', 'S', 'E', 0};
 /* A record's bytes in a blob of that version. */
 static size_t rec_bytes(uint32_t version) { return version == 1 ? REC_BYTES_V1 : REC_BYTES; }
 
+/* The common little-endian helpers, advancing through the blob. */
 static uint8_t *put_u32(uint8_t *p, uint32_t v) {
-  for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+  ps_put_le32(p, v);
   return p + 4;
 }
 static uint8_t *put_u64(uint8_t *p, uint64_t v) {
-  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+  ps_put_le64(p, v);
   return p + 8;
 }
 static uint32_t get_u32(const uint8_t **p) {
-  uint32_t v = 0;
-  for (int i = 0; i < 4; i++) v |= (uint32_t)(*p)[i] << (8 * i);
   *p += 4;
-  return v;
+  return ps_get_le32(*p - 4);
 }
 static uint64_t get_u64(const uint8_t **p) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; i++) v |= (uint64_t)(*p)[i] << (8 * i);
   *p += 8;
-  return v;
+  return ps_get_le64(*p - 8);
 }
 
 static uint8_t *put_record(uint8_t *p, const ps_lease_epoch_record *r) {
