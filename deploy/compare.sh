@@ -3,6 +3,9 @@
 # worker, with W workers on loopback and an optional straggler, and writes
 # into one directory: every run's logs and metrics, a CSV table and PNG
 # plots (test accuracy against wall time and against updates applied).
+# The chief of each run also writes TensorBoard event files into
+# OUT/tb/MODE (--tensorboard): `tensorboard --logdir OUT/tb` overlays the
+# modes' curves (loss, accuracy, throughput, staleness, step times).
 #
 #   deploy/compare.sh [--workers 4] [--servers 2] [--straggler-ms 0]
 #       [--job deploy/jobs/compare_fmnist.json] [--target 0.85]
@@ -22,7 +25,7 @@ while [ $# -gt 0 ]; do
     --modes) modes=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --bin) bin=$2; shift 2 ;;
-    --help|-h) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --help|-h) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "compare: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -49,11 +52,11 @@ job["job_id"] = job["job_id"] + "-" + mode.replace(":", "").replace("+", "-")
 json.dump(job, open(dest, "w"), indent=2)
 PY
   echo "=== $mode: $workers workers, $servers servers, straggler ${straggler} ms"
-  rm -rf "$out/$name"
+  rm -rf "$out/$name" "$out/tb/$name"
   start=$(date +%s.%N)
   "$here/local-cluster.sh" --job "$out/$name.job.json" --bin "$bin" --servers "$servers" \
     --workers "$workers" --straggler-ms "$straggler" --threads 1 --out "$out/$name" \
-    --timeout 1200 -- --log-interval 5 >"$out/$name.out" 2>&1 \
+    --timeout 1200 -- --log-interval 5 --tensorboard "$out/tb/$name" >"$out/$name.out" 2>&1 \
     || { tail -20 "$out/$name.out"; echo "compare: the $mode run failed" >&2; exit 1; }
   end=$(date +%s.%N)
   echo "$mode $start $end" >>"$out/.times"
@@ -123,3 +126,4 @@ plots 1 "wall time (s)" accuracy_vs_time.png
 plots 2 "updates applied (shard 0 version)" accuracy_vs_updates.png
 rm -f "$out/.times"
 echo "compare: table $out/summary.csv, plots $out/accuracy_vs_time.png $out/accuracy_vs_updates.png"
+echo "compare: TensorBoard: tensorboard --logdir $out/tb"

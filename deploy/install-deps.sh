@@ -8,9 +8,9 @@ set -euo pipefail
 packages=(
   cmake gcc make pkg-config
   libgrpc-dev libprotobuf-c-dev protobuf-c-compiler
-  libuv1-dev libopenblas-dev libjansson-dev zlib1g-dev
+  libuv1-dev libopenblas-dev libjansson-dev zlib1g-dev libmicrohttpd-dev
   dataset-fashion-mnist
-  iproute2 iperf3 gnuplot-nox python3 openssl
+  iproute2 iperf3 gnuplot-nox python3 python3-venv openssl prometheus
   "$@"
 )
 

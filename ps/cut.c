@@ -438,6 +438,7 @@ static void write_done(uv_work_t *w, int status) {
     c->last_set_version = version;
   }
   pthread_mutex_unlock(&c->mu);
+  ps_server_note_ckpt(sv, c->rc);
   if (c->rc == PS_OK) {
     PS_INFO("checkpoint set %" PRIu64 ": version %" PRIu64 " written to %s", id, version, c->path);
     sv->ckpt_last_version = version;
@@ -821,8 +822,12 @@ static void coord_run(uv_work_t *w) {
   free(cut);
   free(cutp);
   if (bad >= 0) {
-    PS_WARN("checkpoint set %" PRIu64 " abandoned: %s at shard %d (%s): %s", id, phase, bad,
-            sv->cluster.ps[bad], why[bad]);
+    PS_WARN("checkpoint set %" PRIu64 " abandoned: %s at shard %d (%s): %s%s", id, phase, bad,
+            sv->cluster.ps[bad], why[bad],
+            sv->sec.use_tls && !sv->sec.tls.ca_file
+                ? " (shard 0 checks the shards' certificates against the system's CAs: give it "
+                  "--tls-ca with the CA that signed them)"
+                : "");
     req.phase = PS__CHECKPOINT_REQUEST__PHASE__ABORT;
     req.n_cut = 0;
     req.cut = NULL;

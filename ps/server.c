@@ -205,6 +205,10 @@ static int start_rpc(ps_server *sv, const ps_server_opts *o) {
     fprintf(stderr, "ps-server: %s\n", err);
     return 2;
   }
+  if (sv->ckpt_dir && sv->index == 0 && sv->sec.use_tls && !o->sec.tls_ca)
+    PS_WARN("checkpoint sets: shard 0 calls every shard over TLS and, without --tls-ca, checks "
+            "their certificates against the system's CAs; give --tls-ca when your own CA signed "
+            "them (deploy/certs.sh)");
   /* No request can need more than this shard's range and a small header. */
   size_t range_bytes = (ps_shard_end(sv->shard) - ps_shard_begin(sv->shard)) * sizeof(float);
   size_t max_request = range_bytes + 64 * 1024;
@@ -234,7 +238,7 @@ static int start_rpc(ps_server *sv, const ps_server_opts *o) {
   sv->start_s = sv->last_report_s = ps_now_s();
   sv->log_interval_s = o->log_interval;
   PS_INFO("listening on %s (port %d), %d threads; %s", addr, port, o->threads, sv->sec.summary);
-  return 0;
+  return ps_server_prom_start(sv, o, addr);
 }
 
 /* Starts the loop's timers (sweep, report, checkpoints) and signals. */
@@ -270,6 +274,7 @@ static int shut_down(ps_server *sv) {
   rpc_server_shutdown(sv->rpc); /* answers the waiting pulls CANCELLED */
   ps_cut_close(sv); /* its held calls were cancelled with the server's */
   rpc_server_destroy(sv->rpc);
+  ps_server_prom_stop(sv); /* before the shard it reads goes */
   ps_waits_free(sv);
   uv_close((uv_handle_t *)&sv->sweep_timer, NULL);
   uv_close((uv_handle_t *)&sv->report_timer, NULL);

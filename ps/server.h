@@ -8,7 +8,7 @@
  *                  Status, Lease)
  *   sync.c         pulls that wait (ssp, sync) and the sync step
  *   server_ckpt.c  when and what the server checkpoints, restore at start
- *   status_cli.c   the --status client
+ *   status_cli.c   the --status client (JSON, or the --watch table)
  *
  * Threads: gRPC's completion queue is served by a pool of threads (the
  * handlers of service.c run there, against the thread-safe shard and
@@ -19,6 +19,7 @@
 #define PS_PS_SERVER_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <protobuf-c/protobuf-c.h>
@@ -50,9 +51,21 @@ typedef struct {
   double ckpt_secs;
   int64_t ckpt_updates;  /* 0: not by count */
   int ckpt_keep;
-  const char *status_addr; /* --status: print that shard's Status and exit */
+  const char *status_addr; /* --status: the shards' addresses (comma-separated): print their
+                            * Status and exit */
+  int watch;                /* --watch: a table refreshed every watch_interval */
+  double watch_interval;    /* seconds (0: not given, 1) */
+  int watch_count;          /* --watch-count: stop after that many refreshes (0: not given) */
+  int metrics_port;         /* the Prometheus endpoint's port (-1: none, 0: any) */
+  const char *metrics_host; /* its address (NULL: the host of the listen address) */
   ps_security_opts sec;    /* TLS, tokens, --insecure */
 } ps_server_opts;
+
+/* The bounds (seconds) of the pull-wait histogram ps_pull_wait_seconds. */
+#define PS_WAIT_BUCKETS 12
+extern const double ps_wait_bounds[PS_WAIT_BUCKETS];
+
+struct ps_prom_server;
 
 /* A pull that waits on the server (defined in sync.c). */
 typedef struct ps_waiter ps_waiter;
@@ -100,6 +113,7 @@ typedef struct ps_server {
   uint64_t waits;
   double wait_ms_total;
   uint64_t ssp_max_lead;
+  uint64_t wait_hist[PS_WAIT_BUCKETS + 1]; /* finished waits by length (ps_wait_bounds) */
   int sync_started; /* sync: min_workers have registered once */
   /* data leases (shard 0, when the job has lease_chunk): made at the first
    * Lease request, which says how many examples the data set has */
@@ -118,6 +132,10 @@ typedef struct ps_server {
   /* the progress watchdog (ps_sync_watch): when the version last moved */
   uint64_t watch_version;
   double watch_since_s, watch_warned_s;
+  /* the metrics endpoint, and what it reports besides the shard's stats */
+  struct ps_prom_server *prom;
+  atomic_uint_fast64_t ckpt_written, ckpt_failed; /* files this shard wrote, or failed to */
+  atomic_int_fast64_t ckpt_last_ok_ms;            /* wall clock of the last one written */
   /* for rates in progress lines */
   uint64_t last_pushes, last_pulls;
   double last_report_s;
@@ -292,6 +310,21 @@ void ps_cut_drain(ps_server *sv, double max_s);
 void ps_cut_close(ps_server *sv);
 void ps_cut_free(ps_server *sv);
 
+/* ---------------- server_prom.c ---------------- */
+
+/* Starts the Prometheus endpoint when o->metrics_port >= 0: on
+ * o->metrics_host, else the host of the listen address (addr), behind the
+ * job's and the read-only token, over HTTPS with the server's certificate
+ * when it has one. 0 (nothing to start, or started and logged), or 2 with
+ * a message on stderr. */
+int ps_server_prom_start(ps_server *sv, const ps_server_opts *o, const char *addr);
+/* Stops it (before the shard is freed). */
+void ps_server_prom_stop(ps_server *sv);
+/* A checkpoint file this shard wrote (rc 0) or failed to write. */
+void ps_server_note_ckpt(ps_server *sv, int rc);
+/* A pull that waited ms milliseconds, counted under wait_mu. */
+void ps_server_note_wait(ps_server *sv, int64_t ms);
+
 /* ---------------- fd_guard.c ---------------- */
 
 /* Raises the soft descriptor limit to the hard one and keeps a spare
@@ -304,10 +337,24 @@ uint64_t ps_fd_guard_shed(void);
 
 /* ---------------- status_cli.c ---------------- */
 
-/* Asks the shard at addr for its Status and prints it on stdout as JSON.
- * Returns the process's exit code: 0, or 1 with a message on stderr (no
- * answer within timeout_ms, an error status, a malformed reply; no message
- * when the request cannot be encoded for want of memory). */
-int ps_status_print(const char *addr, const ps_security_opts *sec, int timeout_ms);
+/* Asks the shards at list (addresses, comma-separated, as --ps takes them)
+ * for their Status, all at once, and prints it on stdout as JSON: for one
+ * address its object, for several an array of them in the list's order
+ * ({"address", "error"} in place of a shard that did not answer). Returns
+ * the process's exit code: 0; 1 with a message on stderr when a shard did
+ * not answer within timeout_ms, answered an error status or a malformed
+ * reply; 2 for a bad list or security flag. */
+int ps_status_print(const char *list, const ps_security_opts *sec, int timeout_ms);
+
+/* --status LIST --watch: every interval_s, a table of the shards (version,
+ * pushes and pulls per second between two refreshes, staleness, workers,
+ * waiting pulls, checkpoint set, uptime; the address and the error for one
+ * that does not answer) and of the workers shard 0 lists. At a terminal each
+ * refresh clears the screen and fits it; elsewhere each is a block of lines
+ * ending with a blank line. Stops on SIGINT or SIGTERM, or after count
+ * refreshes (count > 0); returns 0 then, 2 for a bad list or security flag,
+ * 1 when the client cannot be set up. Leaves SIGINT and SIGTERM blocked:
+ * the process exits after it. */
+int ps_status_watch(const char *list, const ps_security_opts *sec, double interval_s, int count);
 
 #endif

@@ -56,6 +56,7 @@ int ps_server_ckpt_write_now(ps_server *sv) {
   if (rc == 0) rc = ps_cut_record_now(sv, &ck.cut, &ck.cut_len);
   if (rc == 0) rc = ps_ckpt_write(sv->ckpt_dir, &ck, sv->ckpt_keep, path, err);
   else snprintf(err, sizeof err, "out of memory for the checkpoint's copy");
+  ps_server_note_ckpt(sv, rc);
   if (rc == 0)
     PS_INFO("checkpoint: version %" PRIu64 " written to %s (%.0f ms)", ck.meta.version, path,
             (ps_now_s() - t0) * 1e3);

@@ -42,14 +42,34 @@ static const ps_option server_flags[] = {
      "append JSON Lines every log interval: `time`, `shard`, `version`, `pushes`, `pulls`, "
      "`rejected`, `pushes_per_sec`, `staleness_mean`, `staleness_max`, `staleness_hist`, "
      "`workers`, `dropped`, `waits`, `wait_ms_mean`, `ssp_max_lead`, `step_time_ms`"},
+    {"metrics-port", "PORT", PS_OPT_INT, O(metrics_port), 0, 65535, .def_doc = "none", .help =
+     "serve Prometheus metrics at `/metrics` on this port (0: one the kernel picks, said in the "
+     "log): over HTTPS with `--tls-cert`, and with a token a scrape must send `Authorization: "
+     "Bearer` with the job's or the read-only token"},
+    {"metrics-host", "ADDR", PS_OPT_STR, O(metrics_host),
+     .def_doc = "the host of the listen address",
+     .help = "the address the metrics endpoint binds (`0.0.0.0`: every interface)"},
     {"log-interval", "SEC", PS_OPT_SECS, O(log_interval), 0, .excl_lo = 1, .def = "5",
      .help = "seconds between progress lines and metrics"},
     {"log-level", "L", PS_OPT_CHOICE, O(log_level), .choices = level_choices, .def = "info",
      .help = "`debug`, `info`, `warn` or `error`"},
-    {"status", "ADDR", PS_OPT_STR, O(status_addr), .help =
-     "print the `Status` of the shard at ADDR as JSON and exit (with `--token-file` or "
-     "`--read-token-file`, and the TLS flags of a client: `--tls-ca`, and `--tls-cert` and "
-     "`--tls-key` for a server that asks for client certificates)"},
+    {"status", "LIST", PS_OPT_STR, O(status_addr), .help =
+     "print the `Status` of the shards at LIST (addresses, comma-separated, as `--ps` takes "
+     "them) as JSON and exit: one address, its object; several, an array of them (with "
+     "`--token-file` or `--read-token-file`, and the TLS flags of a client: `--tls-ca`, and "
+     "`--tls-cert` and `--tls-key` for a server that asks for client certificates)"},
+    {"watch", NULL, PS_OPT_FLAG, O(watch), .help =
+     "with `--status`: instead of JSON, a table refreshed every `--watch-interval` until SIGINT "
+     "or SIGTERM (exit 0): per shard its version, pushes and pulls per second since the last "
+     "refresh, staleness mean/max, live workers, waiting pulls, checkpoint set and uptime (or "
+     "the error, for one that does not answer); per worker shard 0 lists, its host, role, task, "
+     "step, pushes, leases held, seconds since heard and idleness. At a terminal each refresh "
+     "redraws the screen; into a pipe or a file each is a block of lines ending with a blank "
+     "line"},
+    {"watch-interval", "SEC", PS_OPT_SECS, O(watch_interval), 0.1, .def_doc = "1",
+     .help = "with `--watch`: seconds between refreshes (at least 0.1)"},
+    {"watch-count", "N", PS_OPT_INT, O(watch_count), 1, 1000000000,
+     .def_doc = "until a signal", .help = "with `--watch`: stop after N refreshes (exit 0)"},
     {"token-file", "FILE", PS_OPT_STR, O(sec.token_file), .def_doc = "`$PS_TOKEN_FILE`",
      .help = "the job's token (16 to 256 bytes; a final newline is ignored): every request must "
      "carry it, or is refused `UNAUTHENTICATED`"},
@@ -71,7 +91,8 @@ static const ps_option server_flags[] = {
 static const ps_optspec server_spec = {
     .prog = "ps-server",
     .synopsis = "Usage: ps-server --job FILE (--ps HOST:PORT,... --index N | TF_CONFIG) [options]\n"
-                "       ps-server --status HOST:PORT\n"
+                "       ps-server --status HOST:PORT[,...] [--watch [--watch-interval SEC] "
+                "[--watch-count N]]\n"
                 "\n"
                 "Serves shard N of the model's parameters to ps-worker processes.\n",
     .opts = server_flags,
@@ -85,7 +106,7 @@ static const ps_optspec server_spec = {
         "     restored, the final checkpoint cannot be written, no memory\n"
         "  2  a bad command line: a flag, the job file, the cluster (--ps, --index,\n"
         "     TF_CONFIG), the token, TLS or metrics files a flag names\n"
-        "With --status: 0, or 1 when the shard did not answer.",
+        "With --status: 0, or 1 when a shard did not answer; with --watch: 0.",
 };
 
 /* What ps_server_run's exit codes mean (server.h), for the last line. */
@@ -103,11 +124,24 @@ static int exit_code(int rc) {
 }
 
 int main(int argc, char **argv) {
-  ps_server_opts o = {.index = -1};
+  ps_server_opts o = {.index = -1, .metrics_port = -1};
   if (ps_options_defaults(&server_spec, &o) != 0) return exit_code(2);
   int rc = ps_options_parse(&server_spec, argc, argv, &o);
   if (rc == 1) return 0; /* --help */
   if (rc != 0) return exit_code(2);
+  if ((o.watch || o.watch_count || o.watch_interval > 0) && !o.status_addr) {
+    fprintf(stderr, "ps-server: --%s needs --status LIST (the shards to watch)\n",
+            o.watch ? "watch" : o.watch_count ? "watch-count" : "watch-interval");
+    return exit_code(2);
+  }
+  if ((o.watch_count || o.watch_interval > 0) && !o.watch) {
+    fprintf(stderr, "ps-server: --%s needs --watch\n",
+            o.watch_count ? "watch-count" : "watch-interval");
+    return exit_code(2);
+  }
+  if (o.status_addr && o.watch)
+    return ps_status_watch(o.status_addr, &o.sec, o.watch_interval > 0 ? o.watch_interval : 1.0,
+                           o.watch_count);
   if (o.status_addr) return ps_status_print(o.status_addr, &o.sec, 10000);
   if (!o.job_path) {
     fprintf(stderr, "ps-server: --job FILE is required (see --help)\n");

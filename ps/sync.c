@@ -109,7 +109,7 @@ void ps_waits_recheck(ps_server *sv) {
       w->next = *dest;
       *dest = w;
       sv->n_waiting--;
-      sv->wait_ms_total += (double)(now - w->since_ms);
+      ps_server_note_wait(sv, now - w->since_ms);
     } else {
       pp = &w->next;
     }
@@ -187,7 +187,7 @@ void ps_waits_fail_all(ps_server *sv, int status, const char *why) {
   pthread_mutex_lock(&sv->wait_mu);
   ps_waiter *all = sv->waiters;
   int64_t now = ps_now_ms();
-  for (ps_waiter *w = all; w; w = w->next) sv->wait_ms_total += (double)(now - w->since_ms);
+  for (ps_waiter *w = all; w; w = w->next) ps_server_note_wait(sv, now - w->since_ms);
   sv->waiters = NULL;
   sv->n_waiting = 0;
   pthread_mutex_unlock(&sv->wait_mu);

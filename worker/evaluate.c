@@ -14,6 +14,7 @@ double ps_worker_evaluate(ps_worker *w, int64_t step, double t0, float *loss_out
                                  w->test.n, &correct);
   double acc = w->test.n ? (double)correct / w->test.n : 0.0;
   if (loss_out) *loss_out = loss;
+  ps_worker_prom_eval(w, acc, loss);
   if (w->metrics) {
     uint64_t updates = w->o.local ? (uint64_t)step : w->versions[0];
     json_t *rec = json_pack("{s:i,s:I,s:I,s:f,s:f,s:f,s:i}", "worker", w->rank, "step",
@@ -22,6 +23,11 @@ double ps_worker_evaluate(ps_worker *w, int64_t step, double t0, float *loss_out
                             "test_examples", w->test.n);
     ps_metrics_write(w->metrics, rec);
     json_decref(rec);
+  }
+  if (w->tb) {
+    static const char *const tags[] = {"test/loss", "test/accuracy"};
+    const float vals[] = {loss, (float)acc};
+    ps_worker_tb_write(w, step, 2, tags, vals);
   }
   return acc;
 }

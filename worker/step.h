@@ -48,6 +48,10 @@ typedef struct {
   int (*end)(void *state, int ok, char *err);
 } ps_step_kind;
 
+/* Counts a training step of n examples in epoch for the metrics endpoint
+ * (worker_prom.c; nothing without one). */
+void ps_worker_prom_step(ps_worker *w, const ps_step_result *r, int n, int epoch);
+
 extern const ps_step_kind ps_step_plain, ps_step_pipeline, ps_step_overlap, ps_step_local;
 
 /* The kind for this worker's options, job and backend (logging why when

@@ -65,6 +65,15 @@ static void progress_report(ps_worker *w, progress *p, int64_t step, int64_t tot
     ps_metrics_write(w->metrics, rec);
     json_decref(rec);
   }
+  if (w->tb) {
+    static const char *const tags[] = {"train/loss",      "train/accuracy", "perf/examples_per_sec",
+                                       "staleness/mean",  "staleness/max",  "time/pull_ms",
+                                       "time/compute_ms", "time/push_ms"};
+    const float vals[] = {(float)(p->sum_loss / p->n_ex), (float)((double)p->n_correct / p->n_ex),
+                          (float)eps, (float)smean, (float)p->stale_max, (float)(p->t_pull * ms),
+                          (float)(p->t_comp * ms), (float)(p->t_push * ms)};
+    ps_worker_tb_write(w, step, 8, tags, vals);
+  }
   memset(p, 0, sizeof *p);
   p->last_log = now;
 }
@@ -213,6 +222,7 @@ int ps_worker_train(ps_worker *w) {
     progress_add(&p, &r, b->n, w->nshards);
     total_ex += b->n;
     int epoch = b->epoch;
+    ps_worker_prom_step(w, &r, b->n, epoch);
     if (r.applied) ps_source_batch_done(w->source, b);
     ps_source_release(w->source, b);
     atomic_store(&w->step, (uint64_t)step + 1);

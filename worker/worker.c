@@ -18,6 +18,13 @@
 
 /* ---------------- helpers of the steps ---------------- */
 
+void ps_worker_tb_write(ps_worker *w, int64_t step, int n, const char *const *tags,
+                        const float *values) {
+  char err[PS_ERRLEN];
+  int rc = ps_tb_scalars(w->tb, step, n, tags, values, err);
+  if (rc != 0 && rc != PS_ESTATE) PS_WARN("--tensorboard: %s; no more TensorBoard events", err);
+}
+
 /* Records the first give-up on servers that did not answer (see
  * ps_worker_exit_code); the later ones are the same outage. */
 void ps_worker_note_gave_up(ps_worker *w, double waited_s, const char *err) {
@@ -305,6 +312,19 @@ int ps_worker_setup(ps_worker *w) {
       return PS_WORKER_EXIT_USAGE;
     }
   }
+  if (o->tb_dir && !o->chief) {
+    PS_INFO("--tensorboard: only the chief and the evaluator write TensorBoard files; "
+            "this worker writes none");
+  } else if (o->tb_dir) {
+    w->tb = ps_tb_open(o->tb_dir, err);
+    if (!w->tb) {
+      fprintf(stderr, "ps-worker: --tensorboard: %s\n", err);
+      return PS_WORKER_EXIT_USAGE;
+    }
+    PS_INFO("tensorboard: writing %s", ps_tb_path(w->tb));
+  }
+  int prc = ps_worker_prom_start(w);
+  if (prc != 0) return prc;
   if (!o->evaluator) {
     if (w->client && w->job.lease_chunk > 0)
       w->source = ps_source_leases(&w->train, w->job.batch_size, w->job.seed, w->client,
@@ -328,6 +348,7 @@ void ps_worker_teardown(ps_worker *w) {
    * on libuv's work queue is done (uv_run returns only then); the
    * batcher's next. */
   ps_worker_loop_stop(w);
+  ps_worker_prom_stop(w);
   /* The batcher's thread may be asking shard 0 for a lease, or waiting to
    * ask again: it stops before the client it uses goes. */
   atomic_store(&w->stop, 1);
@@ -349,6 +370,8 @@ void ps_worker_teardown(ps_worker *w) {
   ps_dataset_free(&w->train);
   ps_dataset_free(&w->test);
   ps_metrics_close(w->metrics);
+  char err[PS_ERRLEN];
+  if (ps_tb_close(w->tb, err) != 0) PS_WARN("--tensorboard: %s", err);
   free(w->job_text);
 }
 

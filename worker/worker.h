@@ -14,6 +14,7 @@
 
 #include "../common/job.h"
 #include "../common/metrics.h"
+#include "../common/tbevents.h"
 #include "../kernels/ops.h"
 #include "data.h"
 #include "model.h"
@@ -54,6 +55,8 @@ typedef struct ps_worker {
   ps_dataset train, test;
   ps_source *source;            /* NULL for the evaluator */
   ps_metrics *metrics;
+  ps_tb *tb;                    /* --tensorboard: the chief's and the evaluator's */
+  struct ps_worker_mon *mon;    /* --metrics-port (worker_prom.c) */
   /* What is pulled and pushed: host buffers (pinned on a GPU), and the
    * backend's copies (the same buffers when the backend computes in host
    * memory). The overlapped step swaps them between its two sets. */
@@ -129,6 +132,21 @@ int ps_worker_evaluator_run(ps_worker *w);
 /* Evaluates w->params on the test split; writes a metrics record. Returns
  * the accuracy; *loss_out (may be NULL) the mean loss. */
 double ps_worker_evaluate(ps_worker *w, int64_t step, double t0, float *loss_out);
+
+/* ---------------- worker_prom.c ---------------- */
+
+/* Starts the Prometheus endpoint when --metrics-port is given (logs
+ * where). 0, or the process's exit code with the message printed (a
+ * token file that cannot be read, an address that cannot be bound). */
+int ps_worker_prom_start(ps_worker *w);
+/* Records an evaluation's test accuracy and loss. */
+void ps_worker_prom_eval(ps_worker *w, double accuracy, double loss);
+void ps_worker_prom_stop(ps_worker *w);
+
+/* --tensorboard (w->tb set): one Event at step of n scalars. The first
+ * write that fails is logged as a warning; the later ones write nothing. */
+void ps_worker_tb_write(ps_worker *w, int64_t step, int n, const char *const *tags,
+                        const float *values);
 
 /* Retries op(ctx, err) with exponential backoff and jitter while the
  * servers are unreachable (or a shard gave up holding a pull back), for

@@ -71,6 +71,22 @@ static const ps_option worker_flags[] = {
      "`train_accuracy`, `examples_per_sec`, `staleness_mean`, `staleness_max`, `dropped`, "
      "`pull_ms`, `compute_ms`, `push_ms`; per evaluation `test_accuracy`, `test_loss`, "
      "`elapsed_s`, `updates`"},
+    {"tensorboard", "DIR", PS_OPT_STR, O(tb_dir), .help =
+     "write TensorBoard event files into DIR (made when absent), the chief and the evaluator "
+     "only (other workers log that they write none): per progress interval `train/loss`, "
+     "`train/accuracy`, `perf/examples_per_sec`, `staleness/mean`, `staleness/max`, "
+     "`time/pull_ms`, `time/compute_ms`, `time/push_ms`; per evaluation `test/loss`, "
+     "`test/accuracy`; the values and steps of the `--metrics` records. View with "
+     "`tensorboard --logdir DIR`"},
+    {"metrics-port", "PORT", PS_OPT_INT, O(metrics_port), 0, 65535, .def_doc = "none", .help =
+     "serve Prometheus metrics at `/metrics` on this port (0: one the kernel picks, said in the "
+     "log): over HTTPS when the worker has `--tls-cert` and `--tls-key`; with a token a scrape "
+     "must send `Authorization: Bearer` with the job's token or `--metrics-token-file`'s"},
+    {"metrics-host", "ADDR", PS_OPT_STR, O(metrics_host), .def = "127.0.0.1",
+     .help = "the address the metrics endpoint binds (`0.0.0.0`: every interface)"},
+    {"metrics-token-file", "FILE", PS_OPT_STR, O(metrics_token_file), .help =
+     "a token the metrics endpoint accepts besides the job's (the cluster's read-only token, so "
+     "that a scraper holds no token that can push)"},
     {"timeout-ms", "MS", PS_OPT_INT, O(timeout_ms), 1, 3600000, .def = "30000",
      .help = "deadline of every call to a server"},
     {"retry-s", "SEC", PS_OPT_SECS, O(retry_s), 0, .def = "60", .help =
@@ -174,6 +190,7 @@ int ps_worker_opts_parse(ps_worker_opts *o, int argc, char **argv) {
   o->epochs = -1;
   o->max_steps = -1;
   o->eval_interval = -1;
+  o->metrics_port = -1;
   o->threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
   if (o->threads < 1) o->threads = 1;
   if (ps_options_defaults(&worker_spec, o) != 0) return PS_WORKER_EXIT_USAGE;

@@ -50,6 +50,19 @@ pipeline_run() {
     || { tail -20 "$out/$name.out"; fail "the run $name ($*) failed"; }
 }
 
+# start_servers JOB PORTS [ARGS...]: one plaintext ps-server per address of
+# PORTS (shard i logs to $out/server-i.log), each with ARGS.
+start_servers() {
+  local job=$1 list=$2 s=0 addr
+  shift 2
+  for addr in ${list//,/ }; do
+    "$build/ps-server" --insecure --job "$job" --ps "$list" --index "$s" "$@" \
+      >"$out/server-$s.log" 2>&1 &
+    pids+=($!)
+    s=$((s + 1))
+  done
+}
+
 # clean_exit LOG: no sanitizer report and no crash in a process's log (an
 # ASan report exits 1 too, like the error a test may expect).
 clean_exit() {
@@ -243,11 +256,7 @@ evaluator)
   # workers train; it is not counted among the workers (sync steps go on
   # without it) and stops by itself once training is over.
   ports=$(free_ports 2)
-  for s in 0 1; do
-    "$build/ps-server" --insecure --job "$here/jobs/sync_equiv.json" --ps "$ports" --index "$s" \
-      >"$out/server-$s.log" 2>&1 &
-    pids+=($!)
-  done
+  start_servers "$here/jobs/sync_equiv.json" "$ports"
   "$build/ps-worker" --insecure --ps "${ports%%,*}" --evaluator --eval-interval 0.2 --idle-evals 3 \
     --max-evals 300 --threads 1 --metrics "$out/evaluator.jsonl" >"$out/evaluator.log" 2>&1 &
   epid=$!; pids+=($epid)
@@ -268,6 +277,123 @@ evaluator)
   n=$(grep -c test_accuracy "$out/evaluator.jsonl")
   echo "evaluator: $n evaluations; $(grep '^final test accuracy' "$out/evaluator.log")"
   [ "$n" -ge 3 ] || fail "only $n evaluations recorded"
+  ;;
+tensorboard)
+  # --tensorboard: the event files of a --local run, of a cluster's chief
+  # (the other worker, given the flag too, writes none) and of an evaluator,
+  # read back with the tensorboard package, hold the values of the same
+  # runs' --metrics records at the same steps. The package comes from PyPI
+  # into a venv kept in the build directory; skipped (77) without it.
+  timeout 60 "$build/ps-worker" --local --job "$here/jobs/synthetic.json" --threads 1 --max-steps 40 \
+    --straggle-ms 5 --log-interval 0 --eval-interval 0.05 --metrics "$out/local.jsonl" \
+    --tensorboard "$out/tb/local" >"$out/local.log" 2>&1 \
+    || { tail -5 "$out/local.log"; fail "the --local run failed"; }
+  grep -q "tensorboard: writing $out/tb/local/events.out.tfevents." "$out/local.log" \
+    || fail "the --local run does not say where it writes"
+  # A path that is a regular file: exit 2, and the message says why.
+  rc=0
+  timeout 60 "$build/ps-worker" --local --job "$here/jobs/synthetic.json" --threads 1 --max-steps 1 \
+    --tensorboard "$out/local.jsonl" >"$out/bad.log" 2>&1 || rc=$?
+  [ "$rc" = 2 ] || { tail -3 "$out/bad.log"; fail "--tensorboard FILE: exit $rc, expected 2"; }
+  grep -q "^ps-worker: --tensorboard: .*local.jsonl' exists and is not a directory" "$out/bad.log" \
+    || { tail -3 "$out/bad.log"; fail "--tensorboard FILE: the message does not say why"; }
+  # 2 shards, an evaluator and 2 sync workers, all given --tensorboard.
+  ports=$(free_ports 2)
+  start_servers "$here/jobs/sync_equiv.json" "$ports"
+  "$build/ps-worker" --insecure --ps "${ports%%,*}" --evaluator --eval-interval 0.2 --idle-evals 3 \
+    --max-evals 300 --threads 1 --metrics "$out/evaluator.jsonl" \
+    --tensorboard "$out/tb/evaluator" >"$out/evaluator.log" 2>&1 &
+  epid=$!; pids+=($epid)
+  # It sees the parameters move (and then stop) only when it starts first.
+  for _ in $(seq 1 300); do grep -q "evaluation 1:" "$out/evaluator.log" && break; sleep 0.1; done
+  grep -q "evaluation 1:" "$out/evaluator.log" || { tail -5 "$out/evaluator.log"; fail "the evaluator did not start"; }
+  wpids=()
+  for k in 0 1; do
+    timeout 120 "$build/ps-worker" --insecure --ps "${ports%%,*}" --index "$k" --num-workers 2 \
+      --threads 1 --straggle-ms 20 --log-interval 0.1 --eval-interval 0.3 \
+      --metrics "$out/worker-$k.jsonl" --tensorboard "$out/tb/cluster" >"$out/worker-$k.log" 2>&1 &
+    wpids+=($!); pids+=($!)
+  done
+  for k in 0 1; do wait "${wpids[$k]}" || { tail -5 "$out/worker-$k.log"; fail "worker $k failed"; }; done
+  for _ in $(seq 1 300); do kill -0 "$epid" 2>/dev/null || break; sleep 0.1; done
+  kill -0 "$epid" 2>/dev/null && fail "the evaluator did not stop by itself"
+  wait "$epid" || { tail -5 "$out/evaluator.log"; fail "the evaluator failed"; }
+  [ "$(grep -c "only the chief and the evaluator write TensorBoard files" "$out/worker-1.log")" = 1 ] \
+    || fail "worker 1 does not say once that it writes no TensorBoard files"
+  n=$(find "$out/tb" -type f | wc -l)
+  [ "$n" = 3 ] || { find "$out/tb" -type f; fail "$n event files, expected 3 (local, chief, evaluator)"; }
+  # The tensorboard package, in a venv kept and reused in the build directory.
+  venv=$build/venv-tensorboard
+  tb_import="from tensorboard.backend.event_processing import event_accumulator"
+  tb_skip() {
+    tail -3 "$out/venv.log"; rm -rf "$venv"
+    [ -n "${PS_KEEP_TEST_OUT:-}" ] || rm -rf "$out"
+    echo "SKIPPED: $1"; exit 77
+  }
+  if ! "$venv/bin/python" -c "$tb_import" 2>/dev/null; then
+    rm -rf "$venv"
+    python3 -m venv "$venv" >"$out/venv.log" 2>&1 || tb_skip "python3 -m venv failed"
+    "$venv/bin/pip" install --quiet --timeout 30 --retries 2 tensorboard >>"$out/venv.log" 2>&1 \
+      || tb_skip "pip cannot install tensorboard (PyPI unreachable?)"
+    "$venv/bin/python" -c "$tb_import" >>"$out/venv.log" 2>&1 \
+      || { tail -3 "$out/venv.log"; fail "tensorboard installed but its event_accumulator does not import"; }
+  fi
+  "$venv/bin/python" - "$out" <<'PY' || fail "the TensorBoard files do not hold the metrics"
+import glob, json, math, os, struct, sys
+from tensorboard.backend.event_processing import event_accumulator as ea
+out = sys.argv[1]
+TRAIN = {"train/loss": "loss", "train/accuracy": "train_accuracy",
+         "perf/examples_per_sec": "examples_per_sec", "staleness/mean": "staleness_mean",
+         "staleness/max": "staleness_max", "time/pull_ms": "pull_ms",
+         "time/compute_ms": "compute_ms", "time/push_ms": "push_ms"}
+TEST = {"test/loss": "test_loss", "test/accuracy": "test_accuracy"}
+f32 = lambda x: struct.unpack("<f", struct.pack("<f", x))[0]
+bad = []
+# run, its --metrics file, at least this many train and test points
+for run, jsonl, min_train, min_test in (("local", "local.jsonl", 2, 1),
+                                        ("cluster", "worker-0.jsonl", 2, 1),
+                                        ("evaluator", "evaluator.jsonl", 0, 1)):
+    d, nbad = f"{out}/tb/{run}", len(bad)
+    files = glob.glob(f"{d}/events.out.tfevents.*")
+    if len(files) != 1:
+        bad.append(f"{run}: {len(files)} event files in {d}, expected 1")
+        continue
+    acc = ea.EventAccumulator(d, size_guidance={ea.SCALARS: 0})
+    acc.Reload()
+    if acc.file_version != 2.0:
+        bad.append(f"{run}: file version {acc.file_version!r}, expected 2 (brain.Event:2)")
+    recs = [json.loads(l) for l in open(f"{out}/{jsonl}")]
+    want = {}
+    for tags, kind in ((TRAIN, "loss"), (TEST, "test_accuracy")):
+        rs = [r for r in recs if kind in r]
+        for tag, key in tags.items():
+            if rs:
+                want[tag] = [(r["step"], r[key]) for r in rs]
+    got_tags = set(acc.Tags()["scalars"])
+    if got_tags != set(want):
+        bad.append(f"{run}: tags {sorted(got_tags)}, expected {sorted(want)} (from {jsonl})")
+    for tag in sorted(set(want) & got_tags):
+        got = [(e.step, e.value) for e in acc.Scalars(tag)]
+        if len(got) != len(want[tag]):
+            bad.append(f"{run}: {tag}: {len(got)} points, {jsonl} has {len(want[tag])}")
+            continue
+        for (gs, gv), (js, jv) in zip(got, want[tag]):
+            same = math.isclose(gv, f32(jv), rel_tol=1e-6, abs_tol=1e-6) or (
+                math.isnan(gv) and math.isnan(jv))
+            if gs != js or not same:
+                bad.append(f"{run}: {tag}: step {gs} value {gv!r}; {jsonl}: step {js} value {jv!r}")
+                break
+    n_train = len(acc.Scalars("train/loss")) if "train/loss" in got_tags else 0
+    n_test = len(acc.Scalars("test/accuracy")) if "test/accuracy" in got_tags else 0
+    if n_train < min_train or n_test < min_test:
+        bad.append(f"{run}: {n_train} train and {n_test} test points, expected at least "
+                   f"{min_train} and {min_test}")
+    print(f"tensorboard: {run}: {len(got_tags)} tags, {n_train} train and {n_test} test points "
+          + ("match " if len(bad) == nbad else "checked against ") + jsonl)
+for b in bad:
+    print("FAIL: " + b, file=sys.stderr)
+sys.exit(1 if bad else 0)
+PY
   ;;
 sync_equivalence)
   # sync with 2 workers, batch b each == 1 worker, batch 2b, same number of
@@ -402,11 +528,7 @@ sync_kill)
   # sync, 3 workers; one is SIGKILLed mid-run: the shards drop it after the
   # heartbeat time-out, the quorum shrinks, and the others finish.
   ports=$(free_ports 2)
-  for s in 0 1; do
-    "$build/ps-server" --insecure --job "$here/jobs/sync3.json" --ps "$ports" --index "$s" \
-      >"$out/server-$s.log" 2>&1 &
-    pids+=($!)
-  done
+  start_servers "$here/jobs/sync3.json" "$ports"
   wpids=()
   for k in 0 1 2; do
     "$build/ps-worker" --insecure --ps "${ports%%,*}" --index "$k" --num-workers 3 --threads 1 \
@@ -1057,6 +1179,172 @@ supervision)
     last_line_says "$bad" "$out/bad.log" "^${cmd[0]}: exit 2 "
     echo "supervision: exit 2: ${cmd[*]:1}: $(tail -2 "$out/bad.log" | head -1 | cut -c1-90)"
   done
+  ;;
+status_watch)
+  # ps-server --status A,B --watch: the live table, here into a file (a
+  # block of lines per refresh, each ending with a blank line), while 2
+  # workers train on 2 shards; then shard 1 is killed: its line says it is
+  # unreachable while shard 0's still has numbers.
+  sed 's/"epochs": 3/"epochs": 1000/' "$here/jobs/synthetic.json" >"$out/long.json"
+  ports=$(free_ports 2)
+  spids=()
+  for s in 0 1; do
+    "$build/ps-server" --insecure --job "$out/long.json" --ps "$ports" --index "$s" \
+      >"$out/server-$s.log" 2>&1 &
+    spids+=($!); pids+=($!)
+  done
+  for k in 0 1; do
+    "$build/ps-worker" --insecure --ps "${ports%%,*}" --index "$k" --num-workers 2 --threads 1 \
+      --straggle-ms 50 >"$out/worker-$k.log" 2>&1 &
+    pids+=($!)
+  done
+  pushing=0
+  for _ in $(seq 1 300); do # until both workers have pushed (bounded)
+    pushing=$("$build/ps-server" --insecure --status "${ports%%,*}" 2>/dev/null | python3 -c \
+      'import json,sys; print(sum(w["pushes"] > 0 for w in json.load(sys.stdin)["workers"]))' \
+      2>/dev/null) || pushing=0
+    [ "${pushing:-0}" -ge 2 ] && break
+    sleep 0.1
+  done
+  [ "${pushing:-0}" -ge 2 ] || { tail -5 "$out"/*.log; fail "the 2 workers did not start pushing"; }
+  # Without --watch: one address, its object (as always); several, an array.
+  "$build/ps-server" --insecure --status "${ports%%,*}" >"$out/one.json" 2>/dev/null \
+    || fail "--status A failed"
+  "$build/ps-server" --insecure --status "$ports" >"$out/both.json" 2>/dev/null \
+    || fail "--status A,B failed"
+  python3 - "$out/one.json" "$out/both.json" <<'PY' || fail "--status JSON is not as expected"
+import json, sys
+one, both = (json.load(open(p)) for p in sys.argv[1:3])
+assert isinstance(one, dict) and one["shard"] == 0, one
+assert isinstance(both, list) and [o["shard"] for o in both] == [0, 1], both
+PY
+  rc=0
+  timeout 20 "$build/ps-server" --insecure --status "$ports" --watch --watch-count 3 \
+    --watch-interval 1 >"$out/watch.out" 2>"$out/watch.err" || rc=$?
+  [ "$rc" = 0 ] || { cat "$out/watch.out" "$out/watch.err"; fail "--watch: exit $rc (124: hung)"; }
+  python3 - "$out/watch.out" "$ports" <<'PY' || { cat "$out/watch.out"; fail "the --watch table is not as expected"; }
+import re, sys
+text, addrs = open(sys.argv[1]).read(), sys.argv[2].split(",")
+assert text.endswith("\n\n") and "\033" not in text, "not plain blocks ending with a blank line"
+blocks = text.split("\n\n")[:-1]
+assert len(blocks) == 3 and all(blocks), f"{len(blocks)} blocks, expected 3"
+rates = {a: [] for a in addrs}
+for b in blocks:
+    lines = b.split("\n")
+    for a in addrs:
+        mine = [l.split() for l in lines if l.split()[-1:] == [a]]
+        assert len(mine) == 1, f"{a}: {len(mine)} lines in a block"
+        f = mine[0]  # shard version push/s pull/s stale live waiting ckpt uptime address
+        assert len(f) == 10 and f[0] in ("0", "1") and f[1].isdigit(), f
+        rates[a].append(f[2])
+    workers = [l for l in lines if re.match(r"[0-9a-f]{8}  ", l)]
+    assert len(workers) == 2, f"{len(workers)} worker lines, expected 2"
+    assert all(w.split()[2] in ("worker", "chief") and w.split()[3] in ("0", "1")
+               for w in workers), workers
+for a, r in rates.items():
+    assert r[0] == "-", f"{a}: a rate on the first refresh: {r}"
+    assert any(x != "-" and float(x) > 0 for x in r[1:]), f"{a}: no pushes/s > 0: {r}"
+print("status_watch: pushes/s " + "; ".join(f"{a}: {' '.join(r)}" for a, r in rates.items()))
+PY
+  # SIGINT or SIGTERM stop a watch without --watch-count: exit 0.
+  for sig in INT TERM; do
+    "$build/ps-server" --insecure --status "$ports" --watch --watch-interval 0.3 \
+      >"$out/sig.out" 2>&1 &
+    wpid=$!; pids+=($wpid)
+    for _ in $(seq 1 100); do grep -q "^shard " "$out/sig.out" && break; sleep 0.1; done
+    kill -"$sig" "$wpid"
+    for _ in $(seq 1 50); do kill -0 "$wpid" 2>/dev/null || break; sleep 0.1; done
+    kill -0 "$wpid" 2>/dev/null && fail "--watch still running 5 s after SIG$sig"
+    rc=0; wait "$wpid" || rc=$?
+    [ "$rc" = 0 ] || fail "--watch stopped by SIG$sig: exit $rc, expected 0"
+    grep -q "^shard " "$out/sig.out" || fail "--watch stopped by SIG$sig printed no table"
+  done
+  # Shard 1 killed: a 4th run shows it unreachable (after the watch's
+  # deadline, its interval but at least 1 s) and shard 0 still answering.
+  kill -9 "${spids[1]}"
+  wait "${spids[1]}" 2>/dev/null || true
+  rc=0
+  timeout 20 "$build/ps-server" --insecure --status "$ports" --watch --watch-count 1 \
+    --watch-interval 1 >"$out/watch2.out" 2>"$out/watch2.err" || rc=$?
+  [ "$rc" = 0 ] || { cat "$out/watch2.out" "$out/watch2.err"; fail "--watch, a shard down: exit $rc"; }
+  python3 - "$out/watch2.out" "$ports" <<'PY' || { cat "$out/watch2.out"; fail "the dead shard is not shown as such"; }
+import sys
+text, (a, b) = open(sys.argv[1]).read(), sys.argv[2].split(",")
+lines = text.split("\n")
+up = [l.split() for l in lines if l.split()[-1:] == [a]]
+assert len(up) == 1 and up[0][0] == "0" and up[0][1].isdigit(), up
+down = [l for l in lines if b in l]
+assert len(down) == 1 and "unreachable: DEADLINE_EXCEEDED" in down[0], down
+print("status_watch: after the kill: " + " ".join(down[0].split()))
+PY
+  # --watch and --watch-count without --status: a bad command line.
+  for flags in "--watch" "--watch-count 3"; do
+    rc=0
+    # shellcheck disable=SC2086
+    "$build/ps-server" --insecure $flags >"$out/bad.log" 2>&1 || rc=$?
+    [ "$rc" = 2 ] || { cat "$out/bad.log"; fail "$flags without --status: exit $rc, expected 2"; }
+    grep -q -- "needs --status" "$out/bad.log" || { cat "$out/bad.log"; fail "$flags: no clear message"; }
+  done
+  echo "status_watch: --watch and --watch-count without --status: exit 2"
+  ;;
+prometheus)
+  # A real Prometheus scrapes 2 servers (HTTPS, the read-only token) and 2
+  # workers (HTTP, the same token through --metrics-token-file) of a
+  # running cluster; its HTTP API must show the pushes' rate per shard,
+  # every target up, the workers' step histograms, the checkpoints, and an
+  # answer to every query of deploy/grafana/ps-dashboard.json.
+  command -v prometheus >/dev/null || fail "prometheus is missing (deploy/install-deps.sh)"
+  command -v curl >/dev/null || fail "curl is missing"
+  "$root/deploy/certs.sh" "$out/certs" 127.0.0.1 localhost >/dev/null || fail "certs.sh"
+  c=$out/certs
+  (umask 077; head -c 32 /dev/urandom | base64 >"$c/read-token")
+  IFS=, read -r a0 a1 m0 m1 w0 w1 pp <<<"$(free_ports 7)"
+  for i in 0 1; do
+    m=m$i
+    "$build/ps-server" --job "$here/jobs/synthetic.json" --ps "$a0,$a1" --index $i \
+      --token-file "$c/token" --read-token-file "$c/read-token" --tls-cert "$c/127.0.0.1.pem" \
+      --tls-key "$c/127.0.0.1.key" --tls-ca "$c/ca.pem" --metrics-port "${!m##*:}" \
+      --checkpoint-dir "$out/ckpt" \
+      --checkpoint-secs 2 --log-interval 1 >"$out/server-$i.log" 2>&1 &
+    pids+=($!)
+  done
+  for i in 0 1; do
+    m=w$i
+    extra=()
+    [ $i = 0 ] && extra=(--chief --eval-interval 2)
+    "$build/ps-worker" --ps "$a0,$a1" --index $i --num-workers 2 --threads 1 --epochs 100000 \
+      --token-file "$c/token" --tls-ca "$c/ca.pem" --metrics-port "${!m##*:}" \
+      --metrics-token-file "$c/read-token" "${extra[@]}" >"$out/worker-$i.log" 2>&1 &
+    pids+=($!)
+  done
+  cat >"$out/prometheus.yml" <<EOF
+global: {scrape_interval: 1s, scrape_timeout: 1s}
+scrape_configs:
+  - job_name: ps-server
+    scheme: https
+    tls_config: {ca_file: $c/ca.pem}
+    authorization: {credentials_file: $c/read-token}
+    static_configs: [{targets: ['$m0', '$m1']}]
+  - job_name: ps-worker
+    authorization: {credentials_file: $c/read-token}
+    static_configs: [{targets: ['$w0', '$w1']}]
+EOF
+  prometheus --config.file="$out/prometheus.yml" --storage.tsdb.path="$out/tsdb" \
+    --web.listen-address="$pp" >"$out/prometheus.log" 2>&1 &
+  ppid=$!; pids+=($ppid)
+  # Without the token, or with a wrong one: 401; the job token also reads.
+  sleep 2
+  code=$(curl -s -o /dev/null -w '%{http_code}' --cacert "$c/ca.pem" "https://$m0/metrics")
+  [ "$code" = 401 ] || fail "a scrape without a token got $code, not 401"
+  code=$(curl -s -o /dev/null -w '%{http_code}' -H "Authorization: Bearer nottheone0123456789" \
+    "http://$w0/metrics")
+  [ "$code" = 401 ] || fail "a worker scrape with a wrong token got $code, not 401"
+  curl -sf --cacert "$c/ca.pem" -H "Authorization: Bearer $(cat "$c/token")" "https://$m1/metrics" \
+    | grep -q '^ps_shard_version{shard="1"} ' || fail "shard 1's /metrics with the job token"
+  python3 "$here/tools/prom_check.py" "http://$pp" "$root/deploy/grafana/ps-dashboard.json" 2 2 60 \
+    || { tail -n 5 "$out"/*.log | cut -c1-300; fail "Prometheus's view of the cluster"; }
+  kill -TERM "$ppid"; wait "$ppid" || true
+  for f in "$out"/server-*.log "$out"/worker-*.log; do clean_exit "$f" || fail "$f: a sanitizer report"; done
   ;;
 *)
   fail "unknown test '$name'"
