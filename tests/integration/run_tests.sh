@@ -1344,6 +1344,17 @@ EOF
   python3 "$here/tools/prom_check.py" "http://$pp" "$root/deploy/grafana/ps-dashboard.json" 2 2 60 \
     || { tail -n 5 "$out"/*.log | cut -c1-300; fail "Prometheus's view of the cluster"; }
   kill -TERM "$ppid"; wait "$ppid" || true
+  # Checkpoint sets over TLS without --tls-ca: shard 0 checks the shards'
+  # certificates against the system's CAs; it says so at start.
+  port=$(free_ports 1)
+  "$build/ps-server" --job "$here/jobs/synthetic.json" --ps "$port" --index 0 --token-file "$c/token" \
+    --tls-cert "$c/127.0.0.1.pem" --tls-key "$c/127.0.0.1.key" --checkpoint-dir "$out/ckpt2" \
+    >"$out/noca.log" 2>&1 &
+  spid=$!; pids+=($spid)
+  for i in $(seq 1 50); do grep -q "listening on" "$out/noca.log" && break; sleep 0.1; done
+  grep -q "checkpoint sets: shard 0 calls every shard over TLS and, without --tls-ca" "$out/noca.log" \
+    || { tail -5 "$out/noca.log"; fail "no warning for checkpoint sets over TLS without --tls-ca"; }
+  kill -TERM "$spid"; wait "$spid" || fail "the server without --tls-ca did not exit 0"
   for f in "$out"/server-*.log "$out"/worker-*.log; do clean_exit "$f" || fail "$f: a sanitizer report"; done
   ;;
 *)

@@ -147,6 +147,19 @@ static void test_endpoint(void) {
   CHECK(http(port, "GET / HTTP/1.0\r\nAuthorization: Bearer 0123456789abcdefghij\r\n\r\n",
              reply, sizeof reply) == 200);
   CHECK(strstr(reply, "/metrics") != NULL);
+  /* garbage instead of a request: refused, and the endpoint goes on */
+  int g = http(port, "\x01\x02 junk\r\n\r\n", reply, sizeof reply);
+  CHECK_MSG(g == 400 || g == -1, "garbage answered %d", g);
+  char big[9000];
+  memset(big, 'a', sizeof big);
+  memcpy(big, "GET /", 5);
+  memcpy(big + sizeof big - 20, " HTTP/1.0\r\n\r\n", 14);
+  big[sizeof big - 6] = 0;
+  g = http(port, big, reply, sizeof reply);
+  CHECK_MSG(g == 414 || g == 400 || g == 431 || g == 404 || g == 401 || g == -1,
+            "a long path answered %d", g);
+  CHECK(http(port, "GET /metrics HTTP/1.0\r\nAuthorization: Bearer 0123456789abcdefghij\r\n\r\n",
+             reply, sizeof reply) == 200);
   /* a second endpoint on the same port is refused, with the reason */
   ps_prom_opts o2 = {.host = "127.0.0.1", .port = port};
   ps_prom_server *s2 = ps_prom_start(&o2, collect, &value, err);
