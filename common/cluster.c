@@ -8,6 +8,7 @@
 #include <arpa/inet.h>
 #include <jansson.h>
 #include <limits.h>
+#include <netdb.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -69,6 +70,27 @@ static const char *hostport_problem(const char *s) {
   int port;
   if (ps_parse_hostport(s, host, sizeof host, &port) != 0) return "expected host:port";
   return NULL;
+}
+
+int ps_addr_resolve(const char *addr, char *err) {
+  char host[PS_ADDR_LEN];
+  int port;
+  if (ps_parse_hostport(addr, host, sizeof host, &port) != 0)
+    return ps_seterr(err, PS_EINVAL, "'%.150s' is not host:port", addr);
+  size_t n = strlen(host);
+  if (n >= 2 && host[0] == '[' && host[n - 1] == ']') { /* [v6]: numeric */
+    memmove(host, host + 1, n - 2);
+    host[n - 2] = 0;
+  }
+  if (!host[0]) return 0;
+  struct addrinfo hints = {.ai_socktype = SOCK_STREAM}, *res = NULL;
+  int rc = getaddrinfo(host, NULL, &hints, &res);
+  if (rc == 0) {
+    freeaddrinfo(res);
+    return 0;
+  }
+  return ps_seterr(err, PS_EUNAVAIL, "the name '%.120s' does not resolve: %s", host,
+                   gai_strerror(rc));
 }
 
 int ps_cluster_parse_ps_list(const char *csv, ps_cluster *c, char *err) {

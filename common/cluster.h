@@ -24,6 +24,13 @@ typedef struct {
  * checked for the host:port shape. */
 int ps_cluster_parse_ps_list(const char *csv, ps_cluster *c, char *err);
 
+/* Whether the host of addr (host:port, [v6]:port) resolves now: 0 (also
+ * for a numeric address, or an empty host: every interface); PS_EUNAVAIL
+ * when the name does not resolve yet (no such name, or DNS failed: a
+ * Kubernetes headless Service or a new node may publish it later);
+ * PS_EINVAL for a malformed address. A message in err either way but 0. */
+int ps_addr_resolve(const char *addr, char *err);
+
 /* Parses TF_CONFIG text. Unknown task types and bad indices are errors. */
 int ps_cluster_from_tf_config(const char *json_text, ps_cluster *c, char *err);
 

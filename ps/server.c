@@ -184,6 +184,32 @@ static int build_shard(ps_server *sv, const ps_server_opts *o) {
   return 0;
 }
 
+/* The address to bind may be a name that resolves only later (a
+ * Kubernetes headless Service publishes a pod's name once the pod runs; a
+ * Slurm node's name once the node is up): waits for it with backoff, at
+ * most max_s seconds. 0, or 1 with a message on stderr. */
+static int wait_resolvable(const char *addr, double max_s) {
+  char err[PS_ERRLEN];
+  double start = ps_now_s();
+  int64_t backoff = 100;
+  for (int said = 0;; said = 1) {
+    int rc = ps_addr_resolve(addr, err);
+    if (rc == 0) {
+      if (said) PS_INFO("%s resolves after %.1f s", addr, ps_now_s() - start);
+      return 0;
+    }
+    double waited = ps_now_s() - start;
+    if (rc != PS_EUNAVAIL || waited >= max_s) {
+      fprintf(stderr, "ps-server: cannot listen on %s: %s%s\n", addr, err,
+              rc == PS_EUNAVAIL ? " (waited --resolve-s)" : "");
+      return 1;
+    }
+    if (!said) PS_WARN("%s: waiting up to %g s for it to resolve", err, max_s);
+    ps_sleep_ms(backoff);
+    backoff = backoff * 2 > 2000 ? 2000 : backoff * 2;
+  }
+}
+
 /* Initializes the loop, then creates the RPC server, registers the methods
  * and starts serving. Returns 0, or the exit code with a message on
  * stderr: 2 when the token or TLS flags do not resolve (a file missing or
@@ -224,6 +250,7 @@ static int start_rpc(ps_server *sv, const ps_server_opts *o) {
                         .tls = ps_security_tls(&sv->sec),
                         .max_receive_bytes = (int)max_request,
                         .memory_bytes = memory};
+  if (wait_resolvable(addr, o->resolve_s) != 0) return 1;
   int port = 0;
   sv->rpc = rpc_server_create(addr, &so, &port, err);
   if (!sv->rpc) {

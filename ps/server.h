@@ -58,6 +58,7 @@ typedef struct {
   int watch_count;          /* --watch-count: stop after that many refreshes (0: not given) */
   int metrics_port;         /* the Prometheus endpoint's port (-1: none, 0: any) */
   const char *metrics_host; /* its address (NULL: the host of the listen address) */
+  double resolve_s;         /* how long to wait for a listen address's name to resolve */
   ps_security_opts sec;    /* TLS, tokens, --insecure */
 } ps_server_opts;
 

@@ -24,6 +24,9 @@ static const ps_option server_flags[] = {
      .help = "which shard this process is, from 0"},
     {"listen", "ADDR", PS_OPT_STR, O(listen_addr), .def_doc = "this shard's entry of the list",
      .help = "address to bind; `0.0.0.0:PORT` accepts connections on every interface"},
+    {"resolve-s", "SEC", PS_OPT_SECS, O(resolve_s), 0, .def = "120", .help =
+     "when the address to bind is a name that does not resolve yet (a Kubernetes headless "
+     "Service, a node coming up), wait this long for it, with backoff"},
     {"threads", "N", PS_OPT_INT, O(threads), 1, 64, .def = "2",
      .help = "threads serving requests"},
     {"checkpoint-dir", "DIR", PS_OPT_STR, O(ckpt_dir), .help =

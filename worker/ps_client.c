@@ -8,6 +8,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "../common/cluster.h"
 #include "../common/rpc.h"
 #include "../common/util.h"
 #include "../common/wire.h"
@@ -259,12 +260,14 @@ ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char 
                         c->opts.connect_timeout_ms, 1, detail);
     rpc_channel_destroy(ch);
     if (st != RPC_OK) {
+      char dns[PS_ERRLEN] = "", why[PS_ERRLEN + 8] = "";
+      if (st == RPC_DEADLINE_EXCEEDED && ps_addr_resolve(target, dns) == PS_EUNAVAIL)
+        snprintf(why, sizeof why, " (%.200s)", dns);
+      else if (st == RPC_DEADLINE_EXCEEDED)
+        snprintf(why, sizeof why, " (nothing answered: is the server up, and does it talk TLS "
+                                  "(--tls-ca) or plaintext (--insecure) as this worker does?)");
       ps_seterr(err, st == RPC_DEADLINE_EXCEEDED ? PS_EUNAVAIL : PS_EPROTO,
-                "Register with %s: %s: %s%s", target, rpc_status_name(st), detail,
-                st == RPC_DEADLINE_EXCEEDED
-                    ? " (nothing answered: is the server up, and does it talk TLS (--tls-ca) "
-                      "or plaintext (--insecure) as this worker does?)"
-                    : "");
+                "Register with %s: %s: %s%s", target, rpc_status_name(st), detail, why);
       goto fail;
     }
     r = (Ps__RegisterResponse *)m;

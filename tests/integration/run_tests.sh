@@ -1357,6 +1357,46 @@ EOF
   kill -TERM "$spid"; wait "$spid" || fail "the server without --tls-ca did not exit 0"
   for f in "$out"/server-*.log "$out"/worker-*.log; do clean_exit "$f" || fail "$f: a sanitizer report"; done
   ;;
+name_resolution)
+  # --ps with names that resolve only later (a Kubernetes headless Service
+  # publishes a pod's name once it runs): the server waits for its own
+  # name and then listens; a worker started before the name resolves
+  # retries and trains. A private /etc/hosts in a mount namespace of the
+  # test's own stands for DNS; skipped (77) without root.
+  if [ "$(id -u)" != 0 ] || ! command -v unshare >/dev/null; then
+    echo "SKIPPED: needs root and unshare for a private /etc/hosts"; exit 77
+  fi
+  port=$(free_ports 1); port=${port##*:}
+  grep -v 'ps-0\.ps\.test' /etc/hosts >"$out/hosts"
+  export build here out port
+  timeout 120 unshare -m bash -c '
+    set -e
+    mount --bind "$out/hosts" /etc/hosts
+    "$build/ps-server" --insecure --job "$here/jobs/synthetic.json" --ps ps-0.ps.test:$port \
+      --index 0 --resolve-s 30 >"$out/server.log" 2>&1 &
+    spid=$!
+    "$build/ps-worker" --insecure --ps ps-0.ps.test:$port --threads 1 --retry-s 30 \
+      >"$out/worker.log" 2>&1 &
+    wpid=$!
+    sleep 1.5
+    echo "127.0.0.1 ps-0.ps.test" >>"$out/hosts"   # in place: the bind mount sees it
+    rc=0; wait $wpid || rc=$?
+    kill -TERM $spid; wait $spid || rc=$?
+    exit $rc' || { tail -5 "$out/server.log" "$out/worker.log"; fail "the run with names failed"; }
+  grep -q "ps-0.ps.test' does not resolve: .*waiting up to 30 s" "$out/server.log" \
+    || fail "the server did not say it waits for its name"
+  grep -q "ps-0.ps.test:$port resolves after" "$out/server.log" || fail "no 'resolves after'"
+  acc=$(final_accuracy "$out/worker.log")
+  echo "name_resolution: $(grep -o 'resolves after [0-9.]* s' "$out/server.log"); final accuracy $acc"
+  at_least "$acc" 0.9 || fail "accuracy $acc below 0.9"
+  # A name that never resolves: the worker's last line says so.
+  rc=0
+  timeout 30 "$build/ps-worker" --insecure --ps no-such-shard.invalid:$port --retry-s 1 \
+    >"$out/noname.log" 2>&1 || rc=$?
+  [ "$rc" = 3 ] || fail "a name that does not resolve: exit $rc, expected 3"
+  tail -1 "$out/noname.log" | grep -q "the name 'no-such-shard.invalid' does not resolve" \
+    || { tail -1 "$out/noname.log"; fail "the worker's last line does not say the name does not resolve"; }
+  ;;
 *)
   fail "unknown test '$name'"
   ;;
