@@ -9,6 +9,7 @@ packages=(
   cmake gcc make pkg-config
   libgrpc-dev libprotobuf-c-dev protobuf-c-compiler
   libuv1-dev libopenblas-dev libjansson-dev zlib1g-dev libmicrohttpd-dev
+  dpkg-dev file help2man   # cpack -G DEB (Depends: from dpkg-shlibdeps) and the man pages
   dataset-fashion-mnist
   iproute2 iperf3 gnuplot-nox python3 python3-venv openssl prometheus
   "$@"
