@@ -77,11 +77,7 @@ int ps_addr_resolve(const char *addr, char *err) {
   int port;
   if (ps_parse_hostport(addr, host, sizeof host, &port) != 0)
     return ps_seterr(err, PS_EINVAL, "'%.150s' is not host:port", addr);
-  size_t n = strlen(host);
-  if (n >= 2 && host[0] == '[' && host[n - 1] == ']') { /* [v6]: numeric */
-    memmove(host, host + 1, n - 2);
-    host[n - 2] = 0;
-  }
+  ps_host_unbracket(host);
   if (!host[0]) return 0;
   struct addrinfo hints = {.ai_socktype = SOCK_STREAM}, *res = NULL;
   int rc = getaddrinfo(host, NULL, &hints, &res);

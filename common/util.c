@@ -125,6 +125,14 @@ int ps_parse_hostport(const char *s, char *host, size_t hostlen, int *port) {
   return PS_OK;
 }
 
+void ps_host_unbracket(char *host) {
+  size_t n = strlen(host);
+  if (n >= 2 && host[0] == '[' && host[n - 1] == ']') {
+    memmove(host, host + 1, n - 2);
+    host[n - 2] = 0;
+  }
+}
+
 /* ---- UTF-8 ---- */
 
 size_t ps_utf8_char_len(const uint8_t *s, size_t n) {

@@ -47,6 +47,8 @@ int ps_read_file(const char *path, char **out, size_t *len, char *err);
 
 /* Parses "host:port"; writes host (at most hostlen-1 chars) and port. */
 int ps_parse_hostport(const char *s, char *host, size_t hostlen, int *port);
+/* "[v6]" as a host becomes "v6", as getaddrinfo wants it (in place). */
+void ps_host_unbracket(char *host);
 
 /* UTF-8 (RFC 3629: no overlong forms, no surrogates, nothing above
  * U+10FFFF). ps_utf8_char_len: the length (1 to 4) of the character that

@@ -145,12 +145,7 @@ int ps_server_prom_start(ps_server *sv, const ps_server_opts *o, const char *add
   const char *bind_host = o->metrics_host;
   if (!bind_host) {
     if (ps_parse_hostport(addr, host, sizeof host, &port) != 0) host[0] = 0;
-    /* "[::1]" as getaddrinfo wants it */
-    size_t n = strlen(host);
-    if (n >= 2 && host[0] == '[' && host[n - 1] == ']') {
-      memmove(host, host + 1, n - 2);
-      host[n - 2] = 0;
-    }
+    ps_host_unbracket(host);
     bind_host = host;
   }
   ps_prom_opts po = {.host = bind_host,

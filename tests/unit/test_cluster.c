@@ -173,9 +173,25 @@ static void test_tf_config_invalid(void) {
                   "unknown field 'task.idx'");
 }
 
+/* Numeric addresses, every interface and localhost resolve; a name under
+ * .invalid (RFC 2606: never registered) does not, with the name said; a
+ * malformed address is refused. */
+static void test_addr_resolve(void) {
+  char err[PS_ERRLEN];
+  CHECK(ps_addr_resolve("127.0.0.1:5000", err) == 0);
+  CHECK(ps_addr_resolve("[::1]:5000", err) == 0);
+  CHECK(ps_addr_resolve("0.0.0.0:1", err) == 0);
+  CHECK(ps_addr_resolve("localhost:2222", err) == 0);
+  CHECK(ps_addr_resolve("ps-0.ps.invalid:2222", err) == PS_EUNAVAIL);
+  CHECK_MSG(strstr(err, "'ps-0.ps.invalid' does not resolve") != NULL, "%s", err);
+  CHECK(ps_addr_resolve("no-port", err) == PS_EINVAL);
+  CHECK(ps_addr_resolve(":80", err) == PS_EINVAL);
+}
+
 int main(void) {
   RUN(test_ps_list_valid);
   RUN(test_ps_list_invalid);
+  RUN(test_addr_resolve);
   RUN(test_tf_config_valid);
   RUN(test_tf_config_invalid);
   return check_summary();

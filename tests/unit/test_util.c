@@ -86,6 +86,12 @@ static void test_hostport(void) {
   CHECK(strcmp(host, "127.0.0.1") == 0 && port == 5000);
   CHECK(ps_parse_hostport("[::1]:7", host, sizeof host, &port) == 0);
   CHECK(strcmp(host, "[::1]") == 0 && port == 7);
+  ps_host_unbracket(host);
+  CHECK(strcmp(host, "::1") == 0);
+  char plain[] = "h[1]", one[] = "[";
+  ps_host_unbracket(plain);
+  ps_host_unbracket(one);
+  CHECK(strcmp(plain, "h[1]") == 0 && strcmp(one, "[") == 0);
   CHECK(ps_parse_hostport("nohost", host, sizeof host, &port) != 0);
   CHECK(ps_parse_hostport(":80", host, sizeof host, &port) != 0);
   CHECK(ps_parse_hostport("h:99999", host, sizeof host, &port) != 0);
