@@ -12,6 +12,7 @@ packages=(
   dpkg-dev file help2man   # cpack -G DEB (Depends: from dpkg-shlibdeps) and the man pages
   dataset-fashion-mnist
   iproute2 iperf3 gnuplot-nox python3 python3-venv openssl prometheus
+  slurmctld slurmd slurm-client munge   # tests/deploy/slurm.sh: a Slurm cluster of its own
   "$@"
 )
 
