@@ -1,18 +1,32 @@
 #!/usr/bin/env bash
-# Installs the Debian packages the build, the tests and the quickstart need,
-# and any named on the command line (tests/fuzz/run.sh asks for clang).
-# Idempotent: quiet when everything is already there. Uses sudo when not root.
-#   deploy/install-deps.sh [PACKAGE...]
+# Installs the Debian packages the build and the quickstart need; with
+# --tests also those only the tests use (Prometheus, Slurm and munge, the
+# package and man page tools, venv); and any named on the command line
+# (tests/fuzz/run.sh asks for clang). Idempotent: quiet when everything is
+# already there. Uses sudo when not root. Services that Debian's packages
+# enable and start on a systemd host (prometheus, munge, slurmctld,
+# slurmd) are stopped and disabled again when this script installed them:
+# the tests start their own.
+#   deploy/install-deps.sh [--tests] [PACKAGE...]
 set -euo pipefail
 
+tests=()
+if [ "${1:-}" = --tests ]; then
+  shift
+  tests=(
+    python3-venv                          # the tensorboard and Kubernetes checks' venvs
+    prometheus                            # integration.prometheus
+    dpkg-dev file help2man                # deploy.deb: cpack -G DEB, Depends:, man pages
+    slurmctld slurmd slurm-client munge   # deploy.slurm: a Slurm cluster of its own
+  )
+fi
 packages=(
   cmake gcc make pkg-config
   libgrpc-dev libprotobuf-c-dev protobuf-c-compiler
   libuv1-dev libopenblas-dev libjansson-dev zlib1g-dev libmicrohttpd-dev
-  dpkg-dev file help2man   # cpack -G DEB (Depends: from dpkg-shlibdeps) and the man pages
   dataset-fashion-mnist
-  iproute2 iperf3 gnuplot-nox python3 python3-venv openssl prometheus
-  slurmctld slurmd slurm-client munge   # tests/deploy/slurm.sh: a Slurm cluster of its own
+  iproute2 iperf3 gnuplot-nox python3 openssl
+  "${tests[@]}"
   "$@"
 )
 
@@ -32,4 +46,9 @@ fi
 echo "install-deps: installing ${missing[*]}"
 $sudo apt-get update -qq
 DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+if [ -d /run/systemd/system ] && command -v systemctl >/dev/null; then
+  for svc in prometheus munge slurmctld slurmd; do
+    case " ${missing[*]} " in *" $svc "*) $sudo systemctl disable --now "$svc" >/dev/null 2>&1 || true ;; esac
+  done
+fi
 echo "install-deps: done"

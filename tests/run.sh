@@ -6,7 +6,7 @@
 #   tests/run.sh -L unit         only the unit tests (any ctest arguments)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-deploy/install-deps.sh
+deploy/install-deps.sh --tests
 build=${BUILD_DIR:-build}
 cmake -S . -B "$build" -DPS_WERROR=ON ${CMAKE_ARGS:-} >/dev/null
 cmake --build "$build" -j"$(nproc)"

@@ -22,7 +22,7 @@
 #    kills every process of the job) once a set exists, runs again under
 #    the same job id, restores from its checkpoints, and completes.
 # Exits 77 (skipped) when not root or Slurm/munge are not installed (Debian:
-# slurm-wlm and munge, see deploy/install-deps.sh). Nothing under /etc/slurm
+# slurm-wlm and munge, see deploy/install-deps.sh --tests). Nothing under /etc/slurm
 # nor a system Slurm is touched: SLURM_CONF points at the private
 # configuration. Every wait is bounded; everything started here is stopped
 # on exit; the files go too, unless the test fails or PS_SLURM_KEEP is set.
@@ -39,7 +39,7 @@ for c in slurmctld slurmd sbatch srun scontrol sinfo squeue scancel munged pytho
   command -v "$c" >/dev/null || missing+=("$c")
 done
 [ ${#missing[@]} -eq 0 ] \
-  || skip "not installed: ${missing[*]} (Debian: slurm-wlm and munge; deploy/install-deps.sh installs them)"
+  || skip "not installed: ${missing[*]} (Debian: slurm-wlm and munge; deploy/install-deps.sh --tests installs them)"
 [ -x "$build/ps-server" ] && [ -x "$build/ps-worker" ] || { echo "FAIL: no ps-server/ps-worker in $build" >&2; exit 1; }
 
 tag="ps$$"

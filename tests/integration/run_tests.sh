@@ -1295,7 +1295,7 @@ prometheus)
   # running cluster; its HTTP API must show the pushes' rate per shard,
   # every target up, the workers' step histograms, the checkpoints, and an
   # answer to every query of deploy/grafana/ps-dashboard.json.
-  command -v prometheus >/dev/null || fail "prometheus is missing (deploy/install-deps.sh)"
+  command -v prometheus >/dev/null || fail "prometheus is missing (deploy/install-deps.sh --tests)"
   command -v curl >/dev/null || fail "curl is missing"
   "$root/deploy/certs.sh" "$out/certs" 127.0.0.1 localhost >/dev/null || fail "certs.sh"
   c=$out/certs
