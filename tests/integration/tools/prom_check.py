@@ -5,9 +5,10 @@ dashboard answers with data.
 
   prom_check.py PROM_URL DASHBOARD.json SERVERS WORKERS TIMEOUT_S
 
-Waits (at most TIMEOUT_S) until rate(ps_pushes_total[30s]) has one positive
-series per shard, then checks the rest once. Prints what it saw; exits 1
-with the reason on the first check that fails."""
+Each check waits (all of them together at most TIMEOUT_S) until its query
+answers as it must: series appear as scrapes and evaluations come in.
+Prints what it saw; exits 1 with the reason on the first check that is
+not met in time."""
 import json
 import math
 import re
@@ -64,23 +65,17 @@ print("rate(ps_pushes_total[30s]): " + ", ".join(
 
 # 2. Every target up: the servers over HTTPS with the read-only token, the
 # workers over HTTP.
-up = query("up")
-if len(up) != servers + workers or any(v != 1 for v in values(up)):
-    fail("up: %s" % [(s["metric"], s["value"][1]) for s in up])
+up = wait_for("up", lambda r: len(r) == servers + workers and all(v == 1 for v in values(r)))
 print("up: %d targets, all 1" % len(up))
 
 # 3. The workers' counters and histograms.
-ex = query("rate(ps_worker_examples_total[30s])")
-if len(ex) != workers or any(v <= 0 for v in values(ex)):
-    fail("rate(ps_worker_examples_total[30s]): %s" % ex)
+ex = wait_for("rate(ps_worker_examples_total[30s])",
+              lambda r: len(r) == workers and all(v > 0 for v in values(r)))
 print("rate(ps_worker_examples_total[30s]): " + ", ".join(
     "worker %s %.0f ex/s" % (s["metric"]["worker"], float(s["value"][1])) for s in ex))
 q = 'histogram_quantile(0.5, sum by (le, phase) (rate(ps_worker_step_seconds_bucket[30s])))'
-med = query(q)
-phases = sorted(s["metric"]["phase"] for s in med)
-if phases != ["compute", "pull", "push"] or any(
-        not (v > 0 and math.isfinite(v)) for v in values(med)):
-    fail("%s: %s" % (q, med))
+med = wait_for(q, lambda r: sorted(x["metric"]["phase"] for x in r) == ["compute", "pull", "push"]
+               and all(v > 0 and math.isfinite(v) for v in values(r)))
 print("median step seconds: " + ", ".join(
     "%s %.2g" % (s["metric"]["phase"], float(s["value"][1])) for s in med))
 # a checkpoint set every 2 s: each shard wrote one within the last minute
@@ -105,9 +100,8 @@ for panel in dash["panels"]:
                 continue
             if name not in known:
                 fail("panel %r: %r names %s, which no process exposes" % (panel["title"], expr, name))
-        res = query(expr)
-        if not res:
-            fail("panel %r: %r returned no series" % (panel["title"], expr))
+        # (a series may need a second scrape or the first evaluation)
+        wait_for(expr, lambda r: len(r) > 0)
         n += 1
 print("dashboard: %d queries of %d panels answered" % (n, len(dash["panels"])))
 print("prom_check: ok")
