@@ -293,7 +293,7 @@ static int parse_root(json_t *root, ps_job *job, char *err) {
       "job_id, model, optimizer, seed, batch_size, epochs, max_steps, mode, backup_workers, "
       "min_workers, max_workers, lease_chunk, "
       "staleness_aware_lr, wait_timeout_ms, shuffle, dataset, eval_interval_s, "
-      "heartbeat_timeout_ms";
+      "heartbeat_timeout_ms, wire";
   int rc;
   if ((rc = check_keys(root, known, "", err))) return rc;
   if ((rc = parse_job_id(root, job, err))) return rc;
@@ -333,6 +333,14 @@ static int parse_root(json_t *root, ps_job *job, char *err) {
   if ((rc = get_int(root, "heartbeat_timeout_ms", "heartbeat_timeout_ms", 1, INT_MAX, &v, err)))
     return rc;
   job->heartbeat_timeout_ms = (int)v;
+  json_t *wire = json_object_get(root, "wire");
+  if (wire) {
+    const char *name = json_string_value(wire);
+    if (!name || ps_wire_parse(name, &job->wire) != 0)
+      return ps_seterr(err, PS_EINVAL, "'wire' %s%.32s%s is not known (known: %s)",
+                       name ? "'" : "", name ? name : "(not a string)", name ? "'" : "",
+                       PS_WIRE_NAMES);
+  }
   return 0;
 }
 

@@ -12,7 +12,8 @@
  *   "backup_workers": 0, "min_workers": 1, "staleness_aware_lr": false, "wait_timeout_ms": 60000,
  *   "shuffle": true, "lease_chunk": 0,
  *   "dataset": {"name": "fashion-mnist", "dir": "/usr/share/datasets/fashion-mnist"},
- *   "eval_interval_s": 20, "heartbeat_timeout_ms": 10000
+ *   "eval_interval_s": 20, "heartbeat_timeout_ms": 10000,
+ *   "wire": "fp32"                       (or "bf16", "fp16": 16-bit values on the wire)
  * }
  * dataset.name is "fashion-mnist", "mnist" (IDX files in dir) or "synthetic"
  * (with "train_size", "test_size"). */
@@ -21,6 +22,7 @@
 
 #include <stdint.h>
 
+#include "half.h"
 #include "model_spec.h"
 
 typedef struct {
@@ -58,6 +60,7 @@ typedef struct {
   double eval_interval_s;
   int heartbeat_timeout_ms;
   int max_workers;     /* registered at once on a shard (evaluators included); default 256 */
+  ps_wire wire;        /* how pulled parameters and pushed gradients travel; default fp32 */
 } ps_job;
 
 /* Parses a job from JSON text, filling defaults for absent optional fields.

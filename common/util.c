@@ -336,49 +336,66 @@ int ps_segview_each_float(const ps_segview *v, ps_float_fn fn, void *user) {
   return PS_OK;
 }
 
-int ps_segview_each_float_range(const ps_segview *v, size_t first, size_t count, ps_float_fn fn,
-                                void *user) {
-  if (first > v->total / 4 || count > v->total / 4 - first) return PS_ERANGE;
-  size_t pos = first * 4, end = (first + count) * 4; /* byte range wanted */
-  size_t at = 0;                                     /* byte offset of segs[i] */
-  size_t next = first;                               /* index of the next float */
-  uint8_t carry[4];
+int ps_segview_each_elem_range(const ps_segview *v, size_t esz, size_t first, size_t count,
+                               ps_elem_fn fn, void *user) {
+  if (esz == 0 || esz > 8) return PS_EINVAL;
+  if (first > v->total / esz || count > v->total / esz - first) return PS_ERANGE;
+  size_t pos = first * esz, end = (first + count) * esz; /* byte range wanted */
+  size_t at = 0;                                         /* byte offset of segs[i] */
+  size_t next = first;                                   /* index of the next element */
+  uint8_t carry[8]; /* bytes of an element split across segments; 8-aligned */
+  uint64_t stage[1];
   size_t ncarry = 0;
-  float stage[1];
   for (int i = 0; i < v->nsegs && next < first + count; i++) {
     size_t len = v->segs[i].len;
     if (len == 0 || at + len <= pos) {
       at += len;
       continue;
     }
-    size_t lo = pos > at ? pos - at : 0;                /* within this segment */
+    size_t lo = pos > at ? pos - at : 0; /* within this segment */
     size_t hi = end < at + len ? end - at : len;
     const uint8_t *p = v->segs[i].ptr + lo;
     size_t n = hi - lo;
     if (ncarry) {
-      size_t take = 4 - ncarry < n ? 4 - ncarry : n;
+      size_t take = esz - ncarry < n ? esz - ncarry : n;
       memcpy(carry + ncarry, p, take);
       ncarry += take;
       p += take;
       n -= take;
-      if (ncarry == 4) {
-        memcpy(stage, carry, 4);
+      if (ncarry == esz) {
+        memcpy(stage, carry, esz);
         int rc = fn(stage, 1, next, user);
         if (rc) return rc;
         next++;
         ncarry = 0;
       }
     }
-    size_t nf = n / 4;
-    if (nf) {
-      int rc = fn((const ps_ufloat *)(const void *)p, nf, next, user);
+    size_t ne = n / esz;
+    if (ne) {
+      int rc = fn(p, ne, next, user);
       if (rc) return rc;
-      next += nf;
+      next += ne;
     }
-    memcpy(carry + ncarry, p + nf * 4, n - nf * 4);
-    ncarry += n - nf * 4;
+    memcpy(carry + ncarry, p + ne * esz, n - ne * esz);
+    ncarry += n - ne * esz;
     pos = at + hi;
     at += len;
   }
   return PS_OK;
+}
+
+typedef struct {
+  ps_float_fn fn;
+  void *user;
+} float_tramp;
+
+static int float_piece(const void *values, size_t n, size_t first, void *user) {
+  const float_tramp *t = user;
+  return t->fn(values, n, first, t->user);
+}
+
+int ps_segview_each_float_range(const ps_segview *v, size_t first, size_t count, ps_float_fn fn,
+                                void *user) {
+  float_tramp t = {fn, user};
+  return ps_segview_each_elem_range(v, 4, first, count, float_piece, &t);
 }

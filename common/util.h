@@ -130,6 +130,12 @@ int ps_segview_each_float(const ps_segview *v, ps_float_fn fn, void *user);
 /* The same over the floats [first, first+count) of the view only (first is
  * the index passed to fn for the first of them). PS_ERANGE if the view
  * holds fewer floats. */
+/* Calls fn on the elements [first, first+count) of esz bytes each (1..8) in
+ * order, in runs that lie within one segment (unaligned pointers), an element
+ * split across segments staged in an aligned copy. */
+typedef int (*ps_elem_fn)(const void *values, size_t n, size_t first, void *user);
+int ps_segview_each_elem_range(const ps_segview *v, size_t esz, size_t first, size_t count,
+                               ps_elem_fn fn, void *user);
 int ps_segview_each_float_range(const ps_segview *v, size_t first, size_t count, ps_float_fn fn,
                                 void *user);
 

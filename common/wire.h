@@ -11,6 +11,11 @@
 #include "util.h"
 
 #define WIRE_TENSOR_FIELD 15
+/* Bumped only when a client of the previous version would be misread.
+ * The 16-bit encodings of field 15 (RequestHeader.encoding, proto/ps.proto)
+ * did not need it: the field's default, 0, is float32, which is what a
+ * client without it sends and expects, and a shard refuses a client whose
+ * encoding is not its job's, naming the job's. */
 #define PS_PROTOCOL_VERSION 2
 
 /* Builds an outgoing message: `hdr` (whose tensor field must be empty) is

@@ -137,6 +137,9 @@ typedef struct ps_server {
   struct ps_prom_server *prom;
   atomic_uint_fast64_t ckpt_written, ckpt_failed; /* files this shard wrote, or failed to */
   atomic_int_fast64_t ckpt_last_ok_ms;            /* wall clock of the last one written */
+  /* bytes on the wire: Push requests received, Pull answers sent (Status) */
+  atomic_uint_fast64_t push_bytes, pull_bytes;
+  atomic_int wire_range_warned; /* a pull sent a parameter beyond fp16's range as Inf */
   /* for rates in progress lines */
   uint64_t last_pushes, last_pulls;
   double last_report_s;
@@ -165,7 +168,9 @@ int ps_server_run(const ps_server_opts *o);
 void ps_service_register(ps_server *sv, rpc_server *rpc);
 
 /* Answers a pull with the current snapshot of [offset, offset + count),
- * sent without a copy. When the shard refuses the pull (a range outside
+ * sent without a copy; in a job with a 16-bit "wire", encoded into a fresh
+ * buffer (one copy, half the bytes), a parameter beyond the format's range
+ * becoming Inf, which workers refuse (logged once). When the shard refuses the pull (a range outside
  * it, or no memory for a partial copy) the call is answered OUT_OF_RANGE
  * with the shard's message; no memory to encode the reply,
  * RESOURCE_EXHAUSTED. The call is answered in every case; the shard's

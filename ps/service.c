@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "../common/auth.h"
+#include "../common/half.h"
 #include "../common/wire.h"
 #include "proto/ps.pb-c.h"
 #include "server.h"
@@ -318,7 +319,25 @@ static void handle_leave(const request *q) {
 
 static void release_snapshot(void *user) { ps_snapshot_unref(user); }
 
-/* Answers a pull with the current snapshot, sent without a copy. */
+/* The snapshot's values in the job's 16-bit encoding, kept with the
+ * snapshot (NULL: out of memory). A parameter beyond fp16's range goes out
+ * as Inf, which the worker refuses, saying why; the shard says it once
+ * too. */
+static const uint16_t *encode_snapshot(ps_server *sv, ps_snapshot *snap) {
+  size_t i = snap->count;
+  const uint16_t *h = ps_shard_snapshot_encoded(sv->shard, snap, &i);
+  if (h && i < snap->count && atomic_exchange(&sv->wire_range_warned, 1) == 0) {
+    PS_WARN("parameter %zu (global index) is %g, beyond %s's range: pulls send it as Inf, which "
+            "workers refuse (a job whose parameters grow this large cannot use \"wire\": "
+            "\"%s\"); said once",
+            snap->begin + i, (double)snap->values[i], ps_wire_name(sv->job.wire),
+            ps_wire_name(sv->job.wire));
+  }
+  return h;
+}
+
+/* Answers a pull with the current snapshot, sent without a copy (fp32), or
+ * encoded in 16 bits. */
 void ps_service_serve_pull(ps_server *sv, rpc_call *call, size_t offset, size_t count) {
   char err[PS_ERRLEN];
   ps_snapshot *snap = ps_shard_pull(sv->shard, offset, count, err);
@@ -330,14 +349,24 @@ void ps_service_serve_pull(ps_server *sv, rpc_call *call, size_t offset, size_t 
   resp.version = snap->version;
   resp.offset = snap->begin;
   resp.count = snap->count;
+  resp.encoding = (Ps__Encoding)sv->job.wire;
+  /* gRPC drops the reference when it has sent the values (float32, or
+   * their 16-bit encoding kept with the snapshot). */
+  const void *values = snap->values;
+  size_t bytes = snap->count * sizeof(float);
+  if (sv->job.wire != PS_WIRE_FP32) {
+    values = encode_snapshot(sv, snap);
+    bytes = snap->count * sizeof(uint16_t);
+  }
   rpc_msg out;
-  /* gRPC drops the reference when it has sent the values. */
-  if (wire_encode(&resp.base, snap->values, snap->count * sizeof(float), release_snapshot, snap,
-                  &out) != 0) {
+  if (!values || wire_encode(&resp.base, values, bytes, release_snapshot, snap, &out) != 0) {
     ps_snapshot_unref(snap);
     rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory encoding the reply");
     return;
   }
+  size_t sent = 0;
+  for (int i = 0; i < out.nseg; i++) sent += out.seg[i].len;
+  atomic_fetch_add(&sv->pull_bytes, sent);
   rpc_call_reply(call, &out);
 }
 
@@ -540,6 +569,9 @@ static void handle_status(const request *q) {
     resp.lease_epochs = lep;
   }
   ps_cut_set_info(sv, &resp.checkpoint_set, &resp.checkpoint_set_version);
+  resp.wire = (char *)ps_wire_name(sv->job.wire);
+  resp.push_bytes = atomic_load(&sv->push_bytes);
+  resp.pull_bytes = atomic_load(&sv->pull_bytes);
   const int MAXW = sv->job.max_workers;
   ps_member *mem = calloc(MAXW, sizeof *mem);
   Ps__WorkerInfo *wi = calloc(MAXW, sizeof *wi);
@@ -721,22 +753,27 @@ struct ps_method {
   int need_worker, heartbeat;
   /* It changes the model or the data's progress: not for readers. */
   int writes;
+  /* Its request (Push) or answer (Pull) carries values in field 15: the
+   * header's encoding must be the job's. */
+  int tensor;
   void (*handle)(const request *q);
 };
 
 static const ps_method methods[PS_SERVICE_METHODS] = {
-    {"/ps.ParameterServer/Register", &ps__register_request__descriptor, "Register", 0, 0, 0,
+    {"/ps.ParameterServer/Register", &ps__register_request__descriptor, "Register", 0, 0, 0, 0,
      handle_register},
-    {"/ps.ParameterServer/Heartbeat", &ps__heartbeat_request__descriptor, "Heartbeat", 1, 1, 0,
+    {"/ps.ParameterServer/Heartbeat", &ps__heartbeat_request__descriptor, "Heartbeat", 1, 1, 0, 0,
      handle_heartbeat},
-    {"/ps.ParameterServer/Leave", &ps__leave_request__descriptor, "Leave", 1, 0, 0, handle_leave},
-    {"/ps.ParameterServer/Pull", &ps__pull_request__descriptor, "Pull", 1, 0, 0, handle_pull},
-    {"/ps.ParameterServer/Push", &ps__push_request__descriptor, "Push", 1, 0, 1, handle_push},
-    {"/ps.ParameterServer/Status", &ps__status_request__descriptor, "Status", 0, 0, 0,
+    {"/ps.ParameterServer/Leave", &ps__leave_request__descriptor, "Leave", 1, 0, 0, 0,
+     handle_leave},
+    {"/ps.ParameterServer/Pull", &ps__pull_request__descriptor, "Pull", 1, 0, 0, 1, handle_pull},
+    {"/ps.ParameterServer/Push", &ps__push_request__descriptor, "Push", 1, 0, 1, 1, handle_push},
+    {"/ps.ParameterServer/Status", &ps__status_request__descriptor, "Status", 0, 0, 0, 0,
      handle_status},
-    {"/ps.ParameterServer/Lease", &ps__lease_request__descriptor, "Lease", 1, 0, 1, handle_lease},
+    {"/ps.ParameterServer/Lease", &ps__lease_request__descriptor, "Lease", 1, 0, 1, 0,
+     handle_lease},
     {"/ps.ParameterServer/Checkpoint", &ps__checkpoint_request__descriptor, "Checkpoint", 0, 0, 1,
-     handle_checkpoint},
+     0, handle_checkpoint},
 };
 
 /* Every call: decode the request, check its header (and the worker, where
@@ -744,6 +781,7 @@ static const ps_method methods[PS_SERVICE_METHODS] = {
 static void dispatch(rpc_call *call, const ps_segview *req, void *user) {
   const ps_method_binding *b = user;
   const ps_method *m = b->method;
+  if (m->handle == handle_push) atomic_fetch_add(&b->sv->push_bytes, req->total);
   ps_seg *tsegs;
   ps_segview tensor;
   ProtobufCMessage *msg = decode_request(call, req, m->desc, &tsegs, &tensor);
@@ -761,6 +799,14 @@ static void dispatch(rpc_call *call, const ps_segview *req, void *user) {
                   "%s: this client registered as an evaluator or with the read-only token; it "
                   "may not change the model or take data",
                   m->name);
+  } else if (m->tensor && (int)h->encoding != (int)b->sv->job.wire) {
+    /* Values read in the wrong encoding would be garbage of the right
+     * length, or the wrong length: neither is worth a try. */
+    rpc_call_fail(call, RPC_FAILED_PRECONDITION,
+                  "%s: the request says tensor values travel as %s (encoding %d), but job '%s' "
+                  "sends and takes them as %s (its job file's \"wire\")",
+                  m->name, ps_wire_name((int)h->encoding), (int)h->encoding, b->sv->job.job_id,
+                  ps_wire_name(b->sv->job.wire));
   } else {
     request q = {.sv = b->sv, .call = call, .msg = msg, .req = req, .tensor = &tensor,
                  .reader = reader, .kind = (int)(m - methods)};

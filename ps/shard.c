@@ -39,7 +39,15 @@
  * would make any value non-finite is refused before anything changes, and
  * one that would not is applied, with the bounds reset to the exact
  * maxima. The sync step's sum of gradients is bounded and checked the
- * same way. */
+ * same way.
+ *
+ * 16-bit wire (a job's "wire": bf16 or fp16): pushed gradients arrive as
+ * 16-bit values and are decoded a chunk at a time, in cache, wherever the
+ * float32 ones would be read in place (the checks, the trial pass, the
+ * update, the sync sum), so no float32 copy of a gradient is made. A pull
+ * sends the snapshot's values encoded in 16 bits, made once per snapshot
+ * and kept with it (ps_shard_snapshot_encoded). Parameters and slots stay
+ * float32. */
 #include "shard.h"
 
 #include <float.h>
@@ -50,6 +58,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../common/half.h"
 #include "../common/model_spec.h"
 #include "../common/optim.h"
 
@@ -92,9 +101,11 @@ struct ps_shard {
   size_t begin, end; /* global range owned; n = end - begin */
   const ps_optimizer *opt;
   ps_optim_config cfg;
+  ps_wire wire; /* how pushed gradients are encoded (the job's) */
   float *slots[SHARD_MAX_SLOTS]; /* opt->n_slots arrays of (n) */
 
   pthread_mutex_t apply_mu;         /* serializes updates */
+  pthread_mutex_t encode_mu;        /* serializes encoding snapshots in 16 bits */
   /* Guarded by apply_mu: bounds on |parameters| and |slot k| over the
    * whole range, and where a trial pass computes results aside: one area
    * per half of a split, each (1 + n_slots) chunks of (APPLY_CHUNK). */
@@ -131,6 +142,8 @@ static ps_snapshot *snapshot_alloc(size_t begin, size_t count) {
   snap->begin = begin;
   snap->count = count;
   snap->values = (float *)(void *)((char *)mem + SNAP_HEADER_BYTES);
+  snap->encoded = NULL;
+  snap->encoded_valid = 0;
   atomic_init(SNAP_REFS(snap), 1);
   return snap;
 }
@@ -145,7 +158,10 @@ void ps_snapshot_unref(ps_snapshot *snap) {
   if (!snap) return;
   /* acq_rel: the last owner must see every other owner's reads finished
    * before it frees. */
-  if (atomic_fetch_sub_explicit(SNAP_REFS(snap), 1, memory_order_acq_rel) == 1) free(snap);
+  if (atomic_fetch_sub_explicit(SNAP_REFS(snap), 1, memory_order_acq_rel) == 1) {
+    free(snap->encoded);
+    free(snap);
+  }
 }
 
 /* ---------------------------------------------------------------- helper thread */
@@ -364,6 +380,7 @@ ps_shard *ps_shard_create(const ps_job *job, int index, int num_shards, char *er
   s->num_shards = num_shards;
   s->opt = opt;
   s->cfg = job->optim;
+  s->wire = job->wire;
   s->staleness_aware = job->staleness_aware_lr && job->mode_kind != PS_MODE_SYNC;
   ps_shard_range(job->model.n_params, num_shards, index, &s->begin, &s->end);
   size_t n = s->end - s->begin;
@@ -373,6 +390,7 @@ ps_shard *ps_shard_create(const ps_job *job, int index, int num_shards, char *er
     return NULL;
   }
   pthread_mutex_init(&s->apply_mu, NULL);
+  pthread_mutex_init(&s->encode_mu, NULL);
   pthread_cond_init(&s->applied, NULL);
   if (s->end - s->begin >= SPLIT_MIN) helper_start(&s->helper); /* else work on one thread */
   if (n > SIZE_MAX / sizeof(float)) goto oom;
@@ -412,6 +430,7 @@ void ps_shard_destroy(ps_shard *s) {
   free(s->sync_ids);
   pthread_mutex_destroy(&s->mu);
   pthread_mutex_destroy(&s->apply_mu);
+  pthread_mutex_destroy(&s->encode_mu);
   pthread_cond_destroy(&s->applied);
   free(s);
 }
@@ -437,10 +456,43 @@ static int check_range(const ps_shard *s, const char *what, size_t offset, size_
 /* "NaN", "+Inf" or "-Inf", for messages. */
 static const char *nonfinite_name(float v) { return isnan(v) ? "NaN" : v > 0 ? "+Inf" : "-Inf"; }
 
-/* One half of a walk over a gradient: fn over its floats [first,
+/* 16-bit values handed to a float function: decoded a chunk at a time
+ * into a buffer that stays in cache, so that a 16-bit push is read in
+ * place like a float32 one, with no copy of the whole gradient. */
+typedef struct {
+  ps_wire enc;
+  ps_float_fn fn;
+  void *user;
+  float buf[APPLY_CHUNK];
+} decode_walk;
+
+static int decode_piece(const ps_uhalf *values, size_t n, size_t first, void *user) {
+  decode_walk *d = user;
+  for (size_t done = 0; done < n;) {
+    size_t k = n - done < APPLY_CHUNK ? n - done : APPLY_CHUNK;
+    ps_half_decode(d->enc, values + done, d->buf, k);
+    int rc = d->fn(d->buf, k, first + done, d->user);
+    if (rc) return rc;
+    done += k;
+  }
+  return 0;
+}
+
+/* fn over the values [first, first+count) of a gradient encoded as enc,
+ * as floats. (The chunk buffer, 16 KiB, is on the stack: the server's
+ * threads and the helper have the default 8 MiB.) */
+static int walk_values(const ps_segview *grad, ps_wire enc, size_t first, size_t count,
+                       ps_float_fn fn, void *user) {
+  if (enc == PS_WIRE_FP32) return ps_segview_each_float_range(grad, first, count, fn, user);
+  decode_walk d = {.enc = enc, .fn = fn, .user = user};
+  return ps_segview_each_half_range(grad, first, count, decode_piece, &d);
+}
+
+/* One half of a walk over a gradient: fn over its values [first,
  * first+count). */
 typedef struct {
   const ps_segview *grad;
+  ps_wire enc;
   size_t first, count;
   ps_float_fn fn;
   void *user;
@@ -449,16 +501,17 @@ typedef struct {
 static int walk_half(void *arg) {
   half_walk *w = arg;
   if (w->count == 0) return 0;
-  return ps_segview_each_float_range(w->grad, w->first, w->count, w->fn, w->user);
+  return walk_values(w->grad, w->enc, w->first, w->count, w->fn, w->user);
 }
 
-/* fn over the count floats of grad: for a large push in two halves at
- * once (user_a with the first, user_b with the second), else all with
- * user_a. Returns the first non-zero result, the first half's first. */
-static int walk_gradient(ps_shard *s, const ps_segview *grad, size_t count, ps_float_fn fn,
-                         void *user_a, void *user_b) {
+/* fn over the count values of grad (encoded as enc), as floats: for a
+ * large push in two halves at once (user_a with the first, user_b with
+ * the second), else all with user_a. Returns the first non-zero result,
+ * the first half's first. */
+static int walk_gradient(ps_shard *s, const ps_segview *grad, ps_wire enc, size_t count,
+                         ps_float_fn fn, void *user_a, void *user_b) {
   size_t half = count >= SPLIT_MIN ? count / 2 : count;
-  half_walk a = {grad, 0, half, fn, user_a}, b = {grad, half, count - half, fn, user_b};
+  half_walk a = {grad, enc, 0, half, fn, user_a}, b = {grad, enc, half, count - half, fn, user_b};
   return split_run(&s->helper, walk_half, &a, &b);
 }
 
@@ -644,9 +697,11 @@ static int check_gradient(ps_shard *s, size_t offset, size_t count, const ps_seg
   int rc = check_range(s, "push", offset, count, err);
   if (rc) return rc;
   size_t total = grad ? grad->total : 0;
-  if (total != count * sizeof(float))
-    return ps_seterr(err, PS_EINVAL, "gradient has %zu bytes, expected %zu for %zu values", total,
-                     count * sizeof(float), count);
+  size_t vb = ps_wire_value_bytes(s->wire);
+  if (total != count * vb)
+    return ps_seterr(err, PS_EINVAL, "gradient has %zu bytes, expected %zu for %zu %s%svalues",
+                     total, count * vb, count, s->wire == PS_WIRE_FP32 ? "" : ps_wire_name(s->wire),
+                     s->wire == PS_WIRE_FP32 ? "" : " ");
   if (grad) {
     /* The walks below follow the segments, not total: segments holding
      * more bytes than total would be applied past the end of the range. */
@@ -660,7 +715,7 @@ static int check_gradient(ps_shard *s, size_t offset, size_t count, const ps_seg
     /* Two halves at once for a large push; the first bad value is the one
      * reported either way. */
     finite_scan a = {0}, b = {0};
-    if (walk_gradient(s, grad, count, scan_finite_piece, &a, &b)) {
+    if (walk_gradient(s, grad, s->wire, count, scan_finite_piece, &a, &b)) {
       finite_scan *fs = a.found ? &a : &b;
       return ps_seterr(err, PS_EINVAL, "gradient value %zu (global index %zu) is %s", fs->bad_index,
                        offset + fs->bad_index, nonfinite_name(fs->bad_value));
@@ -670,14 +725,16 @@ static int check_gradient(ps_shard *s, size_t offset, size_t count, const ps_seg
   return PS_OK;
 }
 
-/* Whether updating [offset, offset+count) by grad (|values| <= gmax) with
- * lr at step t keeps every parameter and slot finite: the bounds say so,
- * or else a trial pass computes the results aside and finds them finite.
+/* Whether updating [offset, offset+count) by grad (encoded as enc,
+ * |values| <= gmax) with lr at step t keeps every parameter and slot
+ * finite: the bounds say so, or else a trial pass computes the results
+ * aside and finds them finite.
  * Writes the bounds for after the update into *after. PS_EINVAL, naming a
  * value that would not be finite, otherwise. Changes nothing; called with
  * apply_mu held. */
 static int check_update(ps_shard *s, size_t offset, size_t count, const ps_segview *grad,
-                        double gmax, float lr, uint64_t t, ps_optim_bounds *after, char *err) {
+                        ps_wire enc, double gmax, float lr, uint64_t t, ps_optim_bounds *after,
+                        char *err) {
   int whole = count == s->end - s->begin;
   ps_optim_bounds b = s->bounds;
   s->opt->bound(&s->cfg, t, lr, gmax, &b);
@@ -689,7 +746,7 @@ static int check_update(ps_shard *s, size_t offset, size_t count, const ps_segvi
                   .area = s->trial[0]};
   trial_ctx tb = ta;
   tb.area = s->trial[1];
-  if (walk_gradient(s, grad, count, trial_piece, &ta, &tb)) {
+  if (walk_gradient(s, grad, enc, count, trial_piece, &ta, &tb)) {
     const trial_ctx *f = ta.found ? &ta : &tb;
     char what[48] = "parameter";
     if (f->bad_slot >= 0)
@@ -709,16 +766,16 @@ static int check_update(ps_shard *s, size_t offset, size_t count, const ps_segvi
   return PS_OK;
 }
 
-/* Applies a checked gradient (|values| <= gmax) for [offset, offset+count)
- * with learning rate lr and publishes the result as version before+1,
- * where `before` is the version it applies to. Called with apply_mu held.
+/* Applies a checked gradient (encoded as enc, |values| <= gmax) for
+ * [offset, offset+count) with learning rate lr and publishes the result as
+ * version before+1, where `before` is the version it applies to. Called with apply_mu held.
  * Nothing changes when it fails: PS_EINVAL when a parameter or slot would
  * not be finite (check_update), PS_ENOMEM when no buffer for the next
  * snapshot can be had. */
 static int apply_update(ps_shard *s, size_t offset, size_t count, const ps_segview *grad,
-                        double gmax, float lr, uint64_t before, char *err) {
+                        ps_wire enc, double gmax, float lr, uint64_t before, char *err) {
   ps_optim_bounds after;
-  int rc = check_update(s, offset, count, grad, gmax, lr, before + 1, &after, err);
+  int rc = check_update(s, offset, count, grad, enc, gmax, lr, before + 1, &after, err);
   if (rc) return rc;
   ps_snapshot *cur = s->current; /* only updates replace it, and we hold apply_mu */
   size_t local = offset - s->begin, n = s->end - s->begin;
@@ -741,10 +798,13 @@ static int apply_update(ps_shard *s, size_t offset, size_t count, const ps_segvi
   }
   if (count > 0) {
     apply_ctx a = {s, cur->values, next->values, local, before + 1, lr}, b = a;
-    walk_gradient(s, grad, count, apply_piece, &a, &b);
+    walk_gradient(s, grad, enc, count, apply_piece, &a, &b);
   }
   s->bounds = after;
   next->version = before + 1;
+  /* New values: an encoding kept with the buffer is stale. No pull holds
+   * `next` (a reused buffer, or the current one updated in place). */
+  next->encoded_valid = 0;
   double now = ps_now_s();
   pthread_mutex_lock(&s->mu);
   s->current = next; /* published: pulls from now on see before + 1 */
@@ -780,7 +840,7 @@ int ps_shard_push(ps_shard *s, uint64_t base_version, size_t offset, size_t coun
    * moves the parameters k times less. */
   float lr = s->cfg.lr;
   if (s->staleness_aware && stale > 1) lr = (float)((double)lr / (double)stale);
-  rc = apply_update(s, offset, count, grad, gmax, lr, before, err);
+  rc = apply_update(s, offset, count, grad, s->wire, gmax, lr, before, err);
   if (rc) {
     pthread_mutex_unlock(&s->apply_mu);
     return reject_push(s, rc);
@@ -814,7 +874,7 @@ static int check_sum(ps_shard *s, const ps_segview *grad, double gmax, double *a
     return PS_OK;
   }
   sum_ctx c = {.sum = s->sync_sum, .area = s->trial[0]};
-  if (ps_segview_each_float(grad, sum_trial_piece, &c))
+  if (walk_values(grad, s->wire, 0, s->end - s->begin, sum_trial_piece, &c))
     return ps_seterr(err, PS_EINVAL,
                      "gradient refused: adding it to the step's sum (of %d gradients) would make "
                      "value %zu (global index %zu) %s; nothing changed",
@@ -875,7 +935,7 @@ int ps_shard_sync_add(ps_shard *s, uint64_t worker_id, uint64_t base_version, si
     return reject_push(s, rc);
   }
   sum_ctx c = {.sum = s->sync_sum, .first = s->sync_n == 0};
-  if (n > 0) ps_segview_each_float(grad, sum_piece, &c);
+  if (n > 0) walk_values(grad, s->wire, 0, n, sum_piece, &c);
   s->sync_max = sum_max;
   s->sync_ids[s->sync_n++] = worker_id;
   *have = s->sync_n;
@@ -902,8 +962,8 @@ int ps_shard_sync_try_apply(ps_shard *s, int quorum, uint64_t *new_version, char
   ps_segview v = {&seg, n ? 1 : 0, n * sizeof(float)};
   uint64_t before = current_version(s);
   char why[PS_ERRLEN] = "";
-  int rc = apply_update(s, s->begin, n, &v, s->sync_max * (double)inv * (1.0 + 0x1p-20), s->cfg.lr,
-                        before, why);
+  int rc = apply_update(s, s->begin, n, &v, PS_WIRE_FP32,
+                        s->sync_max * (double)inv * (1.0 + 0x1p-20), s->cfg.lr, before, why);
   int in = s->sync_n;
   if (rc == 0) {
     s->sync_n = 0;
@@ -953,6 +1013,31 @@ ps_snapshot *ps_shard_pull(ps_shard *s, size_t offset, size_t count, char *err) 
   return part;
 }
 
+/* The encoding is kept with the snapshot. Its buffer is written only while
+ * a pull holds the snapshot (so no update may write the values: they stay
+ * as encoded), under encode_mu, which makes concurrent pulls of one version
+ * wait for the one encoding rather than each make their own; an update
+ * that writes new values into the buffer (in place, or reusing a retired
+ * one) does so only when no pull holds it, and marks the encoding stale. */
+const uint16_t *ps_shard_snapshot_encoded(ps_shard *s, ps_snapshot *snap, size_t *nonfinite) {
+  if (s->wire == PS_WIRE_FP32) return NULL;
+  pthread_mutex_lock(&s->encode_mu);
+  if (!snap->encoded_valid) {
+    if (!snap->encoded) snap->encoded = malloc(snap->count ? snap->count * sizeof(uint16_t) : 1);
+    if (snap->encoded) {
+      snap->encoded_max = ps_half_encode(s->wire, snap->values, snap->encoded, snap->count);
+      snap->encoded_valid = 1;
+    }
+  }
+  const uint16_t *h = snap->encoded_valid ? snap->encoded : NULL;
+  pthread_mutex_unlock(&s->encode_mu);
+  if (h && nonfinite)
+    *nonfinite = snap->encoded_max >= ps_half_nonfinite_bits(s->wire)
+                     ? ps_half_first_nonfinite(s->wire, h, snap->count)
+                     : snap->count;
+  return h;
+}
+
 /* ---------------------------------------------------------------- reading */
 
 void ps_shard_stats_get(ps_shard *s, ps_shard_stats *out) {
@@ -1000,6 +1085,7 @@ void ps_shard_restore_state(ps_shard *s, const float *params, float *const *slot
   while (s->in_place) pthread_cond_wait(&s->applied, &s->mu);
   if (n) memcpy(s->current->values, params, n * sizeof(float));
   s->current->version = version;
+  s->current->encoded_valid = 0;
   s->version = version;
   s->sync_n = 0;
   pthread_mutex_unlock(&s->mu);

@@ -33,6 +33,12 @@ typedef struct ps_snapshot {
   size_t begin, count; /* global range held */
   float *values;       /* count values */
   int refs;            /* atomic */
+  /* A job with a 16-bit wire: the values encoded (count), made by the
+   * first pull that asks (ps_shard_snapshot_encoded) and kept, with the
+   * buffer, while the values stay as they are. */
+  uint16_t *encoded;
+  int encoded_valid;
+  uint16_t encoded_max; /* the largest magnitude encoded (ps_half_encode's) */
 } ps_snapshot;
 
 /* Creates shard `index` of `num_shards` for the job: computes the range,
@@ -47,13 +53,16 @@ size_t ps_shard_end(const ps_shard *s);
 int ps_shard_index(const ps_shard *s);
 
 /* Applies a pushed gradient for the global range [offset, offset+count),
- * which must lie inside the shard's range. grad views count*4 bytes of
- * little-endian float32. Checks first, then applies: on any error it
+ * which must lie inside the shard's range. grad views count little-endian
+ * values in the job's wire encoding (ps_job.wire): count*4 bytes of
+ * float32, or count*2 bytes of bf16 or fp16, decoded to float32 a chunk at
+ * a time as they are applied. Checks first, then applies: on any error it
  * returns PS_ERANGE/PS_EINVAL with a message, counts the push as rejected,
  * and leaves parameters, slots and version unchanged. The errors: 0 values
  * (PS_EINVAL; allowed only on a shard whose range is empty, where it is the
  * whole range), a range outside the shard's or one whose end overflows
- * (PS_ERANGE), a length that is not count*4 bytes, a NaN or Inf value, and
+ * (PS_ERANGE), a length that is not count*4 (count*2) bytes, a NaN or Inf
+ * value, and
  * finite values with which the optimizer would make any parameter or slot
  * NaN or Inf (PS_EINVAL, the index named). On success writes the new
  * version and the staleness (version before apply - base_version, 0 if
@@ -62,8 +71,9 @@ int ps_shard_index(const ps_shard *s);
 int ps_shard_push(ps_shard *s, uint64_t base_version, size_t offset, size_t count,
                   const ps_segview *grad, uint64_t *new_version, uint64_t *staleness, char *err);
 
-/* sync mode. Adds a gradient for the whole range, computed from version
- * base_version, to the current step's sum. Checked as ps_shard_push, and
+/* sync mode. Adds a gradient for the whole range (encoded as for
+ * ps_shard_push), computed from version base_version, to the current
+ * step's sum. Checked as ps_shard_push, and
  * refused (PS_EINVAL) when adding it would make a value of the sum NaN or
  * Inf; nothing changes on error. A gradient of an earlier step
  * (base_version is not the current version: the step was applied without
@@ -90,6 +100,17 @@ int ps_shard_sync_try_apply(ps_shard *s, int quorum, uint64_t *new_version, char
  * is empty). */
 ps_snapshot *ps_shard_pull(ps_shard *s, size_t offset, size_t count, char *err);
 void ps_snapshot_unref(ps_snapshot *snap);
+
+/* The values of snap (from ps_shard_pull, a reference held) in the job's
+ * 16-bit encoding (ps_job.wire is bf16 or fp16): encoded by the first
+ * caller and kept with the snapshot, so that pulls of the same version
+ * (every worker's, in sync mode) send them without encoding again, and
+ * the buffer is reused with the snapshot's, never allocated afresh in the
+ * steady state. Valid while the reference is held. A value beyond the
+ * format's range is encoded as Inf (*nonfinite, when not NULL, receives the
+ * index of the first Inf or NaN, or snap->count). NULL when out of memory
+ * or when the job's wire is fp32. */
+const uint16_t *ps_shard_snapshot_encoded(ps_shard *s, ps_snapshot *snap, size_t *nonfinite);
 
 void ps_shard_stats_get(ps_shard *s, ps_shard_stats *out);
 

@@ -172,6 +172,7 @@ static json_t *status_json(const Ps__StatusResponse *r) {
   json_object_set_new(o, "num_shards", json_integer(r->num_shards));
   json_object_set_new(o, "job_id", json_string(r->job_id ? r->job_id : ""));
   json_object_set_new(o, "mode", json_string(r->mode ? r->mode : ""));
+  json_object_set_new(o, "wire", json_string(r->wire && *r->wire ? r->wire : "fp32"));
   json_object_set_new(o, "range", json_pack("[I,I]", (json_int_t)r->range_offset,
                                             (json_int_t)(r->range_offset + r->range_count)));
   json_object_set_new(o, "version", json_integer((json_int_t)r->version));
@@ -181,6 +182,8 @@ static json_t *status_json(const Ps__StatusResponse *r) {
   json_object_set_new(o, "pushes", json_integer((json_int_t)r->pushes));
   json_object_set_new(o, "pulls", json_integer((json_int_t)r->pulls));
   json_object_set_new(o, "rejected", json_integer((json_int_t)r->rejected));
+  json_object_set_new(o, "push_bytes", json_integer((json_int_t)r->push_bytes));
+  json_object_set_new(o, "pull_bytes", json_integer((json_int_t)r->pull_bytes));
   json_object_set_new(o, "staleness_mean", json_real(r->staleness_mean));
   json_object_set_new(o, "staleness_max", json_integer((json_int_t)r->staleness_max));
   json_t *hist = json_array();

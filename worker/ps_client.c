@@ -1,6 +1,7 @@
 #include "ps_client.h"
 
 #include <inttypes.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -9,6 +10,7 @@
 #include <time.h>
 
 #include "../common/cluster.h"
+#include "../common/half.h"
 #include "../common/rpc.h"
 #include "../common/util.h"
 #include "../common/wire.h"
@@ -77,6 +79,13 @@ struct ps_client {
   ps_token token;
   atomic_int tensors_in_flight; /* zero-copy push buffers gRPC still holds */
   rpc_request **reqs;
+  /* How tensor values travel (the job's "wire"). With a 16-bit one, each
+   * shard's slice of a gradient is encoded into wire_grads once per round
+   * (a retry sends the same bytes) with error feedback: residual holds
+   * what rounding lost, added to the next gradient before it is rounded. */
+  ps_wire wire;
+  float *residual;      /* (P), 16-bit wire only */
+  uint16_t *wire_grads; /* (P), 16-bit wire only: sent without a copy */
   /* The push round in progress (ps_client_push_begin .. push_end). */
   struct {
     uint64_t *versions; /* per shard */
@@ -84,12 +93,15 @@ struct ps_client {
     uint64_t request_id; /* of this round, the same on every retry of it */
     int batch_size;
     char *state;        /* per shard: PUSH_PENDING, PUSH_IN_FLIGHT, PUSH_DONE */
+    char *encoded;      /* per shard (16-bit wire): its slice is in wire_grads: ENC_FINITE,
+                           ENC_NONFINITE (it holds Inf or NaN), or 0: not yet */
     rpc_request **reqs; /* per shard, while in flight */
     ps_push_result res;
   } push;
 };
 
 enum { PUSH_PENDING = 0, PUSH_IN_FLIGHT = 1, PUSH_DONE = 2 };
+enum { ENC_FINITE = 1, ENC_NONFINITE = 2 };
 
 /* A request header for shard s (-1: no shard yet, no session); the
  * session is copied into sess (PS_SESSION_LEN bytes), which the header
@@ -101,6 +113,7 @@ static void fill_header(ps_client *c, int s, Ps__RequestHeader *h, uint8_t *sess
   h->job_id = (char *)c->job_id;
   h->worker_id = c->worker_id;
   h->token = (ProtobufCBinaryData){.len = c->token.len, .data = c->token.bytes};
+  h->encoding = (Ps__Encoding)c->wire; /* Pull and Push: the values' */
   if (s >= 0) {
     pthread_mutex_lock(&c->sess_mu);
     memcpy(sess, c->shards[s].session, c->shards[s].session_len);
@@ -293,9 +306,10 @@ ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char 
   c->reqs = calloc((size_t)c->nshards, sizeof *c->reqs);
   c->push.versions = calloc((size_t)c->nshards, sizeof *c->push.versions);
   c->push.state = calloc((size_t)c->nshards, 1);
+  c->push.encoded = calloc((size_t)c->nshards, 1);
   c->push.reqs = calloc((size_t)c->nshards, sizeof *c->push.reqs);
   if (!c->job_json || !c->shards || !c->reqs || !c->push.versions || !c->push.state ||
-      !c->push.reqs) {
+      !c->push.encoded || !c->push.reqs) {
     protobuf_c_message_free_unpacked(&r->base, NULL);
     ps_seterr(err, PS_ENOMEM, "out of memory");
     goto fail;
@@ -344,6 +358,9 @@ void ps_client_destroy(ps_client *c) {
   free(c->push.reqs);
   free(c->push.versions);
   free(c->push.state);
+  free(c->push.encoded);
+  ps_free(c->residual);
+  ps_free(c->wire_grads);
   free(c->job_json);
   if (c->q) rpc_queue_destroy(c->q);
   if (c->hb_q) rpc_queue_destroy(c->hb_q);
@@ -377,6 +394,35 @@ static int reregister(ps_client *c, rpc_queue *q, int s, char *err) {
 
 void ps_client_set_wait_ms(ps_client *c, int wait_ms) { c->wait_ms = wait_ms > 0 ? wait_ms : 0; }
 
+int ps_client_set_wire(ps_client *c, ps_wire wire, char *err) {
+  if (wire == c->wire) return PS_OK;
+  for (int s = 0; s < c->nshards; s++)
+    if (c->push.state[s] == PUSH_IN_FLIGHT)
+      return ps_seterr(err, PS_ESTATE, "the wire encoding cannot change while a push is in flight");
+  float *residual = NULL;
+  uint16_t *wire_grads = NULL;
+  if (wire != PS_WIRE_FP32) {
+    residual = ps_alloc((c->P ? c->P : 1) * sizeof *residual); /* zeroed */
+    wire_grads = ps_alloc((c->P ? c->P : 1) * sizeof *wire_grads);
+    if (!residual || !wire_grads) {
+      ps_free(residual);
+      ps_free(wire_grads);
+      return ps_seterr(err, PS_ENOMEM, "out of memory for the %s gradient of %zu values",
+                       ps_wire_name(wire), c->P);
+    }
+  }
+  ps_free(c->residual);
+  ps_free(c->wire_grads);
+  c->residual = residual;
+  c->wire_grads = wire_grads;
+  c->wire = wire;
+  return PS_OK;
+}
+
+ps_wire ps_client_wire(const ps_client *c) { return c->wire; }
+
+const float *ps_client_residual(const ps_client *c) { return c->residual; }
+
 /* The shard answered as if this worker were not (or no longer) registered
  * with it: NOT_FOUND (it forgot the worker), or UNAUTHENTICATED (the call
  * carried a session secret that another thread's registration has just
@@ -391,6 +437,28 @@ static int status_code(int st) {
   if (st == RPC_ABORTED) return PS_ETIMEDOUT; /* a shard gave up waiting */
   if (st == RPC_NOT_FOUND) return PS_ENOTFOUND;
   return PS_EPROTO;
+}
+
+/* Shard s's values from a pull's tensor into out (its cnt floats): copied
+ * (fp32), or decoded (16-bit). A 16-bit value that is Inf or NaN (a
+ * parameter beyond fp16's range, which the shard sends as Inf) is refused:
+ * PS_EPROTO with a message; out may then hold part of the range. */
+static int read_values(ps_client *c, int s, const ps_segview *tensor, float *out, char *err) {
+  size_t cnt = c->shards[s].cnt, bad = cnt;
+  if (c->wire == PS_WIRE_FP32) {
+    ps_segview_copy(tensor, 0, out, tensor->total);
+    return PS_OK;
+  }
+  ps_half_decode_view(c->wire, tensor, out, cnt, &bad);
+  if (bad == cnt) return PS_OK;
+  return ps_seterr(err, PS_EPROTO,
+                   "Pull from shard %d (%s): parameter %zu (global index) arrived as %s: "
+                   "beyond %s's range (a shard sends such a value as Inf), so the job's "
+                   "parameters cannot travel as %s; refused (use \"wire\": \"bf16\" or "
+                   "\"fp32\")",
+                   s, c->shards[s].addr, c->shards[s].off + bad,
+                   isnan(out[bad]) ? "NaN" : out[bad] > 0 ? "+Inf" : "-Inf",
+                   ps_wire_name(c->wire), ps_wire_name(c->wire));
 }
 
 int ps_client_pull(ps_client *c, float *params, uint64_t *versions,
@@ -458,16 +526,21 @@ int ps_client_pull_ex(ps_client *c, float *params, uint64_t *versions,
           rc = ps_seterr(err, PS_EPROTO, "Pull from shard %d: malformed reply: %s", s, derr);
       } else {
         Ps__PullResponse *r = (Ps__PullResponse *)m;
+        int bad = PS_OK;
         if (r->offset != c->shards[s].off || r->count != c->shards[s].cnt ||
-            tensor.total != c->shards[s].cnt * sizeof(float)) {
-          if (rc == PS_OK)
-            rc = ps_seterr(err, PS_EPROTO,
-                           "Pull from shard %d: reply holds [%" PRIu64 ", +%" PRIu64
-                           ") in %zu bytes, asked for [%zu, +%zu)",
-                           s, r->offset, r->count, tensor.total, c->shards[s].off,
-                           c->shards[s].cnt);
+            (int)r->encoding != (int)c->wire ||
+            tensor.total != c->shards[s].cnt * ps_wire_value_bytes(c->wire)) {
+          bad = ps_seterr(derr, PS_EPROTO,
+                          "Pull from shard %d: reply holds [%" PRIu64 ", +%" PRIu64
+                          ") as %s in %zu bytes, asked for [%zu, +%zu) as %s",
+                          s, r->offset, r->count, ps_wire_name((int)r->encoding), tensor.total,
+                          c->shards[s].off, c->shards[s].cnt, ps_wire_name(c->wire));
         } else {
-          ps_segview_copy(&tensor, 0, params + c->shards[s].off, tensor.total);
+          bad = read_values(c, s, &tensor, params + c->shards[s].off, derr);
+        }
+        if (bad != PS_OK) {
+          if (rc == PS_OK) rc = ps_seterr(err, bad, "%s", derr);
+        } else {
           versions[s] = r->version;
           /* In shard order, so [0, off + cnt) has arrived, unless an
            * earlier shard failed (then nothing more is said this attempt). */
@@ -506,6 +579,7 @@ int ps_client_push_begin(ps_client *c, const uint64_t *versions, uint64_t step,
     if (c->push.state[s] == PUSH_IN_FLIGHT) return PS_EINVAL; /* the last round is not over */
   memcpy(c->push.versions, versions, (size_t)c->nshards * sizeof *versions);
   memset(c->push.state, PUSH_PENDING, (size_t)c->nshards);
+  memset(c->push.encoded, 0, (size_t)c->nshards);
   memset(&c->push.res, 0, sizeof c->push.res);
   c->push.step = step;
   c->push.batch_size = batch_size;
@@ -513,10 +587,46 @@ int ps_client_push_begin(ps_client *c, const uint64_t *versions, uint64_t step,
   return PS_OK;
 }
 
+/* Shard s's slice of grads as it goes out: the floats themselves, or (16-bit
+ * wire) their encoding with error feedback, made at the round's first
+ * attempt and sent again as it is by a retry, so that the residual takes
+ * each gradient once. A value that would go out as Inf or NaN (one of
+ * grads, or beyond fp16's range) is not pushed: PS_EINVAL with a message. */
+static int slice_for(ps_client *c, int s, const float *grads, const void **tensor, size_t *bytes,
+                     char *err) {
+  size_t off = c->shards[s].off, cnt = c->shards[s].cnt;
+  if (c->wire == PS_WIRE_FP32) {
+    *tensor = grads + off;
+    *bytes = cnt * sizeof(float);
+    return PS_OK;
+  }
+  uint16_t *enc = c->wire_grads + off;
+  if (!c->push.encoded[s])
+    c->push.encoded[s] = ps_half_encode_feedback(c->wire, grads + off, c->residual + off, enc,
+                                                 cnt) >= ps_half_nonfinite_bits(c->wire)
+                             ? ENC_NONFINITE
+                             : ENC_FINITE;
+  if (c->push.encoded[s] == ENC_NONFINITE) {
+    size_t i = ps_half_first_nonfinite(c->wire, enc, cnt);
+    return ps_seterr(err, PS_EINVAL,
+                     "Push to shard %d: gradient value %zu (global index) is %g, which %s cannot "
+                     "carry (%s); not pushed",
+                     s, off + i, (double)grads[off + i], ps_wire_name(c->wire),
+                     isfinite(grads[off + i]) ? "beyond its range" : "not finite");
+  }
+  *tensor = enc;
+  *bytes = cnt * sizeof *enc;
+  return PS_OK;
+}
+
 int ps_client_push_shard(ps_client *c, int s, const float *grads, char *err) {
   if (s < 0 || s >= c->nshards)
     return ps_seterr(err, PS_EINVAL, "no shard %d (%d shards)", s, c->nshards);
   if (c->push.state[s] != PUSH_PENDING) return PS_OK;
+  const void *tensor = NULL;
+  size_t bytes = 0;
+  int rc = slice_for(c, s, grads, &tensor, &bytes, err);
+  if (rc != PS_OK) return rc;
   Ps__RequestHeader h;
   uint8_t sess[PS_SESSION_LEN];
   fill_header(c, s, &h, sess);
@@ -532,9 +642,9 @@ int ps_client_push_shard(ps_client *c, int s, const float *grads, char *err) {
   rpc_request *r = NULL;
   atomic_fetch_add(&c->tensors_in_flight, 1);
   /* The gradient goes out without a copy; tensor_released counts it
-   * back, and the caller's buffer is not reused before that. */
-  if (wire_encode(&req.base, grads + c->shards[s].off, c->shards[s].cnt * sizeof(float),
-                  tensor_released, c, &msg) == 0)
+   * back, and the caller's buffer (or wire_grads) is not reused before
+   * that. */
+  if (wire_encode(&req.base, tensor, bytes, tensor_released, c, &msg) == 0)
     r = rpc_start(c->q, c->shards[s].ch, M_PUSH, &msg, c->opts.timeout_ms, 1, err);
   else
     atomic_fetch_sub(&c->tensors_in_flight, 1);

@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "../common/auth.h"
+#include "../common/half.h"
 #include "../common/rpc.h"
 
 typedef struct ps_client ps_client;
@@ -68,6 +69,23 @@ void ps_client_shard_range(const ps_client *c, int s, size_t *off, size_t *cnt);
 /* How long a shard may hold a pull back (the job's wait_timeout_ms in ssp
  * and sync modes): added to the pull's deadline. */
 void ps_client_set_wait_ms(ps_client *c, int wait_ms);
+
+/* How tensor values travel: the job's "wire" (fp32 until set). With bf16
+ * or fp16 a pull decodes each shard's 16-bit values into the caller's
+ * floats, refusing (PS_EPROTO, with a message) a value that arrives as Inf
+ * or NaN; a push encodes each shard's slice once per round, adding first
+ * what rounding lost in the pushes before (error feedback: the client
+ * keeps that residual, P floats, and a 16-bit copy of the gradient that
+ * gRPC sends without a further copy), and refuses (PS_EINVAL) a value that
+ * would go out as Inf or NaN. A retry of a round sends the bytes encoded
+ * at its first attempt (the residual takes each gradient once); a round
+ * given up loses its gradient, as with fp32, and its rounding error stays
+ * in the residual. Returns PS_ESTATE while a push is in flight, PS_ENOMEM
+ * (nothing changed) without memory. */
+int ps_client_set_wire(ps_client *c, ps_wire wire, char *err);
+ps_wire ps_client_wire(const ps_client *c);
+/* The residual (P floats; NULL with fp32), for tests. */
+const float *ps_client_residual(const ps_client *c);
 
 typedef struct {
   uint64_t staleness_sum; /* over the shards */

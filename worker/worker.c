@@ -188,9 +188,16 @@ static int setup_job(ps_worker *w, char *err) {
     }
     w->rank = o->index >= 0 ? o->index : ps_client_rank(w->client);
     if (w->job.mode_kind != PS_MODE_ASYNC) ps_client_set_wait_ms(w->client, w->job.wait_timeout_ms);
+    if (ps_client_set_wire(w->client, w->job.wire, err) != 0) {
+      fprintf(stderr, "ps-worker: %s\n", err);
+      return PS_WORKER_EXIT_ERROR;
+    }
     if (o->chief < 0) o->chief = !o->have_tf_config && w->rank == 0;
-    PS_INFO("registered as worker %016" PRIx64 " (rank %d) with %d shards of job '%s', mode %s",
-            ps_client_worker_id(w->client), w->rank, w->nshards, w->job.job_id, w->job.mode);
+    PS_INFO("registered as worker %016" PRIx64 " (rank %d) with %d shards of job '%s', mode %s, "
+            "wire %s%s",
+            ps_client_worker_id(w->client), w->rank, w->nshards, w->job.job_id, w->job.mode,
+            ps_wire_name(w->job.wire),
+            w->job.wire != PS_WIRE_FP32 ? " (16-bit values, pushes with error feedback)" : "");
   }
   if (o->num_workers == 0) o->num_workers = 1;
   /* With data leases the share of the data is decided by shard 0. */

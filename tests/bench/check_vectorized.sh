@@ -9,7 +9,9 @@
 # in every copy GCC makes of it (a helper inlined into several callers is
 # reported once per caller). Nothing is run, so no timing is involved.
 #
-#   tests/bench/check_vectorized.sh BUILD_DIR
+#   tests/bench/check_vectorized.sh BUILD_DIR [SOURCE MIN_MARKS]
+# SOURCE (relative to the repository) and how many marked loops it must
+# hold at least: another file's loops (common/half.c: unit.half_vectorized).
 #
 # Exits 77 (skipped) with a compiler other than GCC, whose reports read
 # otherwise; GCC before 12 does not vectorize at -O2, so there only -O3 is
@@ -17,9 +19,10 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 build=${1:?usage: tests/bench/check_vectorized.sh BUILD_DIR}
-src=$root/kernels/cpu/ops_cpu.c
+src=$root/${2:-kernels/cpu/ops_cpu.c}
+base=$(basename "$src")
 # At least this many marked loops: removing a mark must be deliberate.
-min_marks=9
+min_marks=${3:-9}
 
 db=$build/compile_commands.json
 [ -f "$db" ] || { echo "no $db (CMAKE_EXPORT_COMPILE_COMMANDS)"; exit 1; }
@@ -46,7 +49,7 @@ for e in json.load(open(db)):
     break
 PY
 )
-[ "${#cmd[@]}" -gt 0 ] || { echo "kernels/cpu/ops_cpu.c is not in $db"; exit 1; }
+[ "${#cmd[@]}" -gt 0 ] || { echo "$src is not in $db"; exit 1; }
 
 cc=${cmd[0]}
 macros=$("$cc" -dM -E - </dev/null)
@@ -79,10 +82,10 @@ for config in "${configs[@]}"; do
   read -ra flags <<<"$config"
   report=$work/report.txt
   rm -f "$report" # -fopt-info appends
-  "${cmd[@]}" "${flags[@]}" -c "$src" -o "$work/ops_cpu.o" -fopt-info-vec-all="$report"
+  "${cmd[@]}" "${flags[@]}" -c "$src" -o "$work/$base.o" -fopt-info-vec-all="$report"
   bad=()
   for line in "${marks[@]}"; do
-    at="ops_cpu.c:$line:[0-9]+:"
+    at="$base:$line:[0-9]+:"
     done_n=$(grep -cE "$at optimized: loop vectorized" "$report" || true)
     missed_n=$(grep -cE "$at missed: couldn't vectorize loop" "$report" || true)
     if [ "$done_n" -lt 1 ] || [ "$missed_n" -gt 0 ]; then
@@ -95,7 +98,7 @@ for config in "${configs[@]}"; do
     printf '  %s\n' "${bad[@]}"
     # GCC's reasons, for the first of them
     first=${bad[0]#line }
-    { grep -E "ops_cpu.c:${first%% *}:[0-9]+: missed" "$report" || true; } | sort -u | head -5 |
+    { grep -E "$base:${first%% *}:[0-9]+: missed" "$report" || true; } | sort -u | head -5 |
       sed 's/^/    /'
   else
     echo "ok $config: ${#marks[@]} marked loops vectorized"

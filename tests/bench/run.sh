@@ -6,6 +6,16 @@
 #   training:  examples/s of the quickstart CNN with 1 server + 1 worker
 #              (plain, and with --overlap), against the same model trained
 #              in-process (ps-worker --local)
+#   wire:      the transport's 10M-value shard as float32 against 16-bit values
+#              on the wire (BENCH_WIRE, default bf16), rounds alternating in
+#              one run (bench_transport --compare), and the client's share
+#              (encoding with error feedback, decoding)
+#   wire_accuracy: deploy/jobs/compare_fmnist.json (async, 2 servers + 4
+#              workers, Fashion-MNIST) with float32 and with 16-bit values on
+#              the wire (BENCH_WIRE), for each of BENCH_SEEDS (default
+#              "3 4 5", the job's "seed"), the two runs of a seed one after
+#              the other: final test accuracy, mean and spread, examples/s,
+#              and the shards' bytes per push and per pull
 #   pipeline:  examples/s of the quickstart CNN with BENCH_SHARDS (default 4)
 #              servers + 1 worker, --pipeline on against off
 #   tls:       examples/s of the quickstart CNN with 2 servers + 1 worker,
@@ -13,7 +23,8 @@
 #   checkpoints: examples/s of the quickstart CNN with 2 servers + 1 worker,
 #              with a checkpoint set every second against none, and how long
 #              shard 0 took for each set
-#   tests/bench/run.sh [transport|training|pipeline|tls|checkpoints|all] [BUILD_DIR]
+#   tests/bench/run.sh [transport|wire|wire_accuracy|training|pipeline|tls|checkpoints|all]
+#       [BUILD_DIR]
 set -euo pipefail
 what=${1:-all}
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -64,6 +75,73 @@ print(f"pull: {t['pull_gbps']:.2f} GB/s = {t['pull_gbps']/gbps:.3f} of iperf3 ({
 print(f"push: {t['push_gbps']:.2f} GB/s = {t['push_gbps']/gbps:.3f} of iperf3 ({t['push_ms']:.1f} ms per 10M values)")
 print(f"mutual TLS: pull {s['pull_ms']:.1f} ms = {t['pull_ms']/s['pull_ms']:.3f} of plaintext's rate, "
       f"push {s['push_ms']:.1f} ms = {t['push_ms']/s['push_ms']:.3f} of plaintext's rate")
+PY
+}
+
+wire() {
+  local w=${BENCH_WIRE:-bf16} p32 p16 s32 s16
+  python3 - "$root/tests/bench/jobs_transport.json" "$w" >"$out/jobs_transport_$w.json" <<'PY'
+import json, sys
+job = json.load(open(sys.argv[1]))
+job["wire"] = sys.argv[2]
+json.dump(job, sys.stdout)
+PY
+  p32=$(port)
+  p16=$(port)
+  "$build/ps-server" --insecure --job "$root/tests/bench/jobs_transport.json" \
+    --ps "127.0.0.1:$p32" --index 0 >"$out/server-fp32.log" 2>&1 &
+  pids+=($!); s32=$!
+  "$build/ps-server" --insecure --job "$out/jobs_transport_$w.json" \
+    --ps "127.0.0.1:$p16" --index 0 >"$out/server-$w.log" 2>&1 &
+  pids+=($!); s16=$!
+  "$build/bench_transport" --compare "127.0.0.1:$p16" "127.0.0.1:$p32" "${BENCH_ROUNDS:-20}" \
+    | tee "$out/transport-wire.txt"
+  kill -TERM "$s32" "$s16"; wait "$s32" "$s16" || true
+}
+
+wire_accuracy() {
+  local w=${BENCH_WIRE:-bf16} seed wire run
+  [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] \
+    || { echo "dataset-fashion-mnist is not installed (deploy/install-deps.sh)"; exit 1; }
+  for seed in ${BENCH_SEEDS:-3 4 5}; do
+    for wire in fp32 "$w"; do
+      run=$wire-$seed
+      python3 - "$root/deploy/jobs/compare_fmnist.json" "$wire" "$seed" >"$out/$run.json" <<'PY'
+import json, sys
+job = json.load(open(sys.argv[1]))
+job["wire"], job["seed"], job["mode"] = sys.argv[2], int(sys.argv[3]), "async"
+json.dump(job, sys.stdout, indent=1)
+PY
+      "$root/deploy/local-cluster.sh" --job "$out/$run.json" --bin "$build" --servers 2 --workers 4 \
+        --threads 1 --out "$out/$run" --timeout 1200 -- --log-interval 5 >"$out/$run.out" 2>&1 \
+        || { tail -20 "$out/$run.out"; echo "wire_accuracy: the run $run failed" >&2; exit 1; }
+      echo "$run: $(grep -h '^final test accuracy' "$out/$run/worker-0.log")"
+    done
+  done
+  python3 - "$out" "$w" ${BENCH_SEEDS:-3 4 5} <<'PY'
+import json, re, statistics, sys
+out, w, seeds = sys.argv[1], sys.argv[2], sys.argv[3:]
+def run(wire, seed):
+    d = f"{out}/{wire}-{seed}"
+    acc = float(re.search(r"^final test accuracy ([0-9.]+)", open(f"{d}/worker-0.log").read(), re.M).group(1))
+    eps = sum(float(m) for k in range(4) for m in
+              re.findall(r"examples in [0-9.]+ s: ([0-9.]+) examples/s", open(f"{d}/worker-{k}.log").read())[-1:])
+    st = [json.load(open(f"{d}/status-{s}.json")) for s in (0, 1)]
+    push = sum(s["push_bytes"] for s in st) / sum(s["pushes"] for s in st)
+    pull = sum(s["pull_bytes"] for s in st) / sum(s["pulls"] for s in st)
+    return acc, eps, push, pull
+res = {wire: [run(wire, s) for s in seeds] for wire in ("fp32", w)}
+for wire, rs in res.items():
+    acc = [r[0] for r in rs]
+    print(f"{wire}: final test accuracy over seeds {' '.join(seeds)}: " + ", ".join(f"{a:.4f}" for a in acc) +
+          f"; mean {statistics.mean(acc):.4f}, spread (max - min) {max(acc) - min(acc):.4f}, "
+          f"sd {statistics.stdev(acc) if len(acc) > 1 else 0:.4f}; "
+          f"{statistics.median(r[1] for r in rs):.0f} examples/s (median, 4 workers); "
+          f"{statistics.median(r[2] for r in rs):.0f} bytes per push, {statistics.median(r[3] for r in rs):.0f} per pull")
+d = [b[0] - a[0] for a, b in zip(res["fp32"], res[w])]
+r = [b[1] / a[1] for a, b in zip(res["fp32"], res[w])]
+print(f"{w} - fp32, seed by seed: accuracy " + ", ".join(f"{x:+.4f}" for x in d) +
+      f" (mean {statistics.mean(d):+.4f}); examples/s ratio " + ", ".join(f"{x:.3f}" for x in r))
 PY
 }
 
@@ -208,10 +286,12 @@ PY
 
 case "$what" in
   transport) transport ;;
+  wire) wire ;;
+  wire_accuracy) wire_accuracy ;;
   training) training ;;
   pipeline) pipeline ;;
   tls) tls ;;
   checkpoints) checkpoints ;;
-  all) transport; training; pipeline; tls; checkpoints ;;
-  *) echo "usage: tests/bench/run.sh [transport|training|pipeline|tls|checkpoints|all] [BUILD_DIR]" >&2; exit 2 ;;
+  all) transport; wire; training; pipeline; tls; checkpoints ;;
+  *) echo "usage: tests/bench/run.sh [transport|wire|wire_accuracy|training|pipeline|tls|checkpoints|all] [BUILD_DIR]" >&2; exit 2 ;;
 esac

@@ -1399,6 +1399,122 @@ name_resolution)
   tail -1 "$out/noname.log" | grep -q "the name 'no-such-shard.invalid' does not resolve" \
     || { tail -1 "$out/noname.log"; fail "the worker's last line does not say the name does not resolve"; }
   ;;
+wire16)
+  # 16-bit values on the wire (the job's "wire"): jobs/synthetic.json on 2
+  # shards and 2 workers with bf16 and with fp16 reaches the synthetic
+  # case's accuracy with every push applied, and the shards receive half a
+  # float32 run's bytes per push and send half per pull (Status:
+  # push_bytes, pull_bytes); so do the pipelined step and the overlapped one
+  # (on jobs/overlap.json, which the overlap case uses: momentum and one
+  # more version of staleness can fail synthetic.json in any encoding). Then
+  # requests in the wrong encoding, of the wrong length or with NaN/Inf
+  # codes against live shards of each kind (wire16_check: refused, nothing
+  # changed), error feedback through the worker's client (4096 pushes of
+  # gradients that bf16 rounds move the parameters as float32's would), an evaluator
+  # pulling 16-bit values, and one refusing a pull whose parameters left
+  # fp16's range.
+  wire_job() { # JOB WIRE OUT: JOB with "wire": WIRE
+    python3 - "$1" "$2" >"$3" <<'PY'
+import json, sys
+job = json.load(open(sys.argv[1]))
+job["wire"] = sys.argv[2]
+json.dump(job, sys.stdout, indent=1)
+PY
+  }
+  for w in fp32 bf16 fp16; do wire_job "$here/jobs/synthetic.json" "$w" "$out/job-$w.json"; done
+  wire_job "$here/jobs/overlap.json" fp16 "$out/job-fp16-overlap.json"
+  python3 - "$out/job-bf16.json" >"$out/job-bf16-sgd1.json" <<'PY'
+import json, sys
+job = json.load(open(sys.argv[1]))
+job["optimizer"] = {"name": "sgd", "lr": 1.0}
+json.dump(job, sys.stdout, indent=1)
+PY
+  wire_run() { # NAME JOB WIRE WORKER-ARGS...: logs and Status in $out/NAME/
+    local run=$1 job=$2 w=$3 f acc
+    shift 3
+    "$root/deploy/local-cluster.sh" --job "$job" --bin "$build" --out "$out/$run" \
+      --timeout 240 --threads 1 -- --log-interval 1 "$@" >"$out/$run.out" 2>&1 \
+      || { tail -20 "$out/$run.out"; fail "the run $run failed"; }
+    for f in "$out/$run"/*.log; do clean_exit "$f" || fail "$run: $f crashed"; done
+    grep -q "mode async, wire $w" "$out/$run/worker-0.log" \
+      || fail "$run: the worker's start-up line does not say wire $w"
+    acc=$(final_accuracy "$out/$run/worker-0.log")
+    echo "wire16: $run: final test accuracy $acc"
+    [ -n "$acc" ] || fail "$run: no final accuracy in the chief's log"
+    at_least "$acc" 0.90 || fail "$run: accuracy $acc below 0.90"
+  }
+  wire_run fp32 "$out/job-fp32.json" fp32
+  wire_run bf16 "$out/job-bf16.json" bf16
+  wire_run fp16 "$out/job-fp16.json" fp16
+  wire_run bf16-pipeline "$out/job-bf16.json" bf16 --pipeline on
+  wire_run fp16-overlap "$out/job-fp16-overlap.json" fp16 --overlap
+  grep -q "pipeline: each shard's parameters go to the compute" "$out/bf16-pipeline/worker-0.log" \
+    || fail "the bf16-pipeline run did not pipeline"
+  grep -q "overlap: pushes and pulls run beside compute" "$out/fp16-overlap/worker-0.log" \
+    || fail "the fp16-overlap run did not overlap"
+  python3 - "$out" $(( 2 * 3 * 1024 / 32 )) <<'PY' || fail "the shards' records"
+import json, sys
+out, steps = sys.argv[1], int(sys.argv[2])
+per = {}
+for run in ("fp32", "bf16", "fp16", "bf16-pipeline", "fp16-overlap"):
+    push = pull = pushes = pulls = 0
+    for s in (0, 1):
+        st = json.load(open(f"{out}/{run}/status-{s}.json"))
+        assert st["wire"] == run.split("-")[0], (run, st["wire"])
+        assert st["version"] == steps and st["pushes"] == steps and st["rejected"] == 0, (run, st)
+        push += st["push_bytes"]; pull += st["pull_bytes"]
+        pushes += st["pushes"]; pulls += st["pulls"]
+    per[run] = (push / pushes, pull / pulls)
+    print(f"wire16: {run}: {per[run][0]:.0f} bytes received per push, {per[run][1]:.0f} sent per pull")
+for run in per:
+    if run != "fp32":
+        push, pull = per[run][0] / per["fp32"][0], per[run][1] / per["fp32"][1]
+        print(f"wire16: {run} / fp32: bytes per push x{push:.4f}, per pull x{pull:.4f}")
+        assert 0.49 <= push <= 0.51 and 0.49 <= pull <= 0.51, (run, push, pull)
+PY
+  # Bad requests to live one-shard jobs of each encoding.
+  read -ra addrs <<<"$(free_ports 4 | tr , ' ')"
+  k=0
+  for w in bf16 fp16 fp32 bf16-sgd1; do
+    "$build/ps-server" --insecure --job "$out/job-$w.json" --ps "${addrs[$k]}" --index 0 \
+      >"$out/server-$w.log" 2>&1 &
+    pids+=($!)
+    k=$((k + 1))
+  done
+  k=0
+  for w in bf16 fp16 fp32; do
+    "$build/wire16_check" "${addrs[$k]}" "$w" >"$out/check-$w.out" 2>&1 \
+      || { cat "$out/check-$w.out"; tail -5 "$out/server-$w.log"; fail "wire16_check against $w"; }
+    grep -E "parameters|Status" "$out/check-$w.out" | sed "s/^/wire16: $w shard: /"
+    k=$((k + 1))
+  done
+  grep -q "refused" "$out/server-bf16.log" || fail "the bf16 shard did not log the refused pushes"
+  "$build/wire16_check" "${addrs[3]}" bf16 residual >"$out/residual.out" 2>&1 \
+    || { cat "$out/residual.out"; fail "error feedback through the worker's client"; }
+  grep "^residual:" "$out/residual.out" | sed "s/^/wire16: /"
+  # An evaluator pulls the fp16 shard's values; once they leave fp16's
+  # range (the shard sends them as Inf), its pull is refused with the cause.
+  timeout 60 "$build/ps-worker" --insecure --ps "${addrs[1]}" --evaluator --eval-interval 0.1 \
+    --max-evals 2 --threads 1 >"$out/evaluator.log" 2>&1 \
+    || { tail -5 "$out/evaluator.log"; fail "the evaluator of the fp16 job failed"; }
+  grep -q "wire fp16" "$out/evaluator.log" && grep -q "^final test accuracy" "$out/evaluator.log" \
+    || { tail -5 "$out/evaluator.log"; fail "the evaluator did not evaluate the fp16 job"; }
+  "$build/wire16_check" "${addrs[1]}" fp16 overflow >"$out/overflow.out" 2>&1 \
+    || { cat "$out/overflow.out"; fail "wire16_check could not drive the fp16 job out of range"; }
+  rc=0
+  timeout 60 "$build/ps-worker" --insecure --ps "${addrs[1]}" --evaluator --eval-interval 0.1 \
+    --max-evals 2 --threads 1 >"$out/evaluator-inf.log" 2>&1 || rc=$?
+  for f in "$out"/server-*.log "$out"/evaluator*.log; do clean_exit "$f" || fail "$f: a crash"; done
+  [ "$rc" = 1 ] || { tail -5 "$out/evaluator-inf.log"; fail "evaluator of out-of-range fp16 values: exit $rc, expected 1"; }
+  grep -q "arrived as [+-]Inf: beyond fp16's range" "$out/evaluator-inf.log" \
+    || { tail -5 "$out/evaluator-inf.log"; fail "the refused pull does not say why"; }
+  grep -q "beyond fp16's range: pulls send it as Inf" "$out/server-fp16.log" \
+    || fail "the fp16 shard did not say it sent Inf"
+  echo "wire16: $(grep -o "arrived as .*range" "$out/evaluator-inf.log" | head -1)"
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" || fail "a ps-server did not exit 0 on SIGTERM"; done
+  pids=()
+  ;;
 *)
   fail "unknown test '$name'"
   ;;

@@ -10,6 +10,7 @@
 #include "check.h"
 #include "common/model_spec.h"
 #include "ps/shard.h"
+#include "shard_fixture.h"
 
 /* 8x8 inputs, one dense layer of 16: P = 64*16 + 16 = 1040. With S = 2 the
  * boundary P/2 = 520 is rounded down to 512, so shard 1 owns [512, 1040). */
@@ -19,32 +20,12 @@ static const char *SPEC =
     "{\"type\": \"softmax_xent\"}]}";
 
 static ps_job make_job(const char *optimizer) {
-  ps_job job;
-  memset(&job, 0, sizeof job);
-  strcpy(job.job_id, "test-shard");
-  char err[PS_ERRLEN] = "";
-  int rc = ps_model_spec_parse(SPEC, &job.model, err);
-  CHECK_MSG(rc == PS_OK, "spec: %s", err);
-  strcpy(job.optim.name, optimizer);
-  job.optim.lr = 0.05f;
-  job.optim.momentum = 0.9f;
-  job.optim.beta1 = 0.9f;
-  job.optim.beta2 = 0.999f;
-  job.optim.eps = 1e-8f;
-  job.optim.initial_accumulator = 0.1f;
-  job.seed = 7;
-  strcpy(job.mode, "async");
-  return job;
+  return fixture_job("test-shard", SPEC, optimizer, 0);
 }
 
-static ps_shard *make_shard(const ps_job *job, int index) {
-  char err[PS_ERRLEN] = "";
-  ps_shard *s = ps_shard_create(job, index, 2, err);
-  CHECK_MSG(s != NULL, "create: %s", err);
-  return s;
-}
+static ps_shard *make_shard(const ps_job *job, int index) { return fixture_shard(job, index, 2); }
 
-static size_t shard_len(const ps_shard *s) { return ps_shard_end(s) - ps_shard_begin(s); }
+#define shard_len fixture_shard_len
 
 /* Pushes count floats as one aligned segment. */
 static int push_floats(ps_shard *s, uint64_t base, size_t offset, const float *g, size_t count,
