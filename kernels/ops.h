@@ -127,6 +127,25 @@ struct ps_ops {
 
   /* x[i] *= alpha for i < n (backend memory), in order with the ops. */
   void (*scale)(void *ctx, size_t n, float alpha, float *x);
+
+  /* softmax_xent_forward's probabilities, and what the step reports,
+   * without waiting for the device: stats (backend memory, 2 doubles)
+   * receives [0] the sum over the n examples of the cross-entropy (NaN if
+   * a label is outside [0, k)), so that the mean is (float)(stats[0] / n)
+   * exactly as softmax_xent_forward returns it, and [1] how many examples'
+   * first largest probability is at their label. Read once, at the end of
+   * a step, with the gradients. NULL: the model uses softmax_xent_forward
+   * and counts on the host from the probabilities. */
+  void (*softmax_xent_stats)(void *ctx, int n, int k, const float *logits, const uint8_t *labels,
+                             float *probs, double *stats);
+
+  /* Host memory the copy queue reads and writes at full speed: page-locked
+   * on cuda (an asynchronous copy from other host memory waits for a
+   * staging copy), plain aligned memory on the cpu backend; zeroed. For
+   * batches, and for what is pulled and pushed. NULL when it cannot be had
+   * (host_free(NULL) is fine). Any thread may call them. */
+  void *(*host_alloc)(void *ctx, size_t bytes);
+  void (*host_free)(void *ctx, void *p);
 };
 
 /* The CPU backend. threads > 0: the backend splits every op over that many

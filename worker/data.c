@@ -417,6 +417,7 @@ struct ps_batcher {
   uint64_t seed;
   int depth;
   int shuffle; /* 0: every epoch in index order */
+  ps_host_mem mem;    /* where the slots live */
   ps_chunk_fn source; /* chunk mode: where the examples come from */
   void *source_user;
   uint32_t order_cap;
@@ -541,8 +542,8 @@ static void batcher__run(void *arg) {
 static void batcher__free(ps_batcher *b) {
   if (b->slots) {
     for (int s = 0; s < b->depth; s++) {
-      ps_free(b->slots[s].x);
-      ps_free(b->slots[s].y);
+      b->mem.free(b->mem.ctx, b->slots[s].x);
+      b->mem.free(b->mem.ctx, b->slots[s].y);
     }
   }
   if (b->take_ok) uv_cond_destroy(&b->can_take);
@@ -562,12 +563,18 @@ static void batcher__free(ps_batcher *b) {
  * (fewer examples than workers). */
 static ps_batcher *batcher__create(const ps_dataset *ds, int batch_size, int rank,
                                    int num_workers, uint64_t seed, int depth, int shuffle,
-                                   ps_chunk_fn source, void *user);
+                                   ps_chunk_fn source, void *user, const ps_host_mem *mem);
 
 ps_batcher *ps_batcher_create_source(const ps_dataset *ds, int batch_size, uint64_t seed,
                                      int depth, ps_chunk_fn source, void *user) {
+  return ps_batcher_create_source_in(ds, batch_size, seed, depth, source, user, NULL);
+}
+
+ps_batcher *ps_batcher_create_source_in(const ps_dataset *ds, int batch_size, uint64_t seed,
+                                        int depth, ps_chunk_fn source, void *user,
+                                        const ps_host_mem *mem) {
   if (!source) return NULL;
-  return batcher__create(ds, batch_size, 0, 1, seed, depth, 1, source, user);
+  return batcher__create(ds, batch_size, 0, 1, seed, depth, 1, source, user, mem);
 }
 
 ps_batcher *ps_batcher_create(const ps_dataset *ds, int batch_size, int rank, int num_workers,
@@ -577,12 +584,30 @@ ps_batcher *ps_batcher_create(const ps_dataset *ds, int batch_size, int rank, in
 
 ps_batcher *ps_batcher_create_ordered(const ps_dataset *ds, int batch_size, int rank,
                                       int num_workers, uint64_t seed, int depth, int shuffle) {
-  return batcher__create(ds, batch_size, rank, num_workers, seed, depth, shuffle, NULL, NULL);
+  return batcher__create(ds, batch_size, rank, num_workers, seed, depth, shuffle, NULL, NULL,
+                         NULL);
+}
+
+ps_batcher *ps_batcher_create_ordered_in(const ps_dataset *ds, int batch_size, int rank,
+                                         int num_workers, uint64_t seed, int depth, int shuffle,
+                                         const ps_host_mem *mem) {
+  return batcher__create(ds, batch_size, rank, num_workers, seed, depth, shuffle, NULL, NULL,
+                         mem);
+}
+
+static void *plain_alloc(void *ctx, size_t bytes) {
+  (void)ctx;
+  return ps_alloc(bytes);
+}
+
+static void plain_free(void *ctx, void *p) {
+  (void)ctx;
+  ps_free(p);
 }
 
 static ps_batcher *batcher__create(const ps_dataset *ds, int batch_size, int rank,
                                    int num_workers, uint64_t seed, int depth, int shuffle,
-                                   ps_chunk_fn source, void *user) {
+                                   ps_chunk_fn source, void *user, const ps_host_mem *mem) {
   if (!ds || !ds->images || !ds->labels || ds->n < 1 || ds->c < 1 || ds->h < 1 || ds->w < 1 ||
       batch_size < 1 || num_workers < 1 || rank < 0 || rank >= num_workers || depth < 1)
     return NULL;
@@ -598,6 +623,8 @@ static ps_batcher *batcher__create(const ps_dataset *ds, int batch_size, int ran
   b->seed = seed;
   b->depth = depth;
   b->shuffle = shuffle;
+  b->mem = mem && mem->alloc && mem->free ? *mem
+                                          : (ps_host_mem){.alloc = plain_alloc, .free = plain_free};
   b->source = source;
   b->source_user = user;
   b->shard_n = shard_n;
@@ -611,8 +638,8 @@ static ps_batcher *batcher__create(const ps_dataset *ds, int batch_size, int ran
   if (!b->shard || !b->order || !b->slots || !b->state || !b->free_list || !b->ready) goto fail;
   for (uint32_t j = 0; j < shard_n; j++) b->shard[j] = (uint32_t)rank + j * (uint32_t)num_workers;
   for (int s = 0; s < depth; s++) {
-    b->slots[s].x = ps_alloc((size_t)batch_size * b->dim * sizeof(float));
-    b->slots[s].y = ps_alloc((size_t)batch_size);
+    b->slots[s].x = b->mem.alloc(b->mem.ctx, (size_t)batch_size * b->dim * sizeof(float));
+    b->slots[s].y = b->mem.alloc(b->mem.ctx, (size_t)batch_size);
     if (!b->slots[s].x || !b->slots[s].y) goto fail;
     b->state[s] = SLOT_FREE;
     /* Pushed in reverse so that slot 0 is filled first (tidier to debug). */

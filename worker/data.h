@@ -60,6 +60,16 @@ typedef int (*ps_chunk_fn)(void *user, uint64_t *begin, uint32_t *count, uint64_
 
 typedef struct ps_batcher ps_batcher;
 
+/* Where a batcher's slots live: host memory from alloc (zeroed; NULL when
+ * it cannot be had) released with free, called from the creating thread.
+ * A GPU worker passes page-locked memory (ops->host_alloc), so that each
+ * batch is copied to the device straight from its slot. NULL: ps_alloc. */
+typedef struct {
+  void *(*alloc)(void *ctx, size_t bytes);
+  void (*free)(void *ctx, void *p);
+  void *ctx;
+} ps_host_mem;
+
 /* Starts the prefetch thread: batches of batch_size (the last batch of an
  * epoch may be smaller) from the examples with i % num_workers == rank,
  * shuffled per epoch, `depth` batches ahead. NULL on failure. */
@@ -75,6 +85,14 @@ ps_batcher *ps_batcher_create_ordered(const ps_dataset *ds, int batch_size, int 
  * two chunks. */
 ps_batcher *ps_batcher_create_source(const ps_dataset *ds, int batch_size, uint64_t seed,
                                      int depth, ps_chunk_fn source, void *user);
+/* As ps_batcher_create_ordered and ps_batcher_create_source, with slots in
+ * mem's memory (NULL: ps_alloc). */
+ps_batcher *ps_batcher_create_ordered_in(const ps_dataset *ds, int batch_size, int rank,
+                                         int num_workers, uint64_t seed, int depth, int shuffle,
+                                         const ps_host_mem *mem);
+ps_batcher *ps_batcher_create_source_in(const ps_dataset *ds, int batch_size, uint64_t seed,
+                                        int depth, ps_chunk_fn source, void *user,
+                                        const ps_host_mem *mem);
 /* Blocks until a batch is ready; it stays valid until ps_batcher_release. */
 int ps_batcher_next(ps_batcher *b, ps_batch **out);
 void ps_batcher_release(ps_batcher *b, ps_batch *batch);

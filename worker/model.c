@@ -7,7 +7,12 @@
  * its own probabilities in place, exactly as before the backends could
  * differ; elsewhere the batch is copied in (x_dev, y_dev) and the
  * probabilities out (probs_host) each step, k*n floats for the arg-max
- * count. */
+ * count.
+ *
+ * A backend with softmax_xent_stats computes the loss and the arg-max
+ * count where the probabilities are, and the step reads those two numbers
+ * once, when it ends: nothing waits for the device in the middle of a step
+ * and no probabilities are copied. */
 #include "model.h"
 
 #include <math.h>
@@ -46,6 +51,7 @@ struct ps_model {
   float *x_dev;      /* (max_batch, in_size): the batch, copied in */
   uint8_t *y_dev;    /* (max_batch): its labels */
   float *probs_host; /* (max_batch, classes), host memory: probs copied out */
+  double *stats;     /* ops->softmax_xent_stats: backend memory, 2 doubles */
   /* The staged step in progress (ps_model_step_*). */
   struct {
     const float *x;       /* the ops' copy of the batch */
@@ -55,6 +61,8 @@ struct ps_model {
     int n, next_layer, done;
     uint64_t seed, step;
     float loss;
+    int correct;
+    int pending; /* stats queued, not yet read */
   } st;
 };
 
@@ -125,6 +133,7 @@ ps_model *ps_model_create(const ps_model_spec *spec, ps_ops *ops, int max_batch,
   m->grad_b = backend_alloc(m, largest * (size_t)max_batch * sizeof(float));
   m->probs = backend_alloc(m, n_probs * sizeof(float));
   if (!m->work || !m->grad_a || !m->grad_b || !m->probs) goto oom;
+  if (ops->softmax_xent_stats && !(m->stats = backend_alloc(m, 2 * sizeof(double)))) goto oom;
   if (!ops->host_memory) {
     m->x_dev = backend_alloc(m, m->in_size * (size_t)max_batch * sizeof(float));
     m->y_dev = backend_alloc(m, (size_t)max_batch);
@@ -153,6 +162,7 @@ void ps_model_destroy(ps_model *m) {
   backend_free(m, m->grad_a);
   backend_free(m, m->grad_b);
   backend_free(m, m->probs);
+  backend_free(m, m->stats);
   backend_free(m, m->x_dev);
   backend_free(m, m->y_dev);
   ps_free(m->probs_host);
@@ -258,6 +268,28 @@ static int count_correct(const float *probs, const uint8_t *y, int n, int k) {
   return correct;
 }
 
+/* The loss and arg-max count of n examples that softmax_xent_stats queued:
+ * waits for the backend. */
+static float stats_read(ps_model *m, int n, int *correct) {
+  ps_ops *o = m->ops;
+  double s[2];
+  if (o->host_memory) {
+    memcpy(s, m->stats, sizeof s);
+  } else {
+    o->to_host(o->ctx, s, m->stats, sizeof s);
+    o->sync(o->ctx);
+  }
+  *correct = (int)s[1];
+  return n > 0 ? (float)(s[0] / n) : 0.0f;
+}
+
+/* The step's loss and count, once (the first caller that needs them). */
+static void step_stats(ps_model *m) {
+  if (!m->st.pending) return;
+  m->st.loss = stats_read(m, m->st.n, &m->st.correct);
+  m->st.pending = 0;
+}
+
 void ps_model_step_begin(ps_model *m, const float *x, const uint8_t *y, int n, uint64_t seed,
                          uint64_t step) {
   memset(&m->st, 0, sizeof m->st);
@@ -265,7 +297,19 @@ void ps_model_step_begin(ps_model *m, const float *x, const uint8_t *y, int n, u
   m->st.n = n;
   m->st.seed = seed;
   m->st.step = step;
-  batch_in(m, x, y, n, &m->st.x, &m->st.y);
+  ps_ops *o = m->ops;
+  if (o->host_memory) {
+    batch_in(m, x, y, n, &m->st.x, &m->st.y);
+  } else {
+    /* On the copy queue: the previous step has been waited for, so no op
+     * still reads x_dev or y_dev, and the ops below wait for these copies
+     * only. From a batcher slot in ops->host_alloc's memory (page-locked
+     * on a GPU) they need no staging. */
+    o->to_device_async(o->ctx, m->x_dev, x, m->in_size * (size_t)n * sizeof(float));
+    o->to_device_async(o->ctx, m->y_dev, y, (size_t)n);
+    m->st.x = m->x_dev;
+    m->st.y = m->y_dev;
+  }
   m->st.in = m->st.x;
 }
 
@@ -280,12 +324,21 @@ void ps_model_step_forward(ps_model *m, const float *params, size_t avail) {
     if (!out) break;
     m->st.in = out;
   }
-  m->st.loss = o->softmax_xent_forward(o->ctx, m->st.n, m->spec.classes, m->st.in, m->st.y,
-                                       m->probs);
+  if (o->softmax_xent_stats) {
+    o->softmax_xent_stats(o->ctx, m->st.n, m->spec.classes, m->st.in, m->st.y, m->probs, m->stats);
+    m->st.pending = 1;
+  } else {
+    m->st.loss = o->softmax_xent_forward(o->ctx, m->st.n, m->spec.classes, m->st.in, m->st.y,
+                                         m->probs);
+  }
   m->st.done = 1;
 }
 
-float ps_model_step_loss(const ps_model *m) { return m->st.done ? m->st.loss : NAN; }
+float ps_model_step_loss(ps_model *m) {
+  if (!m->st.done) return NAN;
+  step_stats(m);
+  return m->st.loss;
+}
 
 float ps_model_step_backward(ps_model *m, const float *params, float *grads,
                              void (*ready)(void *user, size_t lo), void *user, int *correct) {
@@ -356,14 +409,19 @@ float ps_model_step_backward(ps_model *m, const float *params, float *grads,
     dx = t;
   }
   if (ready) ready(user, 0);
-  /* The arg-max count reads the probabilities back: after the whole
-   * backward pass is queued, so the device is not left idle meanwhile. */
+  /* The loss and the arg-max count are read back after the whole backward
+   * pass is queued, so the device is not left idle meanwhile. */
   if (correct) *correct = ps_model_step_correct(m);
+  step_stats(m);
   return m->st.loss;
 }
 
 int ps_model_step_correct(ps_model *m) {
   if (!m->st.done) return 0;
+  if (m->ops->softmax_xent_stats) {
+    step_stats(m);
+    return m->st.correct;
+  }
   return count_correct(probs_out(m, m->st.n), m->st.y_host, m->st.n, m->spec.classes);
 }
 
@@ -386,6 +444,13 @@ float ps_model_evaluate(ps_model *m, const float *params, const float *x, const 
     const uint8_t *yb;
     batch_in(m, x + (size_t)start * m->in_size, y + start, b, &xb, &yb);
     const float *logits = forward(m, params, xb, b, 0, 0, 0);
+    if (o->softmax_xent_stats) {
+      o->softmax_xent_stats(o->ctx, b, k, logits, yb, m->probs, m->stats);
+      int c;
+      loss_sum += (double)stats_read(m, b, &c) * b;
+      right += c;
+      continue;
+    }
     loss_sum += (double)o->softmax_xent_forward(o->ctx, b, k, logits, yb, m->probs) * b;
     if (correct) right += count_correct(probs_out(m, b), y + start, b, k);
   }

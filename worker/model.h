@@ -51,8 +51,9 @@ float ps_model_train_step(ps_model *m, const float *params, const float *x, cons
  * backward pass goes on through earlier layers). The result is that of
  * ps_model_train_step, bit for bit: the same ops run in the same order.
  *
- * begin: starts a step on n examples (host memory, as above; read before
- * it returns). forward: runs forward every layer not yet run whose
+ * begin: starts a step on n examples (host memory, as above, but read by
+ * the copy queue until backward returns, so unchanged until then; ideally
+ * ops->host_alloc's memory; the previous step must have been waited for). forward: runs forward every layer not yet run whose
  * parameters lie in params[0, avail) (backend memory), stopping at the
  * first that does not, and the loss once all have run; call it again as
  * avail grows. backward: runs what forward left, then the backward pass,
@@ -63,8 +64,9 @@ float ps_model_train_step(ps_model *m, const float *params, const float *x, cons
 void ps_model_step_begin(ps_model *m, const float *x, const uint8_t *y, int n, uint64_t seed,
                          uint64_t step);
 void ps_model_step_forward(ps_model *m, const float *params, size_t avail);
-/* The mean loss of the step once forward has run every layer (NAN before). */
-float ps_model_step_loss(const ps_model *m);
+/* The mean loss of the step once forward has run every layer (NAN before).
+ * On a backend with softmax_xent_stats it waits for the forward pass. */
+float ps_model_step_loss(ps_model *m);
 float ps_model_step_backward(ps_model *m, const float *params, float *grads,
                              void (*ready)(void *user, size_t lo), void *user, int *correct);
 /* The number of the step's examples whose arg-max matched the label (what

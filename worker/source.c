@@ -35,13 +35,14 @@ struct ps_source {
 };
 
 ps_source *ps_source_share(const ps_dataset *train, int batch, int rank, int num_workers,
-                           uint64_t seed, int shuffle, int epochs, int64_t max_steps) {
+                           uint64_t seed, int shuffle, int epochs, int64_t max_steps,
+                           const ps_host_mem *mem) {
   ps_source *s = calloc(1, sizeof *s);
   if (!s) return NULL;
   pthread_mutex_init(&s->mu, NULL);
   s->batch = batch;
   s->n_examples = train->n;
-  s->batcher = ps_batcher_create_ordered(train, batch, rank, num_workers, seed, 4, shuffle);
+  s->batcher = ps_batcher_create_ordered_in(train, batch, rank, num_workers, seed, 4, shuffle, mem);
   if (!s->batcher) {
     pthread_mutex_destroy(&s->mu);
     free(s);
@@ -118,7 +119,8 @@ static int next_chunk(void *user, uint64_t *begin, uint32_t *count, uint64_t *ta
 }
 
 ps_source *ps_source_leases(const ps_dataset *train, int batch, uint64_t seed, ps_client *client,
-                            double retry_s, atomic_int *stop, int64_t max_steps) {
+                            double retry_s, atomic_int *stop, int64_t max_steps,
+                            const ps_host_mem *mem) {
   ps_source *s = calloc(1, sizeof *s);
   if (!s) return NULL;
   pthread_mutex_init(&s->mu, NULL);
@@ -129,7 +131,7 @@ ps_source *ps_source_leases(const ps_dataset *train, int batch, uint64_t seed, p
   s->stop = stop;
   /* The data comes chunk by chunk from shard 0 until its last epoch. */
   s->total_steps = max_steps > 0 ? max_steps : INT64_MAX;
-  s->batcher = ps_batcher_create_source(train, batch, seed, 4, next_chunk, s);
+  s->batcher = ps_batcher_create_source_in(train, batch, seed, 4, next_chunk, s, mem);
   if (!s->batcher) {
     pthread_mutex_destroy(&s->mu);
     free(s);

@@ -17,7 +17,8 @@ typedef struct ps_source ps_source;
  * shuffle is 0); max_steps > 0 stops earlier. NULL when the pipeline
  * cannot start. */
 ps_source *ps_source_share(const ps_dataset *train, int batch, int rank, int num_workers,
-                           uint64_t seed, int shuffle, int epochs, int64_t max_steps);
+                           uint64_t seed, int shuffle, int epochs, int64_t max_steps,
+                           const ps_host_mem *mem);
 
 /* Chunks leased from shard 0 through client until its last epoch;
  * unreachable shards are retried for retry_s seconds; *stop ends the
@@ -27,7 +28,8 @@ ps_source *ps_source_share(const ps_dataset *train, int batch, int rank, int num
  * then destroy the source, then the client. NULL when the pipeline cannot
  * start. */
 ps_source *ps_source_leases(const ps_dataset *train, int batch, uint64_t seed, ps_client *client,
-                            double retry_s, atomic_int *stop, int64_t max_steps);
+                            double retry_s, atomic_int *stop, int64_t max_steps,
+                            const ps_host_mem *mem);
 
 /* Logs what the source will deliver (examples, steps, epochs). */
 void ps_source_log_plan(const ps_source *s, int lease_chunk, int epochs);

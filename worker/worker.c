@@ -12,6 +12,7 @@
 #include "../common/rng.h"
 #include "../common/util.h"
 #include "device.h"
+#include "../kernels/emu/ops_emu.h"
 #ifdef PS_WITH_CUDA
 #include "../kernels/cuda/ops_cuda.h"
 #endif
@@ -97,35 +98,18 @@ int ps_worker_push_end(ps_worker *w, char *err) {
   return ps_worker_retry(w, "Push", op_push, w, err);
 }
 
-#ifdef PS_WITH_CUDA
-static int on_cuda(const ps_worker *w) { return w->ops && strcmp(w->ops->name, "cuda") == 0; }
-#endif
 
 float *ps_worker_host_buffer(ps_worker *w, size_t bytes) {
-#ifdef PS_WITH_CUDA
-  if (on_cuda(w)) {
-    void *p = NULL;
-    if (ps_cuda_host_alloc(&p, bytes) != 0) return NULL;
-    memset(p, 0, bytes);
-    return p;
-  }
-#else
-  (void)w;
-#endif
+  if (w->ops && w->ops->host_alloc) return w->ops->host_alloc(w->ops->ctx, bytes);
   return ps_alloc(bytes);
 }
 
 void ps_worker_host_buffer_free(ps_worker *w, float *p) {
   if (!p) return;
-#ifdef PS_WITH_CUDA
-  if (on_cuda(w)) {
-    ps_cuda_host_free(p);
-    return;
-  }
-#else
-  (void)w;
-#endif
-  ps_free(p);
+  if (w->ops && w->ops->host_free)
+    w->ops->host_free(w->ops->ctx, p);
+  else
+    ps_free(p);
 }
 
 /* ---------------- set-up ---------------- */
@@ -333,12 +317,19 @@ int ps_worker_setup(ps_worker *w) {
   int prc = ps_worker_prom_start(w);
   if (prc != 0) return prc;
   if (!o->evaluator) {
+    /* Batches in the backend's host memory (page-locked on a GPU): each is
+     * copied to the device straight from its slot, on the copy queue. With
+     * replicas each replica copies its part from host memory itself. */
+    ps_host_mem batch_mem = {0};
+    if (!w->reps && w->ops->host_alloc && w->ops->host_free)
+      batch_mem = (ps_host_mem){
+          .alloc = w->ops->host_alloc, .free = w->ops->host_free, .ctx = w->ops->ctx};
     if (w->client && w->job.lease_chunk > 0)
       w->source = ps_source_leases(&w->train, w->job.batch_size, w->job.seed, w->client,
-                                   o->retry_s, &w->stop, o->max_steps);
+                                   o->retry_s, &w->stop, o->max_steps, &batch_mem);
     else
       w->source = ps_source_share(&w->train, w->job.batch_size, w->rank, o->num_workers,
-                                  w->job.seed, w->job.shuffle, o->epochs, o->max_steps);
+                                  w->job.seed, w->job.shuffle, o->epochs, o->max_steps, &batch_mem);
     if (!w->source) {
       fprintf(stderr, "ps-worker: cannot start the input pipeline\n");
       return PS_WORKER_EXIT_ERROR;
@@ -371,6 +362,14 @@ void ps_worker_teardown(ps_worker *w) {
   ps_model_destroy(w->eval_model);
   ps_worker_host_buffer_free(w, w->params); /* before the backend they may belong to */
   ps_worker_host_buffer_free(w, w->grads);
+  if (w->ops && strcmp(w->ops->name, "emu") == 0) {
+    /* What a GPU would have staged: asynchronous copies whose host side is
+     * not the backend's page-locked memory. */
+    ps_emu_counts c;
+    ps_ops_emu_counts(w->ops, &c);
+    PS_INFO("emu device: %d asynchronous copies, %d of them from or to pageable host memory",
+            c.async_copies, c.pageable_async);
+  }
   if (w->ops) w->ops->destroy(w->ops);
   free(w->versions);
   free(w->min_versions);

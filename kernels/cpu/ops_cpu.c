@@ -804,10 +804,8 @@ static void cpu_dropout_backward(void *ctx, size_t n, const float *mask, const f
  * log(prob), which would be -inf for a probability that underflowed. A
  * label outside [0, k) makes the returned loss NaN instead of reading out of
  * bounds. */
-static float cpu_softmax_xent_forward(void *ctx, int n, int k, const float *logits,
-                                      const uint8_t *labels, float *probs) {
-  (void)ctx;
-  if (n == 0) return 0.0f;
+static double xent_forward(int n, int k, const float *logits, const uint8_t *labels,
+                           float *probs) {
   double total = 0.0;
   int bad_label = 0;
   for (int i = 0; i < n; i++) {
@@ -828,7 +826,34 @@ static float cpu_softmax_xent_forward(void *ctx, int n, int k, const float *logi
     }
     total += log(sum) - (double)(l[labels[i]] - max);
   }
-  return bad_label ? NAN : (float)(total / n);
+  return bad_label ? NAN : total;
+}
+
+static float cpu_softmax_xent_forward(void *ctx, int n, int k, const float *logits,
+                                      const uint8_t *labels, float *probs) {
+  (void)ctx;
+  if (n == 0) return 0.0f;
+  return (float)(xent_forward(n, k, logits, labels, probs) / n);
+}
+
+/* The examples whose first largest probability is at the label. */
+static int cpu_count_correct(int n, int k, const float *probs, const uint8_t *labels) {
+  int correct = 0;
+  for (int i = 0; i < n; i++) {
+    const float *p = probs + (size_t)i * k;
+    int best = 0;
+    for (int j = 1; j < k; j++)
+      if (p[j] > p[best]) best = j;
+    correct += best == labels[i];
+  }
+  return correct;
+}
+
+static void cpu_softmax_xent_stats(void *ctx, int n, int k, const float *logits,
+                                   const uint8_t *labels, float *probs, double *stats) {
+  (void)ctx;
+  stats[0] = n > 0 ? xent_forward(n, k, logits, labels, probs) : 0.0;
+  stats[1] = n > 0 && k > 0 ? cpu_count_correct(n, k, probs, labels) : 0;
 }
 
 static void cpu_softmax_xent_backward(void *ctx, int n, int k, const float *probs,
@@ -954,6 +979,7 @@ ps_ops *ps_ops_cpu_create(int threads) {
       .dropout_backward = cpu_dropout_backward,
       .softmax_xent_forward = cpu_softmax_xent_forward,
       .softmax_xent_backward = cpu_softmax_xent_backward,
+      .softmax_xent_stats = cpu_softmax_xent_stats,
       .destroy = cpu_destroy,
       .alloc = cpu_mem_alloc,
       .free = cpu_mem_free,
@@ -967,6 +993,8 @@ ps_ops *ps_ops_cpu_create(int threads) {
       .ticket_done = cpu_ticket_done,
       .ticket_wait = cpu_ticket_wait,
       .scale = cpu_scale,
+      .host_alloc = cpu_mem_alloc,
+      .host_free = cpu_mem_free,
   };
   return &be->ops;
 

@@ -338,6 +338,46 @@ static __global__ void xent_loss_kernel(int n, int k, const float *logits, const
   if (threadIdx.x == 0) *loss = part[0];
 }
 
+/* stats[0] = the loss sum as xent_loss_kernel; stats[1] = the examples
+ * whose first largest probability is at the label (the CPU's arg-max: strict
+ * >, in index order). One block, the same fixed tree. */
+static __global__ void xent_stats_kernel(int n, int k, const float *logits, const float *probs,
+                                         const uint8_t *labels, double *stats) {
+  __shared__ double part[THREADS];
+  __shared__ int hits[THREADS];
+  double acc = 0.0;
+  int right = 0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const float *l = logits + (size_t)i * k;
+    const float *p = probs + (size_t)i * k;
+    float max = l[0];
+    int best = 0;
+    for (int j = 1; j < k; j++) {
+      max = l[j] > max ? l[j] : max;
+      if (p[j] > p[best]) best = j;
+    }
+    double sum = 0.0;
+    for (int j = 0; j < k; j++) sum += (double)expf(l[j] - max);
+    const int label = labels[i];
+    acc += label < k ? log(sum) - (double)(l[label] - max) : CUDART_NAN;
+    right += best == label;
+  }
+  part[threadIdx.x] = acc;
+  hits[threadIdx.x] = right;
+  __syncthreads();
+  for (int half = THREADS / 2; half > 0; half /= 2) {
+    if ((int)threadIdx.x < half) {
+      part[threadIdx.x] += part[threadIdx.x + half];
+      hits[threadIdx.x] += hits[threadIdx.x + half];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    stats[0] = part[0];
+    stats[1] = (double)hits[0];
+  }
+}
+
 /* dlogits = probs * inv_n, minus inv_n at the label: the CPU's two
  * roundings, unfused. */
 static __global__ void xent_backward_kernel(size_t total, int k, float inv_n, const float *probs,
@@ -718,6 +758,25 @@ static float cuda_softmax_xent_forward(void *ctx, int n, int k, const float *log
   return (float)(*be->loss_host / n);
 }
 
+/* Queued on the stream; nothing waits. */
+static void cuda_softmax_xent_stats(void *ctx, int n, int k, const float *logits,
+                                    const uint8_t *labels, float *probs, double *stats) {
+  cuda_backend *be = enter(ctx);
+  if (n <= 0 || k <= 0) {
+    const double none[2] = {n <= 0 ? 0.0 : NAN, 0.0};
+    CUDA_CHECK(cudaMemcpyAsync(stats, none, sizeof none, cudaMemcpyHostToDevice, be->stream));
+    CUDA_CHECK(cudaStreamSynchronize(be->stream)); /* none is on this stack */
+    return;
+  }
+  CUDNN_CHECK(
+      cudnnSetTensor4dDescriptor(be->probs_desc, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, n, k, 1, 1));
+  const float one = 1.0f, zero = 0.0f;
+  CUDNN_CHECK(cudnnSoftmaxForward(be->cudnn, CUDNN_SOFTMAX_ACCURATE, CUDNN_SOFTMAX_MODE_INSTANCE,
+                                  &one, be->probs_desc, logits, &zero, be->probs_desc, probs));
+  xent_stats_kernel<<<1, THREADS, 0, be->stream>>>(n, k, logits, probs, labels, stats);
+  CUDA_CHECK_LAUNCH();
+}
+
 static void cuda_softmax_xent_backward(void *ctx, int n, int k, const float *probs,
                                        const uint8_t *labels, float *dlogits) {
   cuda_backend *be = enter(ctx);
@@ -749,6 +808,25 @@ static void *cuda_mem_alloc(void *ctx, size_t bytes) {
 }
 
 /* Waits for the stream, whose queued ops may still use p. */
+/* Page-locked and zeroed; any thread (portable: every device sees it). */
+static void *cuda_host_alloc(void *ctx, size_t bytes) {
+  (void)ctx;
+  void *p = NULL;
+  if (bytes == 0) bytes = 1;
+  cudaError_t e = cudaHostAlloc(&p, bytes, cudaHostAllocPortable);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError(); /* not sticky: the device goes on */
+    return NULL;
+  }
+  memset(p, 0, bytes);
+  return p;
+}
+
+static void cuda_host_free(void *ctx, void *p) {
+  (void)ctx;
+  if (p) CUDA_CHECK(cudaFreeHost(p));
+}
+
 static void cuda_mem_free(void *ctx, void *p) {
   if (p) free_after_stream(enter(ctx), p);
 }
@@ -993,9 +1071,12 @@ extern "C" ps_ops *ps_ops_cuda_create(int device, char *err) {
   be->ops.dropout_backward = cuda_dropout_backward;
   be->ops.softmax_xent_forward = cuda_softmax_xent_forward;
   be->ops.softmax_xent_backward = cuda_softmax_xent_backward;
+  be->ops.softmax_xent_stats = cuda_softmax_xent_stats;
   be->ops.destroy = cuda_destroy;
   be->ops.alloc = cuda_mem_alloc;
   be->ops.free = cuda_mem_free;
+  be->ops.host_alloc = cuda_host_alloc;
+  be->ops.host_free = cuda_host_free;
   be->ops.to_device = cuda_to_device;
   be->ops.to_host = cuda_to_host;
   be->ops.copy = cuda_copy;

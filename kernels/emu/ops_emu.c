@@ -13,6 +13,7 @@
  * backend. */
 #include "ops_emu.h"
 
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -47,6 +48,15 @@ typedef struct {
   } async[MAX_ASYNC];
   int n_async;
   uint64_t last_ticket;
+  /* host_alloc's blocks: asynchronous copies from or into other host
+   * memory are counted (on a GPU they would wait for a staging copy). */
+  struct {
+    const char *p;
+    size_t bytes;
+  } host[MAX_BLOCKS];
+  int n_host;
+  int async_copies, pageable_async;
+  pthread_mutex_t host_mu; /* host_alloc may be called from any thread */
   int allocs;  /* alloc calls so far */
   int fail_at; /* the alloc call that fails (0-based); -1: none */
 } emu_dev;
@@ -200,6 +210,16 @@ static float em_softmax_xent_forward(void *ctx, int n, int k, const float *logit
   return f->cpu->softmax_xent_forward(f->cpu->ctx, n, k, logits, labels, probs);
 }
 
+static void em_softmax_xent_stats(void *ctx, int n, int k, const float *logits,
+                                  const uint8_t *labels, float *probs, double *stats) {
+  emu_dev *f = enter(ctx);
+  need(f, logits, (size_t)n * k * F4, 0, "softmax logits");
+  need(f, labels, (size_t)n, 0, "softmax labels");
+  need(f, probs, (size_t)n * k * F4, 0, "softmax probs");
+  need(f, stats, 2 * sizeof(double), 0, "softmax stats");
+  f->cpu->softmax_xent_stats(f->cpu->ctx, n, k, logits, labels, probs, stats);
+}
+
 static void em_softmax_xent_backward(void *ctx, int n, int k, const float *probs,
                                      const uint8_t *labels, float *dlogits) {
   emu_dev *f = enter(ctx);
@@ -281,12 +301,62 @@ static void land(emu_dev *f, uint64_t t) {
 
 static void em_sync(void *ctx) { land(enter(ctx), UINT64_MAX); }
 
+/* Whether [p, p+bytes) lies inside one of host_alloc's blocks. */
+static int in_host_block(emu_dev *f, const void *p, size_t bytes) {
+  const char *c = p;
+  int in = 0;
+  pthread_mutex_lock(&f->host_mu);
+  for (int i = 0; i < f->n_host && !in; i++)
+    in = c >= f->host[i].p && bytes <= f->host[i].bytes &&
+         (size_t)(c - f->host[i].p) <= f->host[i].bytes - bytes;
+  pthread_mutex_unlock(&f->host_mu);
+  return in;
+}
+
+static void *em_host_alloc(void *ctx, size_t bytes) {
+  emu_dev *f = ctx; /* any thread: no queue is touched */
+  void *p = ps_alloc(bytes ? bytes : 1);
+  if (!p) return NULL;
+  pthread_mutex_lock(&f->host_mu);
+  if (f->n_host == MAX_BLOCKS) {
+    pthread_mutex_unlock(&f->host_mu);
+    ps_free(p);
+    return NULL;
+  }
+  f->host[f->n_host].p = p;
+  f->host[f->n_host].bytes = bytes;
+  f->n_host++;
+  pthread_mutex_unlock(&f->host_mu);
+  return p;
+}
+
+static void em_host_free(void *ctx, void *p) {
+  emu_dev *f = ctx;
+  if (!p) return;
+  pthread_mutex_lock(&f->host_mu);
+  for (int i = 0; i < f->n_host; i++)
+    if (f->host[i].p == p) {
+      f->host[i] = f->host[--f->n_host];
+      pthread_mutex_unlock(&f->host_mu);
+      ps_free(p);
+      return;
+    }
+  pthread_mutex_unlock(&f->host_mu);
+  fprintf(stderr, "emu device: host_free of %p, which host_alloc did not give\n", p);
+  abort();
+}
+
 static void em_to_device_async(void *ctx, void *dst, const void *src_host, size_t bytes) {
+  emu_dev *f = ctx;
+  f->async_copies += bytes > 0;
+  if (bytes && !in_host_block(f, src_host, bytes)) f->pageable_async++;
   em_to_device(ctx, dst, src_host, bytes);
 }
 
 static uint64_t em_to_host_async(void *ctx, void *dst_host, const void *src, size_t bytes) {
   emu_dev *f = enter(ctx);
+  f->async_copies += bytes > 0;
+  if (bytes && !in_host_block(f, dst_host, bytes)) f->pageable_async++;
   need(f, src, bytes, 0, "to_host_async src");
   if (bytes && in_block(f, dst_host, 1)) {
     fprintf(stderr, "emu device: to_host_async into device memory\n");
@@ -348,6 +418,7 @@ static void emu_init(emu_dev *f, ps_ops *cpu) {
       .dropout_backward = em_dropout_backward,
       .softmax_xent_forward = em_softmax_xent_forward,
       .softmax_xent_backward = em_softmax_xent_backward,
+      .softmax_xent_stats = em_softmax_xent_stats,
       .destroy = em_destroy,
       .alloc = em_alloc,
       .free = em_free,
@@ -361,6 +432,8 @@ static void emu_init(emu_dev *f, ps_ops *cpu) {
       .ticket_done = em_ticket_done,
       .ticket_wait = em_ticket_wait,
       .scale = em_scale,
+      .host_alloc = em_host_alloc,
+      .host_free = em_host_free,
   };
 }
 
@@ -372,6 +445,8 @@ static void em_destroy(ps_ops *ops) {
   flush(f);
   /* Like a device that goes away: what was not freed goes with it. */
   for (int i = 0; i < f->n_blocks; i++) ps_free((void *)f->blocks[i].p);
+  for (int i = 0; i < f->n_host; i++) ps_free((void *)f->host[i].p);
+  pthread_mutex_destroy(&f->host_mu);
   f->cpu->destroy(f->cpu);
   free(f);
 }
@@ -385,6 +460,7 @@ ps_ops *ps_ops_emu_create(int threads) {
     return NULL;
   }
   emu_init(f, cpu);
+  pthread_mutex_init(&f->host_mu, NULL);
   return &f->ops;
 }
 
@@ -403,4 +479,7 @@ void ps_ops_emu_counts(const ps_ops *ops, ps_emu_counts *out) {
   out->allocs = f->allocs;
   out->blocks = f->n_blocks;
   out->pending = f->n_pending + f->n_async;
+  out->host_blocks = f->n_host;
+  out->async_copies = f->async_copies;
+  out->pageable_async = f->pageable_async;
 }

@@ -21,11 +21,14 @@ ps_ops *ps_ops_emu_create(int threads);
 
 /* For tests. fail_alloc_at: the alloc call number `call` (0-based, counted
  * from creation) returns NULL; -1 for none. counts: alloc calls so far,
- * blocks allocated now, copies to the host not landed yet. Both abort on a
- * table that is not the emu backend. */
+ * blocks allocated now, copies to the host not landed yet, host_alloc's
+ * blocks now, the asynchronous copies so far (with bytes), and those of
+ * them whose host side was not
+ * host_alloc's memory (a GPU would have staged them through a page-locked
+ * buffer first). Both abort on a table that is not the emu backend. */
 void ps_ops_emu_fail_alloc_at(ps_ops *ops, int call);
 typedef struct {
-  int allocs, blocks, pending;
+  int allocs, blocks, pending, host_blocks, async_copies, pageable_async;
 } ps_emu_counts;
 void ps_ops_emu_counts(const ps_ops *ops, ps_emu_counts *out);
 

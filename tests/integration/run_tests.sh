@@ -485,6 +485,17 @@ device_paths)
   grep -q "device: emu" "$out/emu-pipeline/worker-0.log" || fail "the emulated device was not used"
   grep -q "pipeline: each shard" "$out/emu-pipeline/worker-0.log" || fail "no pipelined step"
   grep -q "replicas: 2, on devices" "$out/emu-replicas/worker-0.log" || fail "no device replicas"
+  # Batches, parameters and gradients cross on the copy queue from the
+  # backend's page-locked host memory (a GPU copies anything else through a
+  # staging buffer first, synchronously).
+  for run in emu-pipeline emu-plain emu-overlap; do
+    line=$(grep -o "emu device: [0-9]* asynchronous copies, [0-9]* of them" \
+      "$out/$run/worker-0.log") || fail "$run: no count of asynchronous copies"
+    read -r n_async n_pageable < <(sed 's/[^0-9 ]//g' <<<"$line" | awk '{print $1, $2}')
+    echo "device_paths: $run: $n_async asynchronous copies, $n_pageable from pageable memory"
+    [ "$n_async" -gt 0 ] || fail "$run: no asynchronous copy: the batch and pipeline paths were not used"
+    [ "$n_pageable" -eq 0 ] || fail "$run: $n_pageable asynchronous copies from pageable host memory"
+  done
   for pair in "cpu emu-pipeline" "cpu emu-plain" "cpu-replicas emu-replicas" \
               "cpu-overlap emu-overlap"; do
     set -- $pair

@@ -694,6 +694,25 @@ static void test_softmax_xent(void) {
     snprintf(what, sizeof what, "softmax dlogits from the cpu probs n%d k%d", n, k);
     check_bits(what, d2, d_ref, nl);
 
+    /* Without a wait: the loss sum and the arg-max count, read once. */
+    double st_ref[2], st[2];
+    float *p_ref2 = nan_floats(nl);
+    ref.ops->softmax_xent_stats(ref.ops->ctx, n, k, logits, labels, p_ref2, st_ref);
+    double *d_st = dut.ops->alloc(dut.ops->ctx, sizeof st);
+    dut.ops->softmax_xent_stats(dut.ops->ctx, n, k, d_logits, d_labels, d_p, d_st);
+    dut.ops->to_host(dut.ops->ctx, st, d_st, sizeof st);
+    dut.ops->sync(dut.ops->ctx);
+    snprintf(what, sizeof what, "softmax stats n%d k%d scale%g", n, k, (double)c->scale);
+    if (c->bad_label)
+      CHECK_MSG(isnan(st[0]) && isnan(st_ref[0]), "%s: a bad label gives %g and %g, want NaN",
+                what, st[0], st_ref[0]);
+    else
+      CHECK_MSG(fabs(st[0] - st_ref[0]) <= 1e-7 * n + 1e-5 * fabs(st_ref[0]),
+                "%s: loss sum %.9g, want %.9g", what, st[0], st_ref[0]);
+    CHECK_MSG(st[1] == st_ref[1], "%s: %g correct, the cpu %g", what, st[1], st_ref[1]);
+    dut.ops->free(dut.ops->ctx, d_st);
+    free(p_ref2);
+
     free(logits), free(labels), free(p_ref), free(d_ref), free(p), free(d), free(d2);
     s_free(&dut, d_logits), s_free(&dut, d_labels), s_free(&dut, d_p), s_free(&dut, d_d),
         s_free(&dut, d_d2), s_free(&dut, d_p_ref);

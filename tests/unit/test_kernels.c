@@ -587,6 +587,32 @@ static void test_softmax_xent(void) {
   /* A label outside [0, k) is reported as a NaN loss, not read past. */
   const uint8_t bad[2] = {3, 1};
   CHECK(isnan(ops->softmax_xent_forward(ops->ctx, 2, 3, big, bad, probs)));
+
+  /* The same without a wait: the loss sum and the arg-max count, whose ties
+   * go to the first class (rows 1 and 2 below). */
+  CHECK(ops->softmax_xent_stats != NULL);
+  if (!ops->softmax_xent_stats) return;
+  double stats[2] = {-1, -1};
+  float p2[N * K];
+  ops->softmax_xent_stats(ops->ctx, N, K, logits, labels, p2, stats);
+  CHECK((float)(stats[0] / N) == ops->softmax_xent_forward(ops->ctx, N, K, logits, labels, probs));
+  CHECK(memcmp(p2, probs, sizeof p2) == 0);
+  int want = 0;
+  for (int i = 0; i < N; i++) {
+    int best = 0;
+    for (int j = 1; j < K; j++)
+      if (rp[i * K + j] > rp[i * K + best]) best = j;
+    want += best == labels[i];
+  }
+  CHECK_MSG(stats[1] == want, "stats: %g correct, want %d", stats[1], want);
+  float tie[9] = {2, 2, 0, 1, 3, 3, 5, 0, 0};
+  const uint8_t tl[3] = {1, 1, 0}; /* ties: class 0 wins, 1 wins; then 0 is right */
+  ops->softmax_xent_stats(ops->ctx, 3, 3, tie, tl, p2, stats);
+  CHECK_MSG(stats[1] == 2, "ties: %g correct, want 2", stats[1]);
+  ops->softmax_xent_stats(ops->ctx, 2, 3, big, bad, p2, stats);
+  CHECK(isnan(stats[0]));
+  ops->softmax_xent_stats(ops->ctx, 0, 3, big, bad, p2, stats);
+  CHECK(stats[0] == 0.0 && stats[1] == 0.0);
 }
 
 /* ---- timing ---- */
