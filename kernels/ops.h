@@ -25,6 +25,16 @@ typedef struct {
   int oh, ow; /* (h - size)/stride + 1 */
 } ps_pool_shape;
 
+/* The marks of a step's phases (ps_ops.mark). */
+enum {
+  PS_MARK_BEGIN,    /* before the parameters are copied in */
+  PS_MARK_H2D,      /* parameters (and batch) in */
+  PS_MARK_FORWARD,  /* forward pass, loss */
+  PS_MARK_BACKWARD, /* backward pass */
+  PS_MARK_D2H,      /* gradients out */
+  PS_MARKS
+};
+
 typedef struct ps_ops ps_ops;
 struct ps_ops {
   const char *name; /* "cpu", "cuda" */
@@ -146,6 +156,15 @@ struct ps_ops {
    * (host_free(NULL) is fine). Any thread may call them. */
   void *(*host_alloc)(void *ctx, size_t bytes);
   void (*host_free)(void *ctx, void *p);
+
+  /* Where a step's time goes on the backend's own clock: mark(i) records
+   * the moment everything queued before it is done (a CUDA event on cuda;
+   * the host clock on the cpu backend, whose ops are done on return);
+   * marks_read, after a sync, writes ms[i] = milliseconds from mark
+   * PS_MARK_BEGIN to mark i for i < n (negative for a mark not recorded
+   * since the last read) and forgets them. NULL: not kept. */
+  void (*mark)(void *ctx, int i);
+  void (*marks_read)(void *ctx, double *ms, int n);
 };
 
 /* The CPU backend. threads > 0: the backend splits every op over that many

@@ -39,6 +39,18 @@ int ps_step_check_loss(int64_t step, float loss, char *err) {
   return -1;
 }
 
+/* The backward pass's last call (lo == 0): the whole gradient is written. */
+static void grads_out(void *user, size_t lo) {
+  ps_worker *w = user;
+  ps_ops *o = w->ops;
+  if (lo != 0) return;
+  const int marks = o->mark && o->marks_read;
+  if (marks) o->mark(o->ctx, PS_MARK_BACKWARD);
+  if (w->dgrads != w->grads)
+    o->to_host(o->ctx, w->grads, w->dgrads, w->job.model.n_params * sizeof(float));
+  if (marks) o->mark(o->ctx, PS_MARK_D2H);
+}
+
 float ps_compute_step(ps_worker *w, int64_t step, const ps_batch *b, int *correct) {
   uint64_t stream = ps_step_stream(w, step);
   float loss;
@@ -46,10 +58,27 @@ float ps_compute_step(ps_worker *w, int64_t step, const ps_batch *b, int *correc
     loss = ps_replicas_train_step(w->reps, w->params, b->x, b->y, b->n, w->job.seed ^ 0xd0d0,
                                   stream, w->grads, correct);
   } else {
+    /* ps_model_train_step in its stages, with the backend's marks between
+     * them (the same ops in the same order). */
+    ps_ops *o = w->ops;
+    const int marks = o->mark && o->marks_read;
+    if (marks) o->mark(o->ctx, PS_MARK_BEGIN);
     if (w->dparams != w->params) ps_model_params_to_device(w->model, w->dparams, w->params);
-    loss = ps_model_train_step(w->model, w->dparams, b->x, b->y, b->n, w->job.seed ^ 0xd0d0,
-                               stream, w->dgrads, correct);
-    if (w->dgrads != w->grads) ps_model_params_to_host(w->model, w->grads, w->dgrads);
+    ps_model_step_begin(w->model, b->x, b->y, b->n, w->job.seed ^ 0xd0d0, stream);
+    if (marks) o->mark(o->ctx, PS_MARK_H2D);
+    ps_model_step_forward(w->model, w->dparams, w->job.model.n_params);
+    if (marks) o->mark(o->ctx, PS_MARK_FORWARD);
+    /* The gradient's copy is queued behind the backward pass, before the
+     * loss and count are read (which waits), so nothing waits in between. */
+    loss = ps_model_step_backward(w->model, w->dparams, w->dgrads, grads_out, w, correct);
+    o->sync(o->ctx);
+    w->phase_ok = 0;
+    if (marks) {
+      double ms[PS_MARKS];
+      o->marks_read(o->ctx, ms, PS_MARKS);
+      w->phase_ok = ms[PS_MARK_D2H] >= 0;
+      for (int i = 0; i < 4; i++) w->phase_ms[i] = ms[i + 1] - ms[i];
+    }
   }
   if (w->o.straggle_ms > 0) ps_sleep_ms(w->o.straggle_ms); /* an artificial straggler */
   return loss;

@@ -19,7 +19,8 @@
 /* What the progress line of one interval sums up. */
 typedef struct {
   double last_log, sum_loss, t_pull, t_comp, t_push;
-  int64_t n_ex, n_correct, n_steps;
+  double phase_ms[4]; /* sums over phase_n steps (ps_worker.phase_ms) */
+  int64_t n_ex, n_correct, n_steps, phase_n;
   uint64_t stale_sum, stale_n, stale_max, dropped;
 } progress;
 
@@ -62,6 +63,12 @@ static void progress_report(ps_worker *w, progress *p, int64_t step, int64_t tot
         (double)p->n_correct / p->n_ex, "examples_per_sec", eps, "staleness_mean", smean,
         "staleness_max", (json_int_t)p->stale_max, "dropped", (json_int_t)p->dropped, "pull_ms",
         p->t_pull * ms, "compute_ms", p->t_comp * ms, "push_ms", p->t_push * ms);
+    if (p->phase_n > 0) {
+      /* The compute's phases on the backend's clock (CUDA events on a GPU). */
+      static const char *const names[4] = {"h2d_ms", "forward_ms", "backward_ms", "d2h_ms"};
+      for (int i = 0; i < 4; i++)
+        json_object_set_new(rec, names[i], json_real(p->phase_ms[i] / (double)p->phase_n));
+    }
     ps_metrics_write(w->metrics, rec);
     json_decref(rec);
   }
@@ -220,6 +227,11 @@ int ps_worker_train(ps_worker *w) {
       break;
     }
     progress_add(&p, &r, b->n, w->nshards);
+    if (w->phase_ok) {
+      for (int i = 0; i < 4; i++) p.phase_ms[i] += w->phase_ms[i];
+      p.phase_n++;
+      w->phase_ok = 0;
+    }
     total_ex += b->n;
     int epoch = b->epoch;
     ps_worker_prom_step(w, &r, b->n, epoch);

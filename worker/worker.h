@@ -50,6 +50,11 @@ typedef struct ps_worker {
   int nshards;       /* 0 with --local */
   ps_ops *ops;
   char device_desc[256];
+  /* The last compute's phases on the backend's clock (ops->mark), ms:
+   * parameters and batch in, forward, backward, gradients out; valid when
+   * phase_ok (a backend that keeps marks, one model, no replicas). */
+  double phase_ms[4];
+  int phase_ok;
   ps_model *model, *eval_model; /* eval_model: the chief's, for the test split */
   ps_replicas *reps;            /* NULL with one replica */
   ps_dataset train, test;

@@ -69,8 +69,9 @@ static const ps_option worker_flags[] = {
     {"metrics", "FILE", PS_OPT_STR, O(metrics_path), .help =
      "append JSON Lines: per interval `time`, `worker`, `step`, `epoch`, `loss`, "
      "`train_accuracy`, `examples_per_sec`, `staleness_mean`, `staleness_max`, `dropped`, "
-     "`pull_ms`, `compute_ms`, `push_ms`; per evaluation `test_accuracy`, `test_loss`, "
-     "`elapsed_s`, `updates`"},
+     "`pull_ms`, `compute_ms`, `push_ms`, and for steps that are not pipelined the compute's "
+     "phases on the device's clock, `h2d_ms`, `forward_ms`, `backward_ms`, `d2h_ms`; per "
+     "evaluation `test_accuracy`, `test_loss`, `elapsed_s`, `updates`"},
     {"tensorboard", "DIR", PS_OPT_STR, O(tb_dir), .help =
      "write TensorBoard event files into DIR (made when absent), the chief and the evaluator "
      "only (other workers log that they write none): per progress interval `train/loss`, "

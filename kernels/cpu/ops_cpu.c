@@ -69,6 +69,7 @@ struct cpu_backend {
   unsigned long generation;
   int running; /* workers still in the current job */
   int stop;
+  double marks[PS_MARKS]; /* ps_now_s() of each mark; 0: not recorded */
 };
 
 /* ---- the thread team ---- */
@@ -878,6 +879,20 @@ static void *cpu_mem_alloc(void *ctx, size_t bytes) {
   return ps_alloc(bytes);
 }
 
+static void cpu_mark(void *ctx, int i) {
+  cpu_backend *be = ctx;
+  if (i >= 0 && i < PS_MARKS) be->marks[i] = ps_now_s();
+}
+
+static void cpu_marks_read(void *ctx, double *ms, int n) {
+  cpu_backend *be = ctx;
+  for (int i = 0; i < n; i++)
+    ms[i] = i < PS_MARKS && be->marks[i] > 0 && be->marks[PS_MARK_BEGIN] > 0
+                ? (be->marks[i] - be->marks[PS_MARK_BEGIN]) * 1e3
+                : -1.0;
+  memset(be->marks, 0, sizeof be->marks);
+}
+
 static void cpu_mem_free(void *ctx, void *p) {
   (void)ctx;
   ps_free(p);
@@ -995,6 +1010,8 @@ ps_ops *ps_ops_cpu_create(int threads) {
       .scale = cpu_scale,
       .host_alloc = cpu_mem_alloc,
       .host_free = cpu_mem_free,
+      .mark = cpu_mark,
+      .marks_read = cpu_marks_read,
   };
   return &be->ops;
 

@@ -72,6 +72,8 @@ typedef struct {
   cudaStream_t copy_stream;
   cudaEvent_t h2d_done;     /* recorded on copy_stream after each to_device_async */
   cudaEvent_t compute_mark; /* recorded on stream before each to_host_async */
+  cudaEvent_t marks[PS_MARKS]; /* ps_ops.mark, timed, on stream */
+  bool marked[PS_MARKS];
   cudaEvent_t tickets[64];
   uint64_t last_ticket;
   cudnnHandle_t cudnn;
@@ -837,6 +839,27 @@ static void cuda_to_device(void *ctx, void *dst, const void *src_host, size_t by
     CUDA_CHECK(cudaMemcpyAsync(dst, src_host, bytes, cudaMemcpyHostToDevice, be->stream));
 }
 
+/* On the compute stream, after the copy queue's copies the ops wait for. */
+static void cuda_mark(void *ctx, int i) {
+  cuda_backend *be = enter(ctx);
+  if (i < 0 || i >= PS_MARKS) return;
+  CUDA_CHECK(cudaEventRecord(be->marks[i], be->stream));
+  be->marked[i] = true;
+}
+
+static void cuda_marks_read(void *ctx, double *ms, int n) {
+  cuda_backend *be = enter(ctx);
+  for (int i = 0; i < n; i++) {
+    ms[i] = -1.0;
+    if (i >= PS_MARKS || !be->marked[i] || !be->marked[PS_MARK_BEGIN]) continue;
+    float t = 0.0f;
+    CUDA_CHECK(cudaEventSynchronize(be->marks[i]));
+    CUDA_CHECK(cudaEventElapsedTime(&t, be->marks[PS_MARK_BEGIN], be->marks[i]));
+    ms[i] = t;
+  }
+  for (int i = 0; i < PS_MARKS; i++) be->marked[i] = false;
+}
+
 static void cuda_to_host(void *ctx, void *dst_host, const void *src, size_t bytes) {
   cuda_backend *be = enter(ctx);
   if (bytes)
@@ -920,6 +943,8 @@ static void cuda_free_backend(cuda_backend *be, bool strict) {
     if (be->tickets[i]) RELEASE(CUDA_CHECK, cudaEventDestroy(be->tickets[i]));
   if (be->h2d_done) RELEASE(CUDA_CHECK, cudaEventDestroy(be->h2d_done));
   if (be->compute_mark) RELEASE(CUDA_CHECK, cudaEventDestroy(be->compute_mark));
+  for (int i = 0; i < PS_MARKS; i++)
+    if (be->marks[i]) RELEASE(CUDA_CHECK, cudaEventDestroy(be->marks[i]));
   if (be->copy_stream) RELEASE(CUDA_CHECK, cudaStreamDestroy(be->copy_stream));
   for (int i = 0; i < be->n_plans; i++) conv_plan_destroy(&be->plans[i]);
   free(be->plans);
@@ -1043,6 +1068,7 @@ extern "C" ps_ops *ps_ops_cuda_create(int device, char *err) {
   }
   TRY(cudaEventCreateWithFlags(&be->h2d_done, cudaEventDisableTiming));
   TRY(cudaEventCreateWithFlags(&be->compute_mark, cudaEventDisableTiming));
+  for (int i = 0; i < PS_MARKS; i++) TRY(cudaEventCreate(&be->marks[i]));
   for (int i = 0; i < N_TICKETS; i++)
     TRY(cudaEventCreateWithFlags(&be->tickets[i], cudaEventDisableTiming));
   TRY(cudnnCreate(&be->cudnn));
@@ -1077,6 +1103,8 @@ extern "C" ps_ops *ps_ops_cuda_create(int device, char *err) {
   be->ops.free = cuda_mem_free;
   be->ops.host_alloc = cuda_host_alloc;
   be->ops.host_free = cuda_host_free;
+  be->ops.mark = cuda_mark;
+  be->ops.marks_read = cuda_marks_read;
   be->ops.to_device = cuda_to_device;
   be->ops.to_host = cuda_to_host;
   be->ops.copy = cuda_copy;

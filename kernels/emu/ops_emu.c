@@ -346,6 +346,16 @@ static void em_host_free(void *ctx, void *p) {
   abort();
 }
 
+static void em_mark(void *ctx, int i) {
+  emu_dev *f = enter(ctx);
+  f->cpu->mark(f->cpu->ctx, i);
+}
+
+static void em_marks_read(void *ctx, double *ms, int n) {
+  emu_dev *f = enter(ctx);
+  f->cpu->marks_read(f->cpu->ctx, ms, n);
+}
+
 static void em_to_device_async(void *ctx, void *dst, const void *src_host, size_t bytes) {
   emu_dev *f = ctx;
   f->async_copies += bytes > 0;
@@ -434,6 +444,8 @@ static void emu_init(emu_dev *f, ps_ops *cpu) {
       .scale = em_scale,
       .host_alloc = em_host_alloc,
       .host_free = em_host_free,
+      .mark = em_mark,
+      .marks_read = em_marks_read,
   };
 }
 

@@ -8,6 +8,9 @@
 #     time; with the pipeline, the forward pass run while pulling counts as
 #     compute, and pushes that went out during the backward pass cost no
 #     push time);
+#   - for the steps that are not pipelined, where the time goes: pull and
+#     push (host clock), parameters and batch in, forward, backward and
+#     gradients out (CUDA events, the worker's h2d_ms ... d2h_ms records);
 #   - with several GPUs, --replicas over all of them (NCCL) against one.
 # Exits 77 (skipped) with the reason when no device is there.
 #   tests/bench/gpu.sh [BUILD_DIR] [STEPS]
@@ -62,6 +65,16 @@ for n in names:
     mode = n.split("-pipeline-")[1]
     line.append(f"2 servers + 1 worker, --pipeline {mode}: {eps(f'{out}/{n}.log'):.0f} examples/s, "
                 f"waiting {share:.1f}% of each step")
+    # Where a plain step's time goes: pull and push on the host clock, the
+    # compute's phases on CUDA events (ps-worker records them for steps that
+    # are not pipelined).
+    ph = [r for r in recs if "forward_ms" in r]
+    if ph:
+        mean = lambda k: sum(r[k] for r in ph) / len(ph)
+        parts = ("pull_ms", "h2d_ms", "forward_ms", "backward_ms", "d2h_ms", "push_ms")
+        line.append(f"--pipeline {mode} step, ms: " +
+                    " ".join(f"{k[:-3]} {mean(k):.2f}" for k in parts) +
+                    f" (compute on the host clock {mean('compute_ms'):.2f})")
 print("; ".join(line))
 PY
 }

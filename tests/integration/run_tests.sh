@@ -496,6 +496,21 @@ device_paths)
     [ "$n_async" -gt 0 ] || fail "$run: no asynchronous copy: the batch and pipeline paths were not used"
     [ "$n_pageable" -eq 0 ] || fail "$run: $n_pageable asynchronous copies from pageable host memory"
   done
+  # The compute's phases on the backend's clock: every progress record of a
+  # plain step has them, each positive, and together within the compute time.
+  for run in emu-plain cpu-overlap; do
+    python3 - "$out/$run/worker-0.jsonl" <<'PY' || fail "$run: the phase timings are missing or wrong"
+import json, sys
+recs = [json.loads(l) for l in open(sys.argv[1]) if '"compute_ms"' in l]
+keys = ("h2d_ms", "forward_ms", "backward_ms", "d2h_ms")
+bad = [r for r in recs if any(k not in r or r[k] < 0 for k in keys)
+       or r["forward_ms"] <= 0 or r["backward_ms"] <= 0
+       or sum(r[k] for k in keys) > r["compute_ms"] * 1.05 + 0.05]
+print(f"device_paths: {sys.argv[1].split('/')[-2]}: {len(recs)} records with phases, e.g. "
+      + (", ".join(f"{k} {recs[-1][k]:.3f}" for k in keys) if recs else "none"))
+sys.exit(1 if not recs or bad else 0)
+PY
+  done
   for pair in "cpu emu-pipeline" "cpu emu-plain" "cpu-replicas emu-replicas" \
               "cpu-overlap emu-overlap"; do
     set -- $pair
