@@ -35,6 +35,17 @@ enum {
   PS_MARKS
 };
 
+/* The arithmetic of convolutions and dense layers (ps_ops.set_precision). */
+typedef enum {
+  PS_PRECISION_FP32, /* float32 products and sums: the reference's results, within rounding */
+  PS_PRECISION_TF32, /* tensor cores: each product's inputs rounded to 10 bits of mantissa */
+  PS_PRECISION_BF16  /* inputs as bfloat16 (8 bits of mantissa), sums and outputs float32 */
+} ps_precision;
+
+/* "fp32", "tf32", "bf16"; parse: 0, or -1 for another name. */
+const char *ps_precision_name(ps_precision p);
+int ps_precision_parse(const char *name, ps_precision *out);
+
 typedef struct ps_ops ps_ops;
 struct ps_ops {
   const char *name; /* "cpu", "cuda" */
@@ -165,6 +176,13 @@ struct ps_ops {
    * since the last read) and forgets them. NULL: not kept. */
   void (*mark)(void *ctx, int i);
   void (*marks_read)(void *ctx, double *ms, int n);
+
+  /* The precision of the convolutions and dense layers from now on (the
+   * element-wise ops, the loss and the optimizer stay float32; parameters
+   * and gradients are float32 in and out). 0, or an error code with a
+   * message in err when the backend or its device cannot (nothing changes
+   * then). NULL: float32 only. */
+  int (*set_precision)(void *ctx, ps_precision p, char *err);
 };
 
 /* The CPU backend. threads > 0: the backend splits every op over that many

@@ -1,5 +1,23 @@
-/* Shape helpers shared by every backend. */
+/* Shape helpers and names shared by every backend. */
 #include "ops.h"
+
+#include <string.h>
+
+static const char *const PRECISION_NAMES[] = {
+    [PS_PRECISION_FP32] = "fp32", [PS_PRECISION_TF32] = "tf32", [PS_PRECISION_BF16] = "bf16"};
+
+const char *ps_precision_name(ps_precision p) {
+  return p >= PS_PRECISION_FP32 && p <= PS_PRECISION_BF16 ? PRECISION_NAMES[p] : "unknown";
+}
+
+int ps_precision_parse(const char *name, ps_precision *out) {
+  for (int p = PS_PRECISION_FP32; name && p <= PS_PRECISION_BF16; p++)
+    if (strcmp(name, PRECISION_NAMES[p]) == 0) {
+      *out = (ps_precision)p;
+      return 0;
+    }
+  return -1;
+}
 
 /* Number of output positions of a window of `size` moved by `stride` over
  * `in` positions (padding already included in `in`); 0 where the window

@@ -365,6 +365,20 @@ ps_replicas *ps_replicas_create_for(const ps_model_spec *spec, int R, int max_ba
 
 int ps_replicas_nccl(const ps_replicas *r) { return r->nccl != NULL; }
 
+int ps_replicas_set_precision(ps_replicas *r, ps_precision p, char *err) {
+  for (int i = 0; i < r->R; i++) {
+    ps_ops *o = r->reps[i].ops;
+    if (!o->set_precision) {
+      if (p == PS_PRECISION_FP32) continue;
+      return ps_seterr(err, PS_EINVAL, "replica %d: the %s backend computes in fp32 only", i,
+                       o->name);
+    }
+    int rc = o->set_precision(o->ctx, p, err);
+    if (rc != 0) return rc;
+  }
+  return 0;
+}
+
 #ifdef PS_WITH_CUDA
 typedef struct {
   int ndev;

@@ -56,6 +56,10 @@ ps_replicas *ps_replicas_create_with(const ps_model_spec *spec, int R, int max_b
  * host memory. NULL with a message without a device or without CUDA. */
 ps_replicas *ps_replicas_create_cuda(const ps_model_spec *spec, int R, int max_batch, char *err);
 
+/* Every replica's backend computes its convolutions and dense layers at p
+ * (ps_ops.set_precision). 0, or an error code with a message. */
+int ps_replicas_set_precision(ps_replicas *r, ps_precision p, char *err);
+
 /* R replicas on the kind of backend named (a backend's ops->name): "cpu"
  * (ps_replicas_create), "cuda" (ps_replicas_create_cuda) or "emu" (the
  * emulated device of kernels/emu, one one-thread backend per replica). */

@@ -252,6 +252,10 @@ static int setup_compute(ps_worker *w, char *err) {
       fprintf(stderr, "ps-worker: %s\n", err);
       return PS_WORKER_EXIT_ERROR;
     }
+    if (ps_replicas_set_precision(w->reps, w->precision, err) != 0) {
+      fprintf(stderr, "ps-worker: --precision %s: %s\n", ps_precision_name(w->precision), err);
+      return PS_WORKER_EXIT_USAGE;
+    }
     PS_INFO("replicas: %d, %s", w->o.replicas,
             !ps_replicas_on_device(w->reps) ? "one per cpu thread, summed in host memory"
             : ps_replicas_nccl(w->reps)     ? "one per GPU, summed on the GPUs with NCCL"
@@ -292,6 +296,25 @@ int ps_worker_setup(ps_worker *w) {
     return PS_WORKER_EXIT_USAGE;
   }
   PS_INFO("device: %s", w->device_desc);
+  if (o->precision) {
+    if (ps_precision_parse(o->precision, &w->precision) != 0) {
+      fprintf(stderr, "ps-worker: --precision %s: not one of fp32, tf32, bf16\n", o->precision);
+      return PS_WORKER_EXIT_USAGE;
+    }
+    if (w->precision != PS_PRECISION_FP32) {
+      if (!w->ops->set_precision) {
+        fprintf(stderr, "ps-worker: --precision %s: the %s backend computes in fp32 only\n",
+                o->precision, w->ops->name);
+        return PS_WORKER_EXIT_USAGE;
+      }
+      if (w->ops->set_precision(w->ops->ctx, w->precision, err) != 0) {
+        fprintf(stderr, "ps-worker: --precision %s: %s\n", o->precision, err);
+        return PS_WORKER_EXIT_USAGE;
+      }
+      PS_INFO("precision: %s for convolutions and dense layers (float32 parameters, gradients "
+              "and optimizer)", o->precision);
+    }
+  }
   int rc = setup_job(w, err);
   if (rc == 0) rc = setup_data(w, err);
   if (rc == 0) rc = setup_compute(w, err);

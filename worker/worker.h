@@ -55,6 +55,7 @@ typedef struct ps_worker {
    * phase_ok (a backend that keeps marks, one model, no replicas). */
   double phase_ms[4];
   int phase_ok;
+  ps_precision precision; /* --precision (ps_ops.set_precision) */
   ps_model *model, *eval_model; /* eval_model: the chief's, for the test split */
   ps_replicas *reps;            /* NULL with one replica */
   ps_dataset train, test;

@@ -53,6 +53,11 @@ static const ps_option worker_flags[] = {
      "cpu ops on memory that is not the host's (every pointer checked, copies to the host "
      "landing late as on a stream), which runs a GPU worker's code paths where there is no GPU; "
      "for checking, not for speed"},
+    {"precision", "P", PS_OPT_STR, O(precision), .def_doc = "`fp32`", .help =
+     "the arithmetic of convolutions and dense layers: `fp32`, or on a GPU with tensor cores "
+     "(compute capability 8.0+) `tf32` (each product's inputs rounded to 10 bits of mantissa) "
+     "or `bf16` (inputs as bfloat16, sums in float32). Parameters, gradients, the loss and the "
+     "optimizer stay float32; a backend that cannot is an error at start"},
     {"threads", "N", PS_OPT_INT, O(threads), 0, 256, .def_doc = "the number of cores",
      .help = "compute threads; the launcher gives each worker cores/workers"},
     {"replicas", "R", PS_OPT_INT, O(replicas), 1, 256, .def = "1", .help =

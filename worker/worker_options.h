@@ -14,7 +14,7 @@ typedef enum { PS_PIPELINE_ON, PS_PIPELINE_OFF, PS_PIPELINE_AUTO } ps_pipeline_m
 
 typedef struct {
   const char *ps_addr;   /* the first server address (of --ps or TF_CONFIG); NULL with --local */
-  const char *job_path, *metrics_path, *data_dir, *host, *save_path, *device;
+  const char *job_path, *metrics_path, *data_dir, *host, *save_path, *device, *precision;
   const char *tb_dir;    /* --tensorboard; NULL: none */
   int metrics_port;      /* the Prometheus endpoint's port (-1: none, 0: any) */
   const char *metrics_host, *metrics_token_file;

@@ -33,6 +33,8 @@
 extern "C" {
 #include "../../common/util.h" /* error codes and PS_ERRLEN only: no link dependency */
 }
+#include <cuda_bf16.h>
+
 #include "cuda_check.h"
 #include "ops_cuda.h"
 
@@ -86,6 +88,9 @@ typedef struct {
   int n_plans, cap_plans;
   cudnnTensorDescriptor_t probs_desc; /* (n, k, 1, 1), set per call */
   double *loss_dev;                   /* 1 value: the summed loss */
+  ps_precision precision;             /* of convolutions and dense layers */
+  __nv_bfloat16 *half;                /* bf16: the operands' bfloat16 copies */
+  size_t half_count;
   double *loss_host;                  /* 1 value, pinned */
 } cuda_backend;
 
@@ -153,6 +158,52 @@ static void stage_regions(cuda_backend *be, size_t floats, float **w0, float **w
 }
 
 static bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+/* ---- bf16 operands ----
+ * With --precision bf16 each convolution and dense layer converts its
+ * float32 operands into bfloat16 copies (round to nearest even), runs on
+ * them with float32 accumulation, and converts bfloat16 results back. The
+ * copies live in one growing buffer, cut into 256-byte aligned pieces. */
+
+static __global__ void to_bf16_kernel(size_t n, const float *x, __nv_bfloat16 *y) {
+  GRID_STRIDE(i, n) y[i] = __float2bfloat16_rn(x[i]);
+}
+
+static __global__ void from_bf16_kernel(size_t n, const __nv_bfloat16 *x, float *y) {
+  GRID_STRIDE(i, n) y[i] = __bfloat162float(x[i]);
+}
+
+static size_t half_round(size_t n) { return (n + 127) & ~(size_t)127; } /* 256 bytes */
+
+/* Room for pieces of the given counts (0 ends the list), at most 6. */
+static void half_pieces(cuda_backend *be, const size_t *counts, __nv_bfloat16 **out) {
+  size_t total = 0;
+  for (int i = 0; counts[i]; i++) total += half_round(counts[i]);
+  if (total > be->half_count) {
+    free_after_stream(be, be->half);
+    be->half = NULL;
+    be->half_count = 0;
+    CUDA_CHECK(cudaMalloc(&be->half, total * sizeof(__nv_bfloat16)));
+    be->half_count = total;
+  }
+  size_t at = 0;
+  for (int i = 0; counts[i]; i++) {
+    out[i] = be->half + at;
+    at += half_round(counts[i]);
+  }
+}
+
+static void to_bf16(cuda_backend *be, const float *x, __nv_bfloat16 *y, size_t n) {
+  if (n == 0) return;
+  to_bf16_kernel<<<blocks_for(n), THREADS, 0, be->stream>>>(n, x, y);
+  CUDA_CHECK_LAUNCH();
+}
+
+static void from_bf16(cuda_backend *be, const __nv_bfloat16 *x, float *y, size_t n) {
+  if (n == 0) return;
+  from_bf16_kernel<<<blocks_for(n), THREADS, 0, be->stream>>>(n, x, y);
+  CUDA_CHECK_LAUNCH();
+}
 
 /* ---- the counter-based RNG of common/rng.c, on both sides ----
  *
@@ -416,19 +467,23 @@ static bool same_conv_shape(const ps_conv_shape *a, const ps_conv_shape *b) {
  * before any data exists), and they take microseconds, not a benchmark. */
 template <typename Perf, typename WorkspaceFn>
 static int pick_algo(const Perf *perf, int count, WorkspaceFn workspace, size_t *bytes,
-                     cudnnMathType_t *math, int *pass_out) {
-  for (int pass = 0; pass < 3; pass++) {
+                     cudnnMathType_t *math, int *pass_out, ps_precision precision) {
+  /* tf32 and bf16: tensor cores wanted. In the heuristics' order, the first
+   * deterministic algorithm with the math type cuDNN proposes for it, else
+   * (pass 1) the first at all; fp32 as above. */
+  const bool fp32 = precision == PS_PRECISION_FP32;
+  for (int pass = 0; pass < (fp32 ? 3 : 2); pass++) {
     for (int i = 0; i < count; i++) {
       const Perf &p = perf[i];
       if (p.status != CUDNN_STATUS_SUCCESS) continue;
       const bool tensor_op =
           p.mathType == CUDNN_TENSOR_OP_MATH || p.mathType == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION;
-      if (pass < 2 && tensor_op) continue;
+      if (fp32 && pass < 2 && tensor_op) continue;
       if (pass == 0 && p.determinism != CUDNN_DETERMINISTIC) continue;
-      const cudnnMathType_t m = pass < 2 ? CUDNN_FMA_MATH : p.mathType;
+      const cudnnMathType_t m = fp32 && pass < 2 ? CUDNN_FMA_MATH : p.mathType;
       size_t b = 0;
       if (workspace(p.algo, m, &b) != CUDNN_STATUS_SUCCESS || b > MAX_CONV_WORKSPACE) continue;
-      if (pass == 2)
+      if (fp32 && pass == 2)
         fprintf(stderr,
                 "cuda backend: warning: no FMA-math convolution algorithm fits; using "
                 "algorithm %d with math type %d (results may differ from the CPU's by ~1e-3)\n",
@@ -458,7 +513,7 @@ static void conv_plan_choose(cuda_backend *be, conv_plan *p) {
         return cudnnGetConvolutionForwardWorkspaceSize(be->cudnn, p->x, p->w, p->conv_fwd, p->y, a,
                                                        b);
       },
-      &p->fwd_bytes, &math, &p->pass[0]);
+      &p->fwd_bytes, &math, &p->pass[0], be->precision);
   if (i < 0) PS_CUDA_FATAL("no cuDNN forward convolution algorithm supports this shape");
   p->fwd = fwd[i].algo;
   CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv_fwd, math));
@@ -473,7 +528,7 @@ static void conv_plan_choose(cuda_backend *be, conv_plan *p) {
         return cudnnGetConvolutionBackwardDataWorkspaceSize(be->cudnn, p->w, p->y, p->conv_bwd_data,
                                                             p->x, a, b);
       },
-      &p->bwd_data_bytes, &math, &p->pass[1]);
+      &p->bwd_data_bytes, &math, &p->pass[1], be->precision);
   if (i < 0) PS_CUDA_FATAL("no cuDNN backward-data convolution algorithm supports this shape");
   p->bwd_data = bd[i].algo;
   CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv_bwd_data, math));
@@ -488,7 +543,7 @@ static void conv_plan_choose(cuda_backend *be, conv_plan *p) {
         return cudnnGetConvolutionBackwardFilterWorkspaceSize(be->cudnn, p->x, p->y,
                                                               p->conv_bwd_filter, p->w, a, b);
       },
-      &p->bwd_filter_bytes, &math, &p->pass[2]);
+      &p->bwd_filter_bytes, &math, &p->pass[2], be->precision);
   if (i < 0) PS_CUDA_FATAL("no cuDNN backward-filter convolution algorithm supports this shape");
   p->bwd_filter = bf[i].algo;
   CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv_bwd_filter, math));
@@ -521,19 +576,21 @@ static conv_plan *conv_plan_get(cuda_backend *be, const ps_conv_shape *s) {
   CUDNN_CHECK(cudnnCreateTensorDescriptor(&p->x));
   CUDNN_CHECK(cudnnCreateTensorDescriptor(&p->y));
   CUDNN_CHECK(cudnnCreateFilterDescriptor(&p->w));
-  CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->x, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, s->n, s->c,
-                                         s->h, s->w));
-  CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->y, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, s->n, s->oc,
-                                         s->oh, s->ow));
-  CUDNN_CHECK(cudnnSetFilter4dDescriptor(p->w, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW, s->oc, s->c,
-                                         s->kh, s->kw));
+  /* bf16: the operands are bfloat16 copies, cuDNN accumulates in float32
+   * (its "pseudo bfloat16" configuration: float32 compute type below). */
+  const cudnnDataType_t dt =
+      be->precision == PS_PRECISION_BF16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_FLOAT;
+  CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->x, CUDNN_TENSOR_NCHW, dt, s->n, s->c, s->h, s->w));
+  CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->y, CUDNN_TENSOR_NCHW, dt, s->n, s->oc, s->oh, s->ow));
+  CUDNN_CHECK(cudnnSetFilter4dDescriptor(p->w, dt, CUDNN_TENSOR_NCHW, s->oc, s->c, s->kh, s->kw));
   cudnnConvolutionDescriptor_t *convs[3] = {&p->conv_fwd, &p->conv_bwd_data, &p->conv_bwd_filter};
   for (int d = 0; d < 3; d++) {
     CUDNN_CHECK(cudnnCreateConvolutionDescriptor(convs[d]));
     /* The CPU computes a cross-correlation (im2col, no kernel flip). */
     CUDNN_CHECK(cudnnSetConvolution2dDescriptor(*convs[d], s->pad, s->pad, s->stride, s->stride, 1,
                                                 1, CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
-    CUDNN_CHECK(cudnnSetConvolutionMathType(*convs[d], CUDNN_FMA_MATH));
+    CUDNN_CHECK(cudnnSetConvolutionMathType(
+        *convs[d], be->precision == PS_PRECISION_FP32 ? CUDNN_FMA_MATH : CUDNN_TENSOR_OP_MATH));
   }
   int n, c, oh, ow;
   CUDNN_CHECK(cudnnGetConvolution2dForwardOutputDim(p->conv_fwd, p->x, p->w, &n, &c, &oh, &ow));
@@ -583,6 +640,20 @@ static void cuda_conv2d_forward(void *ctx, const ps_conv_shape *s, const float *
     return;
   }
   const conv_plan *p = conv_plan_get(be, s);
+  const float one = 1.0f, zero = 0.0f;
+  if (be->precision == PS_PRECISION_BF16) {
+    const size_t nx = (size_t)s->n * s->c * s->h * s->w, ny = (size_t)s->n * s->oc * s->oh * s->ow;
+    const size_t counts[] = {nx, conv_w_count(s), ny, 0};
+    __nv_bfloat16 *h[3];
+    half_pieces(be, counts, h);
+    to_bf16(be, x, h[0], nx);
+    to_bf16(be, w, h[1], conv_w_count(s));
+    CUDNN_CHECK(cudnnConvolutionForward(be->cudnn, &one, p->x, h[0], p->w, h[1], p->conv_fwd,
+                                        p->fwd, be->work, p->fwd_bytes, &zero, p->y, h[2]));
+    from_bf16(be, h[2], y, ny);
+    conv_bias_add(be, s, b, y);
+    return;
+  }
   if (!aligned16(w)) {
     float *wa, *unused;
     stage_regions(be, conv_w_count(s), &wa, &unused);
@@ -590,7 +661,6 @@ static void cuda_conv2d_forward(void *ctx, const ps_conv_shape *s, const float *
                                be->stream));
     w = wa;
   }
-  const float one = 1.0f, zero = 0.0f;
   CUDNN_CHECK(cudnnConvolutionForward(be->cudnn, &one, p->x, x, p->w, w, p->conv_fwd, p->fwd,
                                       be->work, p->fwd_bytes, &zero, p->y, y));
   conv_bias_add(be, s, b, y);
@@ -615,6 +685,26 @@ static void cuda_conv2d_backward(void *ctx, const ps_conv_shape *s, const float 
   }
   const conv_plan *p = conv_plan_get(be, s);
   const float one = 1.0f, zero = 0.0f;
+  if (be->precision == PS_PRECISION_BF16) {
+    const size_t nx = (size_t)s->n * s->c * s->h * s->w, ny = (size_t)s->n * s->oc * s->oh * s->ow;
+    const size_t counts[] = {nx, wn, ny, wn, dx ? nx : 1, 0};
+    __nv_bfloat16 *h[5]; /* x, w, dy, dw, dx */
+    half_pieces(be, counts, h);
+    to_bf16(be, x, h[0], nx);
+    to_bf16(be, dy, h[2], ny);
+    if (dx) {
+      to_bf16(be, w, h[1], wn);
+      CUDNN_CHECK(cudnnConvolutionBackwardData(be->cudnn, &one, p->w, h[1], p->y, h[2],
+                                               p->conv_bwd_data, p->bwd_data, be->work,
+                                               p->bwd_data_bytes, &zero, p->x, h[4]));
+      from_bf16(be, h[4], dx, nx);
+    }
+    CUDNN_CHECK(cudnnConvolutionBackwardFilter(be->cudnn, &one, p->x, h[0], p->y, h[2],
+                                               p->conv_bwd_filter, p->bwd_filter, be->work,
+                                               p->bwd_filter_bytes, &zero, p->w, h[3]));
+    from_bf16(be, h[3], dw, wn);
+    return;
+  }
   float *dw_out = dw;
   if (!aligned16(w) || !aligned16(dw)) {
     float *wa, *dwa;
@@ -669,6 +759,16 @@ static void cuda_maxpool_backward(void *ctx, const ps_pool_shape *s, const float
  * (c, r) in column-major with the same leading dimension c. So each
  * row-major product C = A B is computed as C^T = B^T A^T. */
 
+/* C (float32, column-major m x n) = A B + beta C, A and B bfloat16, the
+ * products summed in float32. */
+static void gemm_bf16(cuda_backend *be, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
+                      int k, const __nv_bfloat16 *a, int lda, const __nv_bfloat16 *b, int ldb,
+                      float beta, float *c, int ldc) {
+  const float one = 1.0f;
+  CUBLAS_CHECK(cublasGemmEx(be->cublas, ta, tb, m, n, k, &one, a, CUDA_R_16BF, lda, b, CUDA_R_16BF,
+                            ldb, &beta, c, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
 static void cuda_dense_forward(void *ctx, int n, int in, int out, const float *x, const float *w,
                                const float *b, float *y) {
   cuda_backend *be = enter(ctx);
@@ -679,6 +779,15 @@ static void cuda_dense_forward(void *ctx, int n, int in, int out, const float *x
   if (in <= 0) return;
   /* y^T (out, n) += W (out, in) x^T (in, n); W is W^T (in, out) to cuBLAS. */
   const float one = 1.0f;
+  if (be->precision == PS_PRECISION_BF16) {
+    const size_t counts[] = {(size_t)out * in, (size_t)n * in, 0};
+    __nv_bfloat16 *h[2];
+    half_pieces(be, counts, h);
+    to_bf16(be, w, h[0], counts[0]);
+    to_bf16(be, x, h[1], counts[1]);
+    gemm_bf16(be, CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, h[0], in, h[1], in, 1.0f, y, out);
+    return;
+  }
   CUBLAS_CHECK(cublasSgemm(be->cublas, CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, &one, w, in, x, in,
                            &one, y, out));
 }
@@ -695,6 +804,19 @@ static void cuda_dense_backward(void *ctx, int n, int in, int out, const float *
   sum_rows_kernel<<<blocks_for((size_t)out), THREADS, 0, be->stream>>>(n, out, dy, db);
   CUDA_CHECK_LAUNCH();
   const float one = 1.0f, zero = 0.0f;
+  if (be->precision == PS_PRECISION_BF16) {
+    const size_t counts[] = {(size_t)n * in, (size_t)n * out, (size_t)out * in, 0};
+    __nv_bfloat16 *h[3]; /* x, dy, w */
+    half_pieces(be, counts, h);
+    to_bf16(be, x, h[0], counts[0]);
+    to_bf16(be, dy, h[1], counts[1]);
+    gemm_bf16(be, CUBLAS_OP_N, CUBLAS_OP_T, in, out, n, h[0], in, h[1], out, 0.0f, dw, in);
+    if (dx) {
+      to_bf16(be, w, h[2], counts[2]);
+      gemm_bf16(be, CUBLAS_OP_N, CUBLAS_OP_N, in, n, out, h[2], in, h[1], out, 0.0f, dx, in);
+    }
+    return;
+  }
   /* dW (out, in) = dy^T x, as dW^T (in, out) = x^T (in, n) dy (n, out). */
   CUBLAS_CHECK(cublasSgemm(be->cublas, CUBLAS_OP_N, CUBLAS_OP_T, in, out, n, &one, x, in, dy, out,
                            &zero, dw, in));
@@ -860,6 +982,36 @@ static void cuda_marks_read(void *ctx, double *ms, int n) {
   for (int i = 0; i < PS_MARKS; i++) be->marked[i] = false;
 }
 
+/* tf32 and bf16 need tensor cores that take them: compute capability 8.0
+ * (Ampere) and later. The plans made so far are dropped (their descriptors
+ * and algorithms are the old precision's) and made again on next use. */
+static void seterr(char *err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static int cuda_set_precision(void *ctx, ps_precision p, char *err) {
+  cuda_backend *be = enter(ctx);
+  if (p != PS_PRECISION_FP32 && p != PS_PRECISION_TF32 && p != PS_PRECISION_BF16) {
+    seterr(err, "precision %d is not one of fp32, tf32, bf16", (int)p);
+    return PS_EINVAL;
+  }
+  int major = 0, minor = 0;
+  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, be->device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, be->device));
+  if (p != PS_PRECISION_FP32 && major < 8) {
+    seterr(err,
+           "%s needs tensor cores of compute capability 8.0 or later (Ampere); cuda:%d is %d.%d: "
+           "use fp32",
+           p == PS_PRECISION_TF32 ? "tf32" : "bf16", be->device, major, minor);
+    return PS_EUNAVAIL;
+  }
+  CUDA_CHECK(cudaStreamSynchronize(be->stream));
+  for (int i = 0; i < be->n_plans; i++) conv_plan_destroy(&be->plans[i]);
+  be->n_plans = 0;
+  CUBLAS_CHECK(cublasSetMathMode(
+      be->cublas, p == PS_PRECISION_TF32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
+  be->precision = p;
+  return 0;
+}
+
 static void cuda_to_host(void *ctx, void *dst_host, const void *src, size_t bytes) {
   cuda_backend *be = enter(ctx);
   if (bytes)
@@ -948,6 +1100,7 @@ static void cuda_free_backend(cuda_backend *be, bool strict) {
   if (be->copy_stream) RELEASE(CUDA_CHECK, cudaStreamDestroy(be->copy_stream));
   for (int i = 0; i < be->n_plans; i++) conv_plan_destroy(&be->plans[i]);
   free(be->plans);
+  if (be->half) RELEASE(CUDA_CHECK, cudaFree(be->half));
   if (be->work) RELEASE(CUDA_CHECK, cudaFree(be->work));
   if (be->stage) RELEASE(CUDA_CHECK, cudaFree(be->stage));
   if (be->loss_dev) RELEASE(CUDA_CHECK, cudaFree(be->loss_dev));
@@ -965,7 +1118,6 @@ static void cuda_destroy(ps_ops *ops) {
   cuda_free_backend(enter(ops->ctx), true);
 }
 
-static void seterr(char *err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void seterr(char *err, const char *fmt, ...) {
   if (!err) return;
   va_list ap;
@@ -1104,6 +1256,7 @@ extern "C" ps_ops *ps_ops_cuda_create(int device, char *err) {
   be->ops.host_alloc = cuda_host_alloc;
   be->ops.host_free = cuda_host_free;
   be->ops.mark = cuda_mark;
+  be->ops.set_precision = cuda_set_precision;
   be->ops.marks_read = cuda_marks_read;
   be->ops.to_device = cuda_to_device;
   be->ops.to_host = cuda_to_host;
@@ -1145,6 +1298,8 @@ extern "C" int ps_cuda_conv_choice(ps_ops *ops, const ps_conv_shape *s, ps_cuda_
       cudnnMathType_t m = CUDNN_DEFAULT_MATH;
       CUDNN_CHECK(cudnnGetConvolutionMathType(d[k], &m));
       out->fma[k] = m == CUDNN_FMA_MATH;
+      out->tensor_op[k] = m == CUDNN_TENSOR_OP_MATH || m == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION ||
+                          m == CUDNN_DEFAULT_MATH;
       out->deterministic[k] = p->pass[k] == 0;
     }
     return 0;

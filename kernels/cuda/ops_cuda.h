@@ -98,6 +98,7 @@ int ps_cuda_device_of(ps_ops *ops);
 typedef struct {
   int algo[3];
   int fma[3];
+  int tensor_op[3]; /* the math type lets tensor cores run (tf32, bf16) */
   int deterministic[3];
 } ps_cuda_conv_info;
 int ps_cuda_conv_choice(ps_ops *ops, const ps_conv_shape *s, ps_cuda_conv_info *out);

@@ -79,10 +79,20 @@ print("; ".join(line))
 PY
 }
 
-for job in fashion_mnist_cnn fashion_mnist_larger_cnn; do
+for job in fashion_mnist_cnn fashion_mnist_larger_cnn fashion_mnist_cnn_gpu; do
   j="$root/deploy/jobs/$job.json"
   "$build/ps-worker" --device cuda --local --job "$j" --max-steps "$steps" --eval-interval 0 \
     --log-interval 1000 ${DATA_DIR:+--data-dir "$DATA_DIR"} >"$out/$job-local.log" 2>&1
+  # The same at tf32 and bf16 (where the GPU has them).
+  for p in tf32 bf16; do
+    if "$build/ps-worker" --device cuda --local --job "$j" --max-steps "$steps" --eval-interval 0 \
+         --precision "$p" --log-interval 1000 ${DATA_DIR:+--data-dir "$DATA_DIR"} \
+         >"$out/$job-local-$p.log" 2>&1; then
+      echo "$job: local --precision $p: $(grep -o '[0-9]* examples/s' "$out/$job-local-$p.log" | tail -1)"
+    else
+      echo "$job: local --precision $p: $(tail -1 "$out/$job-local-$p.log")"
+    fi
+  done
   cluster "$job-pipeline-off" "$j" --pipeline off
   cluster "$job-pipeline-on" "$j" --pipeline on
   report "$job" "$job-pipeline-off" "$job-pipeline-on"

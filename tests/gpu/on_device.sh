@@ -90,6 +90,26 @@ for mode in on off; do
 done
 if cmp -s "$b/on.bin" "$b/off.bin"; then say "pipeline on == off on the GPU, bit for bit"
 else say "FAIL: the pipelined step on the GPU ended with other parameters"; fails=$((fails + 1)); fi
+# tf32 and bf16 compute (where the GPU has the tensor cores): 300 steps of
+# the quickstart CNN reach the accuracy of fp32 within 0.02.
+acc_of() { sed -n 's/^final test accuracy \([0-9.]*\).*/\1/p' "$1" | tail -1; }
+for p in fp32 tf32 bf16; do
+  timeout 300 "$b/bin/ps-worker" --local --device cuda --precision "$p" \
+    --job deploy/jobs/fashion_mnist_cnn.json --data-dir "$b/data" --max-steps 300 \
+    --eval-interval 0 >"$b/precision-$p.log" 2>&1
+  rc=$?
+  if [ "$rc" = 2 ] && grep -q "compute capability" "$b/precision-$p.log"; then
+    say "precision $p: not on this GPU: $(grep -o 'needs tensor cores.*' "$b/precision-$p.log")"
+    continue
+  fi
+  say "precision $p: exit $rc, $(grep "^trained" "$b/precision-$p.log"), accuracy $(acc_of "$b/precision-$p.log")"
+  [ "$rc" = 0 ] || fails=$((fails + 1))
+done
+for p in tf32 bf16; do
+  [ -n "$(acc_of "$b/precision-$p.log")" ] || continue
+  python3 -c "import sys; sys.exit(0 if float('$(acc_of "$b/precision-$p.log")') >= float('$(acc_of "$b/precision-fp32.log")') - 0.02 else 1)" \
+    || { say "FAIL: precision $p trains worse than fp32"; fails=$((fails + 1)); }
+done
 # The benchmark (the data set from the bundle).
 DATA_DIR="$b/data" run gpu.sh 540 bash tests/bench/gpu.sh "$b/bin" "$steps" || fails=$((fails + 1))
 say "on_device: $fails part(s) failed"

@@ -186,6 +186,15 @@ bad_input)
   "$build/ps-worker" --local --job "$here/jobs/synthetic.json" --device tpu >"$out/d.log" 2>&1 \
     && fail "ps-worker accepted --device tpu"
   grep -q "cuda:N or emu" "$out/d.log" || fail "bad --device message does not list emu"
+  # --precision: an unknown name, and tf32/bf16 on a backend without tensor
+  # cores, are bad command lines (exit 2) that say why.
+  rc=0; "$build/ps-worker" --local --job "$here/jobs/synthetic.json" --precision fp8 >"$out/pr.log" 2>&1 || rc=$?
+  [ "$rc" = 2 ] || fail "--precision fp8: exit $rc, not refused as a bad command line"
+  grep -q "not one of fp32, tf32, bf16" "$out/pr.log" || fail "bad --precision message unclear"
+  rc=0; "$build/ps-worker" --local --job "$here/jobs/synthetic.json" --device emu --precision bf16 \
+    >"$out/pr2.log" 2>&1 || rc=$?
+  [ "$rc" = 2 ] || fail "--precision bf16 on the emulated device: exit $rc, not refused"
+  grep -q "the emu backend computes in fp32 only" "$out/pr2.log" || fail "--precision bf16 on emu: message unclear"
   # A checkpoint directory holding only a corrupt checkpoint of this job:
   # the shard refuses to start (rather than silently start afresh) and says why.
   mkdir -p "$out/ckpt"

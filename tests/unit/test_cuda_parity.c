@@ -27,7 +27,14 @@
  *    exp, whose error grows with |x| (about 2 + 1.2|x| ulp, 1e-5 at
  *    |x| = 80); tiny probabilities may be flushed to zero. The loss (our own
  *    kernel, accurate expf, double sums): rtol 1e-5, atol 1e-7.
- *  - End to end: see test_cnn_trajectory. */
+ *  - End to end: see test_cnn_trajectory.
+ *  - tf32 and bf16 (ps_ops.set_precision, when the device has the tensor
+ *    cores): convolutions and dense layers again, with the inputs of each
+ *    product rounded to 10 (tf32) or 8 (bf16) bits of mantissa, about 5e-4
+ *    and 4e-3 relative per product, plus the rounding of bf16 outputs;
+ *    sums of K random-signed terms then err by a few times that relative to
+ *    the largest output: atol 5e-3 (tf32) and 2e-2 (bf16) of max|want|,
+ *    rtol 1e-2 and 5e-2. A wrong index or transpose is still O(1). */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -51,6 +58,16 @@ typedef struct {
 } side;
 
 static side ref; /* the CPU backend, host memory: the reference */
+static ps_precision precision = PS_PRECISION_FP32; /* dut's convolutions and dense layers */
+
+/* The tolerance of a sum of products at the current precision: fp32's as
+ * given, tf32's and bf16's as the header says. */
+static double tol_atol(double fp32) {
+  return precision == PS_PRECISION_TF32 ? 5e-3 : precision == PS_PRECISION_BF16 ? 2e-2 : fp32;
+}
+static double tol_rtol(double fp32) {
+  return precision == PS_PRECISION_TF32 ? 1e-2 : precision == PS_PRECISION_BF16 ? 5e-2 : fp32;
+}
 static side dut; /* under test: the CUDA backend (or a second CPU backend, self-test) */
 
 static void die(const char *what) {
@@ -253,9 +270,9 @@ static void conv_one(const conv_case *k, int off) {
   (snprintf(what, sizeof what, "conv %s n%d c%d %dx%d oc%d k%dx%d s%d p%d off%d", name, s.n, s.c, \
             s.h, s.w, s.oc, s.kh, s.kw, s.stride, s.pad, off),                                  \
    what)
-  check_scaled(CONV_WHAT("y"), y, y_ref, ny, 1e-4, 1e-3);
-  check_scaled(CONV_WHAT("dx"), dx, dx_ref, nx, 1e-4, 1e-3);
-  check_scaled(CONV_WHAT("dw"), dw, dw_ref, nw, 1e-4, 1e-3);
+  check_scaled(CONV_WHAT("y"), y, y_ref, ny, tol_atol(1e-4), tol_rtol(1e-3));
+  check_scaled(CONV_WHAT("dx"), dx, dx_ref, nx, tol_atol(1e-4), tol_rtol(1e-3));
+  check_scaled(CONV_WHAT("dw"), dw, dw_ref, nw, tol_atol(1e-4), tol_rtol(1e-3));
   check_scaled(CONV_WHAT("db"), db, db_ref, nb, 1e-4, 1e-3);
 
   /* Again, without dx: the same bits (deterministic algorithms), and the
@@ -272,14 +289,19 @@ static void conv_one(const conv_case *k, int off) {
   check_bits(CONV_WHAT("dw without dx"), dw2 + off, dw, nw);
   check_bits(CONV_WHAT("db without dx"), db2 + off, db, nb);
   /* The intended choices: FMA math (float32 products, never TF32 tensor
-   * cores) and deterministic algorithms, in every direction. */
+   * cores) and deterministic algorithms, in every direction; tensor-core
+   * math at tf32 and bf16. */
   if (strcmp(dut.ops->name, "cuda") == 0) {
     ps_cuda_conv_info info;
     CHECK_MSG(ps_cuda_conv_choice(dut.ops, &s, &info) == 0, "%s", CONV_WHAT("no plan"));
     static const char *dir[3] = {"forward", "backward data", "backward filter"};
     for (int d = 0; d < 3; d++) {
-      CHECK_MSG(info.fma[d], "%s: %s algorithm %d without FMA math (TF32?)", CONV_WHAT("math"),
-                dir[d], info.algo[d]);
+      if (precision != PS_PRECISION_FP32)
+        CHECK_MSG(info.tensor_op[d], "%s: %s algorithm %d without tensor-core math at %s",
+                  CONV_WHAT("math"), dir[d], info.algo[d], ps_precision_name(precision));
+      else
+        CHECK_MSG(info.fma[d], "%s: %s algorithm %d without FMA math (TF32?)", CONV_WHAT("math"),
+                  dir[d], info.algo[d]);
       CHECK_MSG(info.deterministic[d], "%s: %s algorithm %d is not the deterministic FMA kind",
                 CONV_WHAT("algorithm"), dir[d], info.algo[d]);
     }
@@ -441,9 +463,9 @@ static void dense_one(const dense_case *k, int off) {
 
 #define DENSE_WHAT(name) \
   (snprintf(what, sizeof what, "dense %s n%d in%d out%d off%d", name, n, in, out, off), what)
-  check_scaled(DENSE_WHAT("y"), y, y_ref, ny, 1e-5, 1e-4);
-  check_scaled(DENSE_WHAT("dx"), dx, dx_ref, nx, 1e-5, 1e-4);
-  check_scaled(DENSE_WHAT("dw"), dw, dw_ref, nw, 1e-5, 1e-4);
+  check_scaled(DENSE_WHAT("y"), y, y_ref, ny, tol_atol(1e-5), tol_rtol(1e-4));
+  check_scaled(DENSE_WHAT("dx"), dx, dx_ref, nx, tol_atol(1e-5), tol_rtol(1e-4));
+  check_scaled(DENSE_WHAT("dw"), dw, dw_ref, nw, tol_atol(1e-5), tol_rtol(1e-4));
   check_close(DENSE_WHAT("db"), db, db_ref, nb, 0.0, 1e-6);
   check_bits(DENSE_WHAT("dw without dx"), dw2, dw, nw);
   check_bits(DENSE_WHAT("db without dx"), db2, db, nb);
@@ -1067,6 +1089,28 @@ int main(void) {
   RUN(test_conv2d_empty_batch);
   if (dut.on_device) RUN(test_memory_helpers);
   RUN(test_cnn_trajectory);
+
+  /* tf32 and bf16, where the device has them: the sums of products again. */
+  for (int p = PS_PRECISION_TF32; p <= PS_PRECISION_BF16; p++) {
+    char err[PS_ERRLEN] = "";
+    if (!dut.ops->set_precision) {
+      printf("%s: no set_precision: tf32 and bf16 not tested\n", dut.name);
+      break;
+    }
+    if (dut.ops->set_precision(dut.ops->ctx, (ps_precision)p, err) != 0) {
+      printf("%s: not tested: %s\n", ps_precision_name((ps_precision)p), err);
+      continue;
+    }
+    precision = (ps_precision)p;
+    printf("precision %s:\n", ps_precision_name(precision));
+    RUN(test_dense);
+    RUN(test_conv2d);
+  }
+  if (precision != PS_PRECISION_FP32) {
+    char err[PS_ERRLEN] = "";
+    CHECK_MSG(dut.ops->set_precision(dut.ops->ctx, PS_PRECISION_FP32, err) == 0, "fp32: %s", err);
+    precision = PS_PRECISION_FP32;
+  }
 
   dut.ops->destroy(dut.ops);
   ref.ops->destroy(ref.ops);
