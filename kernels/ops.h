@@ -183,6 +183,18 @@ struct ps_ops {
    * message in err when the backend or its device cannot (nothing changes
    * then). NULL: float32 only. */
   int (*set_precision)(void *ctx, ps_precision p, char *err);
+
+  /* Replaying a step's ops (CUDA Graphs). graph_begin: the ops called next
+   * are recorded, not run (copies and waits must stay outside); graph_end:
+   * the recording becomes the backend's graph (replacing the one before);
+   * graph_launch: runs it, with the pointers, shapes and scalars it was
+   * recorded with (the memory's contents may differ), in order with the
+   * ops. 0, or an error code: a recording that failed ran nothing, so the
+   * caller runs the ops plainly. mark may be called while recording. NULL:
+   * no graphs. */
+  int (*graph_begin)(void *ctx);
+  int (*graph_end)(void *ctx);
+  int (*graph_launch)(void *ctx);
 };
 
 /* The CPU backend. threads > 0: the backend splits every op over that many

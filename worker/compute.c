@@ -39,6 +39,11 @@ int ps_step_check_loss(int64_t step, float loss, char *err) {
   return -1;
 }
 
+static void mark_forward(void *user) {
+  ps_ops *o = ((ps_worker *)user)->ops;
+  o->mark(o->ctx, PS_MARK_FORWARD);
+}
+
 /* The backward pass's last call (lo == 0): the whole gradient is written. */
 static void grads_out(void *user, size_t lo) {
   ps_worker *w = user;
@@ -66,11 +71,18 @@ float ps_compute_step(ps_worker *w, int64_t step, const ps_batch *b, int *correc
     if (w->dparams != w->params) ps_model_params_to_device(w->model, w->dparams, w->params);
     ps_model_step_begin(w->model, b->x, b->y, b->n, w->job.seed ^ 0xd0d0, stream);
     if (marks) o->mark(o->ctx, PS_MARK_H2D);
-    ps_model_step_forward(w->model, w->dparams, w->job.model.n_params);
-    if (marks) o->mark(o->ctx, PS_MARK_FORWARD);
-    /* The gradient's copy is queued behind the backward pass, before the
-     * loss and count are read (which waits), so nothing waits in between. */
-    loss = ps_model_step_backward(w->model, w->dparams, w->dgrads, grads_out, w, correct);
+    if (w->o.cuda_graphs == 0 &&
+        ps_model_graph_step(w->model, w->dparams, w->dgrads, marks ? mark_forward : NULL, w)) {
+      grads_out(w, 0);
+      loss = ps_model_step_loss(w->model);
+      if (correct) *correct = ps_model_step_correct(w->model);
+    } else {
+      ps_model_step_forward(w->model, w->dparams, w->job.model.n_params);
+      if (marks) o->mark(o->ctx, PS_MARK_FORWARD);
+      /* The gradient's copy is queued behind the backward pass, before the
+       * loss and count are read (which waits), so nothing waits in between. */
+      loss = ps_model_step_backward(w->model, w->dparams, w->dgrads, grads_out, w, correct);
+    }
     o->sync(o->ctx);
     w->phase_ok = 0;
     if (marks) {

@@ -16,6 +16,7 @@
 #include "model.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -52,6 +53,14 @@ struct ps_model {
   uint8_t *y_dev;    /* (max_batch): its labels */
   float *probs_host; /* (max_batch, classes), host memory: probs copied out */
   double *stats;     /* ops->softmax_xent_stats: backend memory, 2 doubles */
+  /* ps_model_graph_step: the step recorded as the backend's graph, for n
+   * examples from these parameters into these gradients; warm_*: the
+   * shape of the last step run plainly (a recording follows one). */
+  struct {
+    int ready, off, n, warm_n;
+    const float *params, *warm_params;
+    float *grads;
+  } graph;
   /* The staged step in progress (ps_model_step_*). */
   struct {
     const float *x;       /* the ops' copy of the batch */
@@ -334,16 +343,87 @@ void ps_model_step_forward(ps_model *m, const float *params, size_t avail) {
   m->st.done = 1;
 }
 
+static void backward_pass(ps_model *m, const float *params, float *grads,
+                          void (*ready)(void *user, size_t lo), void *user);
+
+int ps_model_graph_able(const ps_model *m, char *why, size_t why_len) {
+  const ps_ops *o = m->ops;
+  const char *no = NULL;
+  if (!o->graph_begin || !o->graph_end || !o->graph_launch)
+    no = "the backend has no graphs";
+  else if (!o->softmax_xent_stats)
+    no = "the backend reads the loss back inside the step";
+  for (int i = 0; !no && i < m->spec.n_layers; i++)
+    if (m->spec.layers[i].type == PS_LAYER_DROPOUT && m->spec.layers[i].rate > 0.0f)
+      no = "dropout draws new masks every step (its seed would be recorded)";
+  if (why && why_len) snprintf(why, why_len, "%s", no ? no : "");
+  return no == NULL;
+}
+
+int ps_model_graph_step(ps_model *m, const float *params, float *grads, void (*between)(void *),
+                        void *user) {
+  ps_ops *o = m->ops;
+  if (m->graph.off || m->st.done || m->st.next_layer != 0) return 0;
+  if (!ps_model_graph_able(m, NULL, 0)) {
+    m->graph.off = 1;
+    return 0;
+  }
+  const int n = m->st.n;
+  if (m->graph.ready) {
+    /* A different batch size (an epoch's last batch) runs plainly and
+     * keeps the recording for the next full one. */
+    if (n != m->graph.n || params != m->graph.params || grads != m->graph.grads) return 0;
+    if (o->graph_launch(o->ctx) != 0) {
+      m->graph.off = 1;
+      return 0;
+    }
+  } else {
+    /* The first step of a shape runs plainly: the backend makes its plans
+     * and buffers then, and nothing is allocated while recording. */
+    if (n != m->graph.warm_n || params != m->graph.warm_params) {
+      m->graph.warm_n = n;
+      m->graph.warm_params = params;
+      return 0;
+    }
+    if (o->graph_begin(o->ctx) != 0) {
+      m->graph.off = 1;
+      return 0;
+    }
+    ps_model_step_forward(m, params, m->spec.n_params);
+    if (between) between(user);
+    backward_pass(m, params, grads, NULL, NULL);
+    if (o->graph_end(o->ctx) != 0 || o->graph_launch(o->ctx) != 0) {
+      /* Nothing ran: the step starts again, plainly, and stays so. */
+      PS_WARN("cuda graphs: the step could not be recorded; it runs op by op");
+      m->graph.off = 1;
+      m->st.done = m->st.pending = 0;
+      m->st.next_layer = 0;
+      m->st.in = m->st.x;
+      return 0;
+    }
+    m->graph.ready = 1;
+    m->graph.n = n;
+    m->graph.params = params;
+    m->graph.grads = grads;
+    PS_INFO("cuda graphs: the step of %d examples is recorded once and replayed", n);
+  }
+  m->st.done = 1;
+  m->st.pending = 1; /* the graph wrote the loss and count into stats */
+  m->st.next_layer = m->spec.n_layers;
+  return 1;
+}
+
 float ps_model_step_loss(ps_model *m) {
   if (!m->st.done) return NAN;
   step_stats(m);
   return m->st.loss;
 }
 
-float ps_model_step_backward(ps_model *m, const float *params, float *grads,
-                             void (*ready)(void *user, size_t lo), void *user, int *correct) {
+/* The backward pass of the step whose forward has run: queued, nothing
+ * read back. */
+static void backward_pass(ps_model *m, const float *params, float *grads,
+                          void (*ready)(void *user, size_t lo), void *user) {
   ps_ops *o = m->ops;
-  ps_model_step_forward(m, params, m->spec.n_params); /* whatever has not run yet */
   const int k = m->spec.classes, n = m->st.n;
   const float *x = m->st.x;
   const uint8_t *y = m->st.y;
@@ -409,6 +489,12 @@ float ps_model_step_backward(ps_model *m, const float *params, float *grads,
     dx = t;
   }
   if (ready) ready(user, 0);
+}
+
+float ps_model_step_backward(ps_model *m, const float *params, float *grads,
+                             void (*ready)(void *user, size_t lo), void *user, int *correct) {
+  ps_model_step_forward(m, params, m->spec.n_params); /* whatever has not run yet */
+  backward_pass(m, params, grads, ready, user);
   /* The loss and the arg-max count are read back after the whole backward
    * pass is queued, so the device is not left idle meanwhile. */
   if (correct) *correct = ps_model_step_correct(m);

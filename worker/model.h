@@ -69,6 +69,23 @@ void ps_model_step_forward(ps_model *m, const float *params, size_t avail);
 float ps_model_step_loss(ps_model *m);
 float ps_model_step_backward(ps_model *m, const float *params, float *grads,
                              void (*ready)(void *user, size_t lo), void *user, int *correct);
+/* CUDA Graphs. After ps_model_step_begin, on a backend with graphs: runs
+ * the step's forward pass, loss and backward pass into grads by launching
+ * the recording of an earlier step of the same batch size, parameters and
+ * gradients (the memory's contents differ, the pointers do not), recording
+ * it first when the previous step had that shape; between(user) (may be
+ * NULL) is called between forward and backward, while recording, for
+ * marks. Returns 1 when the step has run so (then read the results with
+ * ps_model_step_loss and ps_model_step_correct), 0 when the caller is to
+ * run it with step_forward and step_backward (no graphs on this backend, a
+ * model with dropout, the first step of a shape, or a recording that
+ * failed: then never again). */
+int ps_model_graph_step(ps_model *m, const float *params, float *grads, void (*between)(void *),
+                        void *user);
+/* Whether the step can be a graph on this backend and model; if not, why
+ * (in why, may be NULL). */
+int ps_model_graph_able(const ps_model *m, char *why, size_t why_len);
+
 /* The number of the step's examples whose arg-max matched the label (what
  * *correct receives above). It reads the probabilities back, so it waits
  * for the backend to finish what was queued: a caller with copies to wait

@@ -279,6 +279,10 @@ static int setup_compute(ps_worker *w, char *err) {
     fprintf(stderr, "ps-worker: %s\n", err[0] ? err : "out of memory");
     return PS_WORKER_EXIT_ERROR;
   }
+  char why[160];
+  if (w->ops->graph_begin && w->o.cuda_graphs == 0 && !w->reps &&
+      !ps_model_graph_able(w->model, why, sizeof why))
+    PS_INFO("cuda graphs: not used: %s", why);
   char desc[512];
   ps_model_spec_describe(spec, desc, sizeof desc);
   PS_INFO("model: %s; device %s%s", desc, w->device_desc,
@@ -390,8 +394,9 @@ void ps_worker_teardown(ps_worker *w) {
      * not the backend's page-locked memory. */
     ps_emu_counts c;
     ps_ops_emu_counts(w->ops, &c);
-    PS_INFO("emu device: %d asynchronous copies, %d of them from or to pageable host memory",
-            c.async_copies, c.pageable_async);
+    PS_INFO("emu device: %d asynchronous copies, %d of them from or to pageable host memory; "
+            "%d graph(s) recorded, %d launch(es)",
+            c.async_copies, c.pageable_async, c.graphs, c.launches);
   }
   if (w->ops) w->ops->destroy(w->ops);
   free(w->versions);

@@ -16,6 +16,7 @@
 /* in the order of ps_pipeline_mode */
 static const char *const pipeline_choices[] = {"on", "off", "auto", NULL};
 static const char *const level_choices[] = {"debug", "info", "warn", "error", NULL};
+static const char *const onoff_choices[] = {"on", "off", NULL};
 
 static const ps_option worker_flags[] = {
     {"ps", "LIST", PS_OPT_STR, O(ps_addr), .help =
@@ -115,6 +116,11 @@ static const ps_option worker_flags[] = {
      "`auto` is on for a GPU worker, whose host cores are free while the device computes, and "
      "off on the cpu, where shards on the same host applying early pushes compete with the "
      "backward pass for the cores. Either way the same gradients and parameters, bit for bit"},
+    {"cuda-graphs", "MODE", PS_OPT_CHOICE, O(cuda_graphs), .choices = onoff_choices, .def = "on",
+     .help = "`on` or `off`: on a GPU, record a step that is not pipelined (forward, loss, "
+     "backward) as a CUDA Graph after one step of its batch size and replay it, launching it "
+     "whole instead of op by op. Models with dropout, and recordings that fail, run op by op "
+     "(the log says why); the same results either way"},
     {"straggle-ms", "N", PS_OPT_INT, O(straggle_ms), 0, 3600000, .def = "0",
      .help = "sleep N ms in every step: an artificial straggler, for comparing consistency modes"},
     {"log-level", "L", PS_OPT_CHOICE, O(log_level), .choices = level_choices, .def = "info",

@@ -28,6 +28,7 @@ typedef struct {
   int64_t max_steps;     /* -1: the job's */
   int replicas, per_replica_batch;
   int pipeline;          /* a ps_pipeline_mode */
+  int cuda_graphs;       /* --cuda-graphs: 0 on, 1 off (the choice's index) */
   int log_level;         /* PS_LOG_* */
   double log_interval;
   double eval_interval;  /* -1: the job's */

@@ -47,6 +47,9 @@ enum { THREADS = 256, MAX_BLOCKS = 1 << 16 };
  * algorithms always fits well under this. */
 static const size_t MAX_CONV_WORKSPACE = (size_t)512 << 20;
 
+/* cuBLAS's workspace (it recommends 32 MiB on Hopper, 4 MiB before). */
+static const size_t BLAS_WORKSPACE = (size_t)32 << 20;
+
 /* One convolution shape with its descriptors and chosen algorithms. Each
  * direction has a convolution descriptor of its own because the math type
  * is set per descriptor and could differ between the three choices. */
@@ -89,6 +92,9 @@ typedef struct {
   cudnnTensorDescriptor_t probs_desc; /* (n, k, 1, 1), set per call */
   double *loss_dev;                   /* 1 value: the summed loss */
   ps_precision precision;             /* of convolutions and dense layers */
+  bool capturing;                     /* between graph_begin and graph_end */
+  cudaGraphExec_t graph;              /* the last capture, ready to launch */
+  void *blas_work;                    /* cuBLAS's workspace: none allocated in a capture */
   __nv_bfloat16 *half;                /* bf16: the operands' bfloat16 copies */
   size_t half_count;
   double *loss_host;                  /* 1 value, pinned */
@@ -961,12 +967,63 @@ static void cuda_to_device(void *ctx, void *dst, const void *src_host, size_t by
     CUDA_CHECK(cudaMemcpyAsync(dst, src_host, bytes, cudaMemcpyHostToDevice, be->stream));
 }
 
-/* On the compute stream, after the copy queue's copies the ops wait for. */
+/* On the compute stream, after the copy queue's copies the ops wait for.
+ * In a capture, a node of the graph that records the event at each launch. */
 static void cuda_mark(void *ctx, int i) {
   cuda_backend *be = enter(ctx);
   if (i < 0 || i >= PS_MARKS) return;
-  CUDA_CHECK(cudaEventRecord(be->marks[i], be->stream));
+  CUDA_CHECK(cudaEventRecordWithFlags(be->marks[i], be->stream,
+                                      be->capturing ? cudaEventRecordExternal : 0));
   be->marked[i] = true;
+}
+
+/* ---- graphs ----
+ * Stream capture in this thread's mode: the ops called between graph_begin
+ * and graph_end are recorded (not run), then instantiated; graph_launch
+ * runs them. A failure to capture or instantiate is reported, not fatal:
+ * the caller runs the ops plainly instead. */
+static int cuda_graph_begin(void *ctx) {
+  cuda_backend *be = enter(ctx);
+  if (be->capturing) return PS_ESTATE;
+  cudaError_t e = cudaStreamBeginCapture(be->stream, cudaStreamCaptureModeThreadLocal);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return PS_EUNAVAIL;
+  }
+  be->capturing = true;
+  return 0;
+}
+
+static int cuda_graph_end(void *ctx) {
+  cuda_backend *be = enter(ctx);
+  if (!be->capturing) return PS_ESTATE;
+  be->capturing = false;
+  cudaGraph_t g = NULL;
+  cudaError_t e = cudaStreamEndCapture(be->stream, &g);
+  if (e != cudaSuccess || !g) {
+    (void)cudaGetLastError();
+    if (g) (void)cudaGraphDestroy(g);
+    return PS_EUNAVAIL;
+  }
+  if (be->graph) {
+    CUDA_CHECK(cudaGraphExecDestroy(be->graph));
+    be->graph = NULL;
+  }
+  e = cudaGraphInstantiate(&be->graph, g, 0);
+  CUDA_CHECK(cudaGraphDestroy(g));
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    be->graph = NULL;
+    return PS_EUNAVAIL;
+  }
+  return 0;
+}
+
+static int cuda_graph_launch(void *ctx) {
+  cuda_backend *be = enter(ctx);
+  if (!be->graph) return PS_ESTATE;
+  CUDA_CHECK(cudaGraphLaunch(be->graph, be->stream));
+  return 0;
 }
 
 static void cuda_marks_read(void *ctx, double *ms, int n) {
@@ -1006,6 +1063,10 @@ static int cuda_set_precision(void *ctx, ps_precision p, char *err) {
   CUDA_CHECK(cudaStreamSynchronize(be->stream));
   for (int i = 0; i < be->n_plans; i++) conv_plan_destroy(&be->plans[i]);
   be->n_plans = 0;
+  if (be->graph) { /* recorded at the old precision */
+    CUDA_CHECK(cudaGraphExecDestroy(be->graph));
+    be->graph = NULL;
+  }
   CUBLAS_CHECK(cublasSetMathMode(
       be->cublas, p == PS_PRECISION_TF32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
   be->precision = p;
@@ -1101,12 +1162,14 @@ static void cuda_free_backend(cuda_backend *be, bool strict) {
   for (int i = 0; i < be->n_plans; i++) conv_plan_destroy(&be->plans[i]);
   free(be->plans);
   if (be->half) RELEASE(CUDA_CHECK, cudaFree(be->half));
+  if (be->graph) RELEASE(CUDA_CHECK, cudaGraphExecDestroy(be->graph));
   if (be->work) RELEASE(CUDA_CHECK, cudaFree(be->work));
   if (be->stage) RELEASE(CUDA_CHECK, cudaFree(be->stage));
   if (be->loss_dev) RELEASE(CUDA_CHECK, cudaFree(be->loss_dev));
   if (be->loss_host) RELEASE(CUDA_CHECK, cudaFreeHost(be->loss_host));
   if (be->probs_desc) RELEASE(CUDNN_CHECK, cudnnDestroyTensorDescriptor(be->probs_desc));
   if (be->cublas) RELEASE(CUBLAS_CHECK, cublasDestroy(be->cublas));
+  if (be->blas_work) RELEASE(CUDA_CHECK, cudaFree(be->blas_work));
   if (be->cudnn) RELEASE(CUDNN_CHECK, cudnnDestroy(be->cudnn));
   if (be->stream) RELEASE(CUDA_CHECK, cudaStreamDestroy(be->stream));
   free(be);
@@ -1230,6 +1293,10 @@ extern "C" ps_ops *ps_ops_cuda_create(int device, char *err) {
   /* Plain float32 FMA: no TF32 tensor cores, whose 10-bit products would
    * put the dense layers ~1e-3 away from the CPU. */
   TRY(cublasSetMathMode(be->cublas, CUBLAS_DEFAULT_MATH));
+  /* A workspace of its own, so that cuBLAS allocates nothing while a step
+   * is captured into a graph. */
+  TRY(cudaMalloc(&be->blas_work, BLAS_WORKSPACE));
+  TRY(cublasSetWorkspace(be->cublas, be->blas_work, BLAS_WORKSPACE));
   TRY(cudnnCreateTensorDescriptor(&be->probs_desc));
   TRY(cudaMalloc((void **)&be->loss_dev, sizeof(double)));
   TRY(cudaMallocHost((void **)&be->loss_host, sizeof(double)));
@@ -1257,6 +1324,9 @@ extern "C" ps_ops *ps_ops_cuda_create(int device, char *err) {
   be->ops.host_free = cuda_host_free;
   be->ops.mark = cuda_mark;
   be->ops.set_precision = cuda_set_precision;
+  be->ops.graph_begin = cuda_graph_begin;
+  be->ops.graph_end = cuda_graph_end;
+  be->ops.graph_launch = cuda_graph_launch;
   be->ops.marks_read = cuda_marks_read;
   be->ops.to_device = cuda_to_device;
   be->ops.to_host = cuda_to_host;

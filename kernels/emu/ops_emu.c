@@ -57,6 +57,12 @@ typedef struct {
   int n_host;
   int async_copies, pageable_async;
   pthread_mutex_t host_mu; /* host_alloc may be called from any thread */
+  /* Graphs: while recording, the ops are checked and kept in rec (not
+   * run); graph_end makes rec the graph, which graph_launch runs. */
+  int recording;
+  struct em_call *rec, *graph;
+  int n_rec, cap_rec, n_graph;
+  int graphs, launches; /* graphs recorded and launched */
   int allocs;  /* alloc calls so far */
   int fail_at; /* the alloc call that fails (0-based); -1: none */
 } emu_dev;
@@ -95,6 +101,134 @@ static emu_dev *enter(void *ctx) {
 
 #define F4 sizeof(float)
 
+/* ---- calls, run at once or recorded into a graph ---- */
+
+enum {
+  OP_CONV_FWD, OP_CONV_BWD, OP_POOL_FWD, OP_POOL_BWD, OP_DENSE_FWD, OP_DENSE_BWD, OP_RELU_FWD,
+  OP_RELU_BWD, OP_DROP_FWD, OP_DROP_BWD, OP_XENT_STATS, OP_XENT_BWD, OP_SCALE, OP_COPY, OP_MARK
+};
+
+/* One op's arguments: p the pointers it reads, q those it writes. */
+typedef struct em_call {
+  int op;
+  ps_conv_shape cs;
+  ps_pool_shape ps;
+  int n, in, out, k;
+  size_t len;
+  float rate, alpha;
+  uint64_t seed, stream;
+  const void *p[4];
+  void *q[4];
+} em_call;
+
+static void run_call(emu_dev *f, const em_call *c) {
+  void *ctx = f->cpu->ctx;
+  ps_ops *o = f->cpu;
+  switch (c->op) {
+    case OP_CONV_FWD:
+      o->conv2d_forward(ctx, &c->cs, c->p[0], c->p[1], c->p[2], c->q[0], c->q[1]);
+      break;
+    case OP_CONV_BWD:
+      o->conv2d_backward(ctx, &c->cs, c->p[0], c->p[1], c->p[2], c->q[0], c->q[1], c->q[2],
+                         c->q[3]);
+      break;
+    case OP_POOL_FWD: o->maxpool_forward(ctx, &c->ps, c->p[0], c->q[0], c->q[1]); break;
+    case OP_POOL_BWD: o->maxpool_backward(ctx, &c->ps, c->p[0], c->p[1], c->q[0]); break;
+    case OP_DENSE_FWD:
+      o->dense_forward(ctx, c->n, c->in, c->out, c->p[0], c->p[1], c->p[2], c->q[0]);
+      break;
+    case OP_DENSE_BWD:
+      o->dense_backward(ctx, c->n, c->in, c->out, c->p[0], c->p[1], c->p[2], c->q[0], c->q[1],
+                        c->q[2]);
+      break;
+    case OP_RELU_FWD: o->relu_forward(ctx, c->len, c->p[0], c->q[0]); break;
+    case OP_RELU_BWD: o->relu_backward(ctx, c->len, c->p[0], c->p[1], c->q[0]); break;
+    case OP_DROP_FWD:
+      o->dropout_forward(ctx, c->len, c->rate, c->seed, c->stream, c->p[0], c->q[0], c->q[1]);
+      break;
+    case OP_DROP_BWD: o->dropout_backward(ctx, c->len, c->p[0], c->p[1], c->q[0]); break;
+    case OP_XENT_STATS:
+      o->softmax_xent_stats(ctx, c->n, c->k, c->p[0], c->p[1], c->q[0], c->q[1]);
+      break;
+    case OP_XENT_BWD: o->softmax_xent_backward(ctx, c->n, c->k, c->p[0], c->p[1], c->q[0]); break;
+    case OP_SCALE: o->scale(ctx, c->len, c->alpha, c->q[0]); break;
+    case OP_COPY: memcpy(c->q[0], c->p[0], c->len); break;
+    case OP_MARK: o->mark(ctx, c->n); break;
+    default: abort();
+  }
+}
+
+/* A checked op: run now, or kept while recording. */
+static void call(emu_dev *f, em_call c) {
+  if (!f->recording) {
+    run_call(f, &c);
+    return;
+  }
+  if (f->n_rec == f->cap_rec) {
+    int cap = f->cap_rec ? 2 * f->cap_rec : 64;
+    em_call *grown = realloc(f->rec, (size_t)cap * sizeof *grown);
+    if (!grown) {
+      fprintf(stderr, "emu device: out of host memory recording a graph\n");
+      abort();
+    }
+    f->rec = grown;
+    f->cap_rec = cap;
+  }
+  f->rec[f->n_rec++] = c;
+}
+
+/* What a GPU cannot do inside a stream capture (wait, copy to or from the
+ * host, allocate): stop and say what, as CUDA would fail the capture. */
+static void not_recording(const emu_dev *f, const char *what) {
+  if (!f->recording) return;
+  fprintf(stderr, "emu device: %s while recording a graph (a GPU's stream capture would fail)\n",
+          what);
+  abort();
+}
+
+static int em_graph_begin(void *ctx) {
+  emu_dev *f = enter(ctx);
+  if (f->recording) return PS_ESTATE;
+  f->recording = 1;
+  f->n_rec = 0;
+  return 0;
+}
+
+static int em_graph_end(void *ctx) {
+  emu_dev *f = enter(ctx);
+  if (!f->recording) return PS_ESTATE;
+  f->recording = 0;
+  free(f->graph);
+  f->graph = NULL;
+  f->n_graph = 0;
+  if (f->n_rec) {
+    f->graph = malloc((size_t)f->n_rec * sizeof *f->graph);
+    if (!f->graph) return PS_ENOMEM;
+    memcpy(f->graph, f->rec, (size_t)f->n_rec * sizeof *f->graph);
+  }
+  f->n_graph = f->n_rec;
+  f->graphs++;
+  return 0;
+}
+
+/* Each op again, its pointers checked again (a block freed since would
+ * fault on a GPU). */
+static int em_graph_launch(void *ctx) {
+  emu_dev *f = enter(ctx);
+  not_recording(f, "graph_launch");
+  if (!f->graph && f->n_graph == 0 && f->graphs == 0) return PS_ESTATE;
+  for (int i = 0; i < f->n_graph; i++) {
+    const em_call *c = &f->graph[i];
+    for (int j = 0; j < 4; j++) {
+      if (c->p[j] && c->op != OP_MARK) need(f, c->p[j], 1, 0, "graph launch: a pointer read");
+      if (c->q[j] && c->op != OP_MARK) need(f, c->q[j], 1, 0, "graph launch: a pointer written");
+    }
+    run_call(f, c);
+  }
+  f->launches++;
+  return 0;
+}
+
 static size_t em_conv2d_workspace(void *ctx, const ps_conv_shape *s) {
   emu_dev *f = enter(ctx);
   return f->cpu->conv2d_workspace(f->cpu->ctx, s);
@@ -114,7 +248,7 @@ static void em_conv2d_forward(void *ctx, const ps_conv_shape *s, const float *x,
                               const float *b, float *y, float *work) {
   emu_dev *f = enter(ctx);
   conv_need(f, s, x, w, b, y, work);
-  f->cpu->conv2d_forward(f->cpu->ctx, s, x, w, b, y, work);
+  call(f, (em_call){.op = OP_CONV_FWD, .cs = *s, .p = {x, w, b}, .q = {y, work}});
 }
 
 static void em_conv2d_backward(void *ctx, const ps_conv_shape *s, const float *x, const float *w,
@@ -123,7 +257,7 @@ static void em_conv2d_backward(void *ctx, const ps_conv_shape *s, const float *x
   conv_need(f, s, x, w, db, dy, work); /* db has b's size, dy y's */
   need(f, dx, (size_t)s->n * s->c * s->h * s->w * F4, 1, "conv dx");
   need(f, dw, (size_t)s->oc * s->c * s->kh * s->kw * F4, 0, "conv dw");
-  f->cpu->conv2d_backward(f->cpu->ctx, s, x, w, dy, dx, dw, db, work);
+  call(f, (em_call){.op = OP_CONV_BWD, .cs = *s, .p = {x, w, dy}, .q = {dx, dw, db, work}});
 }
 
 static void em_maxpool_forward(void *ctx, const ps_pool_shape *s, const float *x, float *y,
@@ -133,7 +267,7 @@ static void em_maxpool_forward(void *ctx, const ps_pool_shape *s, const float *x
   need(f, x, planes * s->h * s->w * F4, 0, "maxpool x");
   need(f, y, planes * s->oh * s->ow * F4, 0, "maxpool y");
   need(f, argmax, planes * s->oh * s->ow * sizeof(int32_t), 1, "maxpool argmax");
-  f->cpu->maxpool_forward(f->cpu->ctx, s, x, y, argmax);
+  call(f, (em_call){.op = OP_POOL_FWD, .ps = *s, .p = {x}, .q = {y, argmax}});
 }
 
 static void em_maxpool_backward(void *ctx, const ps_pool_shape *s, const float *dy,
@@ -143,7 +277,7 @@ static void em_maxpool_backward(void *ctx, const ps_pool_shape *s, const float *
   need(f, dy, planes * s->oh * s->ow * F4, 0, "maxpool dy");
   need(f, argmax, planes * s->oh * s->ow * sizeof(int32_t), 0, "maxpool argmax");
   need(f, dx, planes * s->h * s->w * F4, 0, "maxpool dx");
-  f->cpu->maxpool_backward(f->cpu->ctx, s, dy, argmax, dx);
+  call(f, (em_call){.op = OP_POOL_BWD, .ps = *s, .p = {dy, argmax}, .q = {dx}});
 }
 
 static void em_dense_forward(void *ctx, int n, int in, int out, const float *x, const float *w,
@@ -153,7 +287,7 @@ static void em_dense_forward(void *ctx, int n, int in, int out, const float *x, 
   need(f, w, (size_t)out * in * F4, 0, "dense w");
   need(f, b, (size_t)out * F4, 0, "dense b");
   need(f, y, (size_t)n * out * F4, 0, "dense y");
-  f->cpu->dense_forward(f->cpu->ctx, n, in, out, x, w, b, y);
+  call(f, (em_call){.op = OP_DENSE_FWD, .n = n, .in = in, .out = out, .p = {x, w, b}, .q = {y}});
 }
 
 static void em_dense_backward(void *ctx, int n, int in, int out, const float *x, const float *w,
@@ -165,14 +299,15 @@ static void em_dense_backward(void *ctx, int n, int in, int out, const float *x,
   need(f, dx, (size_t)n * in * F4, 1, "dense dx");
   need(f, dw, (size_t)out * in * F4, 0, "dense dw");
   need(f, db, (size_t)out * F4, 0, "dense db");
-  f->cpu->dense_backward(f->cpu->ctx, n, in, out, x, w, dy, dx, dw, db);
+  call(f, (em_call){.op = OP_DENSE_BWD, .n = n, .in = in, .out = out, .p = {x, w, dy},
+                     .q = {dx, dw, db}});
 }
 
 static void em_relu_forward(void *ctx, size_t n, const float *x, float *y) {
   emu_dev *f = enter(ctx);
   need(f, x, n * F4, 0, "relu x");
   need(f, y, n * F4, 0, "relu y");
-  f->cpu->relu_forward(f->cpu->ctx, n, x, y);
+  call(f, (em_call){.op = OP_RELU_FWD, .len = n, .p = {x}, .q = {y}});
 }
 
 static void em_relu_backward(void *ctx, size_t n, const float *y, const float *dy, float *dx) {
@@ -180,7 +315,7 @@ static void em_relu_backward(void *ctx, size_t n, const float *y, const float *d
   need(f, y, n * F4, 0, "relu y");
   need(f, dy, n * F4, 0, "relu dy");
   need(f, dx, n * F4, 0, "relu dx");
-  f->cpu->relu_backward(f->cpu->ctx, n, y, dy, dx);
+  call(f, (em_call){.op = OP_RELU_BWD, .len = n, .p = {y, dy}, .q = {dx}});
 }
 
 static void em_dropout_forward(void *ctx, size_t n, float rate, uint64_t seed, uint64_t stream,
@@ -189,7 +324,8 @@ static void em_dropout_forward(void *ctx, size_t n, float rate, uint64_t seed, u
   need(f, x, n * F4, 0, "dropout x");
   need(f, y, n * F4, 0, "dropout y");
   need(f, mask, n * F4, 0, "dropout mask");
-  f->cpu->dropout_forward(f->cpu->ctx, n, rate, seed, stream, x, y, mask);
+  call(f, (em_call){.op = OP_DROP_FWD, .len = n, .rate = rate, .seed = seed, .stream = stream,
+                     .p = {x}, .q = {y, mask}});
 }
 
 static void em_dropout_backward(void *ctx, size_t n, const float *mask, const float *dy,
@@ -198,12 +334,13 @@ static void em_dropout_backward(void *ctx, size_t n, const float *mask, const fl
   need(f, mask, n * F4, 0, "dropout mask");
   need(f, dy, n * F4, 0, "dropout dy");
   need(f, dx, n * F4, 0, "dropout dx");
-  f->cpu->dropout_backward(f->cpu->ctx, n, mask, dy, dx);
+  call(f, (em_call){.op = OP_DROP_BWD, .len = n, .p = {mask, dy}, .q = {dx}});
 }
 
 static float em_softmax_xent_forward(void *ctx, int n, int k, const float *logits,
                                      const uint8_t *labels, float *probs) {
   emu_dev *f = enter(ctx);
+  not_recording(f, "softmax_xent_forward (it waits for its result)");
   need(f, logits, (size_t)n * k * F4, 0, "softmax logits");
   need(f, labels, (size_t)n, 0, "softmax labels");
   need(f, probs, (size_t)n * k * F4, 0, "softmax probs");
@@ -217,7 +354,7 @@ static void em_softmax_xent_stats(void *ctx, int n, int k, const float *logits,
   need(f, labels, (size_t)n, 0, "softmax labels");
   need(f, probs, (size_t)n * k * F4, 0, "softmax probs");
   need(f, stats, 2 * sizeof(double), 0, "softmax stats");
-  f->cpu->softmax_xent_stats(f->cpu->ctx, n, k, logits, labels, probs, stats);
+  call(f, (em_call){.op = OP_XENT_STATS, .n = n, .k = k, .p = {logits, labels}, .q = {probs, stats}});
 }
 
 static void em_softmax_xent_backward(void *ctx, int n, int k, const float *probs,
@@ -226,11 +363,12 @@ static void em_softmax_xent_backward(void *ctx, int n, int k, const float *probs
   need(f, probs, (size_t)n * k * F4, 0, "softmax probs");
   need(f, labels, (size_t)n, 0, "softmax labels");
   need(f, dlogits, (size_t)n * k * F4, 0, "softmax dlogits");
-  f->cpu->softmax_xent_backward(f->cpu->ctx, n, k, probs, labels, dlogits);
+  call(f, (em_call){.op = OP_XENT_BWD, .n = n, .k = k, .p = {probs, labels}, .q = {dlogits}});
 }
 
 static void *em_alloc(void *ctx, size_t bytes) {
   emu_dev *f = enter(ctx);
+  not_recording(f, "alloc");
   if (f->allocs++ == f->fail_at || f->n_blocks == MAX_BLOCKS) return NULL;
   void *p = ps_alloc(bytes);
   if (!p) return NULL;
@@ -242,6 +380,7 @@ static void *em_alloc(void *ctx, size_t bytes) {
 
 static void em_free(void *ctx, void *p) {
   emu_dev *f = enter(ctx);
+  not_recording(f, "free");
   if (!p) return;
   for (int i = 0; i < f->n_blocks; i++)
     if (f->blocks[i].p == p) {
@@ -255,6 +394,7 @@ static void em_free(void *ctx, void *p) {
 
 static void em_to_device(void *ctx, void *dst, const void *src_host, size_t bytes) {
   emu_dev *f = enter(ctx);
+  not_recording(f, "to_device");
   need(f, dst, bytes, 0, "to_device dst");
   if (bytes && in_block(f, src_host, 1)) {
     fprintf(stderr, "emu device: to_device from device memory\n");
@@ -265,6 +405,7 @@ static void em_to_device(void *ctx, void *dst, const void *src_host, size_t byte
 
 static void em_to_host(void *ctx, void *dst_host, const void *src, size_t bytes) {
   emu_dev *f = enter(ctx);
+  not_recording(f, "to_host");
   need(f, src, bytes, 0, "to_host src");
   if (bytes && in_block(f, dst_host, 1)) {
     fprintf(stderr, "emu device: to_host into device memory\n");
@@ -282,7 +423,7 @@ static void em_copy(void *ctx, void *dst, const void *src, size_t bytes) {
   emu_dev *f = enter(ctx);
   need(f, dst, bytes, 0, "copy dst");
   need(f, src, bytes, 0, "copy src");
-  if (bytes && dst != src) memcpy(dst, src, bytes);
+  if (bytes && dst != src) call(f, (em_call){.op = OP_COPY, .len = bytes, .p = {src}, .q = {dst}});
 }
 
 /* Lands the asynchronous copies up to ticket t, in order. */
@@ -299,7 +440,11 @@ static void land(emu_dev *f, uint64_t t) {
   f->n_async = k;
 }
 
-static void em_sync(void *ctx) { land(enter(ctx), UINT64_MAX); }
+static void em_sync(void *ctx) {
+  emu_dev *f = enter(ctx);
+  not_recording(f, "sync");
+  land(f, UINT64_MAX);
+}
 
 /* Whether [p, p+bytes) lies inside one of host_alloc's blocks. */
 static int in_host_block(emu_dev *f, const void *p, size_t bytes) {
@@ -348,11 +493,12 @@ static void em_host_free(void *ctx, void *p) {
 
 static void em_mark(void *ctx, int i) {
   emu_dev *f = enter(ctx);
-  f->cpu->mark(f->cpu->ctx, i);
+  call(f, (em_call){.op = OP_MARK, .n = i});
 }
 
 static void em_marks_read(void *ctx, double *ms, int n) {
   emu_dev *f = enter(ctx);
+  not_recording(f, "marks_read");
   f->cpu->marks_read(f->cpu->ctx, ms, n);
 }
 
@@ -365,6 +511,7 @@ static void em_to_device_async(void *ctx, void *dst, const void *src_host, size_
 
 static uint64_t em_to_host_async(void *ctx, void *dst_host, const void *src, size_t bytes) {
   emu_dev *f = enter(ctx);
+  not_recording(f, "to_host_async");
   f->async_copies += bytes > 0;
   if (bytes && !in_host_block(f, dst_host, bytes)) f->pageable_async++;
   need(f, src, bytes, 0, "to_host_async src");
@@ -397,12 +544,16 @@ static int em_ticket_done(void *ctx, uint64_t ticket) {
   return 1;
 }
 
-static void em_ticket_wait(void *ctx, uint64_t ticket) { land(enter(ctx), ticket); }
+static void em_ticket_wait(void *ctx, uint64_t ticket) {
+  emu_dev *f = enter(ctx);
+  not_recording(f, "ticket_wait");
+  land(f, ticket);
+}
 
 static void em_scale(void *ctx, size_t n, float alpha, float *x) {
   emu_dev *f = enter(ctx);
   need(f, x, n * F4, 0, "scale x");
-  f->cpu->scale(f->cpu->ctx, n, alpha, x);
+  call(f, (em_call){.op = OP_SCALE, .len = n, .alpha = alpha, .q = {x}});
 }
 
 
@@ -445,6 +596,9 @@ static void emu_init(emu_dev *f, ps_ops *cpu) {
       .host_alloc = em_host_alloc,
       .host_free = em_host_free,
       .mark = em_mark,
+      .graph_begin = em_graph_begin,
+      .graph_end = em_graph_end,
+      .graph_launch = em_graph_launch,
       .marks_read = em_marks_read,
   };
 }
@@ -459,6 +613,8 @@ static void em_destroy(ps_ops *ops) {
   for (int i = 0; i < f->n_blocks; i++) ps_free((void *)f->blocks[i].p);
   for (int i = 0; i < f->n_host; i++) ps_free((void *)f->host[i].p);
   pthread_mutex_destroy(&f->host_mu);
+  free(f->rec);
+  free(f->graph);
   f->cpu->destroy(f->cpu);
   free(f);
 }
@@ -493,5 +649,7 @@ void ps_ops_emu_counts(const ps_ops *ops, ps_emu_counts *out) {
   out->pending = f->n_pending + f->n_async;
   out->host_blocks = f->n_host;
   out->async_copies = f->async_copies;
+  out->graphs = f->graphs;
+  out->launches = f->launches;
   out->pageable_async = f->pageable_async;
 }

@@ -8,7 +8,11 @@
  * check their direction. Copies to the host land late, as on a stream:
  * to_host at the next op or sync, to_host_async only once its ticket is
  * waited for (or asked about twice, or at sync), with the bytes of the
- * moment it was queued. Results are the cpu backend's with the same thread
+ * moment it was queued. Graphs: between graph_begin and graph_end the ops
+ * are checked and recorded, not run, and what a GPU's stream capture
+ * forbids (copies to or from the host, waits, allocation) aborts with a
+ * message; graph_launch runs the recorded ops again. Results are the cpu
+ * backend's with the same thread
  * count, bit for bit. Not fast: it is for checking, not for training. */
 #ifndef PS_KERNELS_EMU_OPS_EMU_H
 #define PS_KERNELS_EMU_OPS_EMU_H
@@ -29,6 +33,7 @@ ps_ops *ps_ops_emu_create(int threads);
 void ps_ops_emu_fail_alloc_at(ps_ops *ops, int call);
 typedef struct {
   int allocs, blocks, pending, host_blocks, async_copies, pageable_async;
+  int graphs, launches; /* graphs recorded (graph_end) and launched */
 } ps_emu_counts;
 void ps_ops_emu_counts(const ps_ops *ops, ps_emu_counts *out);
 

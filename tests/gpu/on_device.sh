@@ -90,6 +90,15 @@ for mode in on off; do
 done
 if cmp -s "$b/on.bin" "$b/off.bin"; then say "pipeline on == off on the GPU, bit for bit"
 else say "FAIL: the pipelined step on the GPU ended with other parameters"; fails=$((fails + 1)); fi
+# CUDA Graphs: 40 steps of the quickstart CNN recorded and replayed end
+# with the parameters of the same steps run op by op, bit for bit.
+for g in on off; do
+  run "cuda graphs $g" 300 "$b/bin/ps-worker" --local --device cuda --cuda-graphs "$g" \
+    --job deploy/jobs/fashion_mnist_cnn.json --data-dir "$b/data" --max-steps 40 \
+    --eval-interval 0 --save-params "$b/graphs-$g.bin" || fails=$((fails + 1))
+done
+if cmp -s "$b/graphs-on.bin" "$b/graphs-off.bin"; then say "cuda graphs on == off, bit for bit"
+else say "FAIL: the replayed step ended with other parameters"; fails=$((fails + 1)); fi
 # tf32 and bf16 compute (where the GPU has the tensor cores): 300 steps of
 # the quickstart CNN reach the accuracy of fp32 within 0.02.
 acc_of() { sed -n 's/^final test accuracy \([0-9.]*\).*/\1/p' "$1" | tail -1; }

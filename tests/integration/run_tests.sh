@@ -507,7 +507,7 @@ device_paths)
   done
   # The compute's phases on the backend's clock: every progress record of a
   # plain step has them, each positive, and together within the compute time.
-  for run in emu-plain cpu-overlap; do
+  for run in emu-plain emu-overlap; do
     python3 - "$out/$run/worker-0.jsonl" <<'PY' || fail "$run: the phase timings are missing or wrong"
 import json, sys
 recs = [json.loads(l) for l in open(sys.argv[1]) if '"compute_ms"' in l]
@@ -520,6 +520,27 @@ print(f"device_paths: {sys.argv[1].split('/')[-2]}: {len(recs)} records with pha
 sys.exit(1 if not recs or bad else 0)
 PY
   done
+  # Graphs on the emulated device (recorded ops, checked as a GPU's stream
+  # capture would be): replayed steps, and the short last batch of each
+  # epoch run op by op, end bit for bit where the reference backend ends.
+  for g in on off; do
+    "$build/ps-worker" --local --job "$here/jobs/graphs.json" --device emu --cuda-graphs "$g" \
+      --save-params "$out/graphs-$g.bin" >"$out/graphs-$g.log" 2>&1 \
+      || { tail -5 "$out/graphs-$g.log"; fail "the emu run with --cuda-graphs $g failed"; }
+  done
+  ref=cpu # the reference backend: cpu-ref where --device cpu is another
+  "$build/ps-worker" --help | grep -q "cpu-ref" && ref=cpu-ref
+  "$build/ps-worker" --local --job "$here/jobs/graphs.json" --device "$ref" \
+    --save-params "$out/graphs-cpu.bin" >"$out/graphs-cpu.log" 2>&1 || fail "the $ref run failed"
+  grep -q "recorded once and replayed" "$out/graphs-on.log" || fail "no graph was recorded"
+  launches=$(sed -n 's/.*graph(s) recorded, \([0-9]*\) launch.*/\1/p' "$out/graphs-on.log")
+  steps=$(sed -n 's/^trained \([0-9]*\) steps.*/\1/p' "$out/graphs-on.log")
+  echo "device_paths: graphs: $launches of $steps steps launched from the recording"
+  [ "${launches:-0}" -ge $((steps - 5)) ] || fail "only ${launches:-0} of $steps steps were replayed"
+  [ "$launches" -lt "$steps" ] || fail "every step replayed: the short batches did not run op by op"
+  cmp -s "$out/graphs-on.bin" "$out/graphs-off.bin" || fail "graphs on and off ended apart"
+  cmp -s "$out/graphs-on.bin" "$out/graphs-cpu.bin" || fail "graphs on the emu device and $ref ended apart"
+  echo "device_paths: graphs on == off == $ref, bit for bit"
   for pair in "cpu emu-pipeline" "cpu emu-plain" "cpu-replicas emu-replicas" \
               "cpu-overlap emu-overlap"; do
     set -- $pair
