@@ -1,6 +1,7 @@
 #include "util.h"
 
 #include <errno.h>
+#include <malloc.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -50,6 +51,15 @@ double ps_wall_s(void) {
   struct timespec ts;
   clock_gettime(CLOCK_REALTIME, &ts);
   return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+void ps_malloc_tune(void) {
+#ifdef M_TRIM_THRESHOLD
+  const char *t = getenv("GLIBC_TUNABLES");
+  if (t && (strstr(t, "malloc.trim_threshold") || strstr(t, "malloc.mmap_threshold"))) return;
+  mallopt(M_TRIM_THRESHOLD, 128 << 20);
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
+#endif
 }
 
 void ps_sleep_ms(int64_t ms) {

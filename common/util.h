@@ -38,6 +38,14 @@ double ps_now_s(void);
 double ps_wall_s(void);
 void ps_sleep_ms(int64_t ms);
 
+/* Keeps freed memory for reuse instead of handing it back to the kernel
+ * at once (glibc's malloc: trim threshold 128 MiB, allocations up to
+ * 32 MiB from the heap). Each message gRPC receives lands in buffers it
+ * allocates and frees; with glibc's defaults those pages went back to the
+ * kernel and every push faulted in fresh, zeroed ones. Call first in main;
+ * a GLIBC_TUNABLES that sets either threshold is left to rule. */
+void ps_malloc_tune(void);
+
 /* 64-byte aligned allocation, zeroed; NULL on failure. Free with ps_free. */
 void *ps_alloc(size_t bytes);
 void ps_free(void *p);

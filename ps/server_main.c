@@ -127,6 +127,7 @@ static int exit_code(int rc) {
 }
 
 int main(int argc, char **argv) {
+  ps_malloc_tune();
   ps_server_opts o = {.index = -1, .metrics_port = -1};
   if (ps_options_defaults(&server_spec, &o) != 0) return exit_code(2);
   int rc = ps_options_parse(&server_spec, argc, argv, &o);

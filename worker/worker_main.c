@@ -6,6 +6,7 @@
 #include "worker.h"
 
 int main(int argc, char **argv) {
+  ps_malloc_tune();
   static ps_worker w;
   int rc = ps_worker_opts_parse(&w.o, argc, argv);
   if (rc == 1) return PS_WORKER_EXIT_DONE; /* --help */

@@ -122,6 +122,7 @@ static void time_conversions(const target *t, double *enc_ms, double *dec_ms) {
 }
 
 int main(int argc, char **argv) {
+  ps_malloc_tune(); /* as ps-worker does */
   const char *compare = NULL;
   if (argc > 2 && strcmp(argv[1], "--compare") == 0) {
     compare = argv[2];
