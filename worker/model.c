@@ -53,6 +53,7 @@ struct ps_model {
   uint8_t *y_dev;    /* (max_batch): its labels */
   float *probs_host; /* (max_batch, classes), host memory: probs copied out */
   double *stats;     /* ops->softmax_xent_stats: backend memory, 2 doubles */
+  double *stats_host; /* where they are read to: ops->host_alloc's (pinned on a GPU) */
   /* ps_model_graph_step: the step recorded as the backend's graph, for n
    * examples from these parameters into these gradients; warm_*: the
    * shape of the last step run plainly (a recording follows one). */
@@ -143,6 +144,11 @@ ps_model *ps_model_create(const ps_model_spec *spec, ps_ops *ops, int max_batch,
   m->probs = backend_alloc(m, n_probs * sizeof(float));
   if (!m->work || !m->grad_a || !m->grad_b || !m->probs) goto oom;
   if (ops->softmax_xent_stats && !(m->stats = backend_alloc(m, 2 * sizeof(double)))) goto oom;
+  if (ops->softmax_xent_stats && !ops->host_memory) {
+    m->stats_host = ops->host_alloc ? ops->host_alloc(ops->ctx, 2 * sizeof(double))
+                                    : ps_alloc(2 * sizeof(double));
+    if (!m->stats_host) goto oom;
+  }
   if (!ops->host_memory) {
     m->x_dev = backend_alloc(m, m->in_size * (size_t)max_batch * sizeof(float));
     m->y_dev = backend_alloc(m, (size_t)max_batch);
@@ -172,6 +178,12 @@ void ps_model_destroy(ps_model *m) {
   backend_free(m, m->grad_b);
   backend_free(m, m->probs);
   backend_free(m, m->stats);
+  if (m->stats_host) {
+    if (m->ops->host_free)
+      m->ops->host_free(m->ops->ctx, m->stats_host);
+    else
+      ps_free(m->stats_host);
+  }
   backend_free(m, m->x_dev);
   backend_free(m, m->y_dev);
   ps_free(m->probs_host);
@@ -285,8 +297,9 @@ static float stats_read(ps_model *m, int n, int *correct) {
   if (o->host_memory) {
     memcpy(s, m->stats, sizeof s);
   } else {
-    o->to_host(o->ctx, s, m->stats, sizeof s);
+    o->to_host(o->ctx, m->stats_host, m->stats, sizeof s);
     o->sync(o->ctx);
+    memcpy(s, m->stats_host, sizeof s);
   }
   *correct = (int)s[1];
   return n > 0 ? (float)(s[0] / n) : 0.0f;
