@@ -1,69 +1,106 @@
 /* ps-export: the model's parameters from shard checkpoints (written with any
- * number of shards) as one NumPy .npy file per tensor, for use outside this
- * system (np.load, PyTorch, Keras). */
-#include <getopt.h>
+ * number of shards), for use outside this system: one NumPy .npy file per
+ * tensor (np.load, PyTorch, Keras), or the inference graph as an ONNX file
+ * (onnxruntime and other ONNX readers). The flag table drives parsing and
+ * --help. */
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "../common/job.h"
+#include "../common/options.h"
 #include "../common/util.h"
 #include "checkpoint.h"
+#include "export_onnx.h"
 
-static void usage(FILE *f) {
-  fprintf(f,
-          "Usage: ps-export --job FILE --checkpoints DIR --out DIR [options]\n"
-          "\n"
-          "Writes the parameters of the job's model, restored from the newest usable set\n"
-          "of shard checkpoints in DIR (written with any number of shards), as one NumPy\n"
-          ".npy file per tensor: <layer>.w.npy (conv2d: OC, IC, KH, KW; dense: OUT, IN)\n"
-          "and <layer>.b.npy, float32.\n"
-          "\n"
-          "  --job FILE           the job file the checkpoints were written for\n"
-          "  --checkpoints DIR    the servers' checkpoint directory\n"
-          "  --out DIR            where to write the .npy files (created if missing)\n"
-          "  --log-level LEVEL    debug, info, warn or error (default info)\n"
-          "  --help               this text\n"
-          "\n"
-          "Exit status: 0 done, 1 failed, 2 bad usage.\n");
+#ifndef PS_EXPORT_VERSION
+#define PS_EXPORT_VERSION "unknown"
+#endif
+
+typedef struct {
+  const char *job_path, *ckpt_dir, *out;
+  int format; /* index into format_choices */
+  int log_level;
+} export_opts;
+
+enum { FORMAT_NPY, FORMAT_ONNX };
+static const char *const format_choices[] = {"npy", "onnx", NULL};
+static const char *const level_choices[] = {"debug", "info", "warn", "error", NULL};
+
+#define O(field) offsetof(export_opts, field)
+
+static const ps_option export_flags[] = {
+    {"job", "FILE", PS_OPT_STR, O(job_path),
+     .help = "the job file the checkpoints were written for, required"},
+    {"checkpoints", "DIR", PS_OPT_STR, O(ckpt_dir),
+     .help = "the servers' checkpoint directory, required: the newest usable set is read"},
+    {"out", "PATH", PS_OPT_STR, O(out), .help =
+     "required: with `npy`, the directory for the `.npy` files (made if missing); with `onnx`, "
+     "the file to write (replaced atomically)"},
+    {"format", "F", PS_OPT_CHOICE, O(format), .choices = format_choices, .def = "npy", .help =
+     "`npy`: one NumPy file per tensor, `<layer>.w.npy` (conv2d: OC, IC, KH, KW; dense: OUT, "
+     "IN) and `<layer>.b.npy`, float32; `onnx`: the inference graph (input `input` [N, C, H, "
+     "W], output `probabilities` [N, classes], dropout left out) with the parameters as "
+     "initializers, ONNX operator set 13"},
+    {"log-level", "L", PS_OPT_CHOICE, O(log_level), .choices = level_choices, .def = "info",
+     .help = "`debug`, `info`, `warn` or `error`"},
+};
+
+static const ps_optspec export_spec = {
+    .prog = "ps-export",
+    .synopsis = "Usage: ps-export --job FILE --checkpoints DIR --out PATH [--format npy|onnx]\n"
+                "\n"
+                "Writes the parameters of the job's model, restored from the newest usable set\n"
+                "of shard checkpoints in DIR (written with any number of shards), as NumPy\n"
+                "files or as an ONNX model.\n",
+    .opts = export_flags,
+    .n_opts = (int)(sizeof export_flags / sizeof export_flags[0]),
+    .footer = "Exit status: 0 done, 1 failed (nothing is left half-written), 2 bad usage.",
+};
+
+/* Writes params in the chosen format; 0, or an error code with a message. */
+static int export_params(const export_opts *o, const ps_job *job, const float *params,
+                         const ps_ckpt_restored *got, char *err) {
+  char desc[512];
+  ps_model_spec_describe(&job->model, desc, sizeof desc);
+  if (o->format == FORMAT_ONNX) {
+    ps_onnx_meta meta = {.producer_version = PS_EXPORT_VERSION,
+                         .job_id = job->job_id,
+                         .version = got->version,
+                         .num_shards = got->num_shards};
+    uint64_t bytes = 0;
+    int rc = ps_onnx_export(&job->model, params, &meta, o->out, &bytes, err);
+    if (rc == 0)
+      PS_INFO("wrote the ONNX model '%s' (%llu bytes, opset 13): job '%s', %s, from the %d-shard "
+              "checkpoints (version %llu)",
+              o->out, (unsigned long long)bytes, job->job_id, desc, got->num_shards,
+              (unsigned long long)got->version);
+    return rc;
+  }
+  int files = 0;
+  int rc = ps_ckpt_export_npy(&job->model, params, o->out, &files, err);
+  if (rc == 0)
+    PS_INFO("wrote %d .npy files to '%s': job '%s', %s, from the %d-shard checkpoints "
+            "(version %llu)",
+            files, o->out, job->job_id, desc, got->num_shards, (unsigned long long)got->version);
+  return rc;
 }
 
 int main(int argc, char **argv) {
-  const char *job_path = NULL, *ckpt_dir = NULL, *out_dir = NULL;
-  int level = PS_LOG_INFO;
-  static const struct option opts[] = {
-      {"job", required_argument, 0, 'j'}, {"checkpoints", required_argument, 0, 'c'},
-      {"out", required_argument, 0, 'o'}, {"log-level", required_argument, 0, 'v'},
-      {"help", no_argument, 0, 'h'},      {0, 0, 0, 0}};
-  int c;
-  while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
-    switch (c) {
-      case 'j': job_path = optarg; break;
-      case 'c': ckpt_dir = optarg; break;
-      case 'o': out_dir = optarg; break;
-      case 'v':
-        level = ps_log_level_parse(optarg);
-        if (level < 0) {
-          fprintf(stderr, "ps-export: --log-level '%s': use debug, info, warn or error\n", optarg);
-          return 2;
-        }
-        break;
-      case 'h': usage(stdout); return 0;
-      default: usage(stderr); return 2;
-    }
-  }
-  if (optind < argc) {
-    fprintf(stderr, "ps-export: unexpected argument '%s' (see --help)\n", argv[optind]);
-    return 2;
-  }
-  if (!job_path || !ckpt_dir || !out_dir) {
+  export_opts o = {0};
+  if (ps_options_defaults(&export_spec, &o) != 0) return 2;
+  int prc = ps_options_parse(&export_spec, argc, argv, &o);
+  if (prc == 1) return 0; /* --help */
+  if (prc != 0) return 2;
+  if (!o.job_path || !o.ckpt_dir || !o.out) {
     fprintf(stderr, "ps-export: %s is required (see --help)\n",
-            !job_path   ? "--job FILE"
-            : !ckpt_dir ? "--checkpoints DIR"
-                        : "--out DIR");
+            !o.job_path   ? "--job FILE"
+            : !o.ckpt_dir ? "--checkpoints DIR"
+                          : "--out PATH");
     return 2;
   }
-  ps_log_init("ps-export", level);
+  ps_log_init("ps-export", o.log_level);
 
   char err[PS_ERRLEN] = "";
   /* ps_job is large (the layer table): keep it off the stack. */
@@ -72,7 +109,9 @@ int main(int argc, char **argv) {
     fprintf(stderr, "ps-export: out of memory\n");
     return 1;
   }
-  int rc = ps_job_load(job_path, job, NULL, err);
+  int rc = ps_job_load(o.job_path, job, NULL, err);
+  /* Refuse a model ONNX cannot express before reading any checkpoint. */
+  if (rc == 0 && o.format == FORMAT_ONNX) rc = ps_onnx_check_spec(&job->model, err);
   if (rc) {
     fprintf(stderr, "ps-export: %s\n", err);
     free(job);
@@ -85,7 +124,7 @@ int main(int argc, char **argv) {
     free(job);
     return 1;
   }
-  ps_ckpt_source src = {.dir = ckpt_dir, .job_id = job->job_id, .P = P};
+  ps_ckpt_source src = {.dir = o.ckpt_dir, .job_id = job->job_id, .P = P};
   ps_ckpt_restored got;
   rc = ps_ckpt_load_range(&src, 0, P, params, NULL, 0, 0, &got, err);
   if (rc == 0) free(got.cut);
@@ -94,23 +133,13 @@ int main(int argc, char **argv) {
     if (rc == PS_ENOTFOUND)
       fprintf(stderr,
               "ps-export: is '%s' the directory ps-server wrote to, and '%s' the job it ran?\n",
-              ckpt_dir, job_path);
+              o.ckpt_dir, o.job_path);
     ps_free(params);
     free(job);
     return 1;
   }
-  int files = 0;
-  rc = ps_ckpt_export_npy(&job->model, params, out_dir, &files, err);
-  if (rc) {
-    fprintf(stderr, "ps-export: %s\n", err);
-  } else {
-    char desc[512];
-    ps_model_spec_describe(&job->model, desc, sizeof desc);
-    PS_INFO(
-        "wrote %d .npy files to '%s': job '%s', %s, from the %d-shard checkpoints "
-        "(version %llu)",
-        files, out_dir, job->job_id, desc, got.num_shards, (unsigned long long)got.version);
-  }
+  rc = export_params(&o, job, params, &got, err);
+  if (rc) fprintf(stderr, "ps-export: %s\n", err);
   ps_free(params);
   free(job);
   return rc ? 1 : 0;

@@ -1572,6 +1572,114 @@ PY
   for p in "${pids[@]}"; do wait "$p" || fail "a ps-server did not exit 0 on SIGTERM"; done
   pids=()
   ;;
+onnx_export)
+  # ps-export --format onnx: a CNN (conv "same" and "valid", stride 2,
+  # maxpool, dense, relu, dropout) trained on one shard that checkpoints,
+  # exported, and run in onnxruntime beside ps-worker's own forward pass
+  # over the test split (onnx_check): max |p_onnx - p_ours| <= 1e-4 and the
+  # same arg-max for >= 99.9% of the examples; the same for a model whose
+  # tensors change rank between layers (a dense layer on a conv's output,
+  # a conv on a dense layer's). Bad input (a checkpoint of another model,
+  # an --out that cannot be written, an unknown --format) is refused with
+  # its cause and leaves nothing half-written. onnxruntime, onnx and numpy
+  # come from PyPI into a venv kept in the build directory; skipped (77)
+  # without them, after the checks that need no Python.
+  # onnx_train NAME JOB: JOB trained by one worker against one shard that
+  # checkpoints to $out/NAME/ckpt (the last at SIGTERM), exported to
+  # $out/NAME.onnx, and onnx_check's .npy files in $out/NAME/ours.
+  onnx_train() {
+    local name=$1 job=$2 port spid
+    port=$(free_ports 1)
+    mkdir -p "$out/$name"
+    "$build/ps-server" --insecure --job "$job" --ps "$port" --index 0 \
+      --checkpoint-dir "$out/$name/ckpt" --checkpoint-secs 3600 >"$out/$name/server.log" 2>&1 &
+    spid=$!; pids+=($spid)
+    timeout 300 "$build/ps-worker" --insecure --ps "$port" --index 0 --num-workers 1 --threads 1 \
+      >"$out/$name/worker.log" 2>&1 || { tail -5 "$out/$name/worker.log"; fail "$name: the worker failed"; }
+    kill -TERM "$spid"
+    wait "$spid" || { tail -5 "$out/$name/server.log"; fail "$name: ps-server did not exit 0 on SIGTERM"; }
+    "$build/ps-export" --job "$job" --checkpoints "$out/$name/ckpt" --format onnx \
+      --out "$out/$name.onnx" >"$out/$name/export.log" 2>&1 \
+      || { cat "$out/$name/export.log"; fail "$name: ps-export --format onnx failed"; }
+    "$build/onnx_check" --job "$job" --checkpoints "$out/$name/ckpt" --out "$out/$name/ours" \
+      >"$out/$name/check.log" 2>&1 || { cat "$out/$name/check.log"; fail "$name: onnx_check failed"; }
+    for f in "$out/$name"/*.log; do clean_exit "$f" || fail "$f: a crash"; done
+    echo "onnx_export: $name: $(grep -o 'wrote the ONNX model .* opset 13)' "$out/$name/export.log")"
+    sed -n "s/^onnx_check: /onnx_export: $name: /p" "$out/$name/check.log"
+  }
+  job=$here/jobs/onnx_export.json
+  onnx_train cnn "$job"
+  acc=$(final_accuracy "$out/cnn/worker.log")
+  at_least "$acc" 0.9 || fail "the CNN reached test accuracy $acc, not 0.9: a comparison of untrained probabilities proves little"
+  onnx_train shapes "$here/jobs/onnx_shapes.json"
+  # export_fails NAME EXIT PATTERN ARGS...: ps-export ARGS exits EXIT with a
+  # message matching PATTERN (an extended regular expression).
+  export_fails() {
+    local name=$1 want=$2 pattern=$3 rc=0
+    shift 3
+    "$build/ps-export" "$@" >"$out/bad-$name.log" 2>&1 || rc=$?
+    clean_exit "$out/bad-$name.log" || fail "$name: ps-export crashed"
+    [ "$rc" = "$want" ] || { cat "$out/bad-$name.log"; fail "$name: exit $rc, expected $want"; }
+    grep -Eq -- "$pattern" "$out/bad-$name.log" \
+      || { cat "$out/bad-$name.log"; fail "$name: no message matching '$pattern'"; }
+    echo "onnx_export: $name: exit $rc: $(grep -E -- "$pattern" "$out/bad-$name.log" | head -1)"
+  }
+  cp "$out/cnn.onnx" "$out/cnn.onnx.before"
+  python3 - "$job" "$out/mismatch.json" <<'PY'
+import json, sys
+job = json.load(open(sys.argv[1]))
+job["model"]["layers"][6]["units"] = 16  # the same job id, another model
+json.dump(job, open(sys.argv[2], "w"))
+PY
+  ck=(--checkpoints "$out/cnn/ckpt")
+  export_fails mismatch 1 "none of the 1 checkpoints .* fits job" --job "$out/mismatch.json" \
+    "${ck[@]}" --format onnx --out "$out/cnn.onnx"
+  export_fails format 2 "--format wants npy or onnx, not 'tflite'" --job "$job" "${ck[@]}" \
+    --format tflite --out "$out/cnn.onnx"
+  export_fails no_dir 1 "cannot create a file in '.*/missing': No such file" --job "$job" \
+    "${ck[@]}" --format onnx --out "$out/missing/model.onnx"
+  export_fails is_dir 1 "'.*/cnn' is a directory" --job "$job" "${ck[@]}" --format onnx --out "$out/cnn"
+  cmp -s "$out/cnn.onnx" "$out/cnn.onnx.before" || fail "a failed export changed cnn.onnx"
+  left=$(ls -A "$out" "$out/cnn" | grep -E '\.tmp-' || true)
+  [ -z "$left" ] || fail "temporary files left behind: $left"
+  [ ! -e "$out/missing" ] || fail "a failed export made $out/missing"
+  # A full disk: an 8 KiB tmpfs (the model is 11 KiB; needs root).
+  mnt=$out/small
+  mkdir -p "$mnt"
+  if mount -t tmpfs -o size=8k tmpfs "$mnt" 2>"$out/mount.err"; then
+    trap 'umount "$mnt" 2>/dev/null; cleanup' EXIT
+    export_fails full_disk 1 "model.onnx.*No space left on device" --job "$job" "${ck[@]}" \
+      --format onnx --out "$mnt/model.onnx"
+    left=$(ls -A "$mnt")
+    [ -z "$left" ] || fail "files left on the full disk: $left"
+    umount "$mnt" || fail "cannot unmount $mnt"
+    trap cleanup EXIT
+  else
+    echo "onnx_export: SKIPPED the full-disk case: cannot mount a tmpfs ($(cat "$out/mount.err"))"
+  fi
+  # onnxruntime, in a venv kept and reused in the build directory.
+  venv=$build/venv-onnx
+  onnx_import="import numpy, onnx, onnxruntime"
+  onnx_skip() {
+    tail -3 "$out/venv.log"; rm -rf "$venv"
+    [ -n "${PS_KEEP_TEST_OUT:-}" ] || rm -rf "$out"
+    echo "SKIPPED: $1"; exit 77
+  }
+  if ! "$venv/bin/python" -c "$onnx_import" 2>/dev/null; then
+    rm -rf "$venv"
+    python3 -m venv "$venv" >"$out/venv.log" 2>&1 || onnx_skip "python3 -m venv failed"
+    "$venv/bin/pip" install --quiet --timeout 30 --retries 2 onnxruntime onnx numpy \
+      >>"$out/venv.log" 2>&1 || onnx_skip "pip cannot install onnxruntime, onnx and numpy (PyPI unreachable?)"
+    "$venv/bin/python" -c "$onnx_import" >>"$out/venv.log" 2>&1 \
+      || { tail -3 "$out/venv.log"; fail "onnxruntime, onnx and numpy installed but do not import"; }
+  fi
+  "$venv/bin/python" "$here/tools/onnx_compare.py" "$out/cnn.onnx" "$out/cnn/ours" --classes 4 \
+    --input 1,12,12 >"$out/cnn/compare.log" 2>&1 || { cat "$out/cnn/compare.log"; fail "cnn: the ONNX model and ps-worker disagree"; }
+  "$venv/bin/python" "$here/tools/onnx_compare.py" "$out/shapes.onnx" "$out/shapes/ours" \
+    --classes 3 --input 2,9,9 >"$out/shapes/compare.log" 2>&1 || { cat "$out/shapes/compare.log"; fail "shapes: the ONNX model and ps-worker disagree"; }
+  sed "s/^onnx_compare: /onnx_export: cnn: /" "$out/cnn/compare.log"
+  sed "s/^onnx_compare: /onnx_export: shapes: /" "$out/shapes/compare.log"
+  ;;
 *)
   fail "unknown test '$name'"
   ;;
