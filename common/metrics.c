@@ -35,7 +35,9 @@ int ps_metrics_write(ps_metrics *m, void *record) {
   json_t *r = record;
   if (!m || !json_is_object(r)) return PS_EINVAL;
   if (!json_object_get(r, "time")) json_object_set_new(r, "time", json_real(ps_wall_s()));
-  char *line = json_dumps(r, JSON_COMPACT | JSON_REAL_PRECISION(9));
+  /* 13 significant digits: `time` (seconds since 1970, ten digits) keeps
+   * its milliseconds; 9 would round it to 10 s. */
+  char *line = json_dumps(r, JSON_COMPACT | JSON_REAL_PRECISION(13));
   if (!line) return PS_ENOMEM;
   pthread_mutex_lock(&m->mu);
   int rc = fprintf(m->f, "%s\n", line) < 0 || fflush(m->f) != 0 ? PS_EIO : PS_OK;
