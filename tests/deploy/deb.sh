@@ -85,7 +85,8 @@ for lib in 'libgrpc[0-9]' 'libprotobuf-c[0-9]' 'libuv1' 'libjansson[0-9]' \
 done
 grep -q 'dataset-fashion-mnist' <<<"$(dpkg-deb -f "$deb" Recommends)" \
   || fail "Recommends: does not name dataset-fashion-mnist"
-dpkg-deb -f "$deb" Description | grep -q 'CPU' || fail "the description does not say CPU"
+# (grep -q on a pipe would end it early: under pipefail, a SIGPIPE failure)
+grep -q 'CPU' <<<"$(dpkg-deb -f "$deb" Description)" || fail "the description does not say CPU"
 [ "$(dpkg-deb -f "$deb" Version)" = "$(sed -n 's/^set(CPACK_PACKAGE_VERSION "\(.*\)")$/\1/p' \
       "$debb/CPackConfig.cmake")" ] || fail "Version: is not the project's version"
 for script in postinst prerm postrm; do

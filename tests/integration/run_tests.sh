@@ -1398,8 +1398,10 @@ EOF
   code=$(curl -s -o /dev/null -w '%{http_code}' -H "Authorization: Bearer nottheone0123456789" \
     "http://$w0/metrics")
   [ "$code" = 401 ] || fail "a worker scrape with a wrong token got $code, not 401"
-  curl -sf --cacert "$c/ca.pem" -H "Authorization: Bearer $(cat "$c/token")" "https://$m1/metrics" \
-    | grep -q '^ps_shard_version{shard="1"} ' || fail "shard 1's /metrics with the job token"
+  # (into a variable: grep -q ending a pipe early would fail curl under pipefail)
+  page=$(curl -sf --cacert "$c/ca.pem" -H "Authorization: Bearer $(cat "$c/token")" \
+    "https://$m1/metrics") || fail "shard 1's /metrics with the job token: curl failed"
+  grep -q '^ps_shard_version{shard="1"} ' <<<"$page" || fail "shard 1's /metrics with the job token"
   python3 "$here/tools/prom_check.py" "http://$pp" "$root/deploy/grafana/ps-dashboard.json" 2 2 60 \
     || { tail -n 5 "$out"/*.log | cut -c1-300; fail "Prometheus's view of the cluster"; }
   kill -TERM "$ppid"; wait "$ppid" || true
