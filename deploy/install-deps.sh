@@ -24,6 +24,7 @@ packages=(
   cmake gcc make pkg-config
   libgrpc-dev libprotobuf-c-dev protobuf-c-compiler
   libuv1-dev libopenblas-dev libjansson-dev zlib1g-dev libmicrohttpd-dev
+  libdnnl-dev                           # the oneDNN cpu backend (optional for the build)
   dataset-fashion-mnist
   iproute2 iperf3 gnuplot-nox python3 openssl
   "${tests[@]}"

@@ -209,6 +209,17 @@ struct ps_ops {
  * once). NULL when memory or a thread cannot be had. */
 ps_ops *ps_ops_cpu_create(int threads);
 
+/* The softmax and cross-entropy of the host backends (cpu, dnnl), so that
+ * they agree bit for bit: probs = softmax(logits) per row, the returned sum
+ * of the n losses (NaN when a label is outside [0, k)); the examples whose
+ * first largest probability is at the label; dlogits = (probs -
+ * onehot(labels)) / n. */
+double ps_xent_host_forward(int n, int k, const float *logits, const uint8_t *labels,
+                            float *probs);
+int ps_xent_host_correct(int n, int k, const float *probs, const uint8_t *labels);
+void ps_xent_host_backward(int n, int k, const float *probs, const uint8_t *labels,
+                           float *dlogits);
+
 /* Fills conv output size from the other fields. */
 void ps_conv_shape_finish(ps_conv_shape *s);
 void ps_pool_shape_finish(ps_pool_shape *s);

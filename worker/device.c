@@ -1,7 +1,8 @@
 /* The device chooser (see device.h). The CUDA calls are compiled only when
  * the build has the CUDA backend (PS_WITH_CUDA, defined by CMake for the
  * targets that link ps_kernels_cuda); the CPU-only build answers every
- * request for cuda with an error naming the build option. */
+ * request for cuda with an error naming the build option. Likewise the
+ * oneDNN backend (PS_HAVE_DNNL): without it, cpu is the reference. */
 #include "device.h"
 
 #include <stdarg.h>
@@ -10,12 +11,15 @@
 
 #include "../common/util.h"
 #include "../kernels/emu/ops_emu.h"
+#ifdef PS_HAVE_DNNL
+#include "../kernels/dnnl/ops_dnnl.h"
+#endif
 #ifdef PS_WITH_CUDA
 #include "../kernels/cuda/cuda_device.h"
 #include "../kernels/cuda/ops_cuda.h"
 #endif
 
-typedef enum { DEVICE_AUTO, DEVICE_CPU, DEVICE_CUDA, DEVICE_EMU } device_kind;
+typedef enum { DEVICE_AUTO, DEVICE_CPU, DEVICE_CPU_REF, DEVICE_CUDA, DEVICE_EMU } device_kind;
 
 /* The largest CUDA index accepted by the parser; far above any machine,
  * low enough that the digits cannot overflow an int. */
@@ -33,6 +37,10 @@ static int parse_spec(const char *spec, device_kind *kind, int *index, char *err
     *kind = DEVICE_CPU;
     return 0;
   }
+  if (strcmp(spec, "cpu-ref") == 0) {
+    *kind = DEVICE_CPU_REF;
+    return 0;
+  }
   if (strcmp(spec, "emu") == 0) {
     *kind = DEVICE_EMU;
     return 0;
@@ -48,8 +56,8 @@ static int parse_spec(const char *spec, device_kind *kind, int *index, char *err
       return 0;
     }
   }
-  return ps_seterr(err, PS_EINVAL, "bad device '%s': expected auto, cpu, cuda, cuda:N or emu",
-                   spec);
+  return ps_seterr(err, PS_EINVAL,
+                   "bad device '%s': expected auto, cpu, cpu-ref, cuda, cuda:N or emu", spec);
 }
 
 static void set_desc(char *desc, size_t desc_len, const char *fmt, ...)
@@ -63,9 +71,11 @@ static void set_desc(char *desc, size_t desc_len, const char *fmt, ...) {
   va_end(ap);
 }
 
-/* The cpu backend; `note` (may be "") is appended inside the parentheses
- * of the description. */
-static ps_ops *open_cpu(int threads, const char *note, char *desc, size_t desc_len, char *err) {
+/* The reference cpu backend (im2col + OpenBLAS, its own threads), described
+ * as `name`; `note` (may be "") is appended inside the parentheses of the
+ * description. */
+static ps_ops *open_cpu_ref(const char *name, int threads, const char *note, char *desc,
+                            size_t desc_len, char *err) {
   ps_ops *ops = ps_ops_cpu_create(threads);
   if (!ops) {
     ps_seterr(err, PS_ENOMEM, "cannot create the cpu backend with %d threads: out of memory or "
@@ -73,10 +83,32 @@ static ps_ops *open_cpu(int threads, const char *note, char *desc, size_t desc_l
     return NULL;
   }
   if (threads > 0)
-    set_desc(desc, desc_len, "cpu (%d thread%s%s)", threads, threads > 1 ? "s" : "", note);
+    set_desc(desc, desc_len, "%s (%d thread%s%s)", name, threads, threads > 1 ? "s" : "", note);
   else
-    set_desc(desc, desc_len, "cpu (OpenBLAS default threads%s)", note);
+    set_desc(desc, desc_len, "%s (OpenBLAS default threads%s)", name, note);
   return ops;
+}
+
+/* The cpu backend: oneDNN's when the build has it, else the reference. */
+static ps_ops *open_cpu(int threads, const char *note, char *desc, size_t desc_len, char *err) {
+#ifdef PS_HAVE_DNNL
+  ps_ops *ops = ps_ops_dnnl_create(threads);
+  if (!ops) {
+    ps_seterr(err, PS_ENOMEM, "cannot create the oneDNN cpu backend with %d threads: out of "
+              "memory, or oneDNN has no CPU engine", threads);
+    return NULL;
+  }
+  char version[32];
+  ps_dnnl_version(version, sizeof version);
+  if (threads > 0)
+    set_desc(desc, desc_len, "cpu (%d thread%s, oneDNN %s%s)", threads, threads > 1 ? "s" : "",
+             version, note);
+  else
+    set_desc(desc, desc_len, "cpu (OpenMP default threads, oneDNN %s%s)", version, note);
+  return ops;
+#else
+  return open_cpu_ref("cpu", threads, note, desc, desc_len, err);
+#endif
 }
 
 #ifdef PS_WITH_CUDA
@@ -99,6 +131,7 @@ ps_ops *ps_device_open(const char *spec, int cpu_threads, char *desc, size_t des
   if (desc && desc_len) desc[0] = '\0';
   if (parse_spec(spec, &kind, &index, err) != 0) return NULL;
   if (kind == DEVICE_CPU) return open_cpu(cpu_threads, "", desc, desc_len, err);
+  if (kind == DEVICE_CPU_REF) return open_cpu_ref("cpu-ref", cpu_threads, "", desc, desc_len, err);
   if (kind == DEVICE_EMU) {
     ps_ops *ops = ps_ops_emu_create(cpu_threads);
     if (!ops)

@@ -49,8 +49,10 @@ static const ps_option worker_flags[] = {
     {"data-dir", "DIR", PS_OPT_STR, O(data_dir), .def_doc = "the job's",
      .help = "where the IDX files are"},
     {"device", "D", PS_OPT_STR, O(device), .def_doc = "`auto`", .help =
-     "`cpu`, `cuda` or `cuda:N`; `auto` is `cuda` when the build has the CUDA backend and a GPU "
-     "is present, else `cpu` (the first log line says which). `emu`: the emulated device, the "
+     "`cpu`, `cpu-ref`, `cuda` or `cuda:N`; `auto` is `cuda` when the build has the CUDA backend "
+     "and a GPU is present, else `cpu` (the first log line says which). `cpu` runs on oneDNN "
+     "(blocked layouts, one OpenMP thread team) when the build has it, else it is `cpu-ref`, the "
+     "reference backend (im2col and OpenBLAS sgemm). `emu`: the emulated device, the "
      "cpu ops on memory that is not the host's (every pointer checked, copies to the host "
      "landing late as on a stream), which runs a GPU worker's code paths where there is no GPU; "
      "for checking, not for speed"},

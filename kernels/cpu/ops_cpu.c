@@ -800,73 +800,24 @@ static void cpu_dropout_backward(void *ctx, size_t n, const float *mask, const f
  *
  * (n, k) with k classes is small next to everything else: no parts. */
 
-/* Each row is shifted by its maximum before exp, so large logits cannot
- * overflow, and the loss is taken from the log-sum-exp rather than from
- * log(prob), which would be -inf for a probability that underflowed. A
- * label outside [0, k) makes the returned loss NaN instead of reading out of
- * bounds. */
-static double xent_forward(int n, int k, const float *logits, const uint8_t *labels,
-                           float *probs) {
-  double total = 0.0;
-  int bad_label = 0;
-  for (int i = 0; i < n; i++) {
-    const float *l = logits + (size_t)i * k; /* (k) */
-    float *p = probs + (size_t)i * k;
-    float max = l[0];
-    for (int j = 1; j < k; j++) max = l[j] > max ? l[j] : max;
-    double sum = 0.0;
-    for (int j = 0; j < k; j++) {
-      p[j] = expf(l[j] - max);
-      sum += p[j];
-    }
-    const float inv = (float)(1.0 / sum);
-    for (int j = 0; j < k; j++) p[j] *= inv;
-    if (labels[i] >= k) {
-      bad_label = 1;
-      continue;
-    }
-    total += log(sum) - (double)(l[labels[i]] - max);
-  }
-  return bad_label ? NAN : total;
-}
-
 static float cpu_softmax_xent_forward(void *ctx, int n, int k, const float *logits,
                                       const uint8_t *labels, float *probs) {
   (void)ctx;
   if (n == 0) return 0.0f;
-  return (float)(xent_forward(n, k, logits, labels, probs) / n);
-}
-
-/* The examples whose first largest probability is at the label. */
-static int cpu_count_correct(int n, int k, const float *probs, const uint8_t *labels) {
-  int correct = 0;
-  for (int i = 0; i < n; i++) {
-    const float *p = probs + (size_t)i * k;
-    int best = 0;
-    for (int j = 1; j < k; j++)
-      if (p[j] > p[best]) best = j;
-    correct += best == labels[i];
-  }
-  return correct;
+  return (float)(ps_xent_host_forward(n, k, logits, labels, probs) / n);
 }
 
 static void cpu_softmax_xent_stats(void *ctx, int n, int k, const float *logits,
                                    const uint8_t *labels, float *probs, double *stats) {
   (void)ctx;
-  stats[0] = n > 0 ? xent_forward(n, k, logits, labels, probs) : 0.0;
-  stats[1] = n > 0 && k > 0 ? cpu_count_correct(n, k, probs, labels) : 0;
+  stats[0] = n > 0 ? ps_xent_host_forward(n, k, logits, labels, probs) : 0.0;
+  stats[1] = n > 0 ? ps_xent_host_correct(n, k, probs, labels) : 0;
 }
 
 static void cpu_softmax_xent_backward(void *ctx, int n, int k, const float *probs,
                                       const uint8_t *labels, float *dlogits) {
   (void)ctx;
-  const float inv_n = n ? 1.0f / (float)n : 0.0f;
-  for (int i = 0; i < n; i++) {
-    const float *p = probs + (size_t)i * k;
-    float *d = dlogits + (size_t)i * k;
-    for (int j = 0; j < k; j++) d[j] = p[j] * inv_n;
-    if (labels[i] < k) d[labels[i]] -= inv_n;
-  }
+  ps_xent_host_backward(n, k, probs, labels, dlogits);
 }
 
 /* ---- memory ----

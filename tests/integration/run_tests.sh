@@ -485,12 +485,12 @@ device_paths)
   # replicas that copy in and out, --overlap's buffers) on the emulated
   # device, whose memory checks every pointer and whose copies land late:
   # each run ends with the parameter bytes of the same run on the cpu.
-  pipeline_run cpu --device cpu
+  pipeline_run cpu --device cpu-ref
   pipeline_run emu-pipeline --device emu --pipeline on
   pipeline_run emu-plain --device emu --pipeline off
-  pipeline_run cpu-replicas --device cpu --replicas 2
+  pipeline_run cpu-replicas --device cpu-ref --replicas 2
   pipeline_run emu-replicas --device emu --replicas 2
-  pipeline_run cpu-overlap --device cpu --overlap
+  pipeline_run cpu-overlap --device cpu-ref --overlap
   pipeline_run emu-overlap --device emu --overlap
   grep -q "device: emu" "$out/emu-pipeline/worker-0.log" || fail "the emulated device was not used"
   grep -q "pipeline: each shard" "$out/emu-pipeline/worker-0.log" || fail "no pipelined step"
@@ -530,7 +530,9 @@ PY
       || { tail -5 "$out/graphs-$g.log"; fail "the emu run with --cuda-graphs $g failed"; }
   done
   ref=cpu # the reference backend: cpu-ref where --device cpu is another
-  "$build/ps-worker" --help | grep -q "cpu-ref" && ref=cpu-ref
+  # (grep -c reads all of --help: grep -q would stop early, and the
+  # worker's SIGPIPE fail the pipeline under pipefail)
+  "$build/ps-worker" --help | grep -c "cpu-ref" >/dev/null && ref=cpu-ref
   "$build/ps-worker" --local --job "$here/jobs/graphs.json" --device "$ref" \
     --save-params "$out/graphs-cpu.bin" >"$out/graphs-cpu.log" 2>&1 || fail "the $ref run failed"
   grep -q "recorded once and replayed" "$out/graphs-on.log" || fail "no graph was recorded"
@@ -549,6 +551,30 @@ PY
     echo "device_paths: $2 == $1, bit for bit"
   done
   cmp -s "$out/cpu.bin" "$out/cpu-overlap.bin" && fail "overlap changed nothing: the comparison cannot tell"
+  ;;
+dnnl_local)
+  # ps-worker --local on the synthetic set with --device cpu (oneDNN where
+  # the build has it) and cpu-ref (the reference), 2 threads each: the same
+  # final test accuracy within 0.02 (the runs differ by float rounding,
+  # which training amplifies a little), both at the synthetic threshold.
+  for d in cpu-ref cpu; do
+    timeout 120 "$build/ps-worker" --local --job "$here/jobs/synthetic.json" --threads 2 \
+      --device "$d" --eval-interval 0 --log-interval 0 >"$out/$d.log" 2>&1 \
+      || { tail -20 "$out/$d.log"; fail "the --local run on $d failed"; }
+  done
+  grep -q "device: cpu-ref (2 threads)" "$out/cpu-ref.log" || fail "cpu-ref is not the reference"
+  if grep -q '^WITH_DNNL:BOOL=ON' "$build/CMakeCache.txt" \
+     && grep -q '^DNNL_LIBRARY:FILEPATH=/' "$build/CMakeCache.txt"; then
+    grep -q "device: cpu (2 threads, oneDNN" "$out/cpu.log" || fail "--device cpu is not oneDNN"
+  fi
+  a_ref=$(final_accuracy "$out/cpu-ref.log")
+  a_dnnl=$(final_accuracy "$out/cpu.log")
+  echo "dnnl_local: final test accuracy $a_dnnl on $(sed -n 's/.*device: //p' "$out/cpu.log"), $a_ref on cpu-ref"
+  [ -n "$a_ref" ] && [ -n "$a_dnnl" ] || fail "no final accuracy"
+  at_least "$a_ref" 0.90 || fail "cpu-ref: accuracy $a_ref below 0.90"
+  at_least "$a_dnnl" 0.90 || fail "cpu: accuracy $a_dnnl below 0.90"
+  python3 -c "import sys; sys.exit(0 if abs($a_dnnl - $a_ref) <= 0.02 else 1)" \
+    || fail "accuracy $a_dnnl on cpu, $a_ref on cpu-ref: more than 0.02 apart"
   ;;
 ssp_bound)
   # ssp:1 with 3 workers, one a straggler: the servers' records show no pull

@@ -1,6 +1,7 @@
 /* Finite-difference gradient checks: every layer's backward against its
- * own forward, on the CPU backend (one thread, and the backend's own
- * threads).
+ * own forward, on a CPU backend (one thread, and two): the reference
+ * (kernels/cpu) with no argument, the oneDNN backend (kernels/dnnl) with
+ * the argument "dnnl", which exits 77 (skipped) in a build without it.
  *
  * The loss is L = sum(y * r) for a fixed random r, summed in double, so
  * dL/dy = r, which is fed to the backward as dy (r is drawn as floats, so
@@ -26,6 +27,9 @@
 
 #include "../../kernels/ops.h"
 #include "check.h"
+#ifdef PS_HAVE_DNNL
+#include "../../kernels/dnnl/ops_dnnl.h"
+#endif
 
 #define THR 1e-3
 #define EPS_LINEAR 0.1f /* conv, dense, dropout */
@@ -302,11 +306,13 @@ static void test_softmax_xent(void) {
   free(l.logits), free(l.probs), free(dl);
 }
 
-static void run_all(int threads) {
-  ops = ps_ops_cpu_create(threads);
-  CHECK_MSG(ops != NULL, "ps_ops_cpu_create(%d)", threads);
+typedef ps_ops *(*backend_create)(int threads);
+
+static void run_all(const char *name, backend_create create, int threads) {
+  ops = create(threads);
+  CHECK_MSG(ops != NULL, "%s backend with %d threads", name, threads);
   if (!ops) return;
-  fprintf(stderr, "-- cpu backend, threads = %d\n", threads);
+  fprintf(stderr, "-- %s backend, threads = %d\n", name, threads);
   RUN(test_conv);
   RUN(test_maxpool);
   RUN(test_dense);
@@ -316,8 +322,22 @@ static void run_all(int threads) {
   ops->destroy(ops);
 }
 
-int main(void) {
-  run_all(0);
-  run_all(2);
+int main(int argc, char **argv) {
+  if (argc > 1 && strcmp(argv[1], "dnnl") == 0) {
+#ifdef PS_HAVE_DNNL
+    run_all("oneDNN", ps_ops_dnnl_create, 1);
+    run_all("oneDNN", ps_ops_dnnl_create, 2);
+    return check_summary();
+#else
+    printf("SKIPPED: built without oneDNN\n");
+    return 77;
+#endif
+  }
+  if (argc > 1) {
+    fprintf(stderr, "usage: test_gradcheck [dnnl]\n");
+    return 2;
+  }
+  run_all("cpu", ps_ops_cpu_create, 0);
+  run_all("cpu", ps_ops_cpu_create, 2);
   return check_summary();
 }

@@ -1,0 +1,1195 @@
+/* The oneDNN CPU backend (see ops_dnnl.h).
+ *
+ * Convolution (forward, backward data, backward weights with the bias) is
+ * oneDNN's primitives, created the first time a shape is seen and kept;
+ * dense layers are OpenBLAS sgemm in parts (faster here than oneDNN's inner
+ * product, see "dense"). Max pooling, relu, dropout, the softmax and scale
+ * are OpenMP loops here, written to give the reference's bits.
+ *
+ * Why blocked layouts. With plain NCHW activations oneDNN's convolutions
+ * are no faster than the reference's im2col + sgemm; with nChw16c (16
+ * channels of one pixel side by side, an AVX-512 register) its JIT kernels
+ * run the quickstart CNN's convolutions about twice as fast on the 2-core
+ * AVX-512 target. So a convolution writes its
+ * output blocked when the buffer is this backend's, relu and max pooling
+ * work on it as it is, and the layout is recorded per buffer (the buffer
+ * table below) for the next op. An op that needs NCHW (dense after
+ * flatten, dropout, copies out) reorders first, in place.
+ *
+ * Why one OpenMP team. oneDNN here runs on OpenMP (Debian's libdnnl is
+ * built on GNU OpenMP); a second team of our own (pthreads, or OpenBLAS's
+ * threads) would spin against it for the same cores between ops, which on
+ * 2 cores costs more than the faster convolutions gain. So every loop here
+ * is an OpenMP loop, on the same team, and OpenBLAS (dense layers) runs
+ * one thread inside each of the team's threads. The other
+ * side of it: GNU OpenMP's threads spin for a while at the end of every
+ * parallel region, which is what makes them fast on idle cores, and slow
+ * when other processes want the same cores (then OMP_WAIT_POLICY=passive,
+ * read by the OpenMP runtime when the program starts, is the setting). */
+#include "ops_dnnl.h"
+
+#include <cblas.h>
+#include <dnnl.h>
+#include <dnnl_debug.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../../common/rng.h"
+#include "../../common/util.h" /* ps_alloc, ps_free, ps_now_s */
+
+/* Below this many elements an element-wise loop runs in the calling thread:
+ * waking the team costs more than it saves. */
+#define PARALLEL_MIN_FLOATS ((long)1 << 15)
+
+/* A failed oneDNN call is a bug or out of memory inside an op, which has no
+ * way to report it: say where, and stop. */
+#define DNNL_CHECK(call) dn__check((call), #call, __FILE__, __LINE__)
+
+static void dn__check(dnnl_status_t st, const char *what, const char *file, int line) {
+  if (st == dnnl_success) return;
+  fprintf(stderr, "%s:%d: %s: %s\n", file, line, what, dnnl_status2str(st));
+  abort();
+}
+
+static void *dn__xalloc(size_t bytes, const char *what) {
+  void *p = ps_alloc(bytes);
+  if (!p) {
+    fprintf(stderr, "ops_dnnl: out of memory (%zu bytes for %s)\n", bytes, what);
+    abort();
+  }
+  return p;
+}
+
+/* ---- layouts ----
+ *
+ * An activation (n, c, h, w) held with channel blocks of `blk` (1: NCHW,
+ * 8: nChw8c, 16: nChw16c); blk divides c, so the blocked array has exactly
+ * n*c*h*w elements and fits wherever the NCHW one does. s32: the elements
+ * are int32 (maxpool's argmax), else float. */
+typedef struct {
+  int blk;
+  int n, c, h, w;
+  int s32;
+} act_layout;
+
+static size_t layout_elems(const act_layout *l) {
+  return (size_t)l->n * l->c * l->h * l->w;
+}
+
+static int layout_equal(const act_layout *a, const act_layout *b) {
+  return a->blk == b->blk && a->n == b->n && a->c == b->c && a->h == b->h && a->w == b->w;
+}
+
+/* The block an activation of c channels is held in when it can be. */
+static int pick_blk(int c) { return c % 16 == 0 ? 16 : c % 8 == 0 ? 8 : 1; }
+
+static dnnl_format_tag_t blk_tag(int blk) {
+  return blk == 16 ? dnnl_nChw16c : blk == 8 ? dnnl_nChw8c : dnnl_nchw;
+}
+
+static void act_md(dnnl_memory_desc_t *md, int blk, int n, int c, int h, int w, int s32) {
+  const dnnl_dims_t dims = {n, c, h, w};
+  DNNL_CHECK(dnnl_memory_desc_init_by_tag(md, 4, dims, s32 ? dnnl_s32 : dnnl_f32, blk_tag(blk)));
+}
+
+/* ---- the backend ---- */
+
+/* A buffer from alloc, and the layout of what the last op wrote at its
+ * start (blk 1: NCHW, the state of every other buffer too). */
+typedef struct {
+  char *base;
+  size_t bytes;
+  act_layout lay;
+  size_t prefix; /* blocked: the first `prefix` NCHW floats are in place (see below) */
+  float *saved;  /* the blocked floats they displaced */
+  size_t saved_cap;
+} buf_entry;
+
+/* A primitive kept for one shape and layout (key). Convolutions keep the
+ * weights' layout they chose (md_w) and a buffer for the weights in it
+ * when that is not the caller's (OC, IC, KH, KW). */
+enum { P_CONV_FWD = 1, P_CONV_BWD_DATA, P_CONV_BWD_W, P_REORDER };
+enum { KEY_INTS = 14 };
+
+typedef struct {
+  int k[KEY_INTS];
+} prim_key;
+
+typedef struct {
+  prim_key key;
+  dnnl_primitive_t prim;
+  dnnl_memory_desc_t md_w;   /* the primitive's (diff) weights */
+  int w_plain;               /* md_w is the caller's layout */
+  dnnl_primitive_t w_reorder; /* caller's -> md_w, or md_w -> caller's (backward weights) */
+  float *w_buf;              /* md_w's bytes when !w_plain */
+} prim_entry;
+
+enum { N_SCRATCH = 4 };
+
+typedef struct {
+  ps_ops ops; /* ops.ctx points back at this struct */
+  int nthreads; /* 0: OpenMP's default */
+  dnnl_engine_t eng;
+  dnnl_stream_t stream;
+  buf_entry *bufs;
+  size_t n_bufs, cap_bufs;
+  prim_entry **prims; /* each its own allocation: callers hold entries across additions */
+  size_t n_prims, cap_prims;
+  /* Scratch buffers, grown on demand: 0 and 1 for an op's reordered
+   * operands, 2 and 3 for turning a buffer back into NCHW in place. */
+  void *scratch[N_SCRATCH];
+  size_t scratch_bytes[N_SCRATCH];
+  double marks[PS_MARKS]; /* mark's host clock, seconds (0: not recorded) */
+} dnnl_backend;
+
+/* Every op starts here: the calling thread's OpenMP team size (an OpenMP
+ * setting is per thread, and the backend may be created in one thread and
+ * used in another), which oneDNN also reads. */
+static dnnl_backend *enter(void *ctx) {
+  dnnl_backend *be = ctx;
+  if (be->nthreads > 0 && omp_get_max_threads() != be->nthreads) omp_set_num_threads(be->nthreads);
+  return be;
+}
+
+static void *scratch(dnnl_backend *be, int slot, size_t bytes) {
+  if (be->scratch_bytes[slot] < bytes) {
+    ps_free(be->scratch[slot]);
+    be->scratch[slot] = dn__xalloc(bytes, "scratch");
+    be->scratch_bytes[slot] = bytes;
+  }
+  return be->scratch[slot];
+}
+
+/* [*begin, *end): the calling thread's share of n items in a parallel
+ * region (all of them outside one). */
+static void thread_span(long n, long *begin, long *end) {
+  const long t = omp_get_thread_num(), nt = omp_get_num_threads();
+  *begin = n * t / nt;
+  *end = n * (t + 1) / nt;
+}
+
+/* ---- the buffer table ----
+ *
+ * Each buffer from alloc has an entry: NCHW (lay.blk 1), or an activation
+ * held blocked (lay) in its first layout_elems(lay) floats. Ops call
+ * read_plain / write_plain for what they read or write as NCHW, and
+ * write_blocked for a blocked output, before they touch the memory.
+ *
+ * A blocked buffer keeps its values wherever it is not written. Turning it
+ * all into NCHW for a small write (the softmax's gradient landing at the
+ * start of a gradient buffer that held a large blocked activation) would
+ * cost a reorder of the whole buffer for a few floats, every step; so a
+ * write of NCHW floats [0, k) at its start instead moves the blocked
+ * floats it covers aside (saved) and records prefix = k: the first k NCHW
+ * floats are in place, the rest still blocked. Reading [0, k) as NCHW is
+ * then free; anything else puts the buffer back together as NCHW
+ * (buf_make_plain), and a later write of the whole of it drops the state. */
+
+/* The entry whose bytes hold p (its start for an empty one), or NULL. */
+static buf_entry *buf_find(dnnl_backend *be, const void *p) {
+  const char *c = p;
+  for (size_t i = 0; i < be->n_bufs; i++) {
+    buf_entry *e = &be->bufs[i];
+    if (c == e->base || (c > e->base && c < e->base + e->bytes)) return e;
+  }
+  return NULL;
+}
+
+/* The entry when an op may hold `bytes` at p blocked: p starts a buffer of
+ * ours that large; else NULL. */
+static buf_entry *buf_taggable(dnnl_backend *be, const void *p, size_t bytes) {
+  buf_entry *e = buf_find(be, p);
+  return e && e->base == (const char *)p && e->bytes >= bytes ? e : NULL;
+}
+
+static void reorder(dnnl_backend *be, const void *src, const act_layout *from, void *dst,
+                    int to_blk);
+
+/* Turns a blocked buffer back into NCHW, in place (through scratch), with
+ * its NCHW prefix where it is. */
+static void buf_make_plain(dnnl_backend *be, buf_entry *e) {
+  if (!e || e->lay.blk == 1) return;
+  const size_t n = layout_elems(&e->lay), k = e->prefix;
+  float *base = (float *)(void *)e->base;
+  float *plain = scratch(be, 2, n * sizeof(float));
+  float *head = k ? scratch(be, 3, k * sizeof(float)) : NULL;
+  if (k) {
+    memcpy(head, base, k * sizeof(float));
+    memcpy(base, e->saved, k * sizeof(float));
+  }
+  reorder(be, base, &e->lay, plain, 1);
+  memcpy(base + k, plain + k, (n - k) * sizeof(float));
+  if (k) memcpy(base, head, k * sizeof(float));
+  e->lay.blk = 1;
+  e->prefix = 0;
+}
+
+/* elems floats at p are about to be read as NCHW. */
+static void read_plain(dnnl_backend *be, const void *p, size_t elems) {
+  buf_entry *e = buf_find(be, p);
+  if (!e || e->lay.blk == 1) return;
+  if ((const char *)p + elems * sizeof(float) <= e->base + e->prefix * sizeof(float)) return;
+  buf_make_plain(be, e);
+}
+
+/* elems floats at p are about to be written as NCHW. */
+static void write_plain(dnnl_backend *be, const void *p, size_t elems) {
+  buf_entry *e = buf_find(be, p);
+  if (!e || e->lay.blk == 1) return;
+  const size_t n = layout_elems(&e->lay);
+  if (e->base != (const char *)p) {
+    if ((const char *)p + elems * sizeof(float) > e->base + e->prefix * sizeof(float))
+      buf_make_plain(be, e);
+    return;
+  }
+  if (elems >= n) { /* all of the blocked floats overwritten */
+    e->lay.blk = 1;
+    e->prefix = 0;
+    return;
+  }
+  if (elems <= e->prefix) return;
+  if (e->saved_cap < elems) {
+    float *saved = ps_alloc(elems * sizeof(float));
+    if (!saved) { /* no room to move them aside: the plain way */
+      buf_make_plain(be, e);
+      return;
+    }
+    if (e->prefix) memcpy(saved, e->saved, e->prefix * sizeof(float));
+    ps_free(e->saved);
+    e->saved = saved;
+    e->saved_cap = elems;
+  }
+  const float *base = (const float *)(const void *)e->base;
+  memcpy(e->saved + e->prefix, base + e->prefix, (elems - e->prefix) * sizeof(float));
+  e->prefix = elems;
+}
+
+/* An op is about to write an activation in layout lay (blocked) at p,
+ * which buf_taggable accepted. */
+static void write_blocked(dnnl_backend *be, const void *p, const act_layout *lay) {
+  buf_entry *e = buf_find(be, p);
+  e->lay = *lay;
+  e->prefix = 0;
+}
+
+/* An op writes the activation (n, c, h, w) at p with block blk. */
+static void write_act(dnnl_backend *be, const void *p, int blk, int n, int c, int h, int w,
+                      int s32) {
+  const act_layout lay = {blk, n, c, h, w, s32};
+  if (blk > 1)
+    write_blocked(be, p, &lay);
+  else
+    write_plain(be, p, layout_elems(&lay));
+}
+
+/* The block of the activation (n, c, h, w) at p: the recorded one when p
+ * starts a buffer holding exactly that shape, all blocked; otherwise 1,
+ * with what is read made NCHW. */
+static int view_blk(dnnl_backend *be, const void *p, int n, int c, int h, int w) {
+  buf_entry *e = buf_find(be, p);
+  if (!e || e->lay.blk == 1) return 1;
+  const act_layout want = {e->lay.blk, n, c, h, w, e->lay.s32};
+  if (e->base == (const char *)p && layout_equal(&e->lay, &want) && e->prefix == 0)
+    return e->lay.blk;
+  read_plain(be, p, layout_elems(&want));
+  return 1;
+}
+
+/* ---- primitives ---- */
+
+static prim_entry *prim_find(dnnl_backend *be, const prim_key *key) {
+  for (size_t i = 0; i < be->n_prims; i++)
+    if (memcmp(&be->prims[i]->key, key, sizeof *key) == 0) return be->prims[i];
+  return NULL;
+}
+
+/* A new entry for key, the rest zeroed; the caller fills it in. */
+static prim_entry *prim_add(dnnl_backend *be, const prim_key *key) {
+  if (be->n_prims == be->cap_prims) {
+    size_t cap = be->cap_prims ? 2 * be->cap_prims : 16;
+    prim_entry **p = realloc(be->prims, cap * sizeof *p);
+    if (!p) {
+      fprintf(stderr, "ops_dnnl: out of memory for the primitive cache\n");
+      abort();
+    }
+    be->prims = p;
+    be->cap_prims = cap;
+  }
+  prim_entry *e = calloc(1, sizeof *e);
+  if (!e) {
+    fprintf(stderr, "ops_dnnl: out of memory for the primitive cache\n");
+    abort();
+  }
+  e->key = *key;
+  be->prims[be->n_prims++] = e;
+  return e;
+}
+
+static dnnl_primitive_t make_prim(const_dnnl_primitive_desc_t pd) {
+  dnnl_primitive_t p;
+  DNNL_CHECK(dnnl_primitive_create(&p, pd));
+  return p;
+}
+
+/* Runs primitive p on the given arguments (memory descriptors and
+ * pointers), to completion. */
+typedef struct {
+  int arg;
+  const dnnl_memory_desc_t *md;
+  const void *ptr;
+} exec_arg;
+
+static void run_prim(dnnl_backend *be, dnnl_primitive_t p, int nargs, const exec_arg *args) {
+  enum { MAX_ARGS = 6 };
+  dnnl_exec_arg_t ea[MAX_ARGS];
+  for (int i = 0; i < nargs; i++) {
+    ea[i].arg = args[i].arg;
+    DNNL_CHECK(dnnl_memory_create(&ea[i].memory, args[i].md, be->eng, (void *)args[i].ptr));
+  }
+  DNNL_CHECK(dnnl_primitive_execute(p, be->stream, nargs, ea));
+  DNNL_CHECK(dnnl_stream_wait(be->stream));
+  for (int i = 0; i < nargs; i++) dnnl_memory_destroy(ea[i].memory);
+}
+
+/* src (layout from) to dst in the same shape with block to_blk. */
+static void reorder(dnnl_backend *be, const void *src, const act_layout *from, void *dst,
+                    int to_blk) {
+  const prim_key key = {{P_REORDER, from->blk, to_blk, from->n, from->c, from->h, from->w,
+                         from->s32}};
+  dnnl_memory_desc_t md_src, md_dst;
+  act_md(&md_src, from->blk, from->n, from->c, from->h, from->w, from->s32);
+  act_md(&md_dst, to_blk, from->n, from->c, from->h, from->w, from->s32);
+  prim_entry *e = prim_find(be, &key);
+  if (!e) {
+    dnnl_primitive_desc_t pd;
+    DNNL_CHECK(dnnl_reorder_primitive_desc_create(&pd, &md_src, be->eng, &md_dst, be->eng, NULL));
+    dnnl_primitive_t p = make_prim(pd);
+    dnnl_primitive_desc_destroy(pd);
+    e = prim_add(be, &key);
+    e->prim = p;
+  }
+  const exec_arg args[] = {{DNNL_ARG_FROM, &md_src, src}, {DNNL_ARG_TO, &md_dst, dst}};
+  run_prim(be, e->prim, 2, args);
+}
+
+/* The weights' layout the primitive chose (queried as `what`), and, when it
+ * is not the caller's (md_user), a buffer and a reorder between the two:
+ * user -> md_w when to_prim, else md_w -> user. */
+static void keep_weights(dnnl_backend *be, prim_entry *e, const_dnnl_primitive_desc_t pd,
+                         dnnl_query_t what, const dnnl_memory_desc_t *md_user, int to_prim) {
+  e->md_w = *dnnl_primitive_desc_query_md(pd, what, 0);
+  e->w_plain = dnnl_memory_desc_equal(&e->md_w, md_user);
+  if (e->w_plain) return;
+  e->w_buf = dn__xalloc(dnnl_memory_desc_get_size(&e->md_w), "weights");
+  dnnl_primitive_desc_t rpd;
+  if (to_prim)
+    DNNL_CHECK(dnnl_reorder_primitive_desc_create(&rpd, md_user, be->eng, &e->md_w, be->eng, NULL));
+  else
+    DNNL_CHECK(dnnl_reorder_primitive_desc_create(&rpd, &e->md_w, be->eng, md_user, be->eng, NULL));
+  e->w_reorder = make_prim(rpd);
+  dnnl_primitive_desc_destroy(rpd);
+}
+
+/* ---- convolution ---- */
+
+typedef struct {
+  dnnl_memory_desc_t src, wt, wt_any, bias, dst;
+  dnnl_dims_t strides, pad;
+} conv_mds;
+
+static void conv_mds_init(conv_mds *m, const ps_conv_shape *s, int src_blk, int dst_blk) {
+  act_md(&m->src, src_blk, s->n, s->c, s->h, s->w, 0);
+  act_md(&m->dst, dst_blk, s->n, s->oc, s->oh, s->ow, 0);
+  const dnnl_dims_t wdims = {s->oc, s->c, s->kh, s->kw}, bdims = {s->oc};
+  DNNL_CHECK(dnnl_memory_desc_init_by_tag(&m->wt, 4, wdims, dnnl_f32, dnnl_oihw));
+  DNNL_CHECK(dnnl_memory_desc_init_by_tag(&m->wt_any, 4, wdims, dnnl_f32, dnnl_format_tag_any));
+  DNNL_CHECK(dnnl_memory_desc_init_by_tag(&m->bias, 1, bdims, dnnl_f32, dnnl_x));
+  m->strides[0] = m->strides[1] = s->stride;
+  m->pad[0] = m->pad[1] = s->pad;
+}
+
+static prim_key conv_key(int kind, const ps_conv_shape *s, int src_blk, int dst_blk) {
+  return (prim_key){{kind, s->n, s->c, s->h, s->w, s->oc, s->kh, s->kw, s->stride, s->pad,
+                     src_blk, dst_blk}};
+}
+
+/* The forward descriptor: for the forward primitive, and as the hint the
+ * backward ones are created with. The caller destroys it. */
+static dnnl_primitive_desc_t conv_fwd_pd(dnnl_backend *be, const conv_mds *m) {
+  dnnl_convolution_desc_t cd;
+  DNNL_CHECK(dnnl_convolution_forward_desc_init(&cd, dnnl_forward_training,
+                                                dnnl_convolution_direct, &m->src, &m->wt_any,
+                                                &m->bias, &m->dst, m->strides, m->pad, m->pad));
+  dnnl_primitive_desc_t pd;
+  DNNL_CHECK(dnnl_primitive_desc_create(&pd, &cd, NULL, be->eng, NULL));
+  return pd;
+}
+
+static prim_entry *conv_prim(dnnl_backend *be, int kind, const ps_conv_shape *s, int src_blk,
+                             int dst_blk, const conv_mds *m) {
+  const prim_key key = conv_key(kind, s, src_blk, dst_blk);
+  prim_entry *e = prim_find(be, &key);
+  if (e) return e;
+  dnnl_primitive_desc_t fwd = conv_fwd_pd(be, m), pd = fwd;
+  dnnl_convolution_desc_t cd;
+  if (kind == P_CONV_BWD_DATA) {
+    DNNL_CHECK(dnnl_convolution_backward_data_desc_init(&cd, dnnl_convolution_direct, &m->src,
+                                                        &m->wt_any, &m->dst, m->strides, m->pad,
+                                                        m->pad));
+    DNNL_CHECK(dnnl_primitive_desc_create(&pd, &cd, NULL, be->eng, fwd));
+  } else if (kind == P_CONV_BWD_W) {
+    DNNL_CHECK(dnnl_convolution_backward_weights_desc_init(&cd, dnnl_convolution_direct, &m->src,
+                                                           &m->wt_any, &m->bias, &m->dst,
+                                                           m->strides, m->pad, m->pad));
+    DNNL_CHECK(dnnl_primitive_desc_create(&pd, &cd, NULL, be->eng, fwd));
+  }
+  e = prim_add(be, &key);
+  e->prim = make_prim(pd);
+  keep_weights(be, e, pd, kind == P_CONV_BWD_W ? dnnl_query_diff_weights_md : dnnl_query_weights_md,
+               &m->wt, kind != P_CONV_BWD_W);
+  if (pd != fwd) dnnl_primitive_desc_destroy(pd);
+  dnnl_primitive_desc_destroy(fwd);
+  return e;
+}
+
+/* The caller's weights w in the primitive's layout. */
+static const float *weights_in(dnnl_backend *be, prim_entry *e, const conv_mds *m,
+                               const float *w) {
+  if (e->w_plain) return w;
+  const exec_arg args[] = {{DNNL_ARG_FROM, &m->wt, w}, {DNNL_ARG_TO, &e->md_w, e->w_buf}};
+  run_prim(be, e->w_reorder, 2, args);
+  return e->w_buf;
+}
+
+/* Scratch is not needed: oneDNN keeps its own. */
+static size_t dn_conv2d_workspace(void *ctx, const ps_conv_shape *s) {
+  (void)ctx, (void)s;
+  return 0;
+}
+
+static void dn_conv2d_forward(void *ctx, const ps_conv_shape *s, const float *x, const float *w,
+                              const float *b, float *y, float *work) {
+  (void)work;
+  dnnl_backend *be = enter(ctx);
+  if (s->n == 0 || s->oc == 0 || s->oh == 0 || s->ow == 0) return;
+  const act_layout out = {pick_blk(s->oc), s->n, s->oc, s->oh, s->ow, 0};
+  const int dst_blk = buf_taggable(be, y, layout_elems(&out) * 4) ? out.blk : 1;
+  const int src_blk = view_blk(be, x, s->n, s->c, s->h, s->w);
+  conv_mds m;
+  conv_mds_init(&m, s, src_blk, dst_blk);
+  prim_entry *e = conv_prim(be, P_CONV_FWD, s, src_blk, dst_blk, &m);
+  const float *wp = weights_in(be, e, &m, w);
+  write_act(be, y, dst_blk, s->n, s->oc, s->oh, s->ow, 0);
+  const exec_arg args[] = {{DNNL_ARG_SRC, &m.src, x}, {DNNL_ARG_WEIGHTS, &e->md_w, wp},
+                           {DNNL_ARG_BIAS, &m.bias, b}, {DNNL_ARG_DST, &m.dst, y}};
+  run_prim(be, e->prim, 4, args);
+}
+
+static void dn_conv2d_backward(void *ctx, const ps_conv_shape *s, const float *x, const float *w,
+                               const float *dy, float *dx, float *dw, float *db, float *work) {
+  (void)work;
+  dnnl_backend *be = enter(ctx);
+  const size_t nw = (size_t)s->oc * s->c * s->kh * s->kw;
+  if (s->n == 0 || s->oc == 0 || s->oh == 0 || s->ow == 0) {
+    /* Nothing was summed: zero gradients, as the reference gives. */
+    write_plain(be, dw, nw);
+    write_plain(be, db, (size_t)s->oc);
+    memset(dw, 0, nw * sizeof(float));
+    memset(db, 0, (size_t)s->oc * sizeof(float));
+    if (dx) {
+      write_plain(be, dx, (size_t)s->n * s->c * s->h * s->w);
+      memset(dx, 0, (size_t)s->n * s->c * s->h * s->w * sizeof(float));
+    }
+    return;
+  }
+  const int dy_blk = view_blk(be, dy, s->n, s->oc, s->oh, s->ow);
+  const int x_blk = view_blk(be, x, s->n, s->c, s->h, s->w);
+  conv_mds m;
+  conv_mds_init(&m, s, x_blk, dy_blk);
+  prim_entry *e = conv_prim(be, P_CONV_BWD_W, s, x_blk, dy_blk, &m);
+  float *dwp = e->w_plain ? dw : e->w_buf;
+  write_plain(be, dw, nw);
+  write_plain(be, db, (size_t)s->oc);
+  const exec_arg args[] = {{DNNL_ARG_SRC, &m.src, x}, {DNNL_ARG_DIFF_DST, &m.dst, dy},
+                           {DNNL_ARG_DIFF_WEIGHTS, &e->md_w, dwp},
+                           {DNNL_ARG_DIFF_BIAS, &m.bias, db}};
+  run_prim(be, e->prim, 4, args);
+  if (!e->w_plain) {
+    const exec_arg back[] = {{DNNL_ARG_FROM, &e->md_w, dwp}, {DNNL_ARG_TO, &m.wt, dw}};
+    run_prim(be, e->w_reorder, 2, back);
+  }
+  if (!dx) return;
+  const act_layout in = {pick_blk(s->c), s->n, s->c, s->h, s->w, 0};
+  const int dx_blk = buf_taggable(be, dx, layout_elems(&in) * 4) ? in.blk : 1;
+  conv_mds md;
+  conv_mds_init(&md, s, dx_blk, dy_blk);
+  prim_entry *ed = conv_prim(be, P_CONV_BWD_DATA, s, dx_blk, dy_blk, &md);
+  const float *wp = weights_in(be, ed, &md, w);
+  write_act(be, dx, dx_blk, s->n, s->c, s->h, s->w, 0);
+  const exec_arg dargs[] = {{DNNL_ARG_DIFF_DST, &md.dst, dy}, {DNNL_ARG_WEIGHTS, &ed->md_w, wp},
+                            {DNNL_ARG_DIFF_SRC, &md.src, dx}};
+  run_prim(be, ed->prim, 3, dargs);
+}
+
+/* ---- max pooling ----
+ *
+ * One loop for every layout: plane q of the (n, c/blk) blocks holds blk
+ * channels side by side (blk 1: one plane of NCHW), and the blk lanes of a
+ * window are blk/4 vectors of four. Per lane it is the reference's
+ * arithmetic in the reference's order: the first tap, then the others in
+ * row-major order replacing the maximum only when greater (ties keep the
+ * first; a NaN first tap stays, a later NaN never wins); backward adds each
+ * gradient to a zeroed plane in (oh, ow) order. */
+
+/* Four floats (or int32) as one SSE register, in GCC's vector extension:
+ * the selects below compile to compares and masks at every build type,
+ * where GCC's vectorizer turns the same selects written per element into
+ * branches ("control flow in loop"), which random signs mispredict. Loads
+ * and stores go through memcpy (any alignment). */
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef int32_t i32x4 __attribute__((vector_size(16)));
+
+static inline f32x4 load4(const float *p) {
+  f32x4 v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+static inline void store4(void *p, const void *v) { memcpy(p, v, 16); }
+
+/* a where mask, else b (mask lanes all ones or all zeros). */
+static inline i32x4 select4(i32x4 mask, i32x4 a, i32x4 b) { return (a & mask) | (b & ~mask); }
+
+/* One plane of 4*vecs channels: every window's lanes as vecs vectors.
+ * Inlined with vecs and size constants (size 0: s->size), so that the
+ * maxima stay in registers. */
+static inline __attribute__((always_inline)) void pool_fwd_plane_vec(
+    const ps_pool_shape *s, int vecs, int size, const float *restrict xq, float *restrict yq,
+    int32_t *restrict aq) {
+  enum { MAX_VECS = 4 };
+  const int blk = 4 * vecs;
+  if (size == 0) size = s->size;
+  for (int oh = 0; oh < s->oh; oh++) {
+    for (int ow = 0; ow < s->ow; ow++) {
+      const int top = oh * s->stride * s->w + ow * s->stride;
+      f32x4 best_v[MAX_VECS];
+      i32x4 best[MAX_VECS];
+      for (int q = 0; q < vecs; q++) {
+        best_v[q] = load4(xq + (size_t)top * blk + 4 * q);
+        best[q] = (i32x4){top, top, top, top};
+      }
+      for (int kh = 0; kh < size; kh++) {
+        for (int kw = kh == 0 ? 1 : 0; kw < size; kw++) {
+          const int at = top + kh * s->w + kw;
+          const i32x4 at4 = {at, at, at, at};
+          for (int q = 0; q < vecs; q++) {
+            const f32x4 v = load4(xq + (size_t)at * blk + 4 * q);
+            const i32x4 better = v > best_v[q]; /* false for NaN either side */
+            best[q] = select4(better, at4, best[q]);
+            best_v[q] = (f32x4)select4(better, (i32x4)v, (i32x4)best_v[q]);
+          }
+        }
+      }
+      const size_t o = ((size_t)oh * s->ow + ow) * blk;
+      for (int q = 0; q < vecs; q++) {
+        store4(yq + o + 4 * q, &best_v[q]);
+        store4(aq + o + 4 * q, &best[q]);
+      }
+    }
+  }
+}
+
+/* One NCHW plane: the reference's scalar selects. */
+static void pool_fwd_plane_1(const ps_pool_shape *s, const float *restrict xq, float *restrict yq,
+                             int32_t *restrict aq) {
+  for (int oh = 0; oh < s->oh; oh++) {
+    for (int ow = 0; ow < s->ow; ow++) {
+      const int top = oh * s->stride * s->w + ow * s->stride;
+      int32_t best = top;
+      float best_v = xq[top];
+      for (int kh = 0; kh < s->size; kh++) {
+        for (int kw = kh == 0 ? 1 : 0; kw < s->size; kw++) {
+          const int at = top + kh * s->w + kw;
+          const float v = xq[at];
+          const int better = v > best_v;
+          best = better ? at : best;
+          best_v = better ? v : best_v;
+        }
+      }
+      yq[(size_t)oh * s->ow + ow] = best_v;
+      aq[(size_t)oh * s->ow + ow] = best;
+    }
+  }
+}
+
+static void pool_forward(const ps_pool_shape *s, int blk, const float *x, float *y,
+                         int32_t *argmax) {
+  const long planes = (long)s->n * (s->c / blk);
+  const size_t in_plane = (size_t)s->h * s->w * blk, out_plane = (size_t)s->oh * s->ow * blk;
+  const int parallel = (long)planes * (long)in_plane >= PARALLEL_MIN_FLOATS;
+#pragma omp parallel for schedule(static) if (parallel)
+  for (long q = 0; q < planes; q++) {
+    const float *xq = x + (size_t)q * in_plane;
+    float *yq = y + (size_t)q * out_plane;
+    int32_t *aq = argmax + (size_t)q * out_plane;
+    if (blk == 16 && s->size == 2)
+      pool_fwd_plane_vec(s, 4, 2, xq, yq, aq);
+    else if (blk == 16)
+      pool_fwd_plane_vec(s, 4, 0, xq, yq, aq);
+    else if (blk == 8 && s->size == 2)
+      pool_fwd_plane_vec(s, 2, 2, xq, yq, aq);
+    else if (blk == 8)
+      pool_fwd_plane_vec(s, 2, 0, xq, yq, aq);
+    else
+      pool_fwd_plane_1(s, xq, yq, aq);
+  }
+}
+
+static inline __attribute__((always_inline)) void pool_bwd_plane(
+    const ps_pool_shape *s, int blk, const float *restrict dyq, const int32_t *restrict aq,
+    float *restrict dxq) {
+  memset(dxq, 0, (size_t)s->h * s->w * blk * sizeof(float));
+  const size_t outs = (size_t)s->oh * s->ow;
+  for (size_t o = 0; o < outs; o++)
+    for (int l = 0; l < blk; l++) dxq[(size_t)aq[o * blk + l] * blk + l] += dyq[o * blk + l];
+}
+
+static void pool_backward(const ps_pool_shape *s, int blk, const float *dy,
+                          const int32_t *argmax, float *dx) {
+  const long planes = (long)s->n * (s->c / blk);
+  const size_t in_plane = (size_t)s->h * s->w * blk, out_plane = (size_t)s->oh * s->ow * blk;
+  const int parallel = (long)planes * (long)in_plane >= PARALLEL_MIN_FLOATS;
+#pragma omp parallel for schedule(static) if (parallel)
+  for (long q = 0; q < planes; q++) {
+    const float *dyq = dy + (size_t)q * out_plane;
+    const int32_t *aq = argmax + (size_t)q * out_plane;
+    float *dxq = dx + (size_t)q * in_plane;
+    if (blk == 16)
+      pool_bwd_plane(s, 16, dyq, aq, dxq);
+    else if (blk == 8)
+      pool_bwd_plane(s, 8, dyq, aq, dxq);
+    else
+      pool_bwd_plane(s, 1, dyq, aq, dxq);
+  }
+}
+
+/* y and argmax in x's layout when both are buffers of ours, else NCHW. */
+static void dn_maxpool_forward(void *ctx, const ps_pool_shape *s, const float *x, float *y,
+                               int32_t *argmax) {
+  dnnl_backend *be = enter(ctx);
+  if (s->n == 0 || s->c == 0 || s->oh == 0 || s->ow == 0) return;
+  const size_t out_bytes = (size_t)s->n * s->c * s->oh * s->ow * 4;
+  int blk = view_blk(be, x, s->n, s->c, s->h, s->w);
+  if (blk > 1 && !(buf_taggable(be, y, out_bytes) && buf_taggable(be, argmax, out_bytes))) {
+    buf_make_plain(be, buf_find(be, x));
+    blk = 1;
+  }
+  write_act(be, y, blk, s->n, s->c, s->oh, s->ow, 0);
+  write_act(be, argmax, blk, s->n, s->c, s->oh, s->ow, 1);
+  pool_forward(s, blk, x, y, argmax);
+}
+
+/* Works in argmax's layout: dy is brought to it (scratch) if it differs, and
+ * dx is written in it when dx is ours, else NCHW through scratch. */
+static void dn_maxpool_backward(void *ctx, const ps_pool_shape *s, const float *dy,
+                                const int32_t *argmax, float *dx) {
+  dnnl_backend *be = enter(ctx);
+  if (s->n == 0 || s->c == 0) return;
+  const act_layout in = {1, s->n, s->c, s->h, s->w, 0};
+  if (s->oh == 0 || s->ow == 0) {
+    write_plain(be, dx, layout_elems(&in));
+    memset(dx, 0, layout_elems(&in) * sizeof(float));
+    return;
+  }
+  const int blk = view_blk(be, argmax, s->n, s->c, s->oh, s->ow);
+  const act_layout out = {view_blk(be, dy, s->n, s->c, s->oh, s->ow), s->n, s->c, s->oh, s->ow,
+                          0};
+  const float *dyb = dy;
+  if (out.blk != blk) {
+    if (blk == 1) {
+      read_plain(be, dy, layout_elems(&out));
+    } else {
+      float *t = scratch(be, 0, layout_elems(&out) * 4);
+      reorder(be, dy, &out, t, blk);
+      dyb = t;
+    }
+  }
+  const size_t in_bytes = layout_elems(&in) * 4;
+  if (blk == 1 || buf_taggable(be, dx, in_bytes)) {
+    write_act(be, dx, blk, s->n, s->c, s->h, s->w, 0);
+    pool_backward(s, blk, dyb, argmax, dx);
+    return;
+  }
+  float *t = scratch(be, 1, in_bytes);
+  pool_backward(s, blk, dyb, argmax, t);
+  const act_layout held = {blk, s->n, s->c, s->h, s->w, 0};
+  write_plain(be, dx, layout_elems(&in));
+  reorder(be, t, &held, dx, 1);
+}
+
+/* ---- dense ----
+ *
+ * OpenBLAS sgemm in parts on the team (OpenBLAS at one thread): each
+ * thread's part of the output features for y, dW and db, and of the input
+ * features for dx, as the reference splits them. Measured on the target
+ * (1 thread, the quickstart's 64 x 3136 -> 128 layer), sgemm took 0.69 ms
+ * forward and 1.19 ms backward where oneDNN's inner product took 0.99 and
+ * 1.39. The sums are the reference's: y and dW the same sgemm calls on the
+ * same parts for the same team size, db the rows added in order. */
+
+#define PARALLEL_MIN_MACS ((size_t)1 << 20)
+
+/* Whether a dense op is split over the team: not when it is small, nor
+ * with threads == 0, where OpenBLAS keeps its own threading and one call
+ * in the caller uses it. */
+static int dense_parallel(const dnnl_backend *be, int n, int in, int out) {
+  return be->nthreads > 0 && (size_t)n * in * out >= PARALLEL_MIN_MACS;
+}
+
+static void dense_forward_part(int n, int in, int out, const float *x, const float *w,
+                               const float *b, float *y, long j0, long j1) {
+  const int cols = (int)(j1 - j0);
+  if (cols == 0) return;
+  for (int i = 0; i < n; i++)
+    memcpy(y + (size_t)i * out + j0, b + j0, (size_t)cols * sizeof(float));
+  /* y[:, j0:j1] (n, cols) += x (n, in) W[j0:j1]^T */
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, cols, in, 1.0f, x, in,
+              w + (size_t)j0 * in, in, 1.0f, y + j0, out);
+}
+
+static void dense_backward_part(int n, int in, int out, const float *x, const float *w,
+                                const float *dy, float *dx, float *dw, float *db, long j0, long j1,
+                                long k0, long k1) {
+  const int rows = (int)(j1 - j0), cols = (int)(k1 - k0);
+  if (rows > 0) {
+    memset(db + j0, 0, (size_t)rows * sizeof(float));
+    for (int i = 0; i < n; i++) {
+      const float *d = dy + (size_t)i * out + j0;
+      for (int j = 0; j < rows; j++) db[j0 + j] += d[j];
+    }
+    /* dW[j0:j1] (rows, in) = dy[:, j0:j1]^T (rows, n) x (n, in) */
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, rows, in, n, 1.0f, dy + j0, out, x, in,
+                0.0f, dw + (size_t)j0 * in, in);
+  }
+  if (dx && cols > 0) {
+    /* dx[:, k0:k1] (n, cols) = dy (n, out) W[:, k0:k1] (out, cols) */
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, cols, out, 1.0f, dy, out, w + k0, in,
+                0.0f, dx + k0, in);
+  }
+}
+
+static void dn_dense_forward(void *ctx, int n, int in, int out, const float *x, const float *w,
+                             const float *b, float *y) {
+  dnnl_backend *be = enter(ctx);
+  if (n == 0 || out == 0) return;
+  write_plain(be, y, (size_t)n * out);
+  if (in == 0) {
+    for (int i = 0; i < n; i++) memcpy(y + (size_t)i * out, b, (size_t)out * sizeof(float));
+    return;
+  }
+  read_plain(be, x, (size_t)n * in); /* flatten's (N, C*H*W) is NCHW's order */
+  const int parallel = dense_parallel(be, n, in, out);
+#pragma omp parallel if (parallel)
+  {
+    long j0, j1;
+    thread_span(out, &j0, &j1);
+    dense_forward_part(n, in, out, x, w, b, y, j0, j1);
+  }
+}
+
+static void dn_dense_backward(void *ctx, int n, int in, int out, const float *x, const float *w,
+                              const float *dy, float *dx, float *dw, float *db) {
+  dnnl_backend *be = enter(ctx);
+  if (dx) write_plain(be, dx, (size_t)n * in);
+  write_plain(be, dw, (size_t)out * in);
+  write_plain(be, db, (size_t)out);
+  if (n == 0 || in == 0 || out == 0) {
+    memset(db, 0, (size_t)out * sizeof(float));
+    memset(dw, 0, (size_t)out * in * sizeof(float));
+    if (dx) memset(dx, 0, (size_t)n * in * sizeof(float));
+    return;
+  }
+  read_plain(be, x, (size_t)n * in);
+  read_plain(be, dy, (size_t)n * out);
+  const int parallel = dense_parallel(be, n, in, out);
+#pragma omp parallel if (parallel)
+  {
+    long j0, j1, k0, k1;
+    thread_span(out, &j0, &j1);
+    thread_span(in, &k0, &k1);
+    dense_backward_part(n, in, out, x, w, dy, dx, dw, db, j0, j1, k0, k1);
+  }
+}
+
+/* ---- element-wise ----
+ *
+ * Element-wise ops may run in place (out is an input, or overlaps none).
+ * relu works in whatever layout its input is held in, so a blocked input
+ * gives a blocked output (when the output is a buffer of ours, else both
+ * become NCHW); dropout's mask is indexed in NCHW order, so it works on
+ * NCHW. */
+
+/* The layout of the n floats at p as an element-wise op may carry it to
+ * its output: blocked only when p starts a buffer holding exactly n
+ * floats blocked; otherwise NCHW (made so). */
+static act_layout elementwise_layout(dnnl_backend *be, const void *p, size_t n) {
+  buf_entry *e = buf_find(be, p);
+  if (e && e->lay.blk > 1) {
+    if (e->base == (const char *)p && layout_elems(&e->lay) == n && !e->lay.s32 &&
+        e->prefix == 0)
+      return e->lay;
+    read_plain(be, p, n);
+  }
+  const act_layout plain = {1, (int)(n > INT32_MAX ? INT32_MAX : n), 1, 1, 1, 0};
+  return plain;
+}
+
+/* max(x, 0) as a select: x where x > 0, else +0 (so -0 and NaN give +0). */
+static void relu_span(const float *x, float *y, long i, long end) {
+  for (; i + 4 <= end; i += 4) {
+    const f32x4 v = load4(x + i);
+    const i32x4 r = (i32x4)v & (v > (f32x4){0, 0, 0, 0});
+    store4(y + i, &r);
+  }
+  for (; i < end; i++) y[i] = x[i] > 0.0f ? x[i] : 0.0f;
+}
+
+/* dy where y > 0, else +0. */
+static void relu_grad_span(const float *y, const float *dy, float *dx, long i, long end) {
+  for (; i + 4 <= end; i += 4) {
+    const i32x4 r = (i32x4)load4(dy + i) & (load4(y + i) > (f32x4){0, 0, 0, 0});
+    store4(dx + i, &r);
+  }
+  for (; i < end; i++) dx[i] = y[i] > 0.0f ? dy[i] : 0.0f;
+}
+
+static void relu_loop(long n, const float *x, float *y) {
+#pragma omp parallel if (n >= PARALLEL_MIN_FLOATS)
+  {
+    long begin, end;
+    thread_span(n, &begin, &end);
+    relu_span(x, y, begin, end);
+  }
+}
+
+static void dn_relu_forward(void *ctx, size_t n, const float *x, float *y) {
+  dnnl_backend *be = enter(ctx);
+  act_layout lay = elementwise_layout(be, x, n);
+  if (lay.blk > 1 && !buf_taggable(be, y, n * sizeof(float))) {
+    buf_make_plain(be, buf_find(be, x));
+    lay.blk = 1;
+  }
+  if (y != x) {
+    if (lay.blk > 1)
+      write_blocked(be, y, &lay);
+    else
+      write_plain(be, y, n);
+  }
+  relu_loop((long)n, x, y);
+}
+
+static void dn_relu_backward(void *ctx, size_t n, const float *y, const float *dy, float *dx) {
+  dnnl_backend *be = enter(ctx);
+  act_layout ly = elementwise_layout(be, y, n);
+  act_layout ld = elementwise_layout(be, dy, n);
+  if (!layout_equal(&ly, &ld) || (ly.blk > 1 && !buf_taggable(be, dx, n * sizeof(float)))) {
+    if (ly.blk > 1) buf_make_plain(be, buf_find(be, y));
+    if (ld.blk > 1) buf_make_plain(be, buf_find(be, dy));
+    ly.blk = 1;
+  }
+  if (dx != dy && dx != y) {
+    if (ly.blk > 1)
+      write_blocked(be, dx, &ly);
+    else
+      write_plain(be, dx, n);
+  }
+  const long len = (long)n;
+#pragma omp parallel if (len >= PARALLEL_MIN_FLOATS)
+  {
+    long begin, end;
+    thread_span(len, &begin, &end);
+    relu_grad_span(y, dy, dx, begin, end);
+  }
+}
+
+/* A rate >= 1 drops everything (no infinite scale); a rate <= 0 keeps
+ * everything with scale 1. Each element costs a hash, so smaller arrays
+ * are worth splitting. */
+static void dn_dropout_forward(void *ctx, size_t n, float rate, uint64_t seed, uint64_t stream,
+                               const float *x, float *y, float *mask) {
+  dnnl_backend *be = enter(ctx);
+  read_plain(be, x, n);
+  if (y != x) write_plain(be, y, n);
+  write_plain(be, mask, n);
+  const float scale = rate >= 1.0f ? 0.0f : rate <= 0.0f ? 1.0f : 1.0f / (1.0f - rate);
+  const long len = (long)n;
+#pragma omp parallel for schedule(static) if (len >= PARALLEL_MIN_FLOATS / 8)
+  for (long i = 0; i < len; i++) {
+    const float keep = ps_rng_uniform(seed, stream, (uint64_t)i) >= rate ? scale : 0.0f;
+    mask[i] = keep;
+    y[i] = x[i] * keep;
+  }
+}
+
+static void dn_dropout_backward(void *ctx, size_t n, const float *mask, const float *dy,
+                                float *dx) {
+  dnnl_backend *be = enter(ctx);
+  read_plain(be, dy, n);
+  read_plain(be, mask, n);
+  if (dx != dy) write_plain(be, dx, n);
+  const long len = (long)n;
+#pragma omp parallel for simd schedule(static) if (len >= PARALLEL_MIN_FLOATS)
+  for (long i = 0; i < len; i++) dx[i] = dy[i] * mask[i];
+}
+
+static void dn_scale(void *ctx, size_t n, float alpha, float *x) {
+  dnnl_backend *be = enter(ctx);
+  (void)elementwise_layout(be, x, n); /* all of a blocked buffer, or NCHW */
+  const long len = (long)n;
+#pragma omp parallel for simd schedule(static) if (len >= PARALLEL_MIN_FLOATS)
+  for (long i = 0; i < len; i++) x[i] *= alpha;
+}
+
+/* ---- softmax + cross-entropy ----
+ *
+ * (n, k) with k classes is small next to everything else: no threads. The
+ * reference's arithmetic: each row shifted by its maximum before expf, the
+ * loss from the log-sum-exp in double; a label outside [0, k) gives NaN. */
+
+static float dn_softmax_xent_forward(void *ctx, int n, int k, const float *logits,
+                                     const uint8_t *labels, float *probs) {
+  dnnl_backend *be = enter(ctx);
+  if (n == 0) return 0.0f;
+  read_plain(be, logits, (size_t)n * k);
+  write_plain(be, probs, (size_t)n * k);
+  return (float)(ps_xent_host_forward(n, k, logits, labels, probs) / n);
+}
+
+static void dn_softmax_xent_stats(void *ctx, int n, int k, const float *logits,
+                                  const uint8_t *labels, float *probs, double *stats) {
+  dnnl_backend *be = enter(ctx);
+  if (n == 0) {
+    stats[0] = stats[1] = 0.0;
+    return;
+  }
+  read_plain(be, logits, (size_t)n * k);
+  write_plain(be, probs, (size_t)n * k);
+  stats[0] = ps_xent_host_forward(n, k, logits, labels, probs);
+  stats[1] = ps_xent_host_correct(n, k, probs, labels);
+}
+
+static void dn_softmax_xent_backward(void *ctx, int n, int k, const float *probs,
+                                     const uint8_t *labels, float *dlogits) {
+  dnnl_backend *be = enter(ctx);
+  read_plain(be, probs, (size_t)n * k);
+  write_plain(be, dlogits, (size_t)n * k);
+  ps_xent_host_backward(n, k, probs, labels, dlogits);
+}
+
+/* ---- memory ----
+ *
+ * Host memory; every op is done when it returns. Copies out deliver NCHW
+ * whatever the layout the source is held in; copies in make the
+ * destination NCHW. */
+
+static void *dn_alloc(void *ctx, size_t bytes) {
+  dnnl_backend *be = ctx;
+  if (be->n_bufs == be->cap_bufs) {
+    size_t cap = be->cap_bufs ? 2 * be->cap_bufs : 32;
+    buf_entry *b = realloc(be->bufs, cap * sizeof *b);
+    if (!b) return NULL;
+    be->bufs = b;
+    be->cap_bufs = cap;
+  }
+  void *p = ps_alloc(bytes);
+  if (!p) return NULL;
+  be->bufs[be->n_bufs++] = (buf_entry){.base = p, .bytes = bytes, .lay = {.blk = 1}};
+  return p;
+}
+
+static void dn_free(void *ctx, void *p) {
+  dnnl_backend *be = ctx;
+  if (!p) return;
+  for (size_t i = 0; i < be->n_bufs; i++) {
+    if (be->bufs[i].base == p) {
+      ps_free(be->bufs[i].saved);
+      be->bufs[i] = be->bufs[--be->n_bufs];
+      break;
+    }
+  }
+  ps_free(p);
+}
+
+/* Floats covering `bytes` (a copy of a part of a float may be asked for). */
+static size_t floats_of(size_t bytes) { return (bytes + sizeof(float) - 1) / sizeof(float); }
+
+/* bytes at src as NCHW into dst: a whole blocked buffer is reordered
+ * straight into dst, a part of one is made NCHW first. dst == src: the
+ * bytes made NCHW where they are. */
+static void copy_out(dnnl_backend *be, void *dst, const void *src, size_t bytes) {
+  buf_entry *e = buf_find(be, src);
+  if (dst == src || bytes == 0) {
+    read_plain(be, src, floats_of(bytes));
+    return;
+  }
+  write_plain(be, dst, floats_of(bytes));
+  if (e && e->lay.blk > 1 && e->prefix == 0 && e->base == (const char *)src &&
+      bytes == layout_elems(&e->lay) * sizeof(float)) {
+    reorder(be, src, &e->lay, dst, 1);
+    return;
+  }
+  read_plain(be, src, floats_of(bytes));
+  memcpy(dst, src, bytes);
+}
+
+static void dn_to_device(void *ctx, void *dst, const void *src_host, size_t bytes) {
+  dnnl_backend *be = enter(ctx);
+  if (bytes == 0 || dst == src_host) return;
+  write_plain(be, dst, floats_of(bytes));
+  memcpy(dst, src_host, bytes);
+}
+
+static void dn_to_host(void *ctx, void *dst_host, const void *src, size_t bytes) {
+  dnnl_backend *be = enter(ctx);
+  copy_out(be, dst_host, src, bytes);
+}
+
+/* Backend to backend: a whole blocked buffer into the start of a buffer of
+ * ours is copied as it is, with its layout; anything else as NCHW. */
+static void dn_copy(void *ctx, void *dst, const void *src, size_t bytes) {
+  dnnl_backend *be = enter(ctx);
+  if (dst == src) return;
+  buf_entry *e = buf_find(be, src);
+  if (e && e->lay.blk > 1 && e->prefix == 0 && e->base == (const char *)src &&
+      bytes == layout_elems(&e->lay) * sizeof(float) && buf_taggable(be, dst, bytes)) {
+    const act_layout lay = e->lay;
+    write_blocked(be, dst, &lay);
+    memcpy(dst, src, bytes);
+    return;
+  }
+  copy_out(be, dst, src, bytes);
+}
+
+static void dn_sync(void *ctx) { (void)ctx; }
+
+/* Host memory for batches and transfers: plain aligned memory, outside the
+ * buffer table (always NCHW). */
+static void *dn_host_alloc(void *ctx, size_t bytes) {
+  (void)ctx;
+  return ps_alloc(bytes);
+}
+
+static void dn_host_free(void *ctx, void *p) {
+  (void)ctx;
+  ps_free(p);
+}
+
+/* Every op is done when it returns: the host clock. */
+static void dn_mark(void *ctx, int i) {
+  dnnl_backend *be = ctx;
+  if (i >= 0 && i < PS_MARKS) be->marks[i] = ps_now_s();
+}
+
+static void dn_marks_read(void *ctx, double *ms, int n) {
+  dnnl_backend *be = ctx;
+  for (int i = 0; i < n; i++)
+    ms[i] = i < PS_MARKS && be->marks[i] > 0 && be->marks[PS_MARK_BEGIN] > 0
+                ? (be->marks[i] - be->marks[PS_MARK_BEGIN]) * 1e3
+                : -1.0;
+  memset(be->marks, 0, sizeof be->marks);
+}
+
+static uint64_t dn_to_host_async(void *ctx, void *dst, const void *src, size_t bytes) {
+  dn_to_host(ctx, dst, src, bytes);
+  return 0;
+}
+
+static int dn_ticket_done(void *ctx, uint64_t ticket) {
+  (void)ctx, (void)ticket;
+  return 1;
+}
+
+static void dn_ticket_wait(void *ctx, uint64_t ticket) { (void)ctx, (void)ticket; }
+
+/* ---- the table ---- */
+
+static void dn_free_all(dnnl_backend *be) {
+  for (size_t i = 0; i < be->n_prims; i++) {
+    prim_entry *e = be->prims[i];
+    dnnl_primitive_destroy(e->prim);
+    if (e->w_reorder) dnnl_primitive_destroy(e->w_reorder);
+    ps_free(e->w_buf);
+    free(e);
+  }
+  free(be->prims);
+  for (int i = 0; i < N_SCRATCH; i++) ps_free(be->scratch[i]);
+  /* Buffers still allocated are the callers' to free; what we keep beside
+   * them is ours. */
+  for (size_t i = 0; i < be->n_bufs; i++) ps_free(be->bufs[i].saved);
+  free(be->bufs);
+  if (be->stream) dnnl_stream_destroy(be->stream);
+  if (be->eng) dnnl_engine_destroy(be->eng);
+  free(be);
+}
+
+static void dn_destroy(ps_ops *ops) {
+  if (ops) dn_free_all(ops->ctx);
+}
+
+void ps_dnnl_version(char *buf, size_t len) {
+  const dnnl_version_t *v = dnnl_version();
+  snprintf(buf, len, "%d.%d.%d", v->major, v->minor, v->patch);
+}
+
+ps_ops *ps_ops_dnnl_create(int threads) {
+  dnnl_backend *be = calloc(1, sizeof *be);
+  if (!be) return NULL;
+  be->nthreads = threads > 0 ? threads : 0;
+  /* Each of the team's threads calls sgemm on its own part. */
+  if (threads > 0) openblas_set_num_threads(1);
+  if (dnnl_engine_create(&be->eng, dnnl_cpu, 0) != dnnl_success ||
+      dnnl_stream_create(&be->stream, be->eng, dnnl_stream_default_flags) != dnnl_success) {
+    dn_free_all(be);
+    return NULL;
+  }
+  be->ops = (ps_ops){
+      .name = "cpu",
+      .ctx = be,
+      .conv2d_workspace = dn_conv2d_workspace,
+      .conv2d_forward = dn_conv2d_forward,
+      .conv2d_backward = dn_conv2d_backward,
+      .maxpool_forward = dn_maxpool_forward,
+      .maxpool_backward = dn_maxpool_backward,
+      .dense_forward = dn_dense_forward,
+      .dense_backward = dn_dense_backward,
+      .relu_forward = dn_relu_forward,
+      .relu_backward = dn_relu_backward,
+      .dropout_forward = dn_dropout_forward,
+      .dropout_backward = dn_dropout_backward,
+      .softmax_xent_forward = dn_softmax_xent_forward,
+      .softmax_xent_backward = dn_softmax_xent_backward,
+      .softmax_xent_stats = dn_softmax_xent_stats,
+      .destroy = dn_destroy,
+      .alloc = dn_alloc,
+      .free = dn_free,
+      .to_device = dn_to_device,
+      .to_host = dn_to_host,
+      .copy = dn_copy,
+      .sync = dn_sync,
+      .host_memory = 1,
+      .to_device_async = dn_to_device,
+      .to_host_async = dn_to_host_async,
+      .ticket_done = dn_ticket_done,
+      .ticket_wait = dn_ticket_wait,
+      .scale = dn_scale,
+      .host_alloc = dn_host_alloc,
+      .host_free = dn_host_free,
+      .mark = dn_mark,
+      .marks_read = dn_marks_read,
+  };
+  return &be->ops;
+}
