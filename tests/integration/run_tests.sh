@@ -1081,22 +1081,25 @@ lease_records)
       --checkpoint-secs 1 --log-interval 1 >"$out/server-$life.log" 2>&1 &
     spid=$!; pids+=($spid)
   }
-  # kill_point LOG: waits (60 tries, 42 s at most) for a moment to kill
+  # kill_point LOG: waits (800 tries, 40 s at most) for a moment to kill
   # shard 0: a checkpoint set written after the last lease epoch it
-  # finished, then 0.7 s more of training (chunks completed after the set),
-  # in which no epoch ended. The workers name the current epoch's
+  # finished, seen within 50 ms, then 0.4 s more of training (chunks of
+  # about 0.1 s completed after the set) in which neither an epoch ended nor
+  # the next set (1 s after this one) was written: the kill then loses what
+  # was acknowledged since this set. The workers name the current epoch's
   # completions only: a restore to the epoch before would lose completions
   # nobody names.
   kill_point() {
-    local ends
-    for _ in $(seq 1 60); do
-      if grep -E "checkpoint set [0-9]+: .* written|leases: epoch [0-9]+ done" "$1" | tail -1 \
-          | grep -q "checkpoint set"; then
+    local ends last
+    for _ in $(seq 1 800); do
+      last=$(grep -E "checkpoint set [0-9]+: .* written|leases: epoch [0-9]+ done" "$1" | tail -1)
+      if [[ "$last" == *"checkpoint set"* ]]; then
         ends=$(grep -c "leases: epoch [0-9]* done" "$1" || true)
-        sleep 0.7
-        [ "$(grep -c "leases: epoch [0-9]* done" "$1" || true)" = "$ends" ] && return 0
+        sleep 0.4
+        [ "$(grep -c "leases: epoch [0-9]* done" "$1" || true)" = "$ends" ] \
+          && [ "$(grep "checkpoint set [0-9]*: .* written" "$1" | tail -1)" = "$last" ] && return 0
       else
-        sleep 0.5
+        sleep 0.05
       fi
     done
     return 1
