@@ -90,6 +90,14 @@ cleanup() {
 trap cleanup EXIT
 fail() {
   echo "FAIL: $*" >&2
+  # The run that failed first (its workers' progress, then its servers'
+  # restores), then every log's tail.
+  if [ -n "${run:-}" ]; then
+    for f in "$out/$run"/worker-*.log; do
+      [ -f "$f" ] && { echo "--- $f (progress)"; grep -E "step|restored|accuracy|error" "$f" | tail -n 25; }
+    done
+    grep -h "restored\|error" "$out/$run"/server-*.log 2>/dev/null | tail -n 8
+  fi >&2
   for f in "$out"/*.out "$out"/*/*.log "$out"/log/*.log; do
     [ -f "$f" ] && { echo "--- $f"; tail -n 12 "$f"; }
   done >&2
@@ -246,6 +254,7 @@ grep -q "must be at least 1" "$out/bad.out" || fail "no message for PS_SERVERS=0
 echo "slurm: PS_SERVERS=0: exit 2: $(grep -h "ps-job:" "$out/bad.out" | tail -1)"
 
 # 2. The synthetic job over mutual TLS.
+run=run1
 start=$(date +%s)
 rc=0
 (cd "$out" && timeout 240 "${in_ctl[@]}" sbatch --wait --nodes="$nn" -o "$out/run1.out" "$script" \
@@ -274,7 +283,10 @@ echo "slurm: synthetic: exit 0, final test accuracy $acc in $(( $(date +%s) - st
 python3 - "$synthetic" "$out/long.json" <<'PY'
 import json, sys
 j = json.load(open(sys.argv[1]))
+# Momentum 0.5: this job checks stopping and resuming; with 0.9, two async
+# workers (one straggling) could end a run at chance in any resumption.
 j.update(job_id="slurm-resume", epochs=20, lease_chunk=128)
+j["optimizer"]["momentum"] = 0.5
 json.dump(j, open(sys.argv[2], "w"), indent=1)
 PY
 long=(--job "$out/long.json" --servers 2 --workers 2 --bin "$out/bin" --port "$port" --checkpoint-secs 1)
@@ -299,6 +311,7 @@ running() { [ "$(job_field "$1" JobState)" = RUNNING ]; }
 ended() { case "$(job_field "$1" JobState)" in COMPLETED | FAILED | CANCELLED | TIMEOUT | NODE_FAIL) return 0 ;; esac; return 1; }
 
 # 3. SIGTERM to the batch script once a set exists, then the same command again.
+run=run2
 cmd=("$script" "${long[@]}" --out "$out/run2" --checkpoint-dir "$out/ckpt2" "${wargs[@]}")
 jid=$(sub -o "$out/run2.out" "${cmd[@]}") || fail "sbatch"
 wait_until 120 "job $jid: a checkpoint set" has_set "$out/ckpt2"
@@ -329,6 +342,7 @@ acc=$(final_accuracy "$out/run2/worker-0.log")
 echo "slurm: resubmitted: ${restored#*info: }; ${leases#*info: }; final test accuracy $acc"
 
 # 4. Slurm requeues the job once a set exists; it runs again and resumes.
+run=run3
 cmd=("$script" "${long[@]}" --out "$out/run3" --checkpoint-dir "$out/ckpt3" "${wargs[@]}")
 jid=$(sub -o "$out/run3.out" "${cmd[@]}") || fail "sbatch"
 wait_until 120 "job $jid: a checkpoint set" has_set "$out/ckpt3"
