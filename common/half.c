@@ -247,6 +247,7 @@ static inline __attribute__((always_inline)) uint16_t feedback_n(int bf16, const
  * unit test compares them with the one-value functions). Chosen once, at
  * the first call, by what the CPU says it has. */
 #if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
 #include <immintrin.h>
 
 __attribute__((target("avx,f16c"))) static inline __m128i f16c_encode8(__m256 x, __m128i *mx) {
@@ -324,9 +325,18 @@ static int use_f16c(void) {
   static int known = -1; /* a benign race: every thread computes the same */
   int k = __atomic_load_n(&known, __ATOMIC_RELAXED);
   if (k < 0) {
-    __builtin_cpu_init();
-    k = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c") &&
-        !getenv("PS_NO_F16C");
+    /* CPUID leaf 1, ECX: bit 27 OSXSAVE, 28 AVX, 29 F16C; and the OS keeps
+     * the YMM state (XCR0 bits 1 and 2). From cpuid.h rather than
+     * __builtin_cpu_supports, which not every compiler knows "f16c" in. */
+    unsigned a, b, c, d;
+    k = 0;
+    if (__get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 27)) && (c & (1u << 28)) &&
+        (c & (1u << 29))) {
+      unsigned lo, hi;
+      __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+      k = (lo & 6u) == 6u;
+    }
+    if (getenv("PS_NO_F16C")) k = 0;
     __atomic_store_n(&known, k, __ATOMIC_RELAXED);
   }
   return k;
