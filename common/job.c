@@ -21,7 +21,24 @@
 
 /* Names the job accepts, in the "a, b, c" form messages quote. */
 static const char OPTIMIZERS[] = "sgd, momentum, adagrad, adam";
-static const char DATASETS[] = "fashion-mnist, mnist, synthetic";
+static const char DATASETS[] = "fashion-mnist, mnist, cifar10, npz, npy, synthetic";
+
+/* Each data set: its default directory and the keys that only it takes
+ * (keys that apply to every set are DATASET_COMMON_KEYS). */
+static const struct {
+  const char *name;
+  const char *dir;
+  const char *keys;
+} DATASET_KINDS[] = {
+    {"fashion-mnist", "/usr/share/datasets/fashion-mnist", ""},
+    {"mnist", "/usr/share/datasets/mnist", ""},
+    {"cifar10", "/usr/share/datasets/cifar10", ""},
+    {"npz", "", "train, test, x, y, layout"},
+    {"npy", "", "train_x, train_y, test_x, test_y, layout"},
+    {"synthetic", "", "train_size, test_size"},
+};
+#define N_DATASET_KINDS (sizeof DATASET_KINDS / sizeof DATASET_KINDS[0])
+static const char DATASET_COMMON_KEYS[] = "name, dir, mean, std, crop_pad, flip";
 
 /* Is key one of the names in `known` ("a, b, c")? */
 static int key_known(const char *key, const char *known) {
@@ -120,6 +137,9 @@ static void set_defaults(ps_job *job) {
   snprintf(job->data_dir, sizeof job->data_dir, "/usr/share/datasets/fashion-mnist");
   job->synthetic_train = 2048;
   job->synthetic_test = 512;
+  snprintf(job->data_x, sizeof job->data_x, "x");
+  snprintf(job->data_y, sizeof job->data_y, "y");
+  job->data_layout = PS_LAYOUT_NHWC;
   job->eval_interval_s = 30.0;
   job->heartbeat_timeout_ms = 10000;
   job->max_workers = 256;
@@ -182,42 +202,160 @@ static int parse_optimizer(json_t *root, ps_optim_config *o, char *err) {
   return 0;
 }
 
+/* The table row of a data set name; -1 if unknown. */
+static int dataset_kind(const char *name) {
+  for (size_t k = 0; k < N_DATASET_KINDS; k++)
+    if (strcmp(DATASET_KINDS[k].name, name) == 0) return (int)k;
+  return -1;
+}
+
+/* Rejects the keys of obj that belong to data sets other than kind k,
+ * naming the sets they are for. */
+static int check_dataset_keys(json_t *obj, int k, char *err) {
+  const char *key;
+  json_t *v;
+  json_object_foreach(obj, key, v) {
+    if (key_known(key, DATASET_COMMON_KEYS) || key_known(key, DATASET_KINDS[k].keys)) continue;
+    char owners[64] = "";
+    for (size_t o = 0; o < N_DATASET_KINDS; o++) {
+      if (!key_known(key, DATASET_KINDS[o].keys)) continue;
+      size_t len = strlen(owners);
+      snprintf(owners + len, sizeof owners - len, "%s%s", len ? " or " : "",
+               DATASET_KINDS[o].name);
+    }
+    return ps_seterr(err, PS_EINVAL,
+                     "'dataset.%s' does not apply to the %s dataset: keys like it apply only to "
+                     "the %s dataset",
+                     key, DATASET_KINDS[k].name, owners);
+  }
+  return 0;
+}
+
+/* Optional path (at most cap-1 characters); `required` makes absence an
+ * error naming the data set. */
+static int get_path(json_t *obj, const char *key, int required, const char *set, char *out,
+                    size_t cap, char *err) {
+  char name[48];
+  snprintf(name, sizeof name, "dataset.%s", key);
+  if (!json_object_get(obj, key)) {
+    if (!required) return 0;
+    return ps_seterr(err, PS_EINVAL, "'%s' is required for the %s dataset", name, set);
+  }
+  int rc = get_string(obj, key, name, out, cap, err);
+  if (rc) return rc;
+  if (!out[0]) return ps_seterr(err, PS_EINVAL, "'%s' must not be empty", name);
+  return 0;
+}
+
+/* "mean" and "std": both or neither, each a list of 1 value (every
+ * channel) or one per input channel; every std > 0. */
+static int parse_normalisation(json_t *obj, ps_job *job, char *err) {
+  json_t *mean = json_object_get(obj, "mean"), *std = json_object_get(obj, "std");
+  if (!mean && !std) return 0;
+  if (!mean || !std)
+    return ps_seterr(err, PS_EINVAL, "'dataset.mean' and 'dataset.std' go together: give both");
+  int in_c = job->model.in_c;
+  const char *names[2] = {"dataset.mean", "dataset.std"};
+  json_t *arrays[2] = {mean, std};
+  float *outs[2] = {job->data_mean, job->data_std};
+  for (int a = 0; a < 2; a++) {
+    size_t n = json_is_array(arrays[a]) ? json_array_size(arrays[a]) : 0;
+    if (n == 0 || n > PS_JOB_MAX_CHANNELS || (n != 1 && n != (size_t)in_c))
+      return ps_seterr(err, PS_EINVAL,
+                       "'%s' must be a list of 1 number or of one per input channel (%d), at "
+                       "most %d",
+                       names[a], in_c, PS_JOB_MAX_CHANNELS);
+    for (size_t i = 0; i < n; i++) {
+      json_t *v = json_array_get(arrays[a], i);
+      double d = json_is_number(v) ? json_number_value(v) : NAN;
+      int ok = isfinite(d) && fabs(d) <= FLT_MAX && (a == 0 || (float)d > 0.0f);
+      if (!ok)
+        return ps_seterr(err, PS_EINVAL, "'%s[%zu]' must be a finite number%s", names[a], i,
+                         a == 0 ? "" : " > 0");
+      outs[a][i] = (float)d;
+    }
+  }
+  if (json_array_size(mean) != json_array_size(std))
+    return ps_seterr(err, PS_EINVAL, "'dataset.mean' has %zu values but 'dataset.std' has %zu",
+                     json_array_size(mean), json_array_size(std));
+  job->data_norm_count = (int)json_array_size(mean);
+  return 0;
+}
+
+/* The keys of the file formats: paths, array names, layout. */
+static int parse_dataset_files(json_t *obj, ps_job *job, char *err) {
+  int npz = strcmp(job->dataset, "npz") == 0, npy = strcmp(job->dataset, "npy") == 0;
+  int rc;
+  if (npz) {
+    if ((rc = get_path(obj, "train", 1, "npz", job->data_train, sizeof job->data_train, err)) ||
+        (rc = get_path(obj, "test", 1, "npz", job->data_test, sizeof job->data_test, err)) ||
+        (rc = get_path(obj, "x", 0, "npz", job->data_x, sizeof job->data_x, err)) ||
+        (rc = get_path(obj, "y", 0, "npz", job->data_y, sizeof job->data_y, err)))
+      return rc;
+  }
+  if (npy) {
+    if ((rc = get_path(obj, "train_x", 1, "npy", job->data_train_x, sizeof job->data_train_x,
+                       err)) ||
+        (rc = get_path(obj, "train_y", 1, "npy", job->data_train_y, sizeof job->data_train_y,
+                       err)) ||
+        (rc = get_path(obj, "test_x", 1, "npy", job->data_test_x, sizeof job->data_test_x, err)) ||
+        (rc = get_path(obj, "test_y", 1, "npy", job->data_test_y, sizeof job->data_test_y, err)))
+      return rc;
+  }
+  json_t *layout = json_object_get(obj, "layout");
+  if (layout) {
+    const char *l = json_string_value(layout);
+    if (l && strcmp(l, "nhwc") == 0)
+      job->data_layout = PS_LAYOUT_NHWC;
+    else if (l && strcmp(l, "nchw") == 0)
+      job->data_layout = PS_LAYOUT_NCHW;
+    else
+      return ps_seterr(err, PS_EINVAL, "'dataset.layout' must be \"nhwc\" or \"nchw\"");
+  }
+  return 0;
+}
+
 static int parse_dataset(json_t *root, ps_job *job, char *err) {
   json_t *obj = json_object_get(root, "dataset");
   if (!obj) return 0;
   if (!json_is_object(obj))
     return ps_seterr(err, PS_EINVAL,
                      "'dataset' must be an object such as {\"name\": \"fashion-mnist\"}");
-  static const char *const known = "name, dir, train_size, test_size";
+  static const char *const known =
+      "name, dir, train_size, test_size, train, test, x, y, train_x, train_y, test_x, test_y, "
+      "layout, mean, std, crop_pad, flip";
   int rc;
   if ((rc = check_keys(obj, known, "dataset", err))) return rc;
   json_t *nv = json_object_get(obj, "name");
   if (nv) {
     const char *name = json_string_value(nv);
-    if (!name || !key_known(name, DATASETS))
+    if (!name || dataset_kind(name) < 0)
       return ps_seterr(err, PS_EINVAL, "'dataset.name' %s%.32s%s is not known (known: %s)",
                        name ? "'" : "", name ? name : "(not a string)", name ? "'" : "", DATASETS);
     snprintf(job->dataset, sizeof job->dataset, "%s", name);
-    /* Each IDX data set has its own default directory; synthetic has none. */
-    if (strcmp(name, "mnist") == 0)
-      snprintf(job->data_dir, sizeof job->data_dir, "/usr/share/datasets/mnist");
-    else if (strcmp(name, "synthetic") == 0)
-      job->data_dir[0] = '\0';
+    /* Each file set has its own default directory; the others have none. */
+    snprintf(job->data_dir, sizeof job->data_dir, "%s", DATASET_KINDS[dataset_kind(name)].dir);
   }
+  if ((rc = check_dataset_keys(obj, dataset_kind(job->dataset), err))) return rc;
   if ((rc = get_string(obj, "dir", "dataset.dir", job->data_dir, sizeof job->data_dir, err)))
     return rc;
-  int synthetic = strcmp(job->dataset, "synthetic") == 0;
-  if (!synthetic && (json_object_get(obj, "train_size") || json_object_get(obj, "test_size")))
-    return ps_seterr(err, PS_EINVAL,
-                     "'dataset.train_size' and 'dataset.test_size' apply only to the synthetic "
-                     "dataset (this one is '%s')",
-                     job->dataset);
   long long v = job->synthetic_train;
   if ((rc = get_int(obj, "train_size", "dataset.train_size", 1, MAX_SYNTHETIC, &v, err))) return rc;
   job->synthetic_train = (int)v;
   v = job->synthetic_test;
   if ((rc = get_int(obj, "test_size", "dataset.test_size", 1, MAX_SYNTHETIC, &v, err))) return rc;
   job->synthetic_test = (int)v;
+  if ((rc = parse_dataset_files(obj, job, err))) return rc;
+  if ((rc = parse_normalisation(obj, job, err))) return rc;
+  v = 0;
+  if ((rc = get_int(obj, "crop_pad", "dataset.crop_pad", 0, 64, &v, err))) return rc;
+  job->data_crop_pad = (int)v;
+  json_t *flip = json_object_get(obj, "flip");
+  if (flip) {
+    if (!json_is_boolean(flip))
+      return ps_seterr(err, PS_EINVAL, "'dataset.flip' must be true or false");
+    job->data_flip = json_is_true(flip);
+  }
   return 0;
 }
 

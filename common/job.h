@@ -15,8 +15,21 @@
  *   "eval_interval_s": 20, "heartbeat_timeout_ms": 10000,
  *   "wire": "fp32"                       (or "bf16", "fp16": 16-bit values on the wire)
  * }
- * dataset.name is "fashion-mnist", "mnist" (IDX files in dir) or "synthetic"
- * (with "train_size", "test_size"). */
+ * dataset.name is "fashion-mnist", "mnist" (IDX files in dir), "cifar10"
+ * (CIFAR-10 binary: data_batch_1.bin .. data_batch_5.bin and test_batch.bin
+ * in dir), "npz", "npy" or "synthetic" (with "train_size", "test_size"):
+ *   {"name": "npz", "train": "train.npz", "test": "test.npz",
+ *    "x": "x", "y": "y", "layout": "nhwc"}   (names of the arrays: x, y)
+ *   {"name": "npy", "train_x": "a.npy", "train_y": "b.npy",
+ *    "test_x": "c.npy", "test_y": "d.npy", "layout": "nchw"}
+ * relative paths are under "dir" (or --data-dir) when one is given;
+ * "layout" is how 4-D image arrays are laid out, "nhwc" (NumPy's habit,
+ * the default) or "nchw". Any data set also takes
+ *   "mean": [..], "std": [..]   one value, or one per input channel:
+ *                               (pixel in [0, 1] - mean) / std
+ *   "crop_pad": 4, "flip": true  training batches only: a random crop of
+ *                               the image padded by crop_pad on every side,
+ *                               a random left-right mirror. */
 #ifndef PS_COMMON_JOB_H
 #define PS_COMMON_JOB_H
 
@@ -33,6 +46,12 @@ typedef struct {
   float beta1, beta2, eps;   /* adam; eps also adagrad */
   float initial_accumulator; /* adagrad */
 } ps_optim_config;
+
+/* How 4-D image arrays of npz and npy files are laid out. */
+enum { PS_LAYOUT_NHWC = 0, PS_LAYOUT_NCHW = 1 };
+
+/* Most channels a per-channel "mean" and "std" may list. */
+#define PS_JOB_MAX_CHANNELS 16
 
 /* Consistency modes, enforced by every shard. */
 enum { PS_MODE_ASYNC = 0, PS_MODE_SSP = 1, PS_MODE_SYNC = 2 };
@@ -54,9 +73,17 @@ typedef struct {
   int wait_timeout_ms; /* ssp/sync: how long a pull may wait on the server */
   int shuffle;         /* reshuffle every epoch (default true) */
   int lease_chunk;     /* > 0: shard 0 leases chunks of this many examples (elastic data) */
-  char dataset[32];    /* fashion-mnist | mnist | synthetic */
-  char data_dir[256];
+  char dataset[32];    /* fashion-mnist | mnist | cifar10 | npz | npy | synthetic */
+  char data_dir[256];  /* IDX and CIFAR-10 files; npz, npy: base of relative paths */
   int synthetic_train, synthetic_test;
+  char data_train[256], data_test[256];    /* npz: the archives */
+  char data_x[64], data_y[64];             /* npz: the arrays' names in them */
+  char data_train_x[256], data_train_y[256], data_test_x[256], data_test_y[256]; /* npy */
+  int data_layout;     /* npz, npy: PS_LAYOUT_* of 4-D image arrays */
+  int data_norm_count; /* values in data_mean and data_std: 0 (none), 1 or in_c */
+  float data_mean[PS_JOB_MAX_CHANNELS], data_std[PS_JOB_MAX_CHANNELS];
+  int data_crop_pad;   /* training batches: random crop after padding by this */
+  int data_flip;       /* training batches: random left-right mirror */
   double eval_interval_s;
   int heartbeat_timeout_ms;
   int max_workers;     /* registered at once on a shard (evaluators included); default 256 */

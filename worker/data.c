@@ -1,4 +1,5 @@
-/* Data sets (IDX files, synthetic) and the prefetching batcher.
+/* Data sets (IDX files, synthetic) and the prefetching batcher, which also
+ * augments training examples. Other formats: data_npy.c, data_cifar.c.
  *
  * Buffers of a ps_dataset come from ps_alloc and are released with ps_free,
  * so a caller may also build a dataset by hand (ps_alloc'd) and hand it to
@@ -27,6 +28,7 @@
 #define STREAM_LABEL(split) (0x6461746100000010ull + 16 * (uint64_t)(split))
 #define STREAM_NOISE(split) (0x6461746100000011ull + 16 * (uint64_t)(split))
 #define STREAM_SHUFFLE 0x6461746100000100ull
+#define STREAM_AUGMENT 0x6461746100000200ull
 
 /* Pixel noise of the synthetic set, in units of the [0, 1] pixel range. */
 #define SYNTH_NOISE_STDDEV 0.3f
@@ -397,6 +399,7 @@ void ps_dataset_free(ps_dataset *d) {
   if (!d) return;
   ps_free(d->images);
   ps_free(d->labels);
+  ps_free(d->aug.fill);
   memset(d, 0, sizeof *d);
 }
 
@@ -485,6 +488,35 @@ static int batcher__next_chunk(ps_batcher *b) {
   return 0;
 }
 
+/* Example i of the set, cropped and flipped as ds->aug says, into dst.
+ * The draw depends on (seed, epoch, i) only: the same example in the same
+ * epoch is augmented alike on any worker, in any batch, at any depth. */
+static void batcher__augment(const ps_batcher *b, int epoch, uint32_t i, float *dst) {
+  const ps_dataset *ds = b->ds;
+  const ps_augment *a = &ds->aug;
+  uint64_t r = ps_rng_u64(b->seed, STREAM_AUGMENT, (uint64_t)(uint32_t)epoch << 32 | i);
+  int pad = a->crop_pad, span = 2 * pad + 1;
+  /* Offsets of the window in [-pad, pad]; independent bits of r for each. */
+  int dy = (int)(r % (uint64_t)span) - pad;
+  int dx = (int)((r >> 20) % (uint64_t)span) - pad;
+  int flip = a->flip && (r >> 63);
+  int h = ds->h, w = ds->w;
+  const float *src = ds->images + (size_t)i * b->dim;
+  for (int ch = 0; ch < ds->c; ch++) {
+    float fill = a->fill ? a->fill[ch] : 0.0f;
+    const float *plane = src + (size_t)ch * h * w;
+    for (int y = 0; y < h; y++) {
+      float *row = dst + ((size_t)ch * h + y) * w;
+      int sy = y + dy;
+      for (int x = 0; x < w; x++) {
+        /* The crop first, then the mirror of the cropped window. */
+        int sx = (flip ? w - 1 - x : x) + dx;
+        row[x] = sy >= 0 && sy < h && sx >= 0 && sx < w ? plane[(size_t)sy * w + sx] : fill;
+      }
+    }
+  }
+}
+
 static void batcher__fill(ps_batcher *b, ps_batch *out) {
   if (b->source) {
     if (!b->ended && b->pos == 0 && batcher__next_chunk(b) != 0) b->ended = 1;
@@ -501,9 +533,14 @@ static void batcher__fill(ps_batcher *b, ps_batch *out) {
   uint32_t left = b->shard_n - b->pos;
   int k = left < (uint32_t)b->batch_size ? (int)left : b->batch_size;
   const ps_dataset *ds = b->ds;
+  int augment = ds->aug.crop_pad > 0 || ds->aug.flip;
   for (int j = 0; j < k; j++) {
     uint32_t i = b->order[b->pos + (uint32_t)j];
-    memcpy(out->x + (size_t)j * b->dim, ds->images + (size_t)i * b->dim, b->dim * sizeof(float));
+    if (augment)
+      batcher__augment(b, b->epoch, i, out->x + (size_t)j * b->dim);
+    else
+      memcpy(out->x + (size_t)j * b->dim, ds->images + (size_t)i * b->dim,
+             b->dim * sizeof(float));
     out->y[j] = ds->labels[i];
   }
   out->n = k;

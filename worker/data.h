@@ -1,21 +1,40 @@
 /* Data sets and the input pipeline of a worker.
  *
- * Images are held as float32 (n, c*h*w) scaled to [0, 1]; labels as bytes.
- * A batcher walks this worker's shard of the training set (examples i with
- * i % num_workers == rank), reshuffled every epoch from (seed, epoch, rank),
- * and fills batches on its own thread so compute never waits for input. */
+ * Images are held as float32 (n, c*h*w) scaled to [0, 1] (then normalised
+ * per channel where the job asks); labels as bytes. A batcher walks this
+ * worker's shard of the training set (examples i with i % num_workers ==
+ * rank), reshuffled every epoch from (seed, epoch, rank), augments each
+ * example where the set asks for it, and fills batches on its own thread so
+ * compute never waits for input.
+ *
+ * Readers: IDX (data.c), NumPy .npy/.npz (data_npy.c), CIFAR-10 binary
+ * (data_cifar.c); the job's "dataset" object picks one (data_job.c). */
 #ifndef PS_WORKER_DATA_H
 #define PS_WORKER_DATA_H
 
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/job.h"
+
+/* Training-time augmentation, done by the batcher as it copies an example
+ * into a batch; seeded from (batcher seed, epoch, example index), so a run
+ * replays exactly. Zeroed (the default): examples are copied unchanged. */
+typedef struct {
+  int crop_pad; /* > 0: an h x w window at a random offset of the image padded
+                 * by crop_pad on every side */
+  int flip;     /* mirror left-right with probability 1/2 */
+  float *fill;  /* (c) value of a padding pixel (a black pixel after
+                 * normalisation); NULL: 0. ps_alloc'd, freed with the set */
+} ps_augment;
+
 typedef struct {
   int n;          /* examples */
   int c, h, w;    /* shape of one example */
   int classes;
-  float *images;  /* (n, c*h*w) in [0, 1] */
+  float *images;  /* (n, c*h*w) in [0, 1], or normalised */
   uint8_t *labels;
+  ps_augment aug; /* applied to batches drawn from this set (a train split) */
 } ps_dataset;
 
 /* Reads an IDX image file (magic 0x00000803) and its label file
@@ -37,6 +56,75 @@ int ps_dataset_synthetic(int n, int c, int h, int w, int classes, uint64_t seed,
                          ps_dataset *out);
 
 void ps_dataset_free(ps_dataset *d);
+
+/* ---- NumPy (data_npy.c) ----
+ *
+ * x: images of dtype uint8 (scaled to [0, 1] like IDX), float32 or float64
+ * (taken as they are), shape (n, h, w, c) for PS_LAYOUT_NHWC or (n, c, h, w)
+ * for PS_LAYOUT_NCHW, or (n, h, w) for one channel; held as (n, c, h, w).
+ * y: labels of any integer dtype, shape (n) or (n, 1), in [0, classes).
+ * Little-endian, C order, .npy format versions 1.0, 2.0 and 3.0. On error
+ * (a message naming the file and the problem) *out is left zeroed. */
+int ps_dataset_load_npy(const char *x_path, const char *y_path, int layout, int classes,
+                        ps_dataset *out, char *err);
+
+/* x and y are the arrays x_name and y_name ("x" finds the member "x.npy")
+ * of the .npz archive at path, stored or deflate-compressed, zip64 too. */
+int ps_dataset_load_npz(const char *path, const char *x_name, const char *y_name, int layout,
+                        int classes, ps_dataset *out, char *err);
+
+/* As the two above, from files already in memory; the names (x_path etc.)
+ * only go into messages. */
+int ps_dataset_parse_npy(const uint8_t *x, size_t x_len, const char *x_path, const uint8_t *y,
+                         size_t y_len, const char *y_path, int layout, int classes,
+                         ps_dataset *out, char *err);
+int ps_dataset_parse_npz(const uint8_t *buf, size_t len, const char *path, const char *x_name,
+                         const char *y_name, int layout, int classes, ps_dataset *out, char *err);
+
+/* Float arrays of an .npz archive written by np.savez(path, *arrays): its
+ * members arr_0, arr_1, ... in that order (every member must be one),
+ * float32 or float64 (held as float32), C order; e.g. a Keras model's
+ * get_weights(). */
+#define PS_NP_MAX_DIMS 8
+#define PS_NP_MAX_ARRAYS 4096
+typedef struct {
+  float *data;
+  int ndim;
+  int64_t shape[PS_NP_MAX_DIMS];
+  size_t count;
+} ps_np_array;
+typedef struct {
+  ps_np_array *arrays;
+  int n;
+} ps_np_floats;
+/* On error *out is left empty, with a message naming the member. */
+int ps_npz_load_floats(const char *path, ps_np_floats *out, char *err);
+int ps_npz_parse_floats(const uint8_t *buf, size_t len, const char *path, ps_np_floats *out,
+                        char *err);
+void ps_np_floats_free(ps_np_floats *w);
+
+/* ---- CIFAR-10 binary (data_cifar.c) ----
+ *
+ * Records of 1 label byte and 3072 pixel bytes (3x32x32, channel-major);
+ * train: data_batch_1.bin .. data_batch_5.bin, test: test_batch.bin, in dir
+ * or in dir/cifar-10-batches-bin. On error *out is left zeroed. */
+int ps_dataset_load_cifar10(const char *dir, int train, ps_dataset *out, char *err);
+
+/* ---- the job's data set (data_job.c) ---- */
+
+/* images = (images - mean[c]) / std[c], per channel; count is 1 (the same
+ * for every channel) or d->c. PS_EINVAL (and d unchanged) for another
+ * count or a std that is not > 0. */
+int ps_dataset_normalize(ps_dataset *d, const float *mean, const float *std, int count,
+                         char *err);
+
+/* The train (train=1) or test split of the job's data set: reads it (files
+ * under dir, which overrides the job's "dir"; NULL: the job's), checks its
+ * shape and classes against the model's input, normalises it and, for the
+ * train split only, sets its augmentation. On error (the message names the
+ * file and the problem) *out is left zeroed. */
+int ps_dataset_load_job(const ps_job *job, const char *dir, int train, ps_dataset *out,
+                        char *err);
 
 typedef struct {
   float *x;        /* (n, c*h*w) */

@@ -210,19 +210,11 @@ static int setup_job(ps_worker *w, char *err) {
 static int setup_data(ps_worker *w, char *err) {
   const ps_model_spec *spec = &w->job.model;
   double tl = ps_now_s();
-  int rc;
-  if (!strcmp(w->job.dataset, "synthetic")) {
-    rc = ps_dataset_synthetic(w->job.synthetic_train, spec->in_c, spec->in_h, spec->in_w,
-                              spec->classes, w->job.seed, 0, &w->train);
-    if (rc == 0)
-      rc = ps_dataset_synthetic(w->job.synthetic_test, spec->in_c, spec->in_h, spec->in_w,
-                                spec->classes, w->job.seed, 1, &w->test);
-    if (rc != 0) snprintf(err, PS_ERRLEN, "cannot make the synthetic data set");
-  } else {
-    const char *dir = w->o.data_dir ? w->o.data_dir : w->job.data_dir;
-    rc = ps_dataset_load_named(w->job.dataset, dir, 1, &w->train, err);
-    if (rc == 0 && w->o.chief) rc = ps_dataset_load_named(w->job.dataset, dir, 0, &w->test, err);
-  }
+  /* Every worker makes the synthetic test split (it costs no file). */
+  int all_test = !strcmp(w->job.dataset, "synthetic");
+  int rc = ps_dataset_load_job(&w->job, w->o.data_dir, 1, &w->train, err);
+  if (rc == 0 && (w->o.chief || all_test))
+    rc = ps_dataset_load_job(&w->job, w->o.data_dir, 0, &w->test, err);
   if (rc != 0) {
     fprintf(stderr, "ps-worker: %s\n", err);
     return PS_WORKER_EXIT_ERROR;

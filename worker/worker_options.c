@@ -47,7 +47,8 @@ static const ps_option worker_flags[] = {
     {"max-steps", "N", PS_OPT_I64, O(max_steps), 0, (double)(1LL << 40),
      .def_doc = "the job's", .help = "stop after N steps; 0: no limit"},
     {"data-dir", "DIR", PS_OPT_STR, O(data_dir), .def_doc = "the job's",
-     .help = "where the IDX files are"},
+     .help = "the data set's directory: where the IDX or CIFAR-10 files are, and what relative "
+             "`.npy`/`.npz` paths of the job are taken under"},
     {"device", "D", PS_OPT_STR, O(device), .def_doc = "`auto`", .help =
      "`cpu`, `cpu-ref`, `cuda` or `cuda:N`; `auto` is `cuda` when the build has the CUDA backend "
      "and a GPU is present, else `cpu` (the first log line says which). `cpu` runs on oneDNN "

@@ -3,12 +3,12 @@
 # UndefinedBehaviorSanitizer) and runs each for SECONDS (default 60),
 # starting from the seeds in tests/fuzz/seeds/TARGET. A crash, a leak or a
 # sanitizer report fails the run and leaves the input in the output folder.
-#   tests/fuzz/run.sh [SECONDS] [TARGET...]   (targets: wire job leases ckpt idx auth)
+#   tests/fuzz/run.sh [SECONDS] [TARGET...]   (targets: wire job leases ckpt idx npy auth)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 secs=${1:-60}
 shift || true
-targets=("${@:-wire job leases ckpt idx auth}")
+targets=("${@:-wire job leases ckpt idx npy auth}")
 read -r -a targets <<<"${targets[*]}"
 build=build-fuzz
 deploy/install-deps.sh clang libclang-rt-14-dev
@@ -25,7 +25,7 @@ for t in "${targets[@]}"; do
     leases | ckpt) libs=("$build/libps_shardlib.a" "$build/libps_spec.a" "$build/libps_util.a") ;;
     auth) libs=("$build/libps_shardlib.a" "$build/libps_rpc.a" "$build/libps_proto.a"
                 "$build/libps_spec.a" "$build/libps_util.a") ;;
-    idx) libs=("$build/libps_workerlib.a" "$build/libps_kernels.a" "$build/libps_util.a" -lz -luv -lopenblas) ;;
+    idx | npy) libs=("$build/libps_workerlib.a" "$build/libps_kernels.a" "$build/libps_util.a" -lz -luv -lopenblas) ;;
     *) echo "fuzz: no target '$t'" >&2; exit 2 ;;
   esac
   # shellcheck disable=SC2086

@@ -1714,8 +1714,70 @@ PY
     --input 1,12,12 >"$out/cnn/compare.log" 2>&1 || { cat "$out/cnn/compare.log"; fail "cnn: the ONNX model and ps-worker disagree"; }
   "$venv/bin/python" "$here/tools/onnx_compare.py" "$out/shapes.onnx" "$out/shapes/ours" \
     --classes 3 --input 2,9,9 >"$out/shapes/compare.log" 2>&1 || { cat "$out/shapes/compare.log"; fail "shapes: the ONNX model and ps-worker disagree"; }
+  "$venv/bin/python" "$here/tools/onnx_compare.py" "$out/pooling.onnx" "$out/pooling/ours" \
+    --classes 4 --input 1,12,12 >"$out/pooling/compare.log" 2>&1 || { cat "$out/pooling/compare.log"; fail "pooling: the ONNX model and ps-worker disagree"; }
   sed "s/^onnx_compare: /onnx_export: cnn: /" "$out/cnn/compare.log"
   sed "s/^onnx_compare: /onnx_export: shapes: /" "$out/shapes/compare.log"
+  sed "s/^onnx_compare: /onnx_export: pooling: /" "$out/pooling/compare.log"
+  ;;
+data_formats)
+  # ps-worker --local on data it reads besides IDX, written by a script with
+  # the Python standard library: an .npz (NHWC uint8, a stored and a
+  # deflated member, zip64 local headers as numpy writes them) with
+  # normalisation, crop and flip, and a CIFAR-10 binary file set; each
+  # trains to well above chance. Then a layout the model does not take is
+  # refused with both shapes named.
+  python3 "$here/tools/write_data_formats.py" "$out/data" || fail "cannot write the data sets"
+  cat >"$out/npz.json" <<'JSON'
+{
+  "job_id": "npz-test",
+  "model": {"input": [3, 8, 8], "classes": 4, "layers": [
+    {"type": "conv2d", "filters": 8, "kernel": 3, "padding": "same"}, {"type": "relu"},
+    {"type": "maxpool", "size": 2}, {"type": "flatten"},
+    {"type": "dense", "units": 4}, {"type": "softmax_xent"}]},
+  "optimizer": {"name": "momentum", "lr": 0.02, "momentum": 0.9},
+  "seed": 3, "batch_size": 32, "epochs": 4,
+  "dataset": {"name": "npz", "train": "train.npz", "test": "test.npz", "layout": "nhwc",
+              "mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25], "crop_pad": 1, "flip": true},
+  "eval_interval_s": 0
+}
+JSON
+  sed 's/"layout": "nhwc"/"layout": "nchw"/' "$out/npz.json" >"$out/npz-nchw.json"
+  cat >"$out/cifar.json" <<JSON
+{
+  "job_id": "cifar-test",
+  "model": {"input": [3, 32, 32], "classes": 10, "layers": [
+    {"type": "conv2d", "filters": 8, "kernel": 3, "padding": "same"}, {"type": "relu"},
+    {"type": "maxpool", "size": 4}, {"type": "flatten"},
+    {"type": "dense", "units": 10}, {"type": "softmax_xent"}]},
+  "optimizer": {"name": "momentum", "lr": 0.02, "momentum": 0.9},
+  "seed": 5, "batch_size": 32, "epochs": 4,
+  "dataset": {"name": "cifar10", "dir": "$out/data/cifar"},
+  "eval_interval_s": 0
+}
+JSON
+  for set in npz cifar; do
+    dir_flag=()
+    [ "$set" = npz ] && dir_flag=(--data-dir "$out/data/npz") # the job's paths are relative
+    timeout 120 "$build/ps-worker" --local --job "$out/$set.json" --threads 1 --log-interval 0 \
+      "${dir_flag[@]}" >"$out/$set.log" 2>&1 || { tail -20 "$out/$set.log"; fail "$set: the --local run failed"; }
+    clean_exit "$out/$set.log" || fail "$set: sanitizer report"
+    acc=$(final_accuracy "$out/$set.log")
+    echo "data_formats: $set: $(grep -o 'data: .*' "$out/$set.log" | head -1); final test accuracy $acc"
+    [ -n "$acc" ] || fail "$set: no final accuracy"
+  done
+  grep -q "data: npz, 1024 train / 256 test examples" "$out/npz.log" || fail "npz: wrong example counts"
+  grep -q "data: cifar10, 600 train / 200 test examples" "$out/cifar.log" || fail "cifar: wrong example counts"
+  at_least "$(final_accuracy "$out/npz.log")" 0.80 || fail "npz: accuracy below 0.80 (chance 0.25)"
+  at_least "$(final_accuracy "$out/cifar.log")" 0.60 || fail "cifar: accuracy below 0.60 (chance 0.10)"
+  rc=0
+  timeout 60 "$build/ps-worker" --local --job "$out/npz-nchw.json" --threads 1 \
+    --data-dir "$out/data/npz" >"$out/nchw.log" 2>&1 || rc=$?
+  clean_exit "$out/nchw.log" || fail "layout nchw: sanitizer report"
+  [ "$rc" = 1 ] || { tail -5 "$out/nchw.log"; fail "layout nchw: exit $rc, expected 1"; }
+  grep -q "train.npz': examples are 8x8x3 (CxHxW) but the model's input is 3x8x8" "$out/nchw.log" \
+    || { tail -5 "$out/nchw.log"; fail "layout nchw: the message does not name both shapes"; }
+  echo "data_formats: layout nchw refused: $(grep -o 'examples are.*' "$out/nchw.log")"
   ;;
 *)
   fail "unknown test '$name'"

@@ -151,7 +151,7 @@ static void test_invalid(void) {
   expect_error(", \"shuffle\": \"no\"", "'shuffle' must be true or false");
   expect_error(", \"wait_timeout_ms\": 0", "'wait_timeout_ms' must be an integer");
   expect_error(", \"mode\": 1", "'mode' must be a string");
-  expect_error(", \"dataset\": {\"name\": \"cifar10\"}", "'dataset.name' 'cifar10' is not known");
+  expect_error(", \"dataset\": {\"name\": \"imagenet\"}", "'dataset.name' 'imagenet' is not known");
   expect_error(", \"dataset\": \"mnist\"", "'dataset' must be an object");
   expect_error(", \"dataset\": {\"name\": \"mnist\", \"path\": \"/x\"}",
                "unknown field 'dataset.path'");
