@@ -39,6 +39,8 @@ static const layer_kind kinds[] = {
     {PS_LAYER_DROPOUT, "dropout", "type, rate"},
     {PS_LAYER_FLATTEN, "flatten", "type"},
     {PS_LAYER_SOFTMAX_XENT, "softmax_xent", "type"},
+    {PS_LAYER_AVGPOOL, "avgpool", "type, size, stride"},
+    {PS_LAYER_GLOBAL_AVGPOOL, "global_avgpool", "type"},
 };
 #define N_KINDS (sizeof kinds / sizeof kinds[0])
 
@@ -142,7 +144,8 @@ static int infer_conv2d(ps_layer *L, json_t *obj, const char *where, char *err) 
   return 0;
 }
 
-static int infer_maxpool(ps_layer *L, json_t *obj, const char *where, char *err) {
+/* maxpool and avgpool: the same window rules. */
+static int infer_pool(ps_layer *L, json_t *obj, const char *where, char *err) {
   int rc;
   if ((rc = require_pos_int(obj, "size", where, &L->pool, err))) return rc;
   L->pool_stride = L->pool;
@@ -244,8 +247,8 @@ int ps_model_spec_from_json(const void *json_obj, ps_model_spec *out, char *err)
     while (k < N_KINDS && strcmp(kinds[k].name, type) != 0) k++;
     if (k == N_KINDS)
       return ps_seterr(err, PS_EINVAL,
-                       "layer %zu: unknown type '%.40s' (known: conv2d, maxpool, dense, relu, "
-                       "dropout, flatten, softmax_xent)",
+                       "layer %zu: unknown type '%.40s' (known: conv2d, maxpool, avgpool, "
+                       "global_avgpool, dense, relu, dropout, flatten, softmax_xent)",
                        i, type);
     snprintf(where, sizeof where, "layer %zu (%s)", i, kinds[k].name);
     if ((rc = check_keys(obj, kinds[k].keys, where, err))) return rc;
@@ -258,7 +261,11 @@ int ps_model_spec_from_json(const void *json_obj, ps_model_spec *out, char *err)
         rc = infer_conv2d(L, obj, where, err);
         break;
       case PS_LAYER_MAXPOOL:
-        rc = infer_maxpool(L, obj, where, err);
+      case PS_LAYER_AVGPOOL:
+        rc = infer_pool(L, obj, where, err);
+        break;
+      case PS_LAYER_GLOBAL_AVGPOOL:
+        L->out_c = c, L->out_h = L->out_w = 1;
         break;
       case PS_LAYER_DENSE:
         rc = infer_dense(L, obj, where, err);
@@ -402,10 +409,11 @@ void ps_model_spec_describe(const ps_model_spec *spec, char *buf, size_t len) {
         APPEND(") ");
         break;
       case PS_LAYER_MAXPOOL:
+      case PS_LAYER_AVGPOOL:
         if (L->pool_stride != L->pool)
-          APPEND("maxpool(%d,s%d) ", L->pool, L->pool_stride);
+          APPEND("%s(%d,s%d) ", kind_name(L->type), L->pool, L->pool_stride);
         else
-          APPEND("maxpool(%d) ", L->pool);
+          APPEND("%s(%d) ", kind_name(L->type), L->pool);
         break;
       case PS_LAYER_DENSE:
         APPEND("dense(%d) ", L->units);

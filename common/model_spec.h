@@ -9,10 +9,15 @@
  *    "layers": [
  *      {"type": "conv2d", "filters": 32, "kernel": 3, "stride": 1, "padding": "same"},
  *      {"type": "relu"}, {"type": "maxpool", "size": 2, "stride": 2},
+ *      {"type": "avgpool", "size": 2, "stride": 2},
+ *      {"type": "global_avgpool"},
  *      {"type": "flatten"}, {"type": "dense", "units": 128},
  *      {"type": "dropout", "rate": 0.25}, {"type": "dense", "units": 10},
  *      {"type": "softmax_xent"}]}
- * The last layer must be softmax_xent over `classes` values.
+ * The last layer must be softmax_xent over `classes` values. Pooling has no
+ * padding: maxpool and avgpool give floor((h - size) / stride) + 1 rows
+ * (stride defaults to size), avgpool the mean of each size x size window;
+ * global_avgpool gives C x 1 x 1, the mean of each channel's H x W plane.
  */
 #ifndef PS_COMMON_MODEL_SPEC_H
 #define PS_COMMON_MODEL_SPEC_H
@@ -30,6 +35,8 @@ typedef enum {
   PS_LAYER_DROPOUT,
   PS_LAYER_FLATTEN,
   PS_LAYER_SOFTMAX_XENT,
+  PS_LAYER_AVGPOOL,
+  PS_LAYER_GLOBAL_AVGPOOL,
 } ps_layer_type;
 
 typedef struct {
@@ -39,7 +46,7 @@ typedef struct {
   int out_c, out_h, out_w;
   /* conv2d */
   int filters, kernel, stride, pad; /* pad = kernel/2 for "same", 0 for "valid" */
-  /* maxpool */
+  /* maxpool, avgpool (global_avgpool: neither, its window is the input) */
   int pool, pool_stride;
   /* dense */
   int units;
@@ -78,7 +85,8 @@ void ps_model_init_params(const ps_model_spec *spec, uint64_t seed, size_t begin
  * ends rounded down to a multiple of 16 values (64 bytes), the last end P. */
 void ps_shard_range(size_t P, int S, int s, size_t *begin, size_t *end);
 
-/* One-line description, e.g. "conv2d(32,3x3) relu maxpool(2) ... P=421642". */
+/* One-line description, e.g. "conv2d(32,3x3) relu maxpool(2) ... P=421642"
+ * (avgpool(2), avgpool(3,s2) and global_avgpool alike). */
 void ps_model_spec_describe(const ps_model_spec *spec, char *buf, size_t len);
 
 #endif

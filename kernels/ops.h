@@ -67,6 +67,21 @@ struct ps_ops {
   void (*maxpool_backward)(void *ctx, const ps_pool_shape *s, const float *dy,
                            const int32_t *argmax, float *dx);
 
+  /* y (n, c, oh, ow): the mean of each size x size window of x (no padding,
+   * so every window has size*size taps), summed from 0 in row-major tap
+   * order and divided by size*size. backward: dx zeroed, then each
+   * window's dy / (size*size) added to its taps, windows in (oh, ow) order
+   * (overlapping windows, stride < size, add into the same taps). */
+  void (*avgpool_forward)(void *ctx, const ps_pool_shape *s, const float *x, float *y);
+  void (*avgpool_backward)(void *ctx, const ps_pool_shape *s, const float *dy, float *dx);
+
+  /* y (n, c): the mean of each (h, w) plane of x (n, c, h, w), summed from
+   * 0 in row-major order and divided by h*w. backward: every value of
+   * plane (n, c) of dx is dy (n, c) / (h*w). */
+  void (*global_avgpool_forward)(void *ctx, int n, int c, int h, int w, const float *x, float *y);
+  void (*global_avgpool_backward)(void *ctx, int n, int c, int h, int w, const float *dy,
+                                  float *dx);
+
   /* y (n, out) = x (n, in) W^T + b */
   void (*dense_forward)(void *ctx, int n, int in, int out, const float *x, const float *w,
                         const float *b, float *y);

@@ -3,8 +3,8 @@
  * Each layer type has an emit function in emitters[]: it appends the
  * layer's nodes and initializers to the graph and moves the graph's current
  * tensor on. A layer type without a row is refused by name before anything
- * is written; a new layer type (batch norm, average pooling, global average
- * pooling, a residual add) is one emit function and one row.
+ * is written; a new layer type (batch norm, a residual add) is one emit
+ * function and one row.
  *
  * The messages are built in an arena freed at once; initializers point at
  * the caller's parameters (raw_data is little-endian float32, which is this
@@ -303,6 +303,30 @@ static int emit_maxpool(onnx_graph *g, const ps_layer *L, char *err) {
   return 0;
 }
 
+/* The windows of maxpool; no padding, so count_include_pad (0, said
+ * anyway) changes nothing: every window averages size*size values. */
+static int emit_avgpool(onnx_graph *g, const ps_layer *L, char *err) {
+  int rc = to_rank4(g, L);
+  if (rc) return rc;
+  const int64_t kernel[2] = {L->pool, L->pool}, strides[2] = {L->pool_stride, L->pool_stride};
+  Onnx__NodeProto *n = node_add(g, "AveragePool", L->name, L->name, 1, &g->cur);
+  if (!n || node_attr_ints(g, n, "kernel_shape", kernel, 2) ||
+      node_attr_ints(g, n, "strides", strides, 2) || node_attr_int(g, n, "count_include_pad", 0))
+    return PS_ENOMEM;
+  g->cur = n->output[0];
+  return 0;
+}
+
+/* (N, C, H, W) -> (N, C, 1, 1), the spec's C x 1 x 1. */
+static int emit_global_avgpool(onnx_graph *g, const ps_layer *L, char *err) {
+  int rc = to_rank4(g, L);
+  if (rc) return rc;
+  Onnx__NodeProto *n = node_add(g, "GlobalAveragePool", L->name, L->name, 1, &g->cur);
+  if (!n) return PS_ENOMEM;
+  g->cur = n->output[0];
+  return 0;
+}
+
 static int emit_dense(onnx_graph *g, const ps_layer *L, char *err) {
   int rc = to_rank2(g, L);
   if (rc) return rc;
@@ -361,6 +385,8 @@ static const struct {
     {PS_LAYER_DROPOUT, emit_dropout},
     {PS_LAYER_FLATTEN, emit_flatten},
     {PS_LAYER_SOFTMAX_XENT, emit_softmax_xent},
+    {PS_LAYER_AVGPOOL, emit_avgpool},
+    {PS_LAYER_GLOBAL_AVGPOOL, emit_global_avgpool},
 };
 
 static emit_fn emitter_of(ps_layer_type type) {

@@ -3,7 +3,9 @@
  *
  * The graph: input "input", float32 [N, C, H, W] with a symbolic batch
  * dimension N; per layer, conv2d -> Conv (explicit symmetric pads, strides,
- * bias), relu -> Relu, maxpool -> MaxPool, flatten -> Flatten (axis 1),
+ * bias), relu -> Relu, maxpool -> MaxPool, avgpool -> AveragePool
+ * (count_include_pad 0), global_avgpool -> GlobalAveragePool ((N, C, 1, 1)),
+ * flatten -> Flatten (axis 1),
  * dense -> Gemm (transB = 1, after a Flatten when its input is 4-D),
  * dropout -> nothing (inference), softmax_xent -> Softmax (axis 1) into the
  * output "probabilities", float32 [N, classes]. Operator set 13 of the

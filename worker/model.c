@@ -111,12 +111,12 @@ ps_model *ps_model_create(const ps_model_spec *spec, ps_ops *ops, int max_batch,
       ps_conv_shape_finish(&s->conv);
       size_t ws = ops->conv2d_workspace(ops->ctx, &s->conv);
       if (ws > work) work = ws;
-    } else if (L->type == PS_LAYER_MAXPOOL) {
+    } else if (L->type == PS_LAYER_MAXPOOL || L->type == PS_LAYER_AVGPOOL) {
       s->pool = (ps_pool_shape){.n = max_batch, .c = L->in_c, .h = L->in_h, .w = L->in_w,
                                 .size = L->pool, .stride = L->pool_stride};
       ps_pool_shape_finish(&s->pool);
-      s->argmax = backend_alloc(m, n_out * sizeof(int32_t));
-      if (!s->argmax) goto oom;
+      if (L->type == PS_LAYER_MAXPOOL && !(s->argmax = backend_alloc(m, n_out * sizeof(int32_t))))
+        goto oom;
     } else if (L->type == PS_LAYER_DROPOUT) {
       s->mask = backend_alloc(m, n_out * sizeof(float));
       if (!s->mask) goto oom;
@@ -213,6 +213,15 @@ static const float *forward_layer(ps_model *m, int i, const float *params, const
       o->maxpool_forward(o->ctx, &ps, in, s->out, s->argmax);
       return s->out;
     }
+    case PS_LAYER_AVGPOOL: {
+      ps_pool_shape ps = s->pool;
+      ps.n = n;
+      o->avgpool_forward(o->ctx, &ps, in, s->out);
+      return s->out;
+    }
+    case PS_LAYER_GLOBAL_AVGPOOL:
+      o->global_avgpool_forward(o->ctx, n, L->in_c, L->in_h, L->in_w, in, s->out);
+      return s->out;
     case PS_LAYER_DENSE:
       o->dense_forward(o->ctx, n, (int)s->in_size, L->units, in, params + L->w_off,
                        params + L->b_off, s->out);
@@ -472,6 +481,15 @@ static void backward_pass(ps_model *m, const float *params, float *grads,
         if (dxp) o->maxpool_backward(o->ctx, &ps, dy, s->argmax, dxp);
         break;
       }
+      case PS_LAYER_AVGPOOL: {
+        ps_pool_shape ps = s->pool;
+        ps.n = n;
+        if (dxp) o->avgpool_backward(o->ctx, &ps, dy, dxp);
+        break;
+      }
+      case PS_LAYER_GLOBAL_AVGPOOL:
+        if (dxp) o->global_avgpool_backward(o->ctx, n, L->in_c, L->in_h, L->in_w, dy, dxp);
+        break;
       case PS_LAYER_DENSE:
         o->dense_backward(o->ctx, n, (int)s->in_size, L->units, in, params + L->w_off, dy, dxp,
                           grads + L->w_off, grads + L->b_off);

@@ -605,6 +605,112 @@ static void cpu_maxpool_backward(void *ctx, const ps_pool_shape *s, const float 
   run_parts(ctx, floats >= PARALLEL_MIN_FLOATS, maxpool_backward_part, &job);
 }
 
+/* ---- average pooling ----
+ *
+ * The arithmetic every backend repeats to the bit (ops.h): a window's taps
+ * summed from 0 in row-major order, then divided by the tap count; backward
+ * adds each window's share to a zeroed plane, windows in (oh, ow) order. */
+
+static void avgpool_forward_part(void *arg, int part, int parts) {
+  const pool_job *j = arg;
+  const ps_pool_shape *s = j->s;
+  const float area = (float)(s->size * s->size);
+  const size_t in_plane = (size_t)s->h * s->w, out_plane = (size_t)s->oh * s->ow;
+  size_t first, end;
+  part_range((size_t)s->n * s->c, part, parts, &first, &end);
+  for (size_t p = first; p < end; p++) {
+    const float *xp = j->x + p * in_plane; /* (H, W) */
+    float *yp = j->y + p * out_plane;      /* (OH, OW) */
+    for (int oh = 0; oh < s->oh; oh++) {
+      for (int ow = 0; ow < s->ow; ow++) {
+        const float *top = xp + (size_t)oh * s->stride * s->w + (size_t)ow * s->stride;
+        float sum = 0.0f;
+        for (int kh = 0; kh < s->size; kh++)
+          for (int kw = 0; kw < s->size; kw++) sum += top[(size_t)kh * s->w + kw];
+        yp[(size_t)oh * s->ow + ow] = sum / area;
+      }
+    }
+  }
+}
+
+static void avgpool_backward_part(void *arg, int part, int parts) {
+  const pool_job *j = arg;
+  const ps_pool_shape *s = j->s;
+  const float area = (float)(s->size * s->size);
+  const size_t in_plane = (size_t)s->h * s->w, out_plane = (size_t)s->oh * s->ow;
+  size_t first, end;
+  part_range((size_t)s->n * s->c, part, parts, &first, &end);
+  for (size_t p = first; p < end; p++) {
+    float *dxp = j->dx + p * in_plane;
+    const float *dyp = j->dy + p * out_plane;
+    memset(dxp, 0, in_plane * sizeof(float));
+    for (int oh = 0; oh < s->oh; oh++) {
+      for (int ow = 0; ow < s->ow; ow++) {
+        float *top = dxp + (size_t)oh * s->stride * s->w + (size_t)ow * s->stride;
+        const float g = dyp[(size_t)oh * s->ow + ow] / area;
+        for (int kh = 0; kh < s->size; kh++)
+          for (int kw = 0; kw < s->size; kw++) top[(size_t)kh * s->w + kw] += g;
+      }
+    }
+  }
+}
+
+static void cpu_avgpool_forward(void *ctx, const ps_pool_shape *s, const float *x, float *y) {
+  pool_job job = {.s = s, .x = x, .y = y};
+  size_t floats = (size_t)s->n * s->c * s->h * s->w;
+  run_parts(ctx, floats >= PARALLEL_MIN_FLOATS, avgpool_forward_part, &job);
+}
+
+static void cpu_avgpool_backward(void *ctx, const ps_pool_shape *s, const float *dy, float *dx) {
+  pool_job job = {.s = s, .dy = dy, .dx = dx};
+  size_t floats = (size_t)s->n * s->c * s->h * s->w;
+  run_parts(ctx, floats >= PARALLEL_MIN_FLOATS, avgpool_backward_part, &job);
+}
+
+/* Global average pooling: one (H, W) plane per output, its mean. */
+typedef struct {
+  size_t planes, plane; /* n*c planes of h*w floats */
+  const float *x, *dy;
+  float *y, *dx;
+} global_pool_job;
+
+static void global_avgpool_forward_part(void *arg, int part, int parts) {
+  const global_pool_job *j = arg;
+  const float area = (float)j->plane;
+  size_t first, end;
+  part_range(j->planes, part, parts, &first, &end);
+  for (size_t p = first; p < end; p++) {
+    const float *xp = j->x + p * j->plane;
+    float sum = 0.0f;
+    for (size_t i = 0; i < j->plane; i++) sum += xp[i];
+    j->y[p] = sum / area;
+  }
+}
+
+static void global_avgpool_backward_part(void *arg, int part, int parts) {
+  const global_pool_job *j = arg;
+  const float area = (float)j->plane;
+  size_t first, end;
+  part_range(j->planes, part, parts, &first, &end);
+  for (size_t p = first; p < end; p++) {
+    float *dxp = j->dx + p * j->plane;
+    const float g = j->dy[p] / area;
+    for (size_t i = 0; i < j->plane; i++) dxp[i] = g;
+  }
+}
+
+static void cpu_global_avgpool_forward(void *ctx, int n, int c, int h, int w, const float *x,
+                                       float *y) {
+  global_pool_job job = {.planes = (size_t)n * c, .plane = (size_t)h * w, .x = x, .y = y};
+  run_parts(ctx, job.planes * job.plane >= PARALLEL_MIN_FLOATS, global_avgpool_forward_part, &job);
+}
+
+static void cpu_global_avgpool_backward(void *ctx, int n, int c, int h, int w, const float *dy,
+                                        float *dx) {
+  global_pool_job job = {.planes = (size_t)n * c, .plane = (size_t)h * w, .dy = dy, .dx = dx};
+  run_parts(ctx, job.planes * job.plane >= PARALLEL_MIN_FLOATS, global_avgpool_backward_part, &job);
+}
+
 /* ---- dense ----
  *
  * Parts split the output features for y, dW and db (each part packs its
@@ -937,6 +1043,10 @@ ps_ops *ps_ops_cpu_create(int threads) {
       .conv2d_backward = cpu_conv2d_backward,
       .maxpool_forward = cpu_maxpool_forward,
       .maxpool_backward = cpu_maxpool_backward,
+      .avgpool_forward = cpu_avgpool_forward,
+      .avgpool_backward = cpu_avgpool_backward,
+      .global_avgpool_forward = cpu_global_avgpool_forward,
+      .global_avgpool_backward = cpu_global_avgpool_backward,
       .dense_forward = cpu_dense_forward,
       .dense_backward = cpu_dense_backward,
       .relu_forward = cpu_relu_forward,

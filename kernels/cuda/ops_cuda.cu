@@ -6,6 +6,7 @@
  *                    heuristics, cached per shape; bias and its gradient
  *                    are small kernels here
  *   max pooling      kernels here, with the CPU's int32 argmax (same ties)
+ *   average pooling  kernels here, the CPU's sums in the CPU's order
  *   dense            cuBLAS sgemm (row-major through the transposes) and
  *                    a kernel for the bias and its gradient
  *   relu, dropout    kernels here (dropout: the CPU's counter-based RNG)
@@ -14,8 +15,9 @@
  *
  * Why kernels of our own rather than cuDNN in places: pooling, relu and the
  * softmax gradient then give the CPU's results bit for bit (cuDNN's pooling
- * backward also needs x and y, which maxpool_backward is not given), and
- * every reduction here has a fixed order, so a step can be replayed.
+ * backward also takes x and y, which the pooling backward ops here are not
+ * given), and every reduction here has a fixed order, so a step can be
+ * replayed.
  *
  * All state (handles, stream, workspace, plans) lives in cuda_backend; there
  * is no global device state. */
@@ -330,6 +332,61 @@ static __global__ void maxpool_backward_kernel(size_t total, int h, int w, int o
     }
     dx[i] = sum;
   }
+}
+
+/* As the CPU: a window's taps summed from 0 in row-major order, divided by
+ * the tap count (IEEE division: this file is built without fast math). */
+static __global__ void avgpool_forward_kernel(size_t total, int h, int w, int oh, int ow, int size,
+                                              int stride, const float *x, float *y) {
+  const size_t out_plane = (size_t)oh * ow, in_plane = (size_t)h * w;
+  const float area = (float)(size * size);
+  GRID_STRIDE(i, total) {
+    const size_t p = i / out_plane;
+    const int o = (int)(i % out_plane);
+    const float *top = x + p * in_plane + (size_t)(o / ow) * stride * w + (size_t)(o % ow) * stride;
+    float sum = 0.0f;
+    for (int kh = 0; kh < size; kh++)
+      for (int kw = 0; kw < size; kw++) sum += top[(size_t)kh * w + kw];
+    y[i] = sum / area;
+  }
+}
+
+/* A gather, one thread per input: the shares of the windows that cover it,
+ * in increasing output index (the order in which the CPU adds them into its
+ * zeroed plane). */
+static __global__ void avgpool_backward_kernel(size_t total, int h, int w, int oh, int ow,
+                                               int size, int stride, const float *dy, float *dx) {
+  const size_t out_plane = (size_t)oh * ow, in_plane = (size_t)h * w;
+  const float area = (float)(size * size);
+  GRID_STRIDE(i, total) {
+    const size_t p = i / in_plane;
+    const int q = (int)(i % in_plane), ih = q / w, iw = q % w;
+    /* Windows r with r*stride <= ih <= r*stride + size - 1. */
+    const int r0 = ih >= size ? (ih - size + stride) / stride : 0;
+    const int c0 = iw >= size ? (iw - size + stride) / stride : 0;
+    const int r1 = min(ih / stride, oh - 1), c1 = min(iw / stride, ow - 1);
+    const float *dyp = dy + p * out_plane;
+    float sum = 0.0f;
+    for (int r = r0; r <= r1; r++)
+      for (int c = c0; c <= c1; c++) sum += dyp[r * ow + c] / area;
+    dx[i] = sum;
+  }
+}
+
+/* One thread per plane, its values in order from 0: the CPU's sum. */
+static __global__ void global_avgpool_forward_kernel(size_t planes, size_t hw, const float *x,
+                                                     float *y) {
+  GRID_STRIDE(p, planes) {
+    const float *xp = x + p * hw;
+    float sum = 0.0f;
+    for (size_t i = 0; i < hw; i++) sum += xp[i];
+    y[p] = sum / (float)hw;
+  }
+}
+
+static __global__ void global_avgpool_backward_kernel(size_t total, size_t hw, const float *dy,
+                                                      float *dx) {
+  GRID_STRIDE(i, total) dx[i] = dy[i / hw] / (float)hw;
 }
 
 /* y (n, out) = b, row after row. */
@@ -756,6 +813,50 @@ static void cuda_maxpool_backward(void *ctx, const ps_pool_shape *s, const float
   }
   maxpool_backward_kernel<<<blocks_for(total), THREADS, 0, be->stream>>>(
       total, s->h, s->w, s->oh, s->ow, s->size, s->stride, dy, argmax, dx);
+  CUDA_CHECK_LAUNCH();
+}
+
+/* ---- average pooling ---- */
+
+static void cuda_avgpool_forward(void *ctx, const ps_pool_shape *s, const float *x, float *y) {
+  cuda_backend *be = enter(ctx);
+  if (s->n <= 0 || s->c <= 0 || s->oh <= 0 || s->ow <= 0) return;
+  const size_t total = (size_t)s->n * s->c * s->oh * s->ow;
+  avgpool_forward_kernel<<<blocks_for(total), THREADS, 0, be->stream>>>(
+      total, s->h, s->w, s->oh, s->ow, s->size, s->stride, x, y);
+  CUDA_CHECK_LAUNCH();
+}
+
+static void cuda_avgpool_backward(void *ctx, const ps_pool_shape *s, const float *dy, float *dx) {
+  cuda_backend *be = enter(ctx);
+  if (s->n <= 0 || s->c <= 0 || s->h <= 0 || s->w <= 0) return;
+  const size_t total = (size_t)s->n * s->c * s->h * s->w;
+  if (s->oh <= 0 || s->ow <= 0) {
+    zero_async(be, dx, total * sizeof(float));
+    return;
+  }
+  avgpool_backward_kernel<<<blocks_for(total), THREADS, 0, be->stream>>>(
+      total, s->h, s->w, s->oh, s->ow, s->size, s->stride, dy, dx);
+  CUDA_CHECK_LAUNCH();
+}
+
+static void cuda_global_avgpool_forward(void *ctx, int n, int c, int h, int w, const float *x,
+                                        float *y) {
+  cuda_backend *be = enter(ctx);
+  if (n <= 0 || c <= 0 || h <= 0 || w <= 0) return;
+  const size_t planes = (size_t)n * c;
+  global_avgpool_forward_kernel<<<blocks_for(planes), THREADS, 0, be->stream>>>(
+      planes, (size_t)h * w, x, y);
+  CUDA_CHECK_LAUNCH();
+}
+
+static void cuda_global_avgpool_backward(void *ctx, int n, int c, int h, int w, const float *dy,
+                                         float *dx) {
+  cuda_backend *be = enter(ctx);
+  if (n <= 0 || c <= 0 || h <= 0 || w <= 0) return;
+  const size_t total = (size_t)n * c * h * w;
+  global_avgpool_backward_kernel<<<blocks_for(total), THREADS, 0, be->stream>>>(
+      total, (size_t)h * w, dy, dx);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -1308,6 +1409,10 @@ extern "C" ps_ops *ps_ops_cuda_create(int device, char *err) {
   be->ops.conv2d_backward = cuda_conv2d_backward;
   be->ops.maxpool_forward = cuda_maxpool_forward;
   be->ops.maxpool_backward = cuda_maxpool_backward;
+  be->ops.avgpool_forward = cuda_avgpool_forward;
+  be->ops.avgpool_backward = cuda_avgpool_backward;
+  be->ops.global_avgpool_forward = cuda_global_avgpool_forward;
+  be->ops.global_avgpool_backward = cuda_global_avgpool_backward;
   be->ops.dense_forward = cuda_dense_forward;
   be->ops.dense_backward = cuda_dense_backward;
   be->ops.relu_forward = cuda_relu_forward;

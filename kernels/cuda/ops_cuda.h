@@ -8,10 +8,10 @@
  * softmax_xent_forward, which returns the loss and so waits for it. The
  * results are those of the CPU backend: bit for bit for relu, dropout (the
  * same mask from ps_rng_uniform), max pooling (the same int32 argmax, ties to
- * the first in row-major order) and the softmax gradient given the same
- * probabilities; within float rounding for the reductions (convolution,
- * dense, softmax, loss), which sum in another order (see the test for the
- * tolerances). tests/unit/test_cuda_parity.c checks all of it.
+ * the first in row-major order), average pooling (the same sums in the same
+ * order) and the softmax gradient given the same probabilities; within
+ * float rounding for the reductions (convolution, dense, softmax, loss),
+ * which sum in another order (see the test for the tolerances). tests/unit/test_cuda_parity.c checks all of it.
  *
  * Convolution: the backend keeps its own workspace, so conv2d_workspace
  * answers 0 and the `work` argument is ignored (NULL is fine). It chooses the

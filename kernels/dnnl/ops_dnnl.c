@@ -3,8 +3,9 @@
  * Convolution (forward, backward data, backward weights with the bias) is
  * oneDNN's primitives, created the first time a shape is seen and kept;
  * dense layers are OpenBLAS sgemm in parts (faster here than oneDNN's inner
- * product, see "dense"). Max pooling, relu, dropout, the softmax and scale
- * are OpenMP loops here, written to give the reference's bits.
+ * product, see "dense"). Max and average pooling, relu, dropout, the
+ * softmax and scale are OpenMP loops here, written to give the reference's
+ * bits.
  *
  * Why blocked layouts. With plain NCHW activations oneDNN's convolutions
  * are no faster than the reference's im2col + sgemm; with nChw16c (16
@@ -731,6 +732,202 @@ static void dn_maxpool_backward(void *ctx, const ps_pool_shape *s, const float *
   reorder(be, t, &held, dx, 1);
 }
 
+/* ---- average pooling ----
+ *
+ * Loops in every layout, as max pooling's: plane q of the (n, c/blk) blocks
+ * holds blk channels side by side, and each lane is the reference's
+ * arithmetic in the reference's order (a window's taps summed from 0 in
+ * row-major order, divided by the tap count; backward adds each window's
+ * share to a zeroed plane in (oh, ow) order), so the results are its bits.
+ * The gradient dx is written blocked (pick_blk) when dx is ours: the layout
+ * the forward input had when a convolution (and a relu) wrote it, so the
+ * relu or convolution backward before it reads it as it is. Global average
+ * pooling's output (n, c, 1, 1) is the same bytes in every layout: NCHW. */
+
+static inline __attribute__((always_inline)) void avg_fwd_plane(const ps_pool_shape *s, int blk,
+                                                                const float *restrict xq,
+                                                                float *restrict yq) {
+  const float area = (float)(s->size * s->size);
+  for (int oh = 0; oh < s->oh; oh++) {
+    for (int ow = 0; ow < s->ow; ow++) {
+      const size_t top = (size_t)oh * s->stride * s->w + (size_t)ow * s->stride;
+      float sum[16] = {0};
+      for (int kh = 0; kh < s->size; kh++) {
+        for (int kw = 0; kw < s->size; kw++) {
+          const float *t = xq + (top + (size_t)kh * s->w + kw) * blk;
+          for (int l = 0; l < blk; l++) sum[l] += t[l];
+        }
+      }
+      float *o = yq + ((size_t)oh * s->ow + ow) * blk;
+      for (int l = 0; l < blk; l++) o[l] = sum[l] / area;
+    }
+  }
+}
+
+static inline __attribute__((always_inline)) void avg_bwd_plane(const ps_pool_shape *s, int blk,
+                                                                const float *restrict dyq,
+                                                                float *restrict dxq) {
+  const float area = (float)(s->size * s->size);
+  memset(dxq, 0, (size_t)s->h * s->w * blk * sizeof(float));
+  for (int oh = 0; oh < s->oh; oh++) {
+    for (int ow = 0; ow < s->ow; ow++) {
+      const size_t top = (size_t)oh * s->stride * s->w + (size_t)ow * s->stride;
+      const float *d = dyq + ((size_t)oh * s->ow + ow) * blk;
+      float g[16];
+      for (int l = 0; l < blk; l++) g[l] = d[l] / area;
+      for (int kh = 0; kh < s->size; kh++) {
+        for (int kw = 0; kw < s->size; kw++) {
+          float *t = dxq + (top + (size_t)kh * s->w + kw) * blk;
+          for (int l = 0; l < blk; l++) t[l] += g[l];
+        }
+      }
+    }
+  }
+}
+
+static void avg_forward(const ps_pool_shape *s, int blk, const float *x, float *y) {
+  const long planes = (long)s->n * (s->c / blk);
+  const size_t in_plane = (size_t)s->h * s->w * blk, out_plane = (size_t)s->oh * s->ow * blk;
+  const int parallel = (long)planes * (long)in_plane >= PARALLEL_MIN_FLOATS;
+#pragma omp parallel for schedule(static) if (parallel)
+  for (long q = 0; q < planes; q++) {
+    const float *xq = x + (size_t)q * in_plane;
+    float *yq = y + (size_t)q * out_plane;
+    if (blk == 16)
+      avg_fwd_plane(s, 16, xq, yq);
+    else if (blk == 8)
+      avg_fwd_plane(s, 8, xq, yq);
+    else
+      avg_fwd_plane(s, 1, xq, yq);
+  }
+}
+
+static void avg_backward(const ps_pool_shape *s, int blk, const float *dy, float *dx) {
+  const long planes = (long)s->n * (s->c / blk);
+  const size_t in_plane = (size_t)s->h * s->w * blk, out_plane = (size_t)s->oh * s->ow * blk;
+  const int parallel = (long)planes * (long)in_plane >= PARALLEL_MIN_FLOATS;
+#pragma omp parallel for schedule(static) if (parallel)
+  for (long q = 0; q < planes; q++) {
+    const float *dyq = dy + (size_t)q * out_plane;
+    float *dxq = dx + (size_t)q * in_plane;
+    if (blk == 16)
+      avg_bwd_plane(s, 16, dyq, dxq);
+    else if (blk == 8)
+      avg_bwd_plane(s, 8, dyq, dxq);
+    else
+      avg_bwd_plane(s, 1, dyq, dxq);
+  }
+}
+
+/* The block a gradient of (n, c, h, w) is written in at dx. */
+static int grad_blk(dnnl_backend *be, const void *dx, int n, int c, int h, int w) {
+  const act_layout lay = {pick_blk(c), n, c, h, w, 0};
+  return buf_taggable(be, dx, layout_elems(&lay) * sizeof(float)) ? lay.blk : 1;
+}
+
+/* y in x's layout when y is a buffer of ours, else NCHW. */
+static void dn_avgpool_forward(void *ctx, const ps_pool_shape *s, const float *x, float *y) {
+  dnnl_backend *be = enter(ctx);
+  if (s->n == 0 || s->c == 0 || s->oh == 0 || s->ow == 0) return;
+  const size_t out_bytes = (size_t)s->n * s->c * s->oh * s->ow * sizeof(float);
+  int blk = view_blk(be, x, s->n, s->c, s->h, s->w);
+  if (blk > 1 && !buf_taggable(be, y, out_bytes)) {
+    buf_make_plain(be, buf_find(be, x));
+    blk = 1;
+  }
+  write_act(be, y, blk, s->n, s->c, s->oh, s->ow, 0);
+  avg_forward(s, blk, x, y);
+}
+
+/* dy is brought to dx's layout (scratch) when it is held in another. */
+static void dn_avgpool_backward(void *ctx, const ps_pool_shape *s, const float *dy, float *dx) {
+  dnnl_backend *be = enter(ctx);
+  if (s->n == 0 || s->c == 0) return;
+  const act_layout in = {1, s->n, s->c, s->h, s->w, 0};
+  if (s->oh == 0 || s->ow == 0) {
+    write_plain(be, dx, layout_elems(&in));
+    memset(dx, 0, layout_elems(&in) * sizeof(float));
+    return;
+  }
+  const int blk = grad_blk(be, dx, s->n, s->c, s->h, s->w);
+  const act_layout out = {view_blk(be, dy, s->n, s->c, s->oh, s->ow), s->n, s->c, s->oh, s->ow, 0};
+  const float *dyb = dy;
+  if (out.blk != blk) {
+    if (blk == 1) {
+      read_plain(be, dy, layout_elems(&out));
+    } else {
+      float *t = scratch(be, 0, layout_elems(&out) * sizeof(float));
+      reorder(be, dy, &out, t, blk);
+      dyb = t;
+    }
+  }
+  write_act(be, dx, blk, s->n, s->c, s->h, s->w, 0);
+  avg_backward(s, blk, dyb, dx);
+}
+
+static inline __attribute__((always_inline)) void gap_fwd_plane(size_t hw, int blk,
+                                                                const float *restrict xq,
+                                                                float *restrict yq) {
+  float sum[16] = {0};
+  for (size_t i = 0; i < hw; i++)
+    for (int l = 0; l < blk; l++) sum[l] += xq[i * blk + l];
+  for (int l = 0; l < blk; l++) yq[l] = sum[l] / (float)hw;
+}
+
+static inline __attribute__((always_inline)) void gap_bwd_plane(size_t hw, int blk,
+                                                                const float *restrict dyq,
+                                                                float *restrict dxq) {
+  float g[16];
+  for (int l = 0; l < blk; l++) g[l] = dyq[l] / (float)hw;
+  for (size_t i = 0; i < hw; i++)
+    for (int l = 0; l < blk; l++) dxq[i * blk + l] = g[l];
+}
+
+static void dn_global_avgpool_forward(void *ctx, int n, int c, int h, int w, const float *x,
+                                      float *y) {
+  dnnl_backend *be = enter(ctx);
+  if (n == 0 || c == 0) return;
+  const int blk = view_blk(be, x, n, c, h, w);
+  write_plain(be, y, (size_t)n * c);
+  const size_t hw = (size_t)h * w;
+  const long planes = (long)n * (c / blk);
+  const int parallel = (long)planes * (long)(hw * blk) >= PARALLEL_MIN_FLOATS;
+#pragma omp parallel for schedule(static) if (parallel)
+  for (long q = 0; q < planes; q++) {
+    const float *xq = x + (size_t)q * hw * blk;
+    float *yq = y + (size_t)q * blk; /* channel (q mod c/blk)*blk of example q / (c/blk) */
+    if (blk == 16)
+      gap_fwd_plane(hw, 16, xq, yq);
+    else if (blk == 8)
+      gap_fwd_plane(hw, 8, xq, yq);
+    else
+      gap_fwd_plane(hw, 1, xq, yq);
+  }
+}
+
+static void dn_global_avgpool_backward(void *ctx, int n, int c, int h, int w, const float *dy,
+                                       float *dx) {
+  dnnl_backend *be = enter(ctx);
+  if (n == 0 || c == 0) return;
+  read_plain(be, dy, (size_t)n * c);
+  const int blk = grad_blk(be, dx, n, c, h, w);
+  write_act(be, dx, blk, n, c, h, w, 0);
+  const size_t hw = (size_t)h * w;
+  const long planes = (long)n * (c / blk);
+  const int parallel = (long)planes * (long)(hw * blk) >= PARALLEL_MIN_FLOATS;
+#pragma omp parallel for schedule(static) if (parallel)
+  for (long q = 0; q < planes; q++) {
+    const float *dyq = dy + (size_t)q * blk;
+    float *dxq = dx + (size_t)q * hw * blk;
+    if (blk == 16)
+      gap_bwd_plane(hw, 16, dyq, dxq);
+    else if (blk == 8)
+      gap_bwd_plane(hw, 8, dyq, dxq);
+    else
+      gap_bwd_plane(hw, 1, dyq, dxq);
+  }
+}
+
 /* ---- dense ----
  *
  * OpenBLAS sgemm in parts on the team (OpenBLAS at one thread): each
@@ -1164,6 +1361,10 @@ ps_ops *ps_ops_dnnl_create(int threads) {
       .conv2d_backward = dn_conv2d_backward,
       .maxpool_forward = dn_maxpool_forward,
       .maxpool_backward = dn_maxpool_backward,
+      .avgpool_forward = dn_avgpool_forward,
+      .avgpool_backward = dn_avgpool_backward,
+      .global_avgpool_forward = dn_global_avgpool_forward,
+      .global_avgpool_backward = dn_global_avgpool_backward,
       .dense_forward = dn_dense_forward,
       .dense_backward = dn_dense_backward,
       .relu_forward = dn_relu_forward,

@@ -105,7 +105,8 @@ static emu_dev *enter(void *ctx) {
 
 enum {
   OP_CONV_FWD, OP_CONV_BWD, OP_POOL_FWD, OP_POOL_BWD, OP_DENSE_FWD, OP_DENSE_BWD, OP_RELU_FWD,
-  OP_RELU_BWD, OP_DROP_FWD, OP_DROP_BWD, OP_XENT_STATS, OP_XENT_BWD, OP_SCALE, OP_COPY, OP_MARK
+  OP_RELU_BWD, OP_DROP_FWD, OP_DROP_BWD, OP_XENT_STATS, OP_XENT_BWD, OP_SCALE, OP_COPY, OP_MARK,
+  OP_AVGPOOL_FWD, OP_AVGPOOL_BWD, OP_GAP_FWD, OP_GAP_BWD
 };
 
 /* One op's arguments: p the pointers it reads, q those it writes. */
@@ -134,6 +135,14 @@ static void run_call(emu_dev *f, const em_call *c) {
       break;
     case OP_POOL_FWD: o->maxpool_forward(ctx, &c->ps, c->p[0], c->q[0], c->q[1]); break;
     case OP_POOL_BWD: o->maxpool_backward(ctx, &c->ps, c->p[0], c->p[1], c->q[0]); break;
+    case OP_AVGPOOL_FWD: o->avgpool_forward(ctx, &c->ps, c->p[0], c->q[0]); break;
+    case OP_AVGPOOL_BWD: o->avgpool_backward(ctx, &c->ps, c->p[0], c->q[0]); break;
+    case OP_GAP_FWD:
+      o->global_avgpool_forward(ctx, c->ps.n, c->ps.c, c->ps.h, c->ps.w, c->p[0], c->q[0]);
+      break;
+    case OP_GAP_BWD:
+      o->global_avgpool_backward(ctx, c->ps.n, c->ps.c, c->ps.h, c->ps.w, c->p[0], c->q[0]);
+      break;
     case OP_DENSE_FWD:
       o->dense_forward(ctx, c->n, c->in, c->out, c->p[0], c->p[1], c->p[2], c->q[0]);
       break;
@@ -278,6 +287,43 @@ static void em_maxpool_backward(void *ctx, const ps_pool_shape *s, const float *
   need(f, argmax, planes * s->oh * s->ow * sizeof(int32_t), 0, "maxpool argmax");
   need(f, dx, planes * s->h * s->w * F4, 0, "maxpool dx");
   call(f, (em_call){.op = OP_POOL_BWD, .ps = *s, .p = {dy, argmax}, .q = {dx}});
+}
+
+static void em_avgpool_forward(void *ctx, const ps_pool_shape *s, const float *x, float *y) {
+  emu_dev *f = enter(ctx);
+  const size_t planes = (size_t)s->n * s->c;
+  need(f, x, planes * s->h * s->w * F4, 0, "avgpool x");
+  need(f, y, planes * s->oh * s->ow * F4, 0, "avgpool y");
+  call(f, (em_call){.op = OP_AVGPOOL_FWD, .ps = *s, .p = {x}, .q = {y}});
+}
+
+static void em_avgpool_backward(void *ctx, const ps_pool_shape *s, const float *dy, float *dx) {
+  emu_dev *f = enter(ctx);
+  const size_t planes = (size_t)s->n * s->c;
+  need(f, dy, planes * s->oh * s->ow * F4, 0, "avgpool dy");
+  need(f, dx, planes * s->h * s->w * F4, 0, "avgpool dx");
+  call(f, (em_call){.op = OP_AVGPOOL_BWD, .ps = *s, .p = {dy}, .q = {dx}});
+}
+
+/* The plane's shape travels in the call's pool shape (size and stride
+ * unused). */
+static void em_global_avgpool_forward(void *ctx, int n, int c, int h, int w, const float *x,
+                                      float *y) {
+  emu_dev *f = enter(ctx);
+  const size_t planes = (size_t)n * c;
+  need(f, x, planes * h * w * F4, 0, "global_avgpool x");
+  need(f, y, planes * F4, 0, "global_avgpool y");
+  call(f, (em_call){.op = OP_GAP_FWD, .ps = {.n = n, .c = c, .h = h, .w = w}, .p = {x}, .q = {y}});
+}
+
+static void em_global_avgpool_backward(void *ctx, int n, int c, int h, int w, const float *dy,
+                                       float *dx) {
+  emu_dev *f = enter(ctx);
+  const size_t planes = (size_t)n * c;
+  need(f, dy, planes * F4, 0, "global_avgpool dy");
+  need(f, dx, planes * h * w * F4, 0, "global_avgpool dx");
+  call(f,
+       (em_call){.op = OP_GAP_BWD, .ps = {.n = n, .c = c, .h = h, .w = w}, .p = {dy}, .q = {dx}});
 }
 
 static void em_dense_forward(void *ctx, int n, int in, int out, const float *x, const float *w,
@@ -571,6 +617,10 @@ static void emu_init(emu_dev *f, ps_ops *cpu) {
       .conv2d_backward = em_conv2d_backward,
       .maxpool_forward = em_maxpool_forward,
       .maxpool_backward = em_maxpool_backward,
+      .avgpool_forward = em_avgpool_forward,
+      .avgpool_backward = em_avgpool_backward,
+      .global_avgpool_forward = em_global_avgpool_forward,
+      .global_avgpool_backward = em_global_avgpool_backward,
       .dense_forward = em_dense_forward,
       .dense_backward = em_dense_backward,
       .relu_forward = em_relu_forward,

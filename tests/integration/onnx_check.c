@@ -171,6 +171,20 @@ static float forward_run(forward_pass *f, const float *params, const float *x, c
         ops->maxpool_forward(ops->ctx, &ps, in, out, f->argmax[i]);
         break;
       }
+      case PS_LAYER_AVGPOOL: {
+        ps_pool_shape ps = {.n = n,
+                            .c = L->in_c,
+                            .h = L->in_h,
+                            .w = L->in_w,
+                            .size = L->pool,
+                            .stride = L->pool_stride};
+        ps_pool_shape_finish(&ps);
+        ops->avgpool_forward(ops->ctx, &ps, in, out);
+        break;
+      }
+      case PS_LAYER_GLOBAL_AVGPOOL:
+        ops->global_avgpool_forward(ops->ctx, n, L->in_c, L->in_h, L->in_w, in, out);
+        break;
       case PS_LAYER_DENSE:
         ops->dense_forward(ops->ctx, n, L->in_c * L->in_h * L->in_w, L->units, in,
                            params + L->w_off, params + L->b_off, out);

@@ -1616,7 +1616,9 @@ onnx_export)
   # over the test split (onnx_check): max |p_onnx - p_ours| <= 1e-4 and the
   # same arg-max for >= 99.9% of the examples; the same for a model whose
   # tensors change rank between layers (a dense layer on a conv's output,
-  # a conv on a dense layer's). Bad input (a checkpoint of another model,
+  # a conv on a dense layer's); and for a model with average pooling
+  # (avgpool 3 of stride 2, global_avgpool, flatten, dense), which must also
+  # learn (test accuracy >= 0.8). Bad input (a checkpoint of another model,
   # an --out that cannot be written, an unknown --format) is refused with
   # its cause and leaves nothing half-written. onnxruntime, onnx and numpy
   # come from PyPI into a venv kept in the build directory; skipped (77)
@@ -1649,6 +1651,9 @@ onnx_export)
   acc=$(final_accuracy "$out/cnn/worker.log")
   at_least "$acc" 0.9 || fail "the CNN reached test accuracy $acc, not 0.9: a comparison of untrained probabilities proves little"
   onnx_train shapes "$here/jobs/onnx_shapes.json"
+  onnx_train pooling "$here/jobs/onnx_pooling.json"
+  acc=$(final_accuracy "$out/pooling/worker.log")
+  at_least "$acc" 0.8 || fail "the average pooling CNN reached test accuracy $acc, not 0.8"
   # export_fails NAME EXIT PATTERN ARGS...: ps-export ARGS exits EXIT with a
   # message matching PATTERN (an extended regular expression).
   export_fails() {

@@ -11,7 +11,8 @@
  * Tolerances: |got - want| <= atol + rtol*|want| per element, and why.
  *  - Bit for bit: relu, dropout (mask, output, gradient; the mask is also
  *    checked against ps_rng_uniform itself), max pooling (y, int32 argmax,
- *    dx: comparisons, and the same adds in the same order), the softmax
+ *    dx: comparisons, and the same adds in the same order), average and
+ *    global average pooling (the same sums in the same order), the softmax
  *    gradient from the same probabilities (the same two roundings), and
  *    the convolution run twice (the backend picks deterministic algorithms).
  *  - Convolution: rtol 1e-3, atol 1e-4 * max|want| of the array. cuDNN may
@@ -419,6 +420,60 @@ static void test_maxpool(void) {
     pool_one(&pool_cases[i], 0);
     pool_one(&pool_cases[i], 1);
   }
+}
+
+/* ---- average pooling ----
+ *
+ * Bit for bit: the kernels add the CPU's terms in the CPU's order (the
+ * gradient gathers each input's windows in increasing output index). */
+
+static void avgpool_one(const pool_case *k) {
+  ps_pool_shape s = {
+      .n = k->n, .c = k->c, .h = k->h, .w = k->w, .size = k->size, .stride = k->stride};
+  ps_pool_shape_finish(&s);
+  char what[128];
+  const size_t nx = (size_t)s.n * s.c * s.h * s.w, ny = (size_t)s.n * s.c * s.oh * s.ow;
+  const size_t planes = (size_t)s.n * s.c;
+  float *x = uniform_floats(nx, -1, 1), *dy = uniform_floats(ny, -1, 1);
+  float *gdy = uniform_floats(planes, -1, 1);
+  float *y_ref = nan_floats(ny), *dx_ref = nan_floats(nx);
+  float *gy_ref = nan_floats(planes), *gdx_ref = nan_floats(nx);
+  ref.ops->avgpool_forward(ref.ops->ctx, &s, x, y_ref);
+  ref.ops->avgpool_backward(ref.ops->ctx, &s, dy, dx_ref);
+  ref.ops->global_avgpool_forward(ref.ops->ctx, s.n, s.c, s.h, s.w, x, gy_ref);
+  ref.ops->global_avgpool_backward(ref.ops->ctx, s.n, s.c, s.h, s.w, gdy, gdx_ref);
+
+  float *d_x = s_upload(&dut, x, nx * sizeof(float));
+  float *d_dy = s_upload(&dut, dy, ny * sizeof(float));
+  float *d_gdy = s_upload(&dut, gdy, planes * sizeof(float));
+  float *d_y = s_nans(&dut, ny), *d_dx = s_nans(&dut, nx);
+  float *d_gy = s_nans(&dut, planes), *d_gdx = s_nans(&dut, nx);
+  dut.ops->avgpool_forward(dut.ops->ctx, &s, d_x, d_y);
+  dut.ops->avgpool_backward(dut.ops->ctx, &s, d_dy, d_dx);
+  dut.ops->global_avgpool_forward(dut.ops->ctx, s.n, s.c, s.h, s.w, d_x, d_gy);
+  dut.ops->global_avgpool_backward(dut.ops->ctx, s.n, s.c, s.h, s.w, d_gdy, d_gdx);
+  float *y = s_fetch(&dut, d_y, ny * sizeof(float)), *dx = s_fetch(&dut, d_dx, nx * sizeof(float));
+  float *gy = s_fetch(&dut, d_gy, planes * sizeof(float));
+  float *gdx = s_fetch(&dut, d_gdx, nx * sizeof(float));
+
+#define AVG_WHAT(name)                                                                       \
+  (snprintf(what, sizeof what, "%s n%d c%d %dx%d size%d stride%d", name, s.n, s.c, s.h, s.w, \
+            s.size, s.stride),                                                               \
+   what)
+  check_bits(AVG_WHAT("avgpool y"), y, y_ref, ny);
+  check_bits(AVG_WHAT("avgpool dx"), dx, dx_ref, nx);
+  check_bits(AVG_WHAT("global_avgpool y"), gy, gy_ref, planes);
+  check_bits(AVG_WHAT("global_avgpool dx"), gdx, gdx_ref, nx);
+#undef AVG_WHAT
+
+  float *hosts[] = {x, dy, gdy, y_ref, dx_ref, gy_ref, gdx_ref, y, dx, gy, gdx};
+  for (size_t i = 0; i < sizeof hosts / sizeof hosts[0]; i++) free(hosts[i]);
+  float *devs[] = {d_x, d_dy, d_gdy, d_y, d_dx, d_gy, d_gdx};
+  for (size_t i = 0; i < sizeof devs / sizeof devs[0]; i++) s_free(&dut, devs[i]);
+}
+
+static void test_avgpool(void) {
+  for (size_t i = 0; i < sizeof pool_cases / sizeof pool_cases[0]; i++) avgpool_one(&pool_cases[i]);
 }
 
 /* ---- dense ---- */
@@ -846,11 +901,11 @@ static void net_init(net *m, const side *sd, const ps_model_spec *spec, int batc
       ps_conv_shape_finish(&m->conv[i]);
       const size_t ws = o->conv2d_workspace(o->ctx, &m->conv[i]);
       if (ws > work) work = ws;
-    } else if (L->type == PS_LAYER_MAXPOOL) {
+    } else if (L->type == PS_LAYER_MAXPOOL || L->type == PS_LAYER_AVGPOOL) {
       m->pool[i] = (ps_pool_shape){.n = batch, .c = L->in_c, .h = L->in_h, .w = L->in_w,
                                    .size = L->pool, .stride = L->pool_stride};
       ps_pool_shape_finish(&m->pool[i]);
-      m->argmax[i] = s_alloc(sd, n_out * sizeof(int32_t));
+      if (L->type == PS_LAYER_MAXPOOL) m->argmax[i] = s_alloc(sd, n_out * sizeof(int32_t));
     } else if (L->type == PS_LAYER_DROPOUT) {
       m->mask[i] = s_alloc(sd, n_out * sizeof(float));
     }
@@ -901,6 +956,10 @@ static float net_step(net *m, const float *params_host, const float *x_host,
       case PS_LAYER_MAXPOOL:
         o->maxpool_forward(o->ctx, &m->pool[i], act, m->out[i], m->argmax[i]);
         break;
+      case PS_LAYER_AVGPOOL: o->avgpool_forward(o->ctx, &m->pool[i], act, m->out[i]); break;
+      case PS_LAYER_GLOBAL_AVGPOOL:
+        o->global_avgpool_forward(o->ctx, n, L->in_c, L->in_h, L->in_w, act, m->out[i]);
+        break;
       case PS_LAYER_DENSE:
         o->dense_forward(o->ctx, n, (int)in_size(L), L->units, act, p + L->w_off, p + L->b_off,
                          m->out[i]);
@@ -936,6 +995,12 @@ static float net_step(net *m, const float *params_host, const float *x_host,
         break;
       case PS_LAYER_MAXPOOL:
         if (dxp) o->maxpool_backward(o->ctx, &m->pool[i], dy, m->argmax[i], dxp);
+        break;
+      case PS_LAYER_AVGPOOL:
+        if (dxp) o->avgpool_backward(o->ctx, &m->pool[i], dy, dxp);
+        break;
+      case PS_LAYER_GLOBAL_AVGPOOL:
+        if (dxp) o->global_avgpool_backward(o->ctx, n, L->in_c, L->in_h, L->in_w, dy, dxp);
         break;
       case PS_LAYER_DENSE:
         o->dense_backward(o->ctx, n, (int)in_size(L), L->units, m->in[i], p + L->w_off, dy, dxp,
@@ -1055,6 +1120,57 @@ static void test_cnn_trajectory(void) {
   free(params0), free(xs), free(ys), free(grads0[0]), free(grads0[1]);
 }
 
+/* A CNN with both average poolings: one step on both sides from the same
+ * parameters and batch. The loss within float rounding (rtol 1e-5, as step
+ * 0 above); each parameter gradient within 1e-3 relative L2: averages
+ * have no ties to break differently, so only the convolutions' and dense
+ * layers' sums differ, by ~1e-6, and a relu decision within rounding of 0
+ * (rare) moves one position's gradient. */
+static const char *AVG_CNN_JSON =
+    "{\"input\": [1, 28, 28], \"classes\": 10, \"layers\": ["
+    "{\"type\": \"conv2d\", \"filters\": 16, \"kernel\": 3, \"padding\": \"same\"},"
+    "{\"type\": \"relu\"}, {\"type\": \"avgpool\", \"size\": 2},"
+    "{\"type\": \"conv2d\", \"filters\": 32, \"kernel\": 3, \"stride\": 2},"
+    "{\"type\": \"relu\"}, {\"type\": \"avgpool\", \"size\": 3, \"stride\": 1},"
+    "{\"type\": \"global_avgpool\"}, {\"type\": \"flatten\"},"
+    "{\"type\": \"dense\", \"units\": 10}, {\"type\": \"softmax_xent\"}]}";
+
+static void test_avg_cnn_step(void) {
+  ps_model_spec spec;
+  char err[PS_ERRLEN];
+  if (ps_model_spec_parse(AVG_CNN_JSON, &spec, err) != 0) {
+    CHECK_MSG(0, "spec: %s", err);
+    return;
+  }
+  const size_t P = spec.n_params, in = (size_t)28 * 28;
+  float *params = host_alloc(P * sizeof(float));
+  ps_model_init_params(&spec, 5, 0, P, params);
+  float *x = host_alloc((size_t)CNN_BATCH * in * sizeof(float));
+  uint8_t *y = host_alloc(CNN_BATCH);
+  cnn_data(x, y, CNN_BATCH);
+  const side *sides[2] = {&ref, &dut};
+  float loss[2], *grads[2];
+  for (int s = 0; s < 2; s++) {
+    net m;
+    net_init(&m, sides[s], &spec, CNN_BATCH);
+    grads[s] = host_alloc(P * sizeof(float));
+    loss[s] = net_step(&m, params, x, y, 3, 0, grads[s]);
+    net_free(&m);
+  }
+  const double rel = fabs((double)loss[1] - loss[0]) / fabs((double)loss[0]);
+  CHECK_MSG(isfinite(loss[1]) && rel <= 1e-5, "avgpool CNN: loss %.9g vs %.9g", (double)loss[1],
+            (double)loss[0]);
+  for (int i = 0; i < spec.n_layers; i++) {
+    const ps_layer *L = &spec.layers[i];
+    if (!L->w_count) continue;
+    const double ew = rel_l2(grads[1] + L->w_off, grads[0] + L->w_off, L->w_count);
+    const double eb = rel_l2(grads[1] + L->b_off, grads[0] + L->b_off, L->b_count);
+    CHECK_MSG(ew <= 1e-3 && eb <= 1e-3, "avgpool CNN %s: gradients differ: w %.3g, b %.3g", L->name,
+              ew, eb);
+  }
+  free(params), free(x), free(y), free(grads[0]), free(grads[1]);
+}
+
 int main(void) {
   char why[128] = "";
   const int devices = ps_cuda_device_count(why);
@@ -1083,12 +1199,14 @@ int main(void) {
   RUN(test_async_copies);
   RUN(test_dropout);
   RUN(test_maxpool);
+  RUN(test_avgpool);
   RUN(test_dense);
   RUN(test_softmax_xent);
   RUN(test_conv2d);
   RUN(test_conv2d_empty_batch);
   if (dut.on_device) RUN(test_memory_helpers);
   RUN(test_cnn_trajectory);
+  RUN(test_avg_cnn_step);
 
   /* tf32 and bf16, where the device has them: the sums of products again. */
   for (int p = PS_PRECISION_TF32; p <= PS_PRECISION_BF16; p++) {

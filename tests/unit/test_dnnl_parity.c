@@ -13,7 +13,8 @@
  *  - Bit for bit: relu (also in place), dropout (mask against
  *    ps_rng_uniform itself, output, gradient), scale, max pooling (y, the
  *    int32 argmax, dx: comparisons, and the same adds in the same order per
- *    plane), the softmax (the reference's arithmetic).
+ *    plane), average pooling (the same sums in the same order per lane),
+ *    the softmax (the reference's arithmetic).
  *  - Convolution and dense: the same products summed in another order
  *    (oneDNN blocks the reductions over channels, taps and examples
  *    differently from im2col + sgemm; dense layers are sgemm on other
@@ -388,6 +389,114 @@ static void test_maxpool(void) {
         pool_one(&pool_cases[i], nan, in_backend);
 }
 
+/* ---- average pooling ----
+ *
+ * Bit for bit: the backend's loops add the reference's terms in the
+ * reference's order, per lane in blocked layouts. The cases of max
+ * pooling, with x (and dy) in backend memory written by an identity
+ * convolution, so that they arrive blocked where the channels allow. */
+
+/* x (n, c, h, w) host floats into a new backend buffer through a 1x1
+ * identity convolution: blocked when c is a multiple of 8, values exact. */
+static float *dut_identity(const float *x, int n, int c, int h, int w) {
+  ps_conv_shape cs = {
+      .n = n, .c = c, .h = h, .w = w, .oc = c, .kh = 1, .kw = 1, .stride = 1, .pad = 0};
+  ps_conv_shape_finish(&cs);
+  const size_t nx = (size_t)n * c * h * w;
+  float *eye = calloc((size_t)c * c + c, sizeof(float));
+  for (int i = 0; i < c; i++) eye[(size_t)i * c + i] = 1.0f;
+  float *d_x0 = dut_upload(x, nx), *d_x = dut_nans(nx);
+  dut->conv2d_forward(dut->ctx, &cs, d_x0, eye, eye + (size_t)c * c, d_x, NULL);
+  dut->free(dut->ctx, d_x0);
+  free(eye);
+  return d_x;
+}
+
+static void avgpool_one(const pool_case *k, int in_backend) {
+  ps_pool_shape s = {
+      .n = k->n, .c = k->c, .h = k->h, .w = k->w, .size = k->size, .stride = k->stride};
+  ps_pool_shape_finish(&s);
+  char what[160];
+  const size_t nx = (size_t)s.n * s.c * s.h * s.w, ny = (size_t)s.n * s.c * s.oh * s.ow;
+  float *x = uniform_floats(nx, -1, 1), *dy = uniform_floats(ny, -1, 1);
+  float *y_ref = nan_floats(ny), *dx_ref = nan_floats(nx);
+  ref->avgpool_forward(ref->ctx, &s, x, y_ref);
+  ref->avgpool_backward(ref->ctx, &s, dy, dx_ref);
+#define AVG_WHAT(name)                                                                            \
+  (snprintf(what, sizeof what, "avgpool %s n%d c%d %dx%d size%d stride%d%s", name, s.n, s.c, s.h, \
+            s.w, s.size, s.stride, in_backend ? " in backend memory" : ""),                       \
+   what)
+  if (!in_backend) {
+    float *y = nan_floats(ny), *dx = nan_floats(nx);
+    dut->avgpool_forward(dut->ctx, &s, x, y);
+    dut->avgpool_backward(dut->ctx, &s, dy, dx);
+    check_bits(AVG_WHAT("y"), y, y_ref, ny);
+    check_bits(AVG_WHAT("dx"), dx, dx_ref, nx);
+    free(y), free(dx);
+  } else {
+    float *d_x = dut_identity(x, s.n, s.c, s.h, s.w), *d_y = dut_nans(ny);
+    dut->avgpool_forward(dut->ctx, &s, d_x, d_y);
+    float *d_dy = dut_identity(dy, s.n, s.c, s.oh, s.ow), *d_dx = dut_nans(nx);
+    dut->avgpool_backward(dut->ctx, &s, d_dy, d_dx);
+    float *y = dut_fetch(d_y, ny), *dx = dut_fetch(d_dx, nx);
+    check_bits(AVG_WHAT("y"), y, y_ref, ny);
+    check_bits(AVG_WHAT("dx from blocked dy"), dx, dx_ref, nx);
+    /* From a plain dy in backend memory (as dense's dx arrives), and into
+     * host memory. */
+    float *d_dy_plain = dut_upload(dy, ny), *d_dx2 = dut_nans(nx), *dx3 = nan_floats(nx);
+    dut->avgpool_backward(dut->ctx, &s, d_dy_plain, d_dx2);
+    float *dx2 = dut_fetch(d_dx2, nx);
+    check_bits(AVG_WHAT("dx from plain dy"), dx2, dx_ref, nx);
+    dut->avgpool_backward(dut->ctx, &s, d_dy, dx3);
+    check_bits(AVG_WHAT("dx into host memory"), dx3, dx_ref, nx);
+    float *devs[] = {d_x, d_y, d_dy, d_dx, d_dy_plain, d_dx2};
+    for (size_t i = 0; i < sizeof devs / sizeof devs[0]; i++) dut->free(dut->ctx, devs[i]);
+    free(y), free(dx), free(dx2), free(dx3);
+  }
+#undef AVG_WHAT
+  free(x), free(dy), free(y_ref), free(dx_ref);
+}
+
+static void global_avgpool_one(const pool_case *k, int in_backend) {
+  const int n = k->n, c = k->c, h = k->h, w = k->w;
+  char what[160];
+  const size_t nx = (size_t)n * c * h * w, ny = (size_t)n * c;
+  float *x = uniform_floats(nx, -1, 1), *dy = uniform_floats(ny, -1, 1);
+  float *y_ref = nan_floats(ny), *dx_ref = nan_floats(nx);
+  ref->global_avgpool_forward(ref->ctx, n, c, h, w, x, y_ref);
+  ref->global_avgpool_backward(ref->ctx, n, c, h, w, dy, dx_ref);
+#define GAP_WHAT(name)                                                                \
+  (snprintf(what, sizeof what, "global_avgpool %s n%d c%d %dx%d%s", name, n, c, h, w, \
+            in_backend ? " in backend memory" : ""),                                  \
+   what)
+  float *y, *dx;
+  if (!in_backend) {
+    y = nan_floats(ny), dx = nan_floats(nx);
+    dut->global_avgpool_forward(dut->ctx, n, c, h, w, x, y);
+    dut->global_avgpool_backward(dut->ctx, n, c, h, w, dy, dx);
+  } else {
+    float *d_x = dut_identity(x, n, c, h, w), *d_y = dut_nans(ny);
+    float *d_dy = dut_upload(dy, ny), *d_dx = dut_nans(nx);
+    dut->global_avgpool_forward(dut->ctx, n, c, h, w, d_x, d_y);
+    dut->global_avgpool_backward(dut->ctx, n, c, h, w, d_dy, d_dx);
+    y = dut_fetch(d_y, ny), dx = dut_fetch(d_dx, nx);
+    dut->free(dut->ctx, d_x), dut->free(dut->ctx, d_y);
+    dut->free(dut->ctx, d_dy), dut->free(dut->ctx, d_dx);
+  }
+  check_bits(GAP_WHAT("y"), y, y_ref, ny);
+  check_bits(GAP_WHAT("dx"), dx, dx_ref, nx);
+#undef GAP_WHAT
+  free(x), free(dy), free(y_ref), free(dx_ref), free(y), free(dx);
+}
+
+static void test_avgpool(void) {
+  for (size_t i = 0; i < sizeof pool_cases / sizeof pool_cases[0]; i++)
+    for (int in_backend = 0; in_backend < 2; in_backend++) {
+      avgpool_one(&pool_cases[i], in_backend);
+      global_avgpool_one(&pool_cases[i], in_backend);
+    }
+}
+
 /* ---- dense ---- */
 
 typedef struct {
@@ -584,7 +693,8 @@ static void test_softmax_xent(void) {
 /* ---- a CNN's layers through the backend's buffers ----
  *
  * conv(c_in -> c1) -> relu -> maxpool 2 -> conv(c1 -> c2) -> relu ->
- * maxpool 2 -> flatten -> dense(out) -> (dy) and back, as worker/model.c
+ * maxpool 2 -> flatten -> dense(out) -> (dy) and back (with `avg`: avgpool
+ * 2 for the first pooling, global_avgpool for the second), as worker/model.c
  * calls them: every activation and gradient in a buffer of the backend's
  * alloc (so held blocked between ops where the channels allow), the
  * gradient buffers used in turn for several layers, and the first layer
@@ -592,13 +702,17 @@ static void test_softmax_xent(void) {
  * the reference on host arrays. */
 typedef struct {
   int n, c_in, hw, c1, c2, out, pad;
+  int avg; /* avgpool and global_avgpool for the two poolings */
 } chain_case;
 
 static const chain_case chain_cases[] = {
-    {64, 1, 28, 32, 64, 128, 1}, /* the quickstart CNN */
-    {5, 3, 13, 16, 8, 10, 0},    /* "valid", odd sizes: 16 then 8 channels */
-    {1, 2, 12, 8, 24, 7, 1},     /* batch 1, blocks of 8 */
-    {3, 1, 10, 4, 6, 5, 1},      /* channels that fit no block: NCHW throughout */
+    {64, 1, 28, 32, 64, 128, 1, 0}, /* the quickstart CNN */
+    {5, 3, 13, 16, 8, 10, 0, 0},    /* "valid", odd sizes: 16 then 8 channels */
+    {1, 2, 12, 8, 24, 7, 1, 0},     /* batch 1, blocks of 8 */
+    {3, 1, 10, 4, 6, 5, 1, 0},      /* channels that fit no block: NCHW throughout */
+    {5, 3, 13, 16, 8, 10, 0, 1},    /* average pooling: 16 then 8 channels */
+    {2, 1, 12, 8, 32, 7, 1, 1},     /* blocks of 8, then 16 */
+    {3, 1, 10, 4, 6, 5, 1, 1},      /* NCHW throughout */
 };
 
 enum { CHAIN_LAYERS = 8 };
@@ -626,6 +740,7 @@ static void chain_shapes_init(const chain_case *k, chain_shapes *cs) {
   cs->pool[1] = (ps_pool_shape){.n = k->n, .c = k->c2, .h = cs->conv[1].oh, .w = cs->conv[1].ow,
                                 .size = 2, .stride = 2};
   ps_pool_shape_finish(&cs->pool[1]);
+  if (k->avg) cs->pool[1].oh = cs->pool[1].ow = 1; /* global: the whole plane */
   const size_t n = (size_t)k->n;
   cs->nx = n * k->c_in * k->hw * k->hw;
   cs->size[0] = cs->size[1] = n * k->c1 * cs->conv[0].oh * cs->conv[0].ow;
@@ -696,11 +811,17 @@ static void chain_run(ps_ops *o, int on_backend, const chain_case *k, const chai
   /* forward */
   o->conv2d_forward(o->ctx, &cs->conv[0], x, p + cs->w_off[0], p + cs->b_off[0], out[0], work);
   o->relu_forward(o->ctx, cs->size[1], out[0], out[1]);
-  o->maxpool_forward(o->ctx, &cs->pool[0], out[1], out[2], am[0]);
+  if (k->avg)
+    o->avgpool_forward(o->ctx, &cs->pool[0], out[1], out[2]);
+  else
+    o->maxpool_forward(o->ctx, &cs->pool[0], out[1], out[2], am[0]);
   o->conv2d_forward(o->ctx, &cs->conv[1], out[2], p + cs->w_off[1], p + cs->b_off[1], out[3],
                     work);
   o->relu_forward(o->ctx, cs->size[4], out[3], out[4]);
-  o->maxpool_forward(o->ctx, &cs->pool[1], out[4], out[5], am[1]);
+  if (k->avg)
+    o->global_avgpool_forward(o->ctx, k->n, k->c2, cs->pool[1].h, cs->pool[1].w, out[4], out[5]);
+  else
+    o->maxpool_forward(o->ctx, &cs->pool[1], out[4], out[5], am[1]);
   /* flatten: out[5] as (n, dense_in); out[6] is unused (flatten has none) */
   o->dense_forward(o->ctx, k->n, cs->dense_in, k->out, out[5], p + cs->w_off[2],
                    p + cs->b_off[2], out[7]);
@@ -715,7 +836,10 @@ static void chain_run(ps_ops *o, int on_backend, const chain_case *k, const chai
                     grads + cs->w_off[2], grads + cs->b_off[2]);
   r->grad_in[7] = side_fetch(o, on_backend, dx, cs->size[5]);
   t = dy, dy = dx, dx = t;
-  o->maxpool_backward(o->ctx, &cs->pool[1], dy, am[1], dx);
+  if (k->avg)
+    o->global_avgpool_backward(o->ctx, k->n, k->c2, cs->pool[1].h, cs->pool[1].w, dy, dx);
+  else
+    o->maxpool_backward(o->ctx, &cs->pool[1], dy, am[1], dx);
   r->grad_in[5] = side_fetch(o, on_backend, dx, cs->size[4]);
   t = dy, dy = dx, dx = t;
   o->relu_backward(o->ctx, cs->size[4], out[4], dy, dx);
@@ -725,7 +849,10 @@ static void chain_run(ps_ops *o, int on_backend, const chain_case *k, const chai
                      grads + cs->b_off[1], work);
   r->grad_in[3] = side_fetch(o, on_backend, dx, cs->size[2]);
   t = dy, dy = dx, dx = t;
-  o->maxpool_backward(o->ctx, &cs->pool[0], dy, am[0], dx);
+  if (k->avg)
+    o->avgpool_backward(o->ctx, &cs->pool[0], dy, dx);
+  else
+    o->maxpool_backward(o->ctx, &cs->pool[0], dy, am[0], dx);
   r->grad_in[2] = side_fetch(o, on_backend, dx, cs->size[1]);
   t = dy, dy = dx, dx = t;
   o->relu_backward(o->ctx, cs->size[1], out[1], dy, dx);
@@ -773,9 +900,10 @@ static void chain_one(const chain_case *k) {
   chain_run(dut, 1, k, &cs, x, params, dy, &got);
   static const char *names[CHAIN_LAYERS] = {"conv1", "relu1", "pool1", "conv2",
                                             "relu2", "pool2", "",      "dense"};
-#define CHAIN_WHAT(name, layer)                                                                  \
-  (snprintf(what, sizeof what, "chain n%d c%d %dx%d -> %d -> %d -> %d pad%d: %s %s", k->n,       \
-            k->c_in, k->hw, k->hw, k->c1, k->c2, k->out, k->pad, names[layer], name),            \
+#define CHAIN_WHAT(name, layer)                                                              \
+  (snprintf(what, sizeof what, "chain n%d c%d %dx%d -> %d -> %d -> %d pad%d%s: %s %s", k->n, \
+            k->c_in, k->hw, k->hw, k->c1, k->c2, k->out, k->pad, k->avg ? " avg" : "",       \
+            names[layer], name),                                                             \
    what)
   /* A relu or pooling decision within rounding of a tie would move a value
    * from one place to another; the inputs are continuous random, where
@@ -937,6 +1065,7 @@ int main(void) {
     RUN(test_dropout);
     RUN(test_softmax_xent);
     RUN(test_maxpool);
+    RUN(test_avgpool);
     RUN(test_dense);
     RUN(test_conv2d);
     RUN(test_conv2d_empty_batch);

@@ -1,11 +1,12 @@
 /* The ONNX export (ps/export_onnx.c), read back with the same generated
  * decoder: the model's header, the graph's input and output with the
  * symbolic batch, the node sequence and attributes of every layer type
- * (conv "same" and "valid" with strides, maxpool, the Flatten before a
- * dense layer on a 4-D tensor and the Unsqueeze before a conv after a dense
- * layer, no Dropout), initializers holding the parameters' bytes at the
- * layout's offsets; and refusals that leave nothing behind: a layer type
- * without an ONNX form, a directory as the path, a missing directory. */
+ * (conv "same" and "valid" with strides, maxpool, avgpool, global_avgpool,
+ * the Flatten before a dense layer on a 4-D tensor and the Unsqueeze before
+ * a conv or a global pooling after a dense layer, no Dropout), initializers
+ * holding the parameters' bytes at the layout's offsets; and refusals that
+ * leave nothing behind: a layer type without an ONNX form, a directory as
+ * the path, a missing directory. */
 #include <dirent.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -199,6 +200,69 @@ static void test_graph(void) {
   free(params);
 }
 
+/* Average pooling: AveragePool with its window, strides and
+ * count_include_pad 0; GlobalAveragePool on a 4-D tensor and, after a
+ * dense layer, on its Unsqueeze; its (N, C, 1, 1) output flattened before
+ * the dense layer that reads it. */
+static const char *k_pool_model =
+    "{\"input\": [3, 10, 10], \"classes\": 3, \"layers\": ["
+    "{\"type\": \"conv2d\", \"filters\": 4, \"kernel\": 3, \"padding\": \"same\"},"
+    "{\"type\": \"avgpool\", \"size\": 3, \"stride\": 2},"
+    "{\"type\": \"global_avgpool\"},"
+    "{\"type\": \"dense\", \"units\": 5},"
+    "{\"type\": \"global_avgpool\"},"
+    "{\"type\": \"flatten\"},"
+    "{\"type\": \"dense\", \"units\": 3},"
+    "{\"type\": \"softmax_xent\"}]}";
+
+static void test_pooling_graph(void) {
+  ps_model_spec spec;
+  char err[PS_ERRLEN] = "";
+  CHECK_MSG(ps_model_spec_parse(k_pool_model, &spec, err) == 0, "%s", err);
+  float *params = malloc(spec.n_params * sizeof(float));
+  for (size_t i = 0; i < spec.n_params; i++) params[i] = (float)i * 0.01f - 0.5f;
+  char path[128];
+  snprintf(path, sizeof path, "%s/pool.onnx", g_dir);
+  CHECK_MSG(ps_onnx_check_spec(&spec, err) == 0, "%s", err);
+  CHECK_MSG(ps_onnx_export(&spec, params, NULL, path, NULL, err) == 0, "%s", err);
+  Onnx__ModelProto *m = read_model(path);
+  CHECK(m != NULL);
+  if (!m) {
+    free(params);
+    return;
+  }
+  const Onnx__GraphProto *g = m->graph;
+  static const char *const ops[] = {"Conv", "AveragePool", "GlobalAveragePool", "Flatten",
+                                    "Gemm", "Unsqueeze",   "GlobalAveragePool", "Flatten",
+                                    "Gemm", "Softmax"};
+  const size_t n_ops = sizeof ops / sizeof ops[0];
+  CHECK_MSG(g->n_node == n_ops, "%zu nodes", g->n_node);
+  for (size_t i = 0; i < g->n_node && i < n_ops; i++)
+    CHECK_MSG(!strcmp(g->node[i]->op_type, ops[i]), "node %zu is %s, not %s", i,
+              g->node[i]->op_type, ops[i]);
+  for (size_t i = 1; i < g->n_node; i++)
+    CHECK_MSG(!strcmp(g->node[i]->input[0], g->node[i - 1]->output[0]), "node %zu's input", i);
+  if (g->n_node == n_ops) {
+    const int64_t k3[2] = {3, 3}, s2[2] = {2, 2};
+    CHECK(!strcmp(g->node[1]->name, "avgpool_0"));
+    CHECK(ints_are(g->node[1], "kernel_shape", k3, 2) && ints_are(g->node[1], "strides", s2, 2));
+    CHECK(int_is(g->node[1], "count_include_pad", 0));
+    CHECK(!attr(g->node[1], "pads") && !attr(g->node[1], "ceil_mode"));
+    CHECK(!strcmp(g->node[2]->name, "global_avgpool_0") && g->node[2]->n_attribute == 0);
+    CHECK(int_is(g->node[3], "axis", 1) && int_is(g->node[4], "transB", 1));
+    CHECK(!strcmp(g->node[6]->name, "global_avgpool_1") && g->node[6]->n_attribute == 0);
+    CHECK(!strcmp(g->node[7]->name, "flatten_0") && int_is(g->node[7], "axis", 1));
+  }
+  /* The dense layer after global pooling reads its 4 channels. */
+  const ps_layer *L = spec.layers;
+  const int64_t d0w[2] = {5, 4}, d1w[2] = {3, 5};
+  check_param(g, "dense_0.w", params, L[3].w_off, L[3].w_count, d0w, 2);
+  check_param(g, "dense_1.w", params, L[6].w_off, L[6].w_count, d1w, 2);
+  onnx__model_proto__free_unpacked(m, NULL);
+  unlink(path);
+  free(params);
+}
+
 static void test_refusals(void) {
   ps_model_spec spec;
   char err[PS_ERRLEN] = "", path[128];
@@ -243,6 +307,7 @@ int main(void) {
   }
   ps_log_init("test_export_onnx", PS_LOG_WARN);
   RUN(test_graph);
+  RUN(test_pooling_graph);
   RUN(test_refusals);
   char path[128];
   snprintf(path, sizeof path, "%s/model.onnx", g_dir);

@@ -10,8 +10,8 @@
  * the perturbation as actually stored in float.
  *
  * Tolerance: |numeric - analytic| <= THR * max(|numeric|, |analytic|, 1)
- * with THR = 1e-3. Conv, dense and dropout are linear in each input,
- * weight and bias, and pooling and relu are too away from their kinks (the
+ * with THR = 1e-3. Conv, dense, dropout and average pooling are linear in
+ * each input, weight and bias, and pooling and relu are too away from their kinks (the
  * inputs are drawn to keep every kink more than eps away), so central
  * differences are exact but for the float32 rounding of the outputs that
  * the moved value touches: about 2^-24 * |y| * sqrt(outputs touched) /
@@ -32,7 +32,7 @@
 #endif
 
 #define THR 1e-3
-#define EPS_LINEAR 0.1f /* conv, dense, dropout */
+#define EPS_LINEAR 0.1f /* conv, dense, dropout, average pooling */
 #define EPS_KINK 0.01f  /* relu, maxpool, softmax */
 
 static ps_ops *ops;
@@ -199,6 +199,60 @@ static void test_maxpool(void) {
   check_maxpool(1, 2, 7, 7, 3, 2); /* overlapping windows */
 }
 
+/* ---- average pooling ----
+ *
+ * Linear in x: EPS_LINEAR, any inputs. */
+
+static double avgpool_loss(void *p) {
+  pool_layer *l = p;
+  ops->avgpool_forward(ops->ctx, &l->s, l->x, l->y);
+  return dot(l->y, l->r, (size_t)l->s.n * l->s.c * l->s.oh * l->s.ow);
+}
+
+static void check_avgpool(int n, int c, int h, int w, int size, int stride) {
+  pool_layer l = {.s = {.n = n, .c = c, .h = h, .w = w, .size = size, .stride = stride}};
+  ps_pool_shape_finish(&l.s);
+  const size_t xn = (size_t)n * c * h * w, yn = (size_t)n * c * l.s.oh * l.s.ow;
+  l.x = alloc_uniform(xn, -1, 1), l.r = alloc_uniform(yn, -1, 1);
+  l.y = malloc(yn * sizeof(float));
+  float *dx = malloc(xn * sizeof(float));
+  ops->avgpool_backward(ops->ctx, &l.s, l.r, dx);
+
+  char what[100];
+  snprintf(what, sizeof what, "avgpool n=%d c=%d %dx%d size=%d stride=%d: dx", n, c, h, w, size,
+           stride);
+  gradcheck(what, l.x, xn, dx, avgpool_loss, &l, EPS_LINEAR);
+  free(l.x), free(l.r), free(l.y), free(dx);
+}
+
+static double global_avgpool_loss(void *p) {
+  pool_layer *l = p;
+  ops->global_avgpool_forward(ops->ctx, l->s.n, l->s.c, l->s.h, l->s.w, l->x, l->y);
+  return dot(l->y, l->r, (size_t)l->s.n * l->s.c);
+}
+
+static void check_global_avgpool(int n, int c, int h, int w) {
+  pool_layer l = {.s = {.n = n, .c = c, .h = h, .w = w}};
+  const size_t xn = (size_t)n * c * h * w, yn = (size_t)n * c;
+  l.x = alloc_uniform(xn, -1, 1), l.r = alloc_uniform(yn, -1, 1);
+  l.y = malloc(yn * sizeof(float));
+  float *dx = malloc(xn * sizeof(float));
+  ops->global_avgpool_backward(ops->ctx, n, c, h, w, l.r, dx);
+
+  char what[100];
+  snprintf(what, sizeof what, "global_avgpool n=%d c=%d %dx%d: dx", n, c, h, w);
+  gradcheck(what, l.x, xn, dx, global_avgpool_loss, &l, EPS_LINEAR);
+  free(l.x), free(l.r), free(l.y), free(dx);
+}
+
+static void test_avgpool(void) {
+  check_avgpool(2, 3, 6, 5, 2, 2); /* odd width: a column no window reads */
+  check_avgpool(1, 2, 7, 7, 3, 2); /* overlapping windows */
+  check_avgpool(2, 2, 5, 4, 2, 1); /* stride 1 */
+  check_global_avgpool(2, 3, 5, 4);
+  check_global_avgpool(3, 2, 1, 1);
+}
+
 /* ---- dense ---- */
 
 typedef struct {
@@ -315,6 +369,7 @@ static void run_all(const char *name, backend_create create, int threads) {
   fprintf(stderr, "-- %s backend, threads = %d\n", name, threads);
   RUN(test_conv);
   RUN(test_maxpool);
+  RUN(test_avgpool);
   RUN(test_dense);
   RUN(test_relu);
   RUN(test_dropout);

@@ -389,6 +389,119 @@ static void test_maxpool_pairs(void) {
   CHECK_MSG(ok, "2x2 pooling gradient: dy at the maximum, +0 elsewhere and for a -0 dy");
 }
 
+/* ---- average pooling ----
+ *
+ * Against double loops: the mean of each window (atol covers the float32
+ * sum of at most 9 taps of [-1, 1]), and backward each window's dy / taps
+ * added to every tap it covers. */
+
+static void check_avgpool(int n, int c, int h, int w, int size, int stride) {
+  char what[96];
+  snprintf(what, sizeof what, "avgpool n=%d c=%d %dx%d size=%d stride=%d", n, c, h, w, size,
+           stride);
+  ps_pool_shape s = {.n = n, .c = c, .h = h, .w = w, .size = size, .stride = stride};
+  ps_pool_shape_finish(&s);
+  const size_t planes = (size_t)n * c, in_plane = (size_t)h * w;
+  const size_t out_plane = (size_t)s.oh * s.ow, xn = planes * in_plane, yn = planes * out_plane;
+  float *x = alloc_uniform(xn, -1, 1), *dy = alloc_uniform(yn, -1, 1);
+  float *y = alloc_nan(yn), *dx = alloc_nan(xn);
+  double *ry = alloc_zero_d(yn), *rdx = alloc_zero_d(xn);
+  const double taps = (double)size * size;
+  for (size_t p = 0; p < planes; p++)
+    for (int oh = 0; oh < s.oh; oh++)
+      for (int ow = 0; ow < s.ow; ow++) {
+        const size_t o = p * out_plane + (size_t)oh * s.ow + ow;
+        double sum = 0.0;
+        for (int kh = 0; kh < size; kh++)
+          for (int kw = 0; kw < size; kw++) {
+            const size_t at = p * in_plane + (size_t)(oh * stride + kh) * w + (ow * stride + kw);
+            sum += x[at];
+            rdx[at] += dy[o] / taps;
+          }
+        ry[o] = sum / taps;
+      }
+  ops->avgpool_forward(ops->ctx, &s, x, y);
+  char sub[160];
+  snprintf(sub, sizeof sub, "%s: y", what);
+  check_close(sub, y, ry, yn, 1e-6, 1e-6);
+  ops->avgpool_backward(ops->ctx, &s, dy, dx);
+  snprintf(sub, sizeof sub, "%s: dx", what);
+  check_close(sub, dx, rdx, xn, 1e-6, 1e-6);
+  free(x), free(dy), free(y), free(dx), free(ry), free(rdx);
+}
+
+static void test_avgpool(void) {
+  check_avgpool(3, 5, 7, 5, 2, 2);   /* odd sizes: last row/column dropped */
+  check_avgpool(1, 3, 6, 9, 3, 2);   /* overlapping windows */
+  check_avgpool(3, 1, 4, 4, 2, 1);   /* stride 1: most inputs in 4 windows */
+  check_avgpool(1, 1, 2, 2, 2, 2);   /* one window */
+  check_avgpool(2, 2, 5, 7, 1, 1);   /* 1x1: the identity */
+  check_avgpool(3, 8, 40, 37, 2, 2); /* 35520 inputs: big enough to be split */
+  check_avgpool(2, 7, 41, 39, 3, 2); /* and overlapping */
+}
+
+static void check_global_avgpool(int n, int c, int h, int w) {
+  char what[96];
+  snprintf(what, sizeof what, "global_avgpool n=%d c=%d %dx%d", n, c, h, w);
+  const size_t planes = (size_t)n * c, plane = (size_t)h * w, xn = planes * plane;
+  float *x = alloc_uniform(xn, -1, 1), *dy = alloc_uniform(planes, -1, 1);
+  float *y = alloc_nan(planes), *dx = alloc_nan(xn);
+  double *ry = alloc_zero_d(planes), *rdx = alloc_zero_d(xn);
+  for (size_t p = 0; p < planes; p++) {
+    double sum = 0.0;
+    for (size_t i = 0; i < plane; i++) {
+      sum += x[p * plane + i];
+      rdx[p * plane + i] = dy[p] / (double)plane;
+    }
+    ry[p] = sum / (double)plane;
+  }
+  ops->global_avgpool_forward(ops->ctx, n, c, h, w, x, y);
+  char sub[160];
+  snprintf(sub, sizeof sub, "%s: y", what);
+  /* A float32 sum of up to 1681 terms of [-1, 1]: sqrt(K) 2^-24 K / K. */
+  check_close(sub, y, ry, planes, 1e-5, 1e-5);
+  ops->global_avgpool_backward(ops->ctx, n, c, h, w, dy, dx);
+  snprintf(sub, sizeof sub, "%s: dx", what);
+  check_close(sub, dx, rdx, xn, 1e-6, 1e-6);
+  free(x), free(dy), free(y), free(dx), free(ry), free(rdx);
+}
+
+static void test_global_avgpool(void) {
+  check_global_avgpool(3, 5, 7, 5);
+  check_global_avgpool(2, 3, 1, 1);    /* 1x1: the identity */
+  check_global_avgpool(1, 1, 1, 9);    /* one row */
+  check_global_avgpool(4, 16, 41, 41); /* 107584 inputs: split */
+}
+
+/* The arithmetic every backend repeats (ops.h), bit for bit on a plane:
+ * the taps summed from 0 in row-major order, then divided; the gradient of
+ * overlapping windows added into a zeroed plane in (oh, ow) order. */
+static void test_avgpool_order(void) {
+  ps_pool_shape s = {.n = 1, .c = 1, .h = 5, .w = 5, .size = 3, .stride = 1};
+  ps_pool_shape_finish(&s);
+  float x[25], y[9], dy[9], dx[25], want_dx[25] = {0};
+  fill_uniform(x, 25, -1, 1);
+  fill_uniform(dy, 9, -1, 1);
+  x[0] = -0.0f; /* a sum from +0 */
+  ops->avgpool_forward(ops->ctx, &s, x, y);
+  ops->avgpool_backward(ops->ctx, &s, dy, dx);
+  int ok = 1;
+  for (int oh = 0; oh < 3; oh++)
+    for (int ow = 0; ow < 3; ow++) {
+      float sum = 0.0f;
+      const float g = dy[oh * 3 + ow] / 9.0f;
+      for (int kh = 0; kh < 3; kh++)
+        for (int kw = 0; kw < 3; kw++) {
+          sum += x[(oh + kh) * 5 + ow + kw];
+          want_dx[(oh + kh) * 5 + ow + kw] += g;
+        }
+      const float want = sum / 9.0f;
+      ok &= memcmp(&y[oh * 3 + ow], &want, sizeof want) == 0;
+    }
+  CHECK_MSG(ok, "avgpool: the sum's order, bit for bit");
+  CHECK_MSG(memcmp(dx, want_dx, sizeof dx) == 0, "avgpool gradient: the adds' order, bit for bit");
+}
+
 /* ---- dense ---- */
 
 static void check_dense(int n, int in, int out) {
@@ -783,6 +896,9 @@ static void run_tests(int threads) {
   RUN(test_maxpool);
   RUN(test_maxpool_ties);
   RUN(test_maxpool_pairs);
+  RUN(test_avgpool);
+  RUN(test_global_avgpool);
+  RUN(test_avgpool_order);
   RUN(test_dense);
   RUN(test_relu);
   RUN(test_relu_large);

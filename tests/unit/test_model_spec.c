@@ -112,6 +112,62 @@ static void test_shapes(void) {
   json_decref(root);
 }
 
+/* avgpool: maxpool's window rules (stride defaults to size, no padding,
+ * floor((h - size) / stride) + 1); global_avgpool: C x 1 x 1, read by a
+ * dense layer as C features, with or without a flatten between. Neither
+ * has parameters; the enum values of the older types are unchanged. */
+static void test_pooling_layers(void) {
+  CHECK(PS_LAYER_CONV2D == 0 && PS_LAYER_MAXPOOL == 1 && PS_LAYER_SOFTMAX_XENT == 6);
+  CHECK(PS_LAYER_AVGPOOL == 7 && PS_LAYER_GLOBAL_AVGPOOL == 8);
+  ps_model_spec m;
+  char err[PS_ERRLEN] = "";
+  int rc = ps_model_spec_parse(
+      "{\"input\": [3, 15, 13], \"classes\": 5, \"layers\": ["
+      "{\"type\": \"conv2d\", \"filters\": 4, \"kernel\": 3, \"padding\": \"same\"},"
+      "{\"type\": \"avgpool\", \"size\": 2},"
+      "{\"type\": \"avgpool\", \"size\": 3, \"stride\": 2},"
+      "{\"type\": \"conv2d\", \"filters\": 6, \"kernel\": 1},"
+      "{\"type\": \"global_avgpool\"},"
+      "{\"type\": \"dense\", \"units\": 5},"
+      "{\"type\": \"softmax_xent\"}]}",
+      &m, err);
+  CHECK_MSG(rc == 0, "%s", err);
+  if (rc) return;
+  const ps_layer *L = m.layers;
+  CHECK(L[1].type == PS_LAYER_AVGPOOL && strcmp(L[1].name, "avgpool_0") == 0);
+  CHECK(L[1].pool == 2 && L[1].pool_stride == 2);
+  CHECK(L[1].out_c == 4 && L[1].out_h == 7 && L[1].out_w == 6); /* 15x13 -> 7x6 */
+  CHECK(strcmp(L[2].name, "avgpool_1") == 0 && L[2].pool == 3 && L[2].pool_stride == 2);
+  CHECK(L[2].out_h == 3 && L[2].out_w == 2); /* (7-3)/2+1, (6-3)/2+1 */
+  CHECK(L[3].in_h == 3 && L[3].in_w == 2 && L[3].out_c == 6);
+  CHECK(L[4].type == PS_LAYER_GLOBAL_AVGPOOL && strcmp(L[4].name, "global_avgpool_0") == 0);
+  CHECK(L[4].in_c == 6 && L[4].in_h == 3 && L[4].in_w == 2);
+  CHECK(L[4].out_c == 6 && L[4].out_h == 1 && L[4].out_w == 1);
+  CHECK(L[5].in_c == 6 && L[5].w_count == 5 * 6);
+  for (int i = 1; i < 5; i++)
+    if (i != 3) CHECK(L[i].w_count == 0 && L[i].b_count == 0);
+  CHECK(m.n_params == 4 * 27 + 4 + 6 * 4 + 6 + 5 * 6 + 5);
+  char desc[256];
+  ps_model_spec_describe(&m, desc, sizeof desc);
+  CHECK_MSG(strstr(desc,
+                   "conv2d(4,3x3) avgpool(2) avgpool(3,s2) conv2d(6,1x1) global_avgpool "
+                   "dense(5) softmax_xent(5) P=") == desc,
+            "%s", desc);
+
+  /* A flatten after global average pooling, and global pooling of a 1x1
+   * input (the identity). */
+  rc = ps_model_spec_parse(
+      "{\"input\": [2, 4, 4], \"classes\": 3, \"layers\": ["
+      "{\"type\": \"conv2d\", \"filters\": 8, \"kernel\": 4},"
+      "{\"type\": \"global_avgpool\"}, {\"type\": \"flatten\"},"
+      "{\"type\": \"dense\", \"units\": 3}, {\"type\": \"softmax_xent\"}]}",
+      &m, err);
+  CHECK_MSG(rc == 0, "%s", err);
+  if (rc) return;
+  CHECK(m.layers[0].out_h == 1 && m.layers[1].out_c == 8 && m.layers[1].out_h == 1);
+  CHECK(m.layers[2].out_c == 8 && m.layers[3].in_c == 8 && m.layers[3].w_count == 24);
+}
+
 /* Parses text, expects PS_EINVAL and a message containing want. */
 static void expect_error(const char *text, const char *want) {
   ps_model_spec m;
@@ -162,6 +218,17 @@ static void test_errors(void) {
                "layer 0 (conv2d): 'stride' must be a positive integer");
   expect_error(HEAD "{\"type\": \"maxpool\", \"size\": 9}," TAIL,
                "layer 0 (maxpool): 'size' 9 is larger than the input 8x8");
+  expect_error(HEAD "{\"type\": \"avgpool\", \"size\": 9}," TAIL,
+               "layer 0 (avgpool): 'size' 9 is larger than the input 8x8");
+  expect_error(HEAD "{\"type\": \"avgpool\"}," TAIL, "layer 0 (avgpool): 'size' is required");
+  expect_error(HEAD "{\"type\": \"avgpool\", \"size\": 2, \"stride\": 0}," TAIL,
+               "layer 0 (avgpool): 'stride' must be a positive integer");
+  expect_error(HEAD "{\"type\": \"avgpool\", \"size\": 2, \"padding\": \"same\"}," TAIL,
+               "layer 0 (avgpool): unknown field 'padding' (known: type, size, stride)");
+  expect_error(HEAD "{\"type\": \"global_avgpool\", \"size\": 2}," TAIL,
+               "layer 0 (global_avgpool): unknown field 'size' (known: type)");
+  expect_error(HEAD "{\"type\": \"avgpooling\"}," TAIL,
+               "unknown type 'avgpooling' (known: conv2d, maxpool, avgpool, global_avgpool,");
   expect_error(HEAD "{\"type\": \"dropout\", \"rate\": 1.0}," TAIL,
                "layer 0 (dropout): 'rate' must be a number in [0, 1)");
   expect_error(HEAD "{\"type\": \"dropout\"}," TAIL, "layer 0 (dropout): 'rate' is required");
@@ -309,6 +376,7 @@ static void test_shard_range(void) {
 int main(void) {
   RUN(test_quickstart_layout);
   RUN(test_shapes);
+  RUN(test_pooling_layers);
   RUN(test_errors);
   RUN(test_init_params);
   RUN(test_shard_range);
