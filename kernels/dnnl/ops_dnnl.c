@@ -10,8 +10,11 @@
  * Why blocked layouts. With plain NCHW activations oneDNN's convolutions
  * are no faster than the reference's im2col + sgemm; with nChw16c (16
  * channels of one pixel side by side, an AVX-512 register) its JIT kernels
- * run the quickstart CNN's convolutions about twice as fast on the 2-core
- * AVX-512 target. So a convolution writes its
+ * run the quickstart CNN's convolutions about twice as fast on a 2-core
+ * AVX-512 machine (nChw8c on AVX2, whose kernels have no 16-wide form: a
+ * layout a JIT kernel does not take leaves oneDNN only its reference
+ * loops, hundreds of times slower, so each convolution picks layouts
+ * oneDNN has a kernel for, conv_choose). So a convolution writes its
  * output blocked when the buffer is this backend's, relu and max pooling
  * work on it as it is, and the layout is recorded per buffer (the buffer
  * table below) for the next op. An op that needs NCHW (dense after
@@ -85,8 +88,14 @@ static int layout_equal(const act_layout *a, const act_layout *b) {
   return a->blk == b->blk && a->n == b->n && a->c == b->c && a->h == b->h && a->w == b->w;
 }
 
-/* The block an activation of c channels is held in when it can be. */
-static int pick_blk(int c) { return c % 16 == 0 ? 16 : c % 8 == 0 ? 8 : 1; }
+/* The block an activation of c channels is held in when it can be: the
+ * widest that oneDNN's JIT convolutions take on this CPU (max_blk: 16 on
+ * AVX-512, 8 on AVX2 and SSE4.1, whose kernels have no nChw16c form: there
+ * a 16-block layout would leave oneDNN only its reference convolution,
+ * hundreds of times slower). */
+static int pick_blk(int max_blk, int c) {
+  return max_blk >= 16 && c % 16 == 0 ? 16 : c % 8 == 0 ? 8 : 1;
+}
 
 static dnnl_format_tag_t blk_tag(int blk) {
   return blk == 16 ? dnnl_nChw16c : blk == 8 ? dnnl_nChw8c : dnnl_nchw;
@@ -127,6 +136,9 @@ typedef struct {
   int w_plain;               /* md_w is the caller's layout */
   dnnl_primitive_t w_reorder; /* caller's -> md_w, or md_w -> caller's (backward weights) */
   float *w_buf;              /* md_w's bytes when !w_plain */
+  int ref;                   /* oneDNN's reference implementation (see note_impl) */
+  int ref_counted;
+  char what[40];             /* "convolution forward", ... */
 } prim_entry;
 
 enum { N_SCRATCH = 4 };
@@ -145,6 +157,9 @@ typedef struct {
   void *scratch[N_SCRATCH];
   size_t scratch_bytes[N_SCRATCH];
   double marks[PS_MARKS]; /* mark's host clock, seconds (0: not recorded) */
+  int max_blk;            /* 16 or 8: see pick_blk */
+  int ref_impls;          /* primitives for which oneDNN had only a reference implementation */
+  char first_ref[160];    /* the first of them: "convolution backward_data: ref:any" */
 } dnnl_backend;
 
 /* Every op starts here: the calling thread's OpenMP team size (an OpenMP
@@ -430,6 +445,29 @@ static dnnl_primitive_desc_t conv_fwd_pd(dnnl_backend *be, const conv_mds *m) {
   return pd;
 }
 
+/* Whether oneDNN found only its reference implementation for pd (plain
+ * loops: correct, but hundreds of times slower than the JIT kernels this
+ * backend is for). */
+static int is_ref_impl(const_dnnl_primitive_desc_t pd) {
+  const char *impl = NULL;
+  return dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &impl) == dnnl_success &&
+         impl && strncmp(impl, "ref", 3) == 0;
+}
+
+/* A reference-implementation primitive is about to run: counted once per
+ * primitive, and said once on stderr. */
+static void using_ref(dnnl_backend *be, prim_entry *e) {
+  if (!e->ref || e->ref_counted) return;
+  e->ref_counted = 1;
+  if (be->ref_impls++ == 0) {
+    snprintf(be->first_ref, sizeof be->first_ref, "%s: ref", e->what);
+    fprintf(stderr,
+            "ps-worker: warning: oneDNN has only its reference implementation for a %s of this "
+            "shape on this CPU: slow; --device cpu-ref may be faster\n",
+            e->what);
+  }
+}
+
 static prim_entry *conv_prim(dnnl_backend *be, int kind, const ps_conv_shape *s, int src_blk,
                              int dst_blk, const conv_mds *m) {
   const prim_key key = conv_key(kind, s, src_blk, dst_blk);
@@ -450,6 +488,11 @@ static prim_entry *conv_prim(dnnl_backend *be, int kind, const ps_conv_shape *s,
   }
   e = prim_add(be, &key);
   e->prim = make_prim(pd);
+  e->ref = is_ref_impl(pd);
+  snprintf(e->what, sizeof e->what, "%s",
+           kind == P_CONV_FWD       ? "convolution forward"
+           : kind == P_CONV_BWD_DATA ? "convolution backward_data"
+                                     : "convolution backward_weights");
   keep_weights(be, e, pd, kind == P_CONV_BWD_W ? dnnl_query_diff_weights_md : dnnl_query_weights_md,
                &m->wt, kind != P_CONV_BWD_W);
   if (pd != fwd) dnnl_primitive_desc_destroy(pd);
@@ -472,20 +515,69 @@ static size_t dn_conv2d_workspace(void *ctx, const ps_conv_shape *s) {
   return 0;
 }
 
+/* Blocks of a convolution's two activation sides: a, its input side (src,
+ * diff_src), and b, its output side (dst, diff_dst). */
+typedef struct {
+  int a, b;
+} blk_pair;
+
+/* The first of n candidate pairs for which oneDNN has a JIT kernel of
+ * `kind` on this CPU (m set for it, its index in *chosen); if none has,
+ * the first pair's, which is then oneDNN's reference (counted). Layouts
+ * that mix NCHW and blocks, or 16-blocks on AVX2, can leave oneDNN
+ * nothing but its reference loops, hundreds of times slower: callers list
+ * the layouts the operands are in first, then ones they can be reordered
+ * to or written in. */
+static prim_entry *conv_choose(dnnl_backend *be, int kind, const ps_conv_shape *s,
+                               const blk_pair *cands, int n, conv_mds *m, int *chosen) {
+  for (int i = 0; i < n; i++) {
+    int seen = 0;
+    for (int j = 0; j < i; j++) seen |= cands[j].a == cands[i].a && cands[j].b == cands[i].b;
+    if (seen) continue;
+    conv_mds_init(m, s, cands[i].a, cands[i].b);
+    prim_entry *e = conv_prim(be, kind, s, cands[i].a, cands[i].b, m);
+    if (!e->ref) {
+      *chosen = i;
+      return e;
+    }
+  }
+  conv_mds_init(m, s, cands[0].a, cands[0].b);
+  prim_entry *e = conv_prim(be, kind, s, cands[0].a, cands[0].b, m);
+  using_ref(be, e);
+  *chosen = 0;
+  return e;
+}
+
+/* p, an activation (n, c, h, w) held in block `have`, in block `want`:
+ * p itself, or a copy in scratch slot. */
+static const float *act_in(dnnl_backend *be, const float *p, int have, int want, int n, int c,
+                           int h, int w, int slot) {
+  if (have == want) return p;
+  const act_layout from = {have, n, c, h, w, 0};
+  float *q = scratch(be, slot, layout_elems(&from) * sizeof(float));
+  reorder(be, p, &from, q, want);
+  return q;
+}
+
 static void dn_conv2d_forward(void *ctx, const ps_conv_shape *s, const float *x, const float *w,
                               const float *b, float *y, float *work) {
   (void)work;
   dnnl_backend *be = enter(ctx);
   if (s->n == 0 || s->oc == 0 || s->oh == 0 || s->ow == 0) return;
-  const act_layout out = {pick_blk(s->oc), s->n, s->oc, s->oh, s->ow, 0};
-  const int dst_blk = buf_taggable(be, y, layout_elems(&out) * 4) ? out.blk : 1;
-  const int src_blk = view_blk(be, x, s->n, s->c, s->h, s->w);
+  const act_layout out = {pick_blk(be->max_blk, s->oc), s->n, s->oc, s->oh, s->ow, 0};
+  const int y_blk = buf_taggable(be, y, layout_elems(&out) * 4) ? out.blk : 1;
+  const int x_blk = view_blk(be, x, s->n, s->c, s->h, s->w);
+  const blk_pair cands[] = {{x_blk, y_blk},
+                            {pick_blk(be->max_blk, s->c), y_blk},
+                            {x_blk, 1},
+                            {1, 1}};
   conv_mds m;
-  conv_mds_init(&m, s, src_blk, dst_blk);
-  prim_entry *e = conv_prim(be, P_CONV_FWD, s, src_blk, dst_blk, &m);
+  int k;
+  prim_entry *e = conv_choose(be, P_CONV_FWD, s, cands, 4, &m, &k);
+  const float *xp = act_in(be, x, x_blk, cands[k].a, s->n, s->c, s->h, s->w, 0);
   const float *wp = weights_in(be, e, &m, w);
-  write_act(be, y, dst_blk, s->n, s->oc, s->oh, s->ow, 0);
-  const exec_arg args[] = {{DNNL_ARG_SRC, &m.src, x}, {DNNL_ARG_WEIGHTS, &e->md_w, wp},
+  write_act(be, y, cands[k].b, s->n, s->oc, s->oh, s->ow, 0);
+  const exec_arg args[] = {{DNNL_ARG_SRC, &m.src, xp}, {DNNL_ARG_WEIGHTS, &e->md_w, wp},
                            {DNNL_ARG_BIAS, &m.bias, b}, {DNNL_ARG_DST, &m.dst, y}};
   run_prim(be, e->prim, 4, args);
 }
@@ -509,13 +601,20 @@ static void dn_conv2d_backward(void *ctx, const ps_conv_shape *s, const float *x
   }
   const int dy_blk = view_blk(be, dy, s->n, s->oc, s->oh, s->ow);
   const int x_blk = view_blk(be, x, s->n, s->c, s->h, s->w);
+  const int c_blk = pick_blk(be->max_blk, s->c), oc_blk = pick_blk(be->max_blk, s->oc);
+  /* Weights: x and dy as they are, both in their own blocks, or NCHW (the
+   * only form with a kernel for a first convolution's few input channels
+   * on AVX2: oneDNN's gemm convolution). */
+  const blk_pair wc[] = {{x_blk, dy_blk}, {c_blk, oc_blk}, {x_blk, 1}, {1, 1}};
   conv_mds m;
-  conv_mds_init(&m, s, x_blk, dy_blk);
-  prim_entry *e = conv_prim(be, P_CONV_BWD_W, s, x_blk, dy_blk, &m);
+  int k;
+  prim_entry *e = conv_choose(be, P_CONV_BWD_W, s, wc, 4, &m, &k);
+  const float *xp = act_in(be, x, x_blk, wc[k].a, s->n, s->c, s->h, s->w, 0);
+  const float *dyp = act_in(be, dy, dy_blk, wc[k].b, s->n, s->oc, s->oh, s->ow, 1);
   float *dwp = e->w_plain ? dw : e->w_buf;
   write_plain(be, dw, nw);
   write_plain(be, db, (size_t)s->oc);
-  const exec_arg args[] = {{DNNL_ARG_SRC, &m.src, x}, {DNNL_ARG_DIFF_DST, &m.dst, dy},
+  const exec_arg args[] = {{DNNL_ARG_SRC, &m.src, xp}, {DNNL_ARG_DIFF_DST, &m.dst, dyp},
                            {DNNL_ARG_DIFF_WEIGHTS, &e->md_w, dwp},
                            {DNNL_ARG_DIFF_BIAS, &m.bias, db}};
   run_prim(be, e->prim, 4, args);
@@ -524,14 +623,16 @@ static void dn_conv2d_backward(void *ctx, const ps_conv_shape *s, const float *x
     run_prim(be, e->w_reorder, 2, back);
   }
   if (!dx) return;
-  const act_layout in = {pick_blk(s->c), s->n, s->c, s->h, s->w, 0};
+  const act_layout in = {c_blk, s->n, s->c, s->h, s->w, 0};
   const int dx_blk = buf_taggable(be, dx, layout_elems(&in) * 4) ? in.blk : 1;
+  /* Data: dy as it is or in its own block; dx blocked where it can be. */
+  const blk_pair dc[] = {{dx_blk, dy_blk}, {dx_blk, oc_blk}, {1, dy_blk}, {1, 1}};
   conv_mds md;
-  conv_mds_init(&md, s, dx_blk, dy_blk);
-  prim_entry *ed = conv_prim(be, P_CONV_BWD_DATA, s, dx_blk, dy_blk, &md);
+  prim_entry *ed = conv_choose(be, P_CONV_BWD_DATA, s, dc, 4, &md, &k);
+  const float *dyd = act_in(be, dy, dy_blk, dc[k].b, s->n, s->oc, s->oh, s->ow, 1);
   const float *wp = weights_in(be, ed, &md, w);
-  write_act(be, dx, dx_blk, s->n, s->c, s->h, s->w, 0);
-  const exec_arg dargs[] = {{DNNL_ARG_DIFF_DST, &md.dst, dy}, {DNNL_ARG_WEIGHTS, &ed->md_w, wp},
+  write_act(be, dx, dc[k].a, s->n, s->c, s->h, s->w, 0);
+  const exec_arg dargs[] = {{DNNL_ARG_DIFF_DST, &md.dst, dyd}, {DNNL_ARG_WEIGHTS, &ed->md_w, wp},
                             {DNNL_ARG_DIFF_SRC, &md.src, dx}};
   run_prim(be, ed->prim, 3, dargs);
 }
@@ -821,7 +922,7 @@ static void avg_backward(const ps_pool_shape *s, int blk, const float *dy, float
 
 /* The block a gradient of (n, c, h, w) is written in at dx. */
 static int grad_blk(dnnl_backend *be, const void *dx, int n, int c, int h, int w) {
-  const act_layout lay = {pick_blk(c), n, c, h, w, 0};
+  const act_layout lay = {pick_blk(be->max_blk, c), n, c, h, w, 0};
   return buf_taggable(be, dx, layout_elems(&lay) * sizeof(float)) ? lay.blk : 1;
 }
 
@@ -1337,6 +1438,14 @@ static void dn_destroy(ps_ops *ops) {
   if (ops) dn_free_all(ops->ctx);
 }
 
+int ps_ops_dnnl_ref_impls(const ps_ops *ops, char *first, size_t len) {
+  const dnnl_backend *be = ops->ctx;
+  if (first && len) snprintf(first, len, "%s", be->first_ref);
+  return be->ref_impls;
+}
+
+int ps_ops_dnnl_block(const ps_ops *ops) { return ((const dnnl_backend *)ops->ctx)->max_blk; }
+
 void ps_dnnl_version(char *buf, size_t len) {
   const dnnl_version_t *v = dnnl_version();
   snprintf(buf, len, "%d.%d.%d", v->major, v->minor, v->patch);
@@ -1346,6 +1455,12 @@ ps_ops *ps_ops_dnnl_create(int threads) {
   dnnl_backend *be = calloc(1, sizeof *be);
   if (!be) return NULL;
   be->nthreads = threads > 0 ? threads : 0;
+  /* 16-channel blocks where the JIT kernels have them (AVX-512), else 8;
+   * PS_DNNL_BLOCK=8 forces 8 (tests run both forms on such a machine). */
+  dnnl_cpu_isa_t isa = dnnl_get_effective_cpu_isa();
+  be->max_blk = (isa & dnnl_cpu_isa_avx512_core) == dnnl_cpu_isa_avx512_core ? 16 : 8;
+  const char *force = getenv("PS_DNNL_BLOCK");
+  if (force && !strcmp(force, "8")) be->max_blk = 8;
   /* Each of the team's threads calls sgemm on its own part. */
   if (threads > 0) openblas_set_num_threads(1);
   if (dnnl_engine_create(&be->eng, dnnl_cpu, 0) != dnnl_success ||

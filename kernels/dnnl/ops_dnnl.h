@@ -40,6 +40,16 @@
  * backend is used by one thread at a time. */
 ps_ops *ps_ops_dnnl_create(int threads);
 
+/* How many primitives this backend made for which oneDNN had only its
+ * reference implementation (each is also said once on stderr), and the
+ * first of them in first (e.g. "convolution forward: ref:any"). 0 where
+ * every convolution runs on a JIT kernel, as it should. */
+int ps_ops_dnnl_ref_impls(const ps_ops *ops, char *first, size_t len);
+
+/* The widest channel block activations are held in: 16 (AVX-512), or 8
+ * (AVX2 and older, or PS_DNNL_BLOCK=8 in the environment). */
+int ps_ops_dnnl_block(const ps_ops *ops);
+
 /* "2.6.3": the version of the oneDNN library loaded, into buf. */
 void ps_dnnl_version(char *buf, size_t len);
 
