@@ -1078,7 +1078,9 @@ static size_t consistent_groups(const ckpt_list *l, size_t first, size_t count, 
                                .first = first, .count = count, .complete = 1, .time_ms = t};
   }
   /* The newest file of each shard, when every shard has one and all carry
-   * the same cut record (files without one, format 1, never match). */
+   * the same cut record (files without one, format 1, never match); a
+   * single shard's file is one moment by itself (ps-import-keras writes
+   * one without a cut record). */
   int shards = 0, equal = 1, same_set = 1;
   int64_t t = INT64_MAX;
   const ckpt_entry *head = NULL;
@@ -1090,7 +1092,8 @@ static size_t consistent_groups(const ckpt_list *l, size_t first, size_t count, 
     same_set &= v[b].set_id == head->set_id && head->set_id != 0;
     if (v[b].written_ms < t) t = v[b].written_ms;
   }
-  if (shards == num_shards && equal && !same_set && head && head->cut_len > 0)
+  if (shards == num_shards && !same_set && head &&
+      (num_shards == 1 || (equal && head->cut_len > 0)))
     sets[added++] = (ckpt_set){.kind = GROUP_NEWEST, .num_shards = num_shards, .first = first,
                                .count = count, .complete = 1, .time_ms = t};
   return added;

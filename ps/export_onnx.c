@@ -23,6 +23,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "../common/atomic_file.h"
 #include "../common/util.h"
 #include "proto/onnx.pb-c.h"
 
@@ -551,43 +552,27 @@ static int build_model(onnx_graph *g, const ps_onnx_meta *meta, Onnx__ModelProto
 
 /* ---------------------------------------------------------------- file */
 
-static int write_all(int fd, const void *buf, size_t len) {
-  const uint8_t *p = buf;
-  while (len > 0) {
-    ssize_t n = write(fd, p, len);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return errno;
-    }
-    p += n;
-    len -= (size_t)n;
-  }
-  return 0;
-}
-
-/* protobuf-c's output as a buffered writer to a file descriptor: small
- * pieces (tags, names) are gathered, large ones (raw_data) go straight
- * through. The first failure's errno is kept; later appends do nothing. */
+/* protobuf-c's output as a buffered writer into an atomically replaced
+ * file: small pieces (tags, names) are gathered, large ones (raw_data) go
+ * straight through; a failure is kept by the file and reported at commit. */
 typedef struct {
   ProtobufCBuffer base; /* first: protobuf-c passes &base */
-  int fd;
-  int error;
+  ps_atomic_file *file;
   size_t used;
   uint8_t buf[1 << 16];
 } file_sink;
 
 static void sink_flush(file_sink *s) {
-  if (!s->error && s->used) s->error = write_all(s->fd, s->buf, s->used);
+  if (s->used) ps_atomic_write(s->file, s->buf, s->used);
   s->used = 0;
 }
 
 static void sink_append(ProtobufCBuffer *b, size_t len, const uint8_t *data) {
   file_sink *s = (file_sink *)b;
-  if (s->error) return;
   if (len > sizeof s->buf - s->used) {
     sink_flush(s);
     if (len >= sizeof s->buf) {
-      if (!s->error) s->error = write_all(s->fd, data, len);
+      ps_atomic_write(s->file, data, len);
       return;
     }
   }
@@ -595,89 +580,32 @@ static void sink_append(ProtobufCBuffer *b, size_t len, const uint8_t *data) {
   s->used += len;
 }
 
-static int fsync_dir_of(const char *path, char *err) {
-  const char *slash = strrchr(path, '/');
-  char dir[PATH_MAX];
-  if (!slash)
-    snprintf(dir, sizeof dir, ".");
-  else if (slash == path)
-    snprintf(dir, sizeof dir, "/");
-  else
-    snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path);
-  int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0)
-    return ps_seterr(err, PS_EIO, "wrote '%s' but cannot open its directory to sync it: %s", path,
-                     strerror(errno));
-  int rc = 0;
-  if (fsync(fd) != 0 && errno != EINVAL) /* some file systems cannot sync a directory */
-    rc = ps_seterr(err, PS_EIO, "wrote '%s' but cannot sync its directory: %s", path,
-                   strerror(errno));
-  close(fd);
-  return rc;
-}
-
 /* Packs model into a temporary file next to path, then renames it over
  * path. On error path is as it was and the temporary file is gone. */
 static int write_model(const Onnx__ModelProto *model, const char *path, uint64_t *bytes,
                        char *err) {
-  char final_path[PATH_MAX], tmp[PATH_MAX + 40];
   struct stat st;
-  if (!path[0]) return ps_seterr(err, PS_EINVAL, "the path of the ONNX file is empty");
-  if (stat(path, &st) == 0) {
-    if (S_ISDIR(st.st_mode))
-      return ps_seterr(err, PS_EINVAL,
-                       "'%s' is a directory: --format onnx writes one file; name "
-                       "it (e.g. %s/model.onnx)",
-                       path, path);
-    if (!S_ISREG(st.st_mode))
-      return ps_seterr(err, PS_EINVAL, "'%s' exists and is not a regular file", path);
-  }
-  /* Replace what a symbolic link names, not the link. */
-  if (!realpath(path, final_path)) {
-    if (strlen(path) >= sizeof final_path)
-      return ps_seterr(err, PS_EINVAL, "the path '%s' is too long", path);
-    snprintf(final_path, sizeof final_path, "%s", path);
-  }
-  const char *slash = strrchr(final_path, '/');
-  int dir_len = slash ? (int)(slash - final_path + 1) : 0;
-  int n = snprintf(tmp, sizeof tmp, "%.*s.%s.tmp-%ld", dir_len, final_path, final_path + dir_len,
-                   (long)getpid());
-  if (n < 0 || (size_t)n >= sizeof tmp)
-    return ps_seterr(err, PS_EINVAL, "the path '%s' is too long", path);
-  /* The name holds this process's id: a file there is a dead process's. */
-  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0666);
-  if (fd < 0) {
-    int e = errno;
-    if (dir_len > 0)
-      return ps_seterr(err, PS_EIO, "cannot create a file in '%.*s': %s", dir_len - 1, final_path,
-                       strerror(e));
-    return ps_seterr(err, PS_EIO, "cannot create '%s': %s", tmp, strerror(e));
-  }
+  if (path[0] && stat(path, &st) == 0 && S_ISDIR(st.st_mode))
+    return ps_seterr(err, PS_EINVAL,
+                     "'%.200s' is a directory: --format onnx writes one file; name it (e.g. "
+                     "%.200s/model.onnx)",
+                     path, path);
+  ps_atomic_file f;
+  int rc = ps_atomic_open(&f, path, err);
+  if (rc) return rc;
   file_sink *sink = calloc(1, sizeof *sink);
   if (!sink) {
-    close(fd);
-    unlink(tmp);
+    ps_atomic_abort(&f);
     return ps_seterr(err, PS_ENOMEM, "out of memory");
   }
   sink->base.append = sink_append;
-  sink->fd = fd;
+  sink->file = &f;
   size_t packed = protobuf_c_message_pack_to_buffer(&model->base, &sink->base);
   sink_flush(sink);
-  int e = sink->error;
   free(sink);
-  const char *what = "write";
-  if (!e && fsync(fd) != 0) e = errno, what = "sync";
-  if (close(fd) != 0 && !e) e = errno, what = "close";
-  if (!e && rename(tmp, final_path) != 0) e = errno, what = "rename the new file to";
-  if (e) {
-    unlink(tmp);
-    return ps_seterr(err, PS_EIO,
-                     "cannot %s '%s': %s (the temporary file is removed; '%s' is as "
-                     "it was)",
-                     what, strcmp(what, "rename the new file to") ? tmp : path, strerror(e), path);
-  }
-  if (bytes) *bytes = packed;
-  return fsync_dir_of(final_path, err);
+  rc = ps_atomic_commit(&f, err);
+  if (rc == 0 && bytes) *bytes = packed;
+  return rc;
 }
 
 int ps_onnx_export(const ps_model_spec *spec, const float *params, const ps_onnx_meta *meta,

@@ -1061,6 +1061,18 @@ static void test_consistent_groups(void) {
   ns.n = 0;
   CHECK(load_equals(&src, &e, &info));
   CHECK(info.consistent == 0 && has_note_at(&ns, PS_LOG_WARN, "different moments", NULL));
+  /* One shard's file written alone, without a cut record (a starting
+   * checkpoint from ps-import-keras): one moment by itself, no warning. */
+  char dir4[512];
+  fresh_dir(dir4, sizeof dir4, "groups-one");
+  src.dir = dir4;
+  write_set_shard(dir4, &f, "job-a", 0, 1, 0, 0, NULL, NULL);
+  ns.n = 0;
+  CHECK(load_equals(&src, &f, &info));
+  CHECK_MSG(info.consistent == 1 && info.files_used == 1 && info.version == 0 &&
+                !has_note_at(&ns, PS_LOG_WARN, "different moments", NULL),
+            "consistent %d files %d", info.consistent, info.files_used);
+  src.dir = dir2;
 
   model_free(&want);
   model_free(&e);

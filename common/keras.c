@@ -1,0 +1,683 @@
+/* Keras model JSON to model spec; see keras.h. */
+#include "keras.h"
+
+#include <jansson.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "model_spec.h"
+#include "util.h"
+
+#define MAX_KERAS_LAYERS 512
+
+typedef struct {
+  const char *cls;    /* class_name */
+  const char *name;   /* the layer's name */
+  json_t *cfg;        /* config */
+  int n_in;           /* inbound tensors of its one call (0 for an input) */
+  const char *in[2];  /* the layers they come from (the first two) */
+  int n_calls;        /* how many times the layer is called */
+} klayer;
+
+/* A layer with weights, in the order of Keras's model.get_weights(). */
+typedef struct {
+  int dense;          /* 0: Conv2D, 1: Dense */
+  int k, ic, oc;      /* Conv2D: kernel, input channels, filters */
+  int in, units;      /* Dense: input features, units */
+  int fh, fw, fc;     /* Dense after a Flatten of an (fh, fw, fc) input: 0 if none */
+  const char *name;
+} kweights;
+
+typedef struct {
+  json_t *layers; /* the spec's "layers" */
+  kweights *plan; /* NULL: not wanted */
+  int n_plan;
+  int fh, fw, fc; /* the spatial shape the current flat features came from */
+  int c, h, w;    /* the current activation, channels first */
+  int flat;       /* after Flatten, GlobalAveragePooling2D or Dense */
+  int have_dense, after_dense, dense_units, softmax;
+  const char *last_name, *last_cls, *dense_name;
+  const char *dense_act; /* the last Dense's activation */
+  char *notes;
+  size_t notes_len;
+} xlate;
+
+static int lerr(char *err, const klayer *L, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static int lerr(char *err, const klayer *L, const char *fmt, ...) {
+  char what[PS_ERRLEN];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(what, sizeof what, fmt, ap);
+  va_end(ap);
+  return ps_seterr(err, PS_EINVAL, "keras: layer '%.48s' (%.32s): %.160s", L->name, L->cls, what);
+}
+
+static void note(xlate *x, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void note(xlate *x, const char *fmt, ...) {
+  if (!x->notes || x->notes_len == 0) return;
+  size_t used = strlen(x->notes);
+  if (used + 1 >= x->notes_len) return;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(x->notes + used, x->notes_len - used, fmt, ap);
+  va_end(ap);
+  used = strlen(x->notes);
+  if (used + 1 < x->notes_len) {
+    x->notes[used] = '\n';
+    x->notes[used + 1] = '\0';
+  }
+}
+
+static const char *str_field(json_t *obj, const char *key) {
+  json_t *v = json_object_get(obj, key);
+  return json_is_string(v) ? json_string_value(v) : NULL;
+}
+
+static int is_null(json_t *obj, const char *key) {
+  json_t *v = json_object_get(obj, key);
+  return v == NULL || json_is_null(v);
+}
+
+/* An int, or a pair [a, b] (Keras writes tuples as lists). */
+static int int_pair(json_t *cfg, const char *key, int *a, int *b) {
+  json_t *v = json_object_get(cfg, key);
+  if (json_is_integer(v)) {
+    *a = *b = (int)json_integer_value(v);
+    return 0;
+  }
+  if (json_is_array(v) && json_array_size(v) == 2 && json_is_integer(json_array_get(v, 0)) &&
+      json_is_integer(json_array_get(v, 1))) {
+    *a = (int)json_integer_value(json_array_get(v, 0));
+    *b = (int)json_integer_value(json_array_get(v, 1));
+    return 0;
+  }
+  return -1;
+}
+
+/* The layer a Keras 3 tensor reference ({"class_name": "__keras_tensor__",
+ * "config": {"keras_history": [name, node, index]}}) or a tf_keras one
+ * ([name, node, index, kwargs]) comes from; NULL if it is neither. */
+static const char *tensor_source(json_t *t) {
+  if (json_is_array(t) && json_array_size(t) >= 3 && json_is_string(json_array_get(t, 0)))
+    return json_string_value(json_array_get(t, 0));
+  if (json_is_object(t)) {
+    json_t *h = json_object_get(json_object_get(t, "config"), "keras_history");
+    if (json_is_array(h) && json_array_size(h) >= 1 && json_is_string(json_array_get(h, 0)))
+      return json_string_value(json_array_get(h, 0));
+  }
+  return NULL;
+}
+
+static void add_input(klayer *L, const char *src) {
+  if (L->n_in < 2) L->in[L->n_in] = src;
+  L->n_in++;
+}
+
+/* The inputs of a functional model's layer from its inbound_nodes. */
+static int read_inbound(klayer *L, json_t *nodes, char *err) {
+  if (nodes == NULL || json_is_null(nodes)) return 0;
+  if (!json_is_array(nodes)) return lerr(err, L, "'inbound_nodes' is not a list");
+  L->n_calls = (int)json_array_size(nodes);
+  if (L->n_calls > 1)
+    return lerr(err, L, "called %d times: shared layers are not supported", L->n_calls);
+  if (L->n_calls == 0) return 0;
+  json_t *node = json_array_get(nodes, 0);
+  json_t *args = node;
+  if (json_is_object(node)) { /* Keras 3: {"args": [tensor or [tensors]], "kwargs": {}} */
+    args = json_object_get(node, "args");
+    if (!json_is_array(args) || json_array_size(args) == 0)
+      return lerr(err, L, "an inbound node without 'args'");
+    json_t *first = json_array_get(args, 0);
+    if (json_is_array(first)) args = first;
+    else if (json_array_size(args) > 1)
+      return lerr(err, L, "called with %zu positional arguments", json_array_size(args));
+  }
+  if (!json_is_array(args)) return lerr(err, L, "an inbound node is not a list");
+  size_t i;
+  json_t *t;
+  json_array_foreach(args, i, t) {
+    const char *src = tensor_source(t);
+    if (!src) return lerr(err, L, "inbound tensor %zu names no layer", i);
+    add_input(L, src);
+  }
+  return 0;
+}
+
+/* [null, H, W, C] into the current shape. */
+static int set_input_shape(xlate *x, const klayer *L, json_t *shape, char *err) {
+  if (!json_is_array(shape)) return lerr(err, L, "no input shape");
+  size_t n = json_array_size(shape);
+  if (n != 4)
+    return lerr(err, L,
+                "input shape of %zu dimensions: images (batch, height, width, channels) only",
+                n);
+  int d[3];
+  for (size_t i = 1; i < 4; i++) {
+    json_t *v = json_array_get(shape, i);
+    if (!json_is_integer(v) || json_integer_value(v) < 1 || json_integer_value(v) > 65536)
+      return lerr(err, L, "input dimension %zu is not a positive size (sizes must be fixed)", i);
+    d[i - 1] = (int)json_integer_value(v);
+  }
+  x->h = d[0];
+  x->w = d[1];
+  x->c = d[2];
+  x->flat = 0;
+  return 0;
+}
+
+static json_t *input_shape_of(json_t *cfg) {
+  json_t *s = json_object_get(cfg, "batch_input_shape");
+  if (!s) s = json_object_get(cfg, "batch_shape");
+  return s;
+}
+
+static int check_channels_last(const klayer *L, char *err) {
+  const char *df = str_field(L->cfg, "data_format");
+  if (df && strcmp(df, "channels_last") != 0)
+    return lerr(err, L, "data_format '%.24s': only channels_last is supported", df);
+  return 0;
+}
+
+static int check_plain(const klayer *L, char *err) {
+  json_t *tr = json_object_get(L->cfg, "trainable");
+  if (json_is_false(tr)) return lerr(err, L, "trainable false: frozen layers are not supported");
+  static const char *const regs[] = {"kernel_regularizer", "bias_regularizer",
+                                     "activity_regularizer", "kernel_constraint",
+                                     "bias_constraint"};
+  for (size_t i = 0; i < sizeof regs / sizeof regs[0]; i++)
+    if (!is_null(L->cfg, regs[i])) return lerr(err, L, "%s is set: not supported", regs[i]);
+  return 0;
+}
+
+static int emit(xlate *x, const klayer *L, json_t *layer, char *err) {
+  if (!layer || json_array_append_new(x->layers, layer))
+    return ps_seterr(err, PS_ENOMEM, "keras: out of memory at layer '%.48s'", L->name);
+  return 0;
+}
+
+/* An activation (of a layer or an Activation layer). */
+static int activation(xlate *x, const klayer *L, const char *act, char *err) {
+  if (!act || !strcmp(act, "linear")) return 0;
+  if (!strcmp(act, "relu")) return emit(x, L, json_pack("{s:s}", "type", "relu"), err);
+  if (!strcmp(act, "softmax")) {
+    x->softmax = 1;
+    return 0;
+  }
+  return lerr(err, L, "activation '%.32s' is not supported (relu, softmax and linear are)", act);
+}
+
+/* Keras's "same" padding of one dimension: the output size and the padding
+ * before and after (TensorFlow puts an odd extra one after). */
+static void same_padding(int in, int k, int s, int *out, int *before, int *after) {
+  *out = (in + s - 1) / s;
+  int total = (*out - 1) * s + k - in;
+  if (total < 0) total = 0;
+  *before = total / 2;
+  *after = total - *before;
+}
+
+static int conv2d(xlate *x, const klayer *L, char *err) {
+  int rc, kh, kw, sh, sw, dh = 1, dw = 1;
+  if ((rc = check_channels_last(L, err)) || (rc = check_plain(L, err))) return rc;
+  if (x->flat) return lerr(err, L, "a convolution after Flatten or Dense");
+  json_t *f = json_object_get(L->cfg, "filters");
+  if (!json_is_integer(f) || json_integer_value(f) < 1 || json_integer_value(f) > 65536)
+    return lerr(err, L, "'filters' is not a positive integer");
+  if (int_pair(L->cfg, "kernel_size", &kh, &kw)) return lerr(err, L, "no 'kernel_size'");
+  if (kh != kw) return lerr(err, L, "kernel %dx%d: only square kernels are supported", kh, kw);
+  if (int_pair(L->cfg, "strides", &sh, &sw)) sh = sw = 1;
+  if (sh != sw || sh < 1) return lerr(err, L, "strides (%d, %d): equal strides only", sh, sw);
+  if (json_object_get(L->cfg, "dilation_rate") && int_pair(L->cfg, "dilation_rate", &dh, &dw))
+    return lerr(err, L, "bad 'dilation_rate'");
+  if (dh != 1 || dw != 1) return lerr(err, L, "dilation_rate (%d, %d): not supported", dh, dw);
+  json_t *g = json_object_get(L->cfg, "groups");
+  if (g && !(json_is_integer(g) && json_integer_value(g) == 1))
+    return lerr(err, L, "groups other than 1: not supported");
+  if (json_is_false(json_object_get(L->cfg, "use_bias")))
+    return lerr(err, L, "use_bias false: every conv2d here has a bias");
+  const char *pad = str_field(L->cfg, "padding");
+  if (!pad) pad = "valid";
+  int oh, ow;
+  if (!strcmp(pad, "valid")) {
+    if (x->h < kh || x->w < kw)
+      return lerr(err, L, "kernel %d larger than its %dx%d input", kh, x->h, x->w);
+    oh = (x->h - kh) / sh + 1;
+    ow = (x->w - kw) / sw + 1;
+  } else if (!strcmp(pad, "same")) {
+    int bh, ah, bw, aw;
+    same_padding(x->h, kh, sh, &oh, &bh, &ah);
+    same_padding(x->w, kw, sw, &ow, &bw, &aw);
+    /* Here "same" pads kernel/2 on every side. */
+    if (bh != kh / 2 || ah != kh / 2 || bw != kw / 2 || aw != kw / 2)
+      return lerr(err, L,
+                  "padding 'same' on a %dx%d input pads %d before and %d after here (kernel %d, "
+                  "stride %d): only even padding is supported; use 'valid' or another size",
+                  x->h, x->w, bh, ah, kh, sh);
+  } else {
+    return lerr(err, L, "padding '%.16s' is not supported", pad);
+  }
+  if ((rc = emit(x, L,
+                 json_pack("{s:s,s:I,s:i,s:i,s:s}", "type", "conv2d", "filters",
+                           json_integer_value(f), "kernel", kh, "stride", sh, "padding", pad),
+                 err)))
+    return rc;
+  if (x->plan && x->n_plan < MAX_KERAS_LAYERS)
+    x->plan[x->n_plan++] = (kweights){.k = kh, .ic = x->c, .oc = (int)json_integer_value(f),
+                                      .name = L->name};
+  x->c = (int)json_integer_value(f);
+  x->h = oh;
+  x->w = ow;
+  x->after_dense = 1;
+  return activation(x, L, str_field(L->cfg, "activation"), err);
+}
+
+static int dense(xlate *x, const klayer *L, char *err) {
+  int rc;
+  if ((rc = check_plain(L, err))) return rc;
+  if (!x->flat && (x->h > 1 || x->w > 1))
+    return lerr(err, L,
+                "Dense on a %dx%dx%d input acts on each position: put Flatten or "
+                "GlobalAveragePooling2D before it",
+                x->h, x->w, x->c);
+  json_t *u = json_object_get(L->cfg, "units");
+  if (!json_is_integer(u) || json_integer_value(u) < 1 || json_integer_value(u) > (1 << 24))
+    return lerr(err, L, "'units' is not a positive integer");
+  if (json_is_false(json_object_get(L->cfg, "use_bias")))
+    return lerr(err, L, "use_bias false: every dense layer here has a bias");
+  if ((rc = emit(x, L, json_pack("{s:s,s:I}", "type", "dense", "units", json_integer_value(u)),
+                 err)))
+    return rc;
+  if (x->plan && x->n_plan < MAX_KERAS_LAYERS) {
+    kweights kw = {.dense = 1, .in = x->c * x->h * x->w, .units = (int)json_integer_value(u),
+                   .name = L->name};
+    if (x->flat && x->fh * x->fw > 1) {
+      kw.fh = x->fh;
+      kw.fw = x->fw;
+      kw.fc = x->fc;
+    }
+    x->plan[x->n_plan++] = kw;
+  }
+  x->c = (int)json_integer_value(u);
+  x->h = x->w = 1;
+  x->fh = x->fw = x->fc = 0;
+  x->flat = 1;
+  x->have_dense = 1;
+  x->after_dense = 0;
+  x->dense_units = x->c;
+  x->dense_name = L->name;
+  x->dense_act = str_field(L->cfg, "activation");
+  return activation(x, L, x->dense_act, err);
+}
+
+static int pooling(xlate *x, const klayer *L, const char *type, char *err) {
+  int rc, ph, pw, sh, sw;
+  if ((rc = check_channels_last(L, err))) return rc;
+  if (x->flat) return lerr(err, L, "pooling after Flatten or Dense");
+  if (int_pair(L->cfg, "pool_size", &ph, &pw)) return lerr(err, L, "no 'pool_size'");
+  if (ph != pw || ph < 1) return lerr(err, L, "pool %dx%d: only square windows are supported", ph, pw);
+  if (is_null(L->cfg, "strides")) sh = sw = ph;
+  else if (int_pair(L->cfg, "strides", &sh, &sw)) return lerr(err, L, "bad 'strides'");
+  if (sh != sw || sh < 1) return lerr(err, L, "strides (%d, %d): equal strides only", sh, sw);
+  if (x->h < ph || x->w < pw) return lerr(err, L, "window %d larger than its %dx%d input", ph, x->h, x->w);
+  const char *pad = str_field(L->cfg, "padding");
+  if (pad && !strcmp(pad, "same")) {
+    int o, b, a, o2, b2, a2;
+    same_padding(x->h, ph, sh, &o, &b, &a);
+    same_padding(x->w, pw, sw, &o2, &b2, &a2);
+    if (a + b + a2 + b2 != 0)
+      return lerr(err, L, "padding 'same' pads this %dx%d input: only unpadded pooling is "
+                  "supported", x->h, x->w);
+  } else if (pad && strcmp(pad, "valid") != 0) {
+    return lerr(err, L, "padding '%.16s' is not supported", pad);
+  }
+  if ((rc = emit(x, L, json_pack("{s:s,s:i,s:i}", "type", type, "size", ph, "stride", sh), err)))
+    return rc;
+  x->h = (x->h - ph) / sh + 1;
+  x->w = (x->w - pw) / sw + 1;
+  x->after_dense = 1;
+  return 0;
+}
+
+static int one_layer(xlate *x, const klayer *L, int first, char *err) {
+  int rc;
+  const char *c = L->cls;
+  if (x->softmax)
+    return lerr(err, L, "a layer after the softmax: the softmax must be the model's output");
+  if (!strcmp(c, "InputLayer")) {
+    if (!first) return lerr(err, L, "an input that is not the first layer");
+    return set_input_shape(x, L, input_shape_of(L->cfg), err);
+  }
+  if (first) {
+    /* A Sequential model built without an InputLayer: its first layer holds
+     * the input shape. */
+    json_t *s = input_shape_of(L->cfg);
+    if (!s) return lerr(err, L, "the first layer gives no input shape");
+    if ((rc = set_input_shape(x, L, s, err))) return rc;
+  }
+  if (!strcmp(c, "Conv2D")) return conv2d(x, L, err);
+  if (!strcmp(c, "Dense")) return dense(x, L, err);
+  if (!strcmp(c, "MaxPooling2D")) return pooling(x, L, "maxpool", err);
+  if (!strcmp(c, "AveragePooling2D")) return pooling(x, L, "avgpool", err);
+  if (!strcmp(c, "GlobalAveragePooling2D")) {
+    if ((rc = check_channels_last(L, err))) return rc;
+    if (x->flat) return lerr(err, L, "pooling after Flatten or Dense");
+    if ((rc = emit(x, L, json_pack("{s:s}", "type", "global_avgpool"), err))) return rc;
+    x->h = x->w = 1;
+    x->flat = 1;
+    x->after_dense = 1;
+    return 0;
+  }
+  if (!strcmp(c, "Flatten")) {
+    if ((rc = check_channels_last(L, err))) return rc;
+    if ((rc = emit(x, L, json_pack("{s:s}", "type", "flatten"), err))) return rc;
+    if (!x->flat) {
+      x->fh = x->h;
+      x->fw = x->w;
+      x->fc = x->c;
+      x->c *= x->h * x->w;
+      x->h = x->w = 1;
+    }
+    x->flat = 1;
+    x->after_dense = 1;
+    return 0;
+  }
+  if (!strcmp(c, "Dropout")) {
+    json_t *r = json_object_get(L->cfg, "rate");
+    if (!json_is_number(r) || json_number_value(r) < 0 || json_number_value(r) >= 1)
+      return lerr(err, L, "'rate' is not a number in [0, 1)");
+    if (!is_null(L->cfg, "noise_shape")) return lerr(err, L, "noise_shape is not supported");
+    x->after_dense = 1;
+    if (json_number_value(r) == 0) return 0;
+    return emit(x, L, json_pack("{s:s,s:f}", "type", "dropout", "rate", json_number_value(r)),
+                err);
+  }
+  if (!strcmp(c, "Activation")) {
+    const char *act = str_field(L->cfg, "activation");
+    if (act && strcmp(act, "linear") && strcmp(act, "softmax")) x->after_dense = 1;
+    return activation(x, L, act, err);
+  }
+  if (!strcmp(c, "ReLU")) {
+    json_t *ns = json_object_get(L->cfg, "negative_slope");
+    json_t *th = json_object_get(L->cfg, "threshold");
+    if (!is_null(L->cfg, "max_value")) return lerr(err, L, "max_value is not supported");
+    if ((ns && !(json_is_number(ns) && json_number_value(ns) == 0)) ||
+        (th && !(json_is_number(th) && json_number_value(th) == 0)))
+      return lerr(err, L, "a leaky or thresholded ReLU is not supported");
+    x->after_dense = 1;
+    return emit(x, L, json_pack("{s:s}", "type", "relu"), err);
+  }
+  if (!strcmp(c, "Softmax")) {
+    json_t *ax = json_object_get(L->cfg, "axis");
+    if (ax && !(json_is_integer(ax) && json_integer_value(ax) == -1) &&
+        !(json_is_array(ax) && json_array_size(ax) == 1 &&
+          json_integer_value(json_array_get(ax, 0)) == -1))
+      return lerr(err, L, "a softmax over another axis than the last");
+    x->softmax = 1;
+    return 0;
+  }
+  if (!strcmp(c, "BatchNormalization") || !strcmp(c, "Add"))
+    return lerr(err, L, "not supported by this version's layers");
+  return lerr(err, L,
+              "unsupported layer type (supported: InputLayer, Conv2D, Dense, MaxPooling2D, "
+              "AveragePooling2D, GlobalAveragePooling2D, Flatten, Dropout, Activation, ReLU, "
+              "Softmax)");
+}
+
+/* A functional model's single input or output layer: [name, 0, 0] or
+ * [[name, 0, 0]]. */
+static const char *io_layer(json_t *v, const char *what, char *err) {
+  if (json_is_array(v) && json_array_size(v) == 1 && json_is_array(json_array_get(v, 0)))
+    v = json_array_get(v, 0);
+  else if (json_is_array(v) && json_array_size(v) > 1 && json_is_array(json_array_get(v, 0))) {
+    ps_seterr(err, PS_EINVAL, "keras: a model with %zu %s: one only", json_array_size(v), what);
+    return NULL;
+  }
+  if (json_is_array(v) && json_array_size(v) >= 1 && json_is_string(json_array_get(v, 0)))
+    return json_string_value(json_array_get(v, 0));
+  ps_seterr(err, PS_EINVAL, "keras: the model's %s are not given", what);
+  return NULL;
+}
+
+static int translate(json_t *root, klayer *ls, json_t *spec, xlate *x, char *err) {
+  if (!json_is_object(root))
+    return ps_seterr(err, PS_EINVAL, "keras: not a model: the JSON is not an object");
+  const char *cls = str_field(root, "class_name");
+  json_t *cfg = json_object_get(root, "config");
+  if (!cls || !json_is_object(cfg))
+    return ps_seterr(err, PS_EINVAL,
+                     "keras: not a model: no 'class_name' and 'config' (write it with "
+                     "model.to_json())");
+  int functional = !strcmp(cls, "Functional") || !strcmp(cls, "Model");
+  if (!functional && strcmp(cls, "Sequential") != 0)
+    return ps_seterr(err, PS_EINVAL,
+                     "keras: a '%.32s' model: Sequential and functional models only", cls);
+  json_t *layers = json_object_get(cfg, "layers");
+  if (!json_is_array(layers) || json_array_size(layers) == 0)
+    return ps_seterr(err, PS_EINVAL, "keras: the model has no 'layers'");
+  size_t n = json_array_size(layers);
+  if (n > MAX_KERAS_LAYERS)
+    return ps_seterr(err, PS_EINVAL, "keras: %zu layers: at most %d", n, MAX_KERAS_LAYERS);
+  int rc;
+  for (size_t i = 0; i < n; i++) {
+    json_t *e = json_array_get(layers, i);
+    klayer *L = &ls[i];
+    memset(L, 0, sizeof *L);
+    L->cls = str_field(e, "class_name");
+    L->cfg = json_object_get(e, "config");
+    if (!L->cls || !json_is_object(L->cfg))
+      return ps_seterr(err, PS_EINVAL, "keras: layer %zu has no 'class_name' and 'config'", i);
+    L->name = str_field(e, "name");
+    if (!L->name) L->name = str_field(L->cfg, "name");
+    if (!L->name) L->name = "?";
+    if (!strcmp(L->cls, "Sequential") || !strcmp(L->cls, "Functional") ||
+        !strcmp(L->cls, "Model"))
+      return lerr(err, L, "a model inside the model: not supported");
+    if (functional && (rc = read_inbound(L, json_object_get(e, "inbound_nodes"), err)))
+      return rc;
+  }
+  if (functional) {
+    const char *in = io_layer(json_object_get(cfg, "input_layers"), "inputs", err);
+    if (!in) return PS_EINVAL;
+    const char *out = io_layer(json_object_get(cfg, "output_layers"), "outputs", err);
+    if (!out) return PS_EINVAL;
+    if (strcmp(ls[0].name, in) != 0 || strcmp(ls[0].cls, "InputLayer") != 0)
+      return ps_seterr(err, PS_EINVAL, "keras: the input '%.48s' is not the first layer", in);
+    for (size_t i = 1; i < n; i++) {
+      klayer *L = &ls[i];
+      if (L->n_in > 1)
+        return lerr(err, L, "takes %d inputs: only chains of layers are supported", L->n_in);
+      if (L->n_in == 0) return lerr(err, L, "takes no input");
+      if (strcmp(L->in[0], ls[i - 1].name) != 0)
+        return lerr(err, L, "takes '%.48s', not the layer before it: only chains are supported",
+                    L->in[0]);
+    }
+    if (strcmp(ls[n - 1].name, out) != 0)
+      return ps_seterr(err, PS_EINVAL, "keras: the output '%.48s' is not the last layer", out);
+  }
+  x->layers = json_array(); /* the caller releases it */
+  if (!x->layers) return ps_seterr(err, PS_ENOMEM, "keras: out of memory");
+  int in_c = 0, in_h = 0, in_w = 0;
+  for (size_t i = 0; i < n; i++) {
+    if ((rc = one_layer(x, &ls[i], i == 0, err))) return rc;
+    if (i == 0) {
+      in_c = x->c;
+      in_h = x->h;
+      in_w = x->w;
+    }
+    x->last_name = ls[i].name;
+    x->last_cls = ls[i].cls;
+  }
+  if (!x->have_dense || x->after_dense)
+    return ps_seterr(err, PS_EINVAL,
+                     "keras: the model ends with '%.48s' (%.32s): it must end with a Dense layer "
+                     "giving the class scores (and a softmax, or logits)",
+                     x->last_name, x->last_cls);
+  if (x->dense_units < 2)
+    return ps_seterr(err, PS_EINVAL,
+                     "keras: the output '%.48s' has %d unit: classification over 2 or more "
+                     "classes only",
+                     x->dense_name, x->dense_units);
+  if (!x->softmax)
+    note(x, "keras: the output '%s' gives logits: trained with softmax cross-entropy",
+         x->dense_name);
+  if (json_array_append_new(x->layers, json_pack("{s:s}", "type", "softmax_xent")) ||
+      json_object_set_new(spec, "input", json_pack("[i,i,i]", in_c, in_h, in_w)) ||
+      json_object_set_new(spec, "classes", json_integer(x->dense_units)) ||
+      json_object_set(spec, "layers", x->layers))
+    return ps_seterr(err, PS_ENOMEM, "keras: out of memory");
+  return 0;
+}
+
+/* The spec, and with plan (MAX_KERAS_LAYERS entries) the layers with
+ * weights. The layer names in plan point into the parsed JSON, which is
+ * released here: they are set to NULL. */
+static int keras_translate(const char *keras_json, json_t **spec_out, kweights *plan, int *n_plan,
+                           char *notes, size_t notes_len, char *err) {
+  *spec_out = NULL;
+  if (notes && notes_len) notes[0] = '\0';
+  json_error_t je;
+  json_t *root = json_loads(keras_json, JSON_REJECT_DUPLICATES, &je);
+  if (!root)
+    return ps_seterr(err, PS_EINVAL, "keras: not JSON: %.120s (line %d, column %d)", je.text,
+                     je.line, je.column);
+  klayer *ls = calloc(MAX_KERAS_LAYERS, sizeof *ls);
+  json_t *spec = json_object();
+  xlate x = {.notes = notes, .notes_len = notes_len, .plan = plan};
+  int rc = (!ls || !spec) ? ps_seterr(err, PS_ENOMEM, "keras: out of memory")
+                          : translate(root, ls, spec, &x, err);
+  for (int i = 0; i < x.n_plan; i++) plan[i].name = NULL;
+  if (n_plan) *n_plan = x.n_plan;
+  free(ls);
+  json_decref(x.layers);
+  json_decref(root);
+  if (rc) {
+    json_decref(spec);
+    return rc;
+  }
+  *spec_out = spec;
+  return 0;
+}
+
+int ps_keras_to_spec(const char *keras_json, void **spec_out, char *notes, size_t notes_len,
+                     char *err) {
+  json_t *spec = NULL;
+  int rc = keras_translate(keras_json, &spec, NULL, NULL, notes, notes_len, err);
+  *spec_out = spec;
+  return rc;
+}
+
+static int shape_is(const ps_keras_tensor *t, int ndim, int64_t a, int64_t b, int64_t c, int64_t d) {
+  const int64_t want[4] = {a, b, c, d};
+  if (t->ndim != ndim) return 0;
+  for (int i = 0; i < ndim; i++)
+    if (t->shape[i] != want[i]) return 0;
+  return 1;
+}
+
+static void shape_str(const ps_keras_tensor *t, char *buf, size_t len) {
+  size_t used = (size_t)snprintf(buf, len, "(");
+  for (int i = 0; i < t->ndim && i < 4 && used < len; i++)
+    used += (size_t)snprintf(buf + used, len - used, i ? ", %lld" : "%lld", (long long)t->shape[i]);
+  if (used < len) snprintf(buf + used, len - used, t->ndim == 1 ? ",)" : ")");
+}
+
+int ps_keras_weights(const char *keras_json, const ps_model_spec *spec,
+                     const ps_keras_tensor *tensors, int n_tensors, float *params, char *err) {
+  kweights *plan = calloc(MAX_KERAS_LAYERS, sizeof *plan);
+  if (!plan) return ps_seterr(err, PS_ENOMEM, "keras: out of memory");
+  json_t *kspec = NULL;
+  int n_plan = 0;
+  int rc = keras_translate(keras_json, &kspec, plan, &n_plan, NULL, 0, err);
+  json_decref(kspec);
+  if (rc) {
+    free(plan);
+    return rc;
+  }
+  if (n_tensors != 2 * n_plan) {
+    free(plan);
+    return ps_seterr(err, PS_EINVAL,
+                     "keras: %d weight arrays for a model with %d layers with weights: %d wanted "
+                     "(a kernel and a bias each, in the order of model.get_weights())",
+                     n_tensors, n_plan, 2 * n_plan);
+  }
+  /* The spec's conv2d and dense layers, in order, are the plan's. */
+  int li = 0;
+  for (int p = 0; p < n_plan && rc == 0; p++) {
+    const kweights *kw = &plan[p];
+    while (li < spec->n_layers && spec->layers[li].type != PS_LAYER_CONV2D &&
+           spec->layers[li].type != PS_LAYER_DENSE)
+      li++;
+    if (li == spec->n_layers) {
+      rc = ps_seterr(err, PS_EINVAL, "keras: the job's model has fewer layers with weights (%d) "
+                     "than the Keras model", p);
+      break;
+    }
+    const ps_layer *L = &spec->layers[li++];
+    const ps_keras_tensor *k = &tensors[2 * p], *b = &tensors[2 * p + 1];
+    char ks[64], bs[64];
+    shape_str(k, ks, sizeof ks);
+    shape_str(b, bs, sizeof bs);
+    if (!kw->dense) {
+      if (L->type != PS_LAYER_CONV2D || L->filters != kw->oc || L->kernel != kw->k ||
+          L->in_c != kw->ic) {
+        rc = ps_seterr(err, PS_EINVAL, "keras: weighted layer %d is a conv2d(%d, %dx%d) in "
+                       "Keras but '%.32s' in the job's model", p, kw->oc, kw->k, kw->k, L->name);
+        break;
+      }
+      if (!shape_is(k, 4, kw->k, kw->k, kw->ic, kw->oc) || !shape_is(b, 1, kw->oc, 0, 0, 0)) {
+        rc = ps_seterr(err, PS_EINVAL, "keras: arrays %d and %d (%s, %s) are not the kernel "
+                       "(%d, %d, %d, %d) and bias (%d,) of '%.32s'", 2 * p, 2 * p + 1, ks, bs,
+                       kw->k, kw->k, kw->ic, kw->oc, kw->oc, L->name);
+        break;
+      }
+      /* Keras (KH, KW, IC, OC); here (OC, IC, KH, KW). */
+      float *w = params + L->w_off;
+      for (int o = 0; o < kw->oc; o++)
+        for (int c = 0; c < kw->ic; c++)
+          for (int i = 0; i < kw->k; i++)
+            for (int j = 0; j < kw->k; j++)
+              w[(((size_t)o * kw->ic + c) * kw->k + i) * kw->k + j] =
+                  k->data[(((size_t)i * kw->k + j) * kw->ic + c) * kw->oc + o];
+      memcpy(params + L->b_off, b->data, (size_t)kw->oc * sizeof(float));
+    } else {
+      if (L->type != PS_LAYER_DENSE || L->units != kw->units ||
+          (size_t)L->in_c * L->in_h * L->in_w != (size_t)kw->in) {
+        rc = ps_seterr(err, PS_EINVAL, "keras: weighted layer %d is a dense(%d) of %d inputs in "
+                       "Keras but '%.32s' in the job's model", p, kw->units, kw->in, L->name);
+        break;
+      }
+      if (!shape_is(k, 2, kw->in, kw->units, 0, 0) || !shape_is(b, 1, kw->units, 0, 0, 0)) {
+        rc = ps_seterr(err, PS_EINVAL, "keras: arrays %d and %d (%s, %s) are not the kernel "
+                       "(%d, %d) and bias (%d,) of '%.32s'", 2 * p, 2 * p + 1, ks, bs, kw->in,
+                       kw->units, kw->units, L->name);
+        break;
+      }
+      /* Keras (IN, OUT) over features in (h, w, c) order after a Flatten;
+       * here (OUT, IN) over (c, h, w). */
+      float *w = params + L->w_off;
+      for (int in = 0; in < kw->in; in++) {
+        int kin = in;
+        if (kw->fh) {
+          int c = in / (kw->fh * kw->fw), hw = in % (kw->fh * kw->fw);
+          kin = hw * kw->fc + c;
+        }
+        for (int o = 0; o < kw->units; o++)
+          w[(size_t)o * kw->in + in] = k->data[(size_t)kin * kw->units + o];
+      }
+      memcpy(params + L->b_off, b->data, (size_t)kw->units * sizeof(float));
+    }
+  }
+  if (rc == 0) {
+    while (li < spec->n_layers && spec->layers[li].type != PS_LAYER_CONV2D &&
+           spec->layers[li].type != PS_LAYER_DENSE)
+      li++;
+    if (li < spec->n_layers)
+      rc = ps_seterr(err, PS_EINVAL, "keras: the job's model has more layers with weights than "
+                     "the Keras model ('%.32s' has none)", spec->layers[li].name);
+  }
+  free(plan);
+  return rc;
+}
