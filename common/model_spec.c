@@ -31,16 +31,18 @@ typedef struct {
   const char *keys; /* allowed keys, comma-separated, for lookup and messages */
 } layer_kind;
 
+/* Every layer also takes "name" and "inputs" (listed last). */
 static const layer_kind kinds[] = {
-    {PS_LAYER_CONV2D, "conv2d", "type, filters, kernel, stride, padding"},
-    {PS_LAYER_MAXPOOL, "maxpool", "type, size, stride"},
-    {PS_LAYER_DENSE, "dense", "type, units"},
-    {PS_LAYER_RELU, "relu", "type"},
-    {PS_LAYER_DROPOUT, "dropout", "type, rate"},
-    {PS_LAYER_FLATTEN, "flatten", "type"},
-    {PS_LAYER_SOFTMAX_XENT, "softmax_xent", "type"},
-    {PS_LAYER_AVGPOOL, "avgpool", "type, size, stride"},
-    {PS_LAYER_GLOBAL_AVGPOOL, "global_avgpool", "type"},
+    {PS_LAYER_CONV2D, "conv2d", "type, filters, kernel, stride, padding, name, inputs"},
+    {PS_LAYER_MAXPOOL, "maxpool", "type, size, stride, name, inputs"},
+    {PS_LAYER_DENSE, "dense", "type, units, name, inputs"},
+    {PS_LAYER_RELU, "relu", "type, name, inputs"},
+    {PS_LAYER_DROPOUT, "dropout", "type, rate, name, inputs"},
+    {PS_LAYER_FLATTEN, "flatten", "type, name, inputs"},
+    {PS_LAYER_SOFTMAX_XENT, "softmax_xent", "type, name, inputs"},
+    {PS_LAYER_AVGPOOL, "avgpool", "type, size, stride, name, inputs"},
+    {PS_LAYER_GLOBAL_AVGPOOL, "global_avgpool", "type, name, inputs"},
+    {PS_LAYER_ADD, "add", "type, name, inputs"},
 };
 #define N_KINDS (sizeof kinds / sizeof kinds[0])
 
@@ -185,6 +187,131 @@ static int infer_dropout(ps_layer *L, json_t *obj, const char *where, char *err)
   return 0;
 }
 
+/* The name layer j of the JSON list gets: its "name", or the generated
+ * "<type>_<k>" for the k-th layer of its type (counting named ones too, so
+ * naming a layer leaves the others' names as they were). Into buf; "" when
+ * the layer is malformed (reported when the parse reaches it). */
+static void json_layer_name(json_t *layers, size_t j, char *buf, size_t len) {
+  json_t *obj = json_array_get(layers, j);
+  buf[0] = '\0';
+  const char *name = json_string_value(json_object_get(obj, "name"));
+  if (name) {
+    snprintf(buf, len, "%s", name);
+    return;
+  }
+  const char *type = json_string_value(json_object_get(obj, "type"));
+  if (!type) return;
+  int k = 0;
+  for (size_t i = 0; i < j; i++) {
+    const char *t = json_string_value(json_object_get(json_array_get(layers, i), "type"));
+    k += t && strcmp(t, type) == 0;
+  }
+  snprintf(buf, len, "%s_%d", type, k);
+}
+
+/* Sets L->name for layer i: the spec's "name", checked, or the generated
+ * one; either must differ from the earlier layers' names and from "input". */
+static int parse_name(json_t *layers, size_t i, ps_model_spec *out, const char *where, char *err) {
+  ps_layer *L = &out->layers[i];
+  json_t *v = json_object_get(json_array_get(layers, i), "name");
+  if (v) {
+    const char *name = json_string_value(v);
+    size_t len = name ? strlen(name) : 0;
+    if (!name || len == 0 || len >= sizeof L->name ||
+        strspn(name, "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-") != len)
+      return ps_seterr(err, PS_EINVAL,
+                       "%s: 'name' must be a string of 1 to %zu characters from [A-Za-z0-9_.-]",
+                       where, sizeof L->name - 1);
+  }
+  json_layer_name(layers, i, L->name, sizeof L->name);
+  if (strcmp(L->name, "input") == 0)
+    return ps_seterr(err, PS_EINVAL, "%s: the name 'input' is the model input's", where);
+  for (size_t j = 0; j < i; j++)
+    if (strcmp(out->layers[j].name, L->name) == 0)
+      return ps_seterr(err, PS_EINVAL, "%s: duplicate name '%s' (layer %zu has it too)", where,
+                       L->name, j);
+  return 0;
+}
+
+/* Sets L->n_inputs and L->inputs for layer i from its "inputs" (names of
+ * earlier layers, or "input"), by default the previous layer. */
+static int parse_inputs(json_t *layers, size_t i, ps_model_spec *out, const char *where,
+                        char *err) {
+  ps_layer *L = &out->layers[i];
+  json_t *v = json_object_get(json_array_get(layers, i), "inputs");
+  const int is_add = L->type == PS_LAYER_ADD;
+  if (!v) {
+    if (is_add)
+      return ps_seterr(err, PS_EINVAL,
+                       "%s: 'inputs' is required (the names of 2 to %d earlier layers)", where,
+                       PS_MAX_LAYER_INPUTS);
+    L->n_inputs = 1;
+    L->inputs[0] = (int)i - 1; /* the first layer: -1, the model input */
+    return 0;
+  }
+  size_t m = json_is_array(v) ? json_array_size(v) : 0;
+  if (is_add && (m < 2 || m > PS_MAX_LAYER_INPUTS))
+    return ps_seterr(err, PS_EINVAL, "%s: 'inputs' must be an array of 2 to %d layer names", where,
+                     PS_MAX_LAYER_INPUTS);
+  if (!is_add && m != 1)
+    return ps_seterr(err, PS_EINVAL,
+                     "%s: 'inputs' must be an array of one layer name (only add takes more)",
+                     where);
+  for (size_t a = 0; a < m; a++) {
+    const char *name = json_string_value(json_array_get(v, a));
+    if (!name) return ps_seterr(err, PS_EINVAL, "%s: 'inputs'[%zu] must be a string", where, a);
+    int idx = -2;
+    if (strcmp(name, "input") == 0) idx = -1;
+    for (size_t j = 0; idx == -2 && j < i; j++)
+      if (strcmp(out->layers[j].name, name) == 0) idx = (int)j;
+    if (idx == -2) {
+      /* Say why: a later layer's name (the list is the order the layers
+       * run in), or none at all. */
+      for (size_t j = i; j < json_array_size(layers); j++) {
+        char later[sizeof L->name];
+        json_layer_name(layers, j, later, sizeof later);
+        if (strcmp(later, name) == 0)
+          return ps_seterr(err, PS_EINVAL,
+                           "%s: 'inputs' names '%.40s', which is %s (a layer reads only the "
+                           "outputs of layers before it)",
+                           where, name, j == i ? "this layer" : "a later layer");
+      }
+      return ps_seterr(err, PS_EINVAL, "%s: 'inputs' names '%.40s', which is no earlier layer",
+                       where, name);
+    }
+    L->inputs[a] = idx;
+  }
+  L->n_inputs = (int)m;
+  return 0;
+}
+
+/* The output shape of layer idx (-1: the model input) and its name. */
+static const char *output_shape(const ps_model_spec *spec, int idx, int *c, int *h, int *w) {
+  if (idx < 0) {
+    *c = spec->in_c, *h = spec->in_h, *w = spec->in_w;
+    return "input";
+  }
+  const ps_layer *L = &spec->layers[idx];
+  *c = L->out_c, *h = L->out_h, *w = L->out_w;
+  return L->name;
+}
+
+/* add: every input the shape of the first. */
+static int check_add_shapes(const ps_model_spec *spec, const ps_layer *L, const char *where,
+                            char *err) {
+  int c0, h0, w0;
+  const char *first = output_shape(spec, L->inputs[0], &c0, &h0, &w0);
+  for (int a = 1; a < L->n_inputs; a++) {
+    int c, h, w;
+    const char *name = output_shape(spec, L->inputs[a], &c, &h, &w);
+    if (c != c0 || h != h0 || w != w0)
+      return ps_seterr(err, PS_EINVAL,
+                       "%s: inputs '%s' (%dx%dx%d) and '%s' (%dx%dx%d) differ in shape", where,
+                       first, c0, h0, w0, name, c, h, w);
+  }
+  return 0;
+}
+
 static int parse_input(json_t *root, ps_model_spec *out, char *err) {
   json_t *in = json_object_get(root, "input");
   if (!in) return ps_seterr(err, PS_EINVAL, "model: 'input' is required ([C, H, W])");
@@ -231,8 +358,6 @@ int ps_model_spec_from_json(const void *json_obj, ps_model_spec *out, char *err)
     return ps_seterr(err, PS_EINVAL, "model: %zu layers, at most %d are supported",
                      json_array_size(layers), PS_MAX_LAYERS);
 
-  int c = out->in_c, h = out->in_h, w = out->in_w;
-  int count_of_type[N_KINDS] = {0};
   size_t off = 0;
   size_t n = json_array_size(layers);
   for (size_t i = 0; i < n; i++) {
@@ -248,13 +373,18 @@ int ps_model_spec_from_json(const void *json_obj, ps_model_spec *out, char *err)
     if (k == N_KINDS)
       return ps_seterr(err, PS_EINVAL,
                        "layer %zu: unknown type '%.40s' (known: conv2d, maxpool, avgpool, "
-                       "global_avgpool, dense, relu, dropout, flatten, softmax_xent)",
+                       "global_avgpool, dense, relu, dropout, flatten, add, softmax_xent)",
                        i, type);
     snprintf(where, sizeof where, "layer %zu (%s)", i, kinds[k].name);
     if ((rc = check_keys(obj, kinds[k].keys, where, err))) return rc;
 
     L->type = kinds[k].type;
-    snprintf(L->name, sizeof L->name, "%s_%d", kinds[k].name, count_of_type[k]++);
+    const char *given = json_string_value(json_object_get(obj, "name"));
+    if (given) snprintf(where, sizeof where, "layer %zu (%s '%.31s')", i, kinds[k].name, given);
+    if ((rc = parse_name(layers, i, out, where, err))) return rc;
+    if ((rc = parse_inputs(layers, i, out, where, err))) return rc;
+    int c, h, w;
+    output_shape(out, L->inputs[0], &c, &h, &w);
     L->in_c = c, L->in_h = h, L->in_w = w;
     switch (L->type) {
       case PS_LAYER_CONV2D:
@@ -274,6 +404,10 @@ int ps_model_spec_from_json(const void *json_obj, ps_model_spec *out, char *err)
         rc = infer_dropout(L, obj, where, err);
         break;
       case PS_LAYER_RELU:
+        L->out_c = c, L->out_h = h, L->out_w = w;
+        break;
+      case PS_LAYER_ADD:
+        rc = check_add_shapes(out, L, where, err);
         L->out_c = c, L->out_h = h, L->out_w = w;
         break;
       case PS_LAYER_FLATTEN:
@@ -304,11 +438,21 @@ int ps_model_spec_from_json(const void *json_obj, ps_model_spec *out, char *err)
       L->b_off = off + L->w_count;
       off += L->w_count + L->b_count;
     }
-    c = L->out_c, h = L->out_h, w = L->out_w;
   }
   if (out->layers[n - 1].type != PS_LAYER_SOFTMAX_XENT)
     return ps_seterr(err, PS_EINVAL, "model: the last layer must be softmax_xent (layer %zu is %s)",
                      n - 1, kind_name(out->layers[n - 1].type));
+  /* An output nothing reads would leave its layer's gradient unset. */
+  for (size_t i = 0; i + 1 < n; i++) {
+    int read = 0;
+    for (size_t j = i + 1; !read && j < n; j++)
+      for (int a = 0; a < out->layers[j].n_inputs; a++) read |= out->layers[j].inputs[a] == (int)i;
+    if (!read)
+      return ps_seterr(err, PS_EINVAL,
+                       "layer %zu (%s): no later layer reads its output (every layer but the "
+                       "last must feed one)",
+                       i, out->layers[i].name);
+  }
   if (off == 0)
     return ps_seterr(err, PS_EINVAL, "model: no layer has parameters (add conv2d or dense)");
   out->n_layers = (int)n;
@@ -424,9 +568,24 @@ void ps_model_spec_describe(const ps_model_spec *spec, char *buf, size_t len) {
       case PS_LAYER_SOFTMAX_XENT:
         APPEND("softmax_xent(%d) ", spec->classes);
         break;
+      case PS_LAYER_ADD:
+        APPEND("add(");
+        for (int a = 0; a < L->n_inputs; a++)
+          APPEND("%s%s", a ? "," : "",
+                 L->inputs[a] < 0 ? "input" : spec->layers[L->inputs[a]].name);
+        APPEND(") ");
+        break;
       default:
         APPEND("%s ", kind_name(L->type));
         break;
+    }
+    /* Reading other than the previous layer's output: which one, after the
+     * layer's word (add lists its inputs in its own parentheses). */
+    if (L->type != PS_LAYER_ADD && L->n_inputs == 1 && L->inputs[0] != i - 1 && used < len &&
+        used > 0 && buf[used - 1] == ' ') {
+      const int j = L->inputs[0];
+      used--;
+      APPEND("<-%s ", j < 0 ? "input" : spec->layers[j].name);
     }
   }
   APPEND("P=%zu", spec->n_params);

@@ -14,6 +14,13 @@
  *      {"type": "flatten"}, {"type": "dense", "units": 128},
  *      {"type": "dropout", "rate": 0.25}, {"type": "dense", "units": 10},
  *      {"type": "softmax_xent"}]}
+ * Every layer may carry "name" (unique, [A-Za-z0-9_.-]; default the
+ * generated "conv2d_0", "relu_1", ...) and "inputs", a list of names of
+ * EARLIER layers ("input" is the model input) it reads; without it a layer
+ * reads the previous layer's output (the first layer: the model input), so
+ * a plain chain needs neither. {"type": "add", "inputs": ["a", "b"]} sums
+ * 2 to PS_MAX_LAYER_INPUTS outputs of one shape (a residual connection);
+ * every other type reads exactly one.
  * The last layer must be softmax_xent over `classes` values. Pooling has no
  * padding: maxpool and avgpool give floor((h - size) / stride) + 1 rows
  * (stride defaults to size), avgpool the mean of each size x size window;
@@ -26,6 +33,7 @@
 #include <stdint.h>
 
 #define PS_MAX_LAYERS 64
+#define PS_MAX_LAYER_INPUTS 4
 
 typedef enum {
   PS_LAYER_CONV2D,
@@ -37,11 +45,16 @@ typedef enum {
   PS_LAYER_SOFTMAX_XENT,
   PS_LAYER_AVGPOOL,
   PS_LAYER_GLOBAL_AVGPOOL,
+  PS_LAYER_ADD,
 } ps_layer_type;
 
 typedef struct {
   ps_layer_type type;
-  char name[32];         /* "conv2d_0", "dense_1", ... */
+  char name[32];         /* "conv2d_0", "dense_1", ..., or the spec's "name" */
+  /* The layers whose outputs this one reads (-1: the model input), all
+   * earlier in the list; one except for add. */
+  int n_inputs;
+  int inputs[PS_MAX_LAYER_INPUTS];
   int in_c, in_h, in_w;  /* input shape per example (dense: in_c features, h=w=1) */
   int out_c, out_h, out_w;
   /* conv2d */
@@ -86,7 +99,9 @@ void ps_model_init_params(const ps_model_spec *spec, uint64_t seed, size_t begin
 void ps_shard_range(size_t P, int S, int s, size_t *begin, size_t *end);
 
 /* One-line description, e.g. "conv2d(32,3x3) relu maxpool(2) ... P=421642"
- * (avgpool(2), avgpool(3,s2) and global_avgpool alike). */
+ * (avgpool(2), avgpool(3,s2) and global_avgpool alike). A layer that reads
+ * other than the previous layer says which it reads by name:
+ * "add(conv2d_1,relu_0)", "conv2d(8,3x3)<-input". */
 void ps_model_spec_describe(const ps_model_spec *spec, char *buf, size_t len);
 
 #endif

@@ -92,6 +92,10 @@ struct ps_ops {
   /* dx = dy where y > 0, else 0 (y is the forward output). */
   void (*relu_backward)(void *ctx, size_t n, const float *y, const float *dy, float *dx);
 
+  /* y[i] = a[i] + b[i] for i < n (a residual connection's sum, and its
+   * gradient summed over two consumers); y may be a or b. */
+  void (*add)(void *ctx, size_t n, const float *a, const float *b, float *y);
+
   /* Inverted dropout: keep with probability 1-rate, scale kept by
    * 1/(1-rate). mask[i] = scale or 0, drawn from
    * ps_rng_uniform(seed, stream, i) so a step can be replayed. */

@@ -1,10 +1,12 @@
 /* The model as an ONNX file (see export_onnx.h).
  *
  * Each layer type has an emit function in emitters[]: it appends the
- * layer's nodes and initializers to the graph and moves the graph's current
- * tensor on. A layer type without a row is refused by name before anything
- * is written; a new layer type (batch norm, a residual add) is one emit
- * function and one row.
+ * layer's nodes and initializers to the graph, reading the graph's current
+ * tensor (set to the layer's first input before the call) and moving it on
+ * to the layer's output, which is recorded per layer so that a later layer
+ * (an add, a branch) can read any earlier output. A layer type without a
+ * row is refused by name before anything is written; a new layer type
+ * (batch norm) is one emit function and one row.
  *
  * The messages are built in an arena freed at once; initializers point at
  * the caller's parameters (raw_data is little-endian float32, which is this
@@ -37,6 +39,10 @@
  * node and a reshaping node before it, each with an initializer or two. */
 #define ONNX_NODES_PER_LAYER 2
 #define ONNX_INITS_PER_LAYER 3
+/* add: an Unsqueeze (and its axes) per input, and one Add fewer than the
+ * inputs. */
+#define ONNX_NODES_PER_ADD (2 * PS_MAX_LAYER_INPUTS - 1)
+#define ONNX_INITS_PER_ADD PS_MAX_LAYER_INPUTS
 #define ONNX_ATTRS_PER_NODE 4
 /* protobuf's limit on a message; past it a model needs ONNX's external
  * data, which this exporter does not write. */
@@ -64,6 +70,9 @@ typedef struct {
   const float *params;
   const char *cur; /* the tensor the next layer reads */
   int rank;        /* its rank: 4 (N, C, H, W) or 2 (N, features) */
+  /* Each layer's output tensor and its rank, once emitted. */
+  const char *out[PS_MAX_LAYERS];
+  int out_rank[PS_MAX_LAYERS];
 } onnx_graph;
 
 /* bytes of zeroed memory that lives as long as the graph; NULL (and
@@ -243,25 +252,39 @@ static int to_rank2(onnx_graph *g, const ps_layer *L) {
   return 0;
 }
 
-/* The graph's current tensor as (N, C, H, W) for L: after a flatten or a
- * dense layer it is (N, features), which the model spec reads as
- * (features, 1, 1) per example, so an Unsqueeze of axes 2 and 3. */
-static int to_rank4(onnx_graph *g, const ps_layer *L) {
-  if (g->rank == 4) return 0;
+/* The 2-D tensor `tensor` (N, features) as (N, features, 1, 1), the
+ * spec's reading of it, by an Unsqueeze of axes 2 and 3 whose names start
+ * with prefix. The new tensor's name, or NULL when out of memory. */
+static const char *unsqueeze_to_rank4(onnx_graph *g, const char *tensor, const char *prefix) {
   static const int64_t axes[2] = {2, 3}; /* little-endian int64 on this host */
   static const int64_t axes_dims[1] = {2};
-  char name[sizeof L->name + 16], out[sizeof L->name + 16];
-  snprintf(name, sizeof name, "%s.axes", L->name);
-  const char *in[2] = {g->cur, init_add(g, name, ONNX__TENSOR_PROTO__DATA_TYPE__INT64, axes_dims, 1,
+  char name[sizeof((ps_layer *)0)->name + 24], out[sizeof name];
+  snprintf(name, sizeof name, "%s.axes", prefix);
+  const char *in[2] = {tensor, init_add(g, name, ONNX__TENSOR_PROTO__DATA_TYPE__INT64, axes_dims, 1,
                                         axes, sizeof axes)};
-  if (!in[1]) return PS_ENOMEM;
-  snprintf(name, sizeof name, "%s.unsqueeze", L->name);
-  snprintf(out, sizeof out, "%s.in", L->name);
+  if (!in[1]) return NULL;
+  snprintf(name, sizeof name, "%s.unsqueeze", prefix);
+  snprintf(out, sizeof out, "%s.in", prefix);
   Onnx__NodeProto *n = node_add(g, "Unsqueeze", name, out, 2, in);
-  if (!n) return PS_ENOMEM;
-  g->cur = n->output[0];
+  return n ? n->output[0] : NULL;
+}
+
+/* The graph's current tensor as (N, C, H, W) for L: after a flatten or a
+ * dense layer it is (N, features), which the model spec reads as
+ * (features, 1, 1) per example. */
+static int to_rank4(onnx_graph *g, const ps_layer *L) {
+  if (g->rank == 4) return 0;
+  const char *t = unsqueeze_to_rank4(g, g->cur, L->name);
+  if (!t) return PS_ENOMEM;
+  g->cur = t;
   g->rank = 4;
   return 0;
+}
+
+/* The output tensor of layer j (-1: the model input) and its rank. */
+static const char *layer_tensor(const onnx_graph *g, int j, int *rank) {
+  *rank = j < 0 ? 4 : g->out_rank[j];
+  return j < 0 ? ONNX_INPUT : g->out[j];
 }
 
 /* ---------------------------------------------------------------- layers */
@@ -365,6 +388,39 @@ static int emit_flatten(onnx_graph *g, const ps_layer *L, char *err) {
   return 0;
 }
 
+/* Inputs of one shape in the spec, but a dense layer's (N, features) and
+ * a pooling's (N, C, 1, 1) differ in rank: then all are made 4-D. More
+ * than two are summed left to right, as the kernels sum them. */
+static int emit_add(onnx_graph *g, const ps_layer *L, char *err) {
+  const char *in[PS_MAX_LAYER_INPUTS] = {NULL};
+  int ranks[PS_MAX_LAYER_INPUTS] = {0}, rank = 2;
+  for (int a = 0; a < L->n_inputs; a++) {
+    in[a] = layer_tensor(g, L->inputs[a], &ranks[a]);
+    if (ranks[a] == 4) rank = 4;
+  }
+  for (int a = 0; a < L->n_inputs; a++) {
+    if (ranks[a] == rank) continue;
+    char prefix[sizeof L->name + 8];
+    snprintf(prefix, sizeof prefix, "%s.in%d", L->name, a);
+    if (!(in[a] = unsqueeze_to_rank4(g, in[a], prefix))) return PS_ENOMEM;
+  }
+  const char *sum = in[0];
+  for (int a = 1; a < L->n_inputs; a++) {
+    char name[sizeof L->name + 16];
+    if (a + 1 < L->n_inputs)
+      snprintf(name, sizeof name, "%s.sum%d", L->name, a);
+    else
+      snprintf(name, sizeof name, "%s", L->name);
+    const char *pair[2] = {sum, in[a]};
+    Onnx__NodeProto *n = node_add(g, "Add", name, name, 2, pair);
+    if (!n) return PS_ENOMEM;
+    sum = n->output[0];
+  }
+  g->cur = sum;
+  g->rank = rank;
+  return 0;
+}
+
 /* The loss layer's forward half at inference: the probabilities. */
 static int emit_softmax_xent(onnx_graph *g, const ps_layer *L, char *err) {
   int rc = to_rank2(g, L);
@@ -388,6 +444,7 @@ static const struct {
     {PS_LAYER_SOFTMAX_XENT, emit_softmax_xent},
     {PS_LAYER_AVGPOOL, emit_avgpool},
     {PS_LAYER_GLOBAL_AVGPOOL, emit_global_avgpool},
+    {PS_LAYER_ADD, emit_add},
 };
 
 static emit_fn emitter_of(ps_layer_type type) {
@@ -462,15 +519,18 @@ static Onnx__StringStringEntryProto *meta_entry(onnx_graph *g, const char *key, 
  * input to the probabilities. 0, or a PS_E* code with a message. */
 static int emit_layers(onnx_graph *g, char *err) {
   const ps_model_spec *spec = g->spec;
-  g->cap_nodes = (size_t)spec->n_layers * ONNX_NODES_PER_LAYER;
-  g->cap_inits = (size_t)spec->n_layers * ONNX_INITS_PER_LAYER;
+  g->cap_nodes = g->cap_inits = 0;
+  for (int i = 0; i < spec->n_layers; i++) {
+    const int add = spec->layers[i].type == PS_LAYER_ADD;
+    g->cap_nodes += add ? ONNX_NODES_PER_ADD : ONNX_NODES_PER_LAYER;
+    g->cap_inits += add ? ONNX_INITS_PER_ADD : ONNX_INITS_PER_LAYER;
+  }
   g->nodes = g_alloc(g, g->cap_nodes * sizeof *g->nodes);
   g->inits = g_alloc(g, g->cap_inits * sizeof *g->inits);
   if (!g->nodes || !g->inits) return ps_seterr(err, PS_ENOMEM, "out of memory");
-  g->cur = ONNX_INPUT;
-  g->rank = 4;
   for (int i = 0; i < spec->n_layers; i++) {
     const ps_layer *L = &spec->layers[i];
+    g->cur = layer_tensor(g, L->inputs[0], &g->rank);
     int rc = emitter_of(L->type)(g, L, err);
     if (g->full)
       return ps_seterr(err, PS_EINVAL,
@@ -483,6 +543,8 @@ static int emit_layers(onnx_graph *g, char *err) {
       return rc;
     }
     if (g->oom) return ps_seterr(err, PS_ENOMEM, "out of memory building the graph at %s", L->name);
+    g->out[i] = g->cur;
+    g->out_rank[i] = g->rank;
   }
   return 0;
 }

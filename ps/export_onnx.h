@@ -7,7 +7,10 @@
  * (count_include_pad 0), global_avgpool -> GlobalAveragePool ((N, C, 1, 1)),
  * flatten -> Flatten (axis 1),
  * dense -> Gemm (transB = 1, after a Flatten when its input is 4-D),
- * dropout -> nothing (inference), softmax_xent -> Softmax (axis 1) into the
+ * dropout -> nothing (inference), add -> Add (a chain of them, left to
+ * right, for more than two inputs; a 2-D input beside a 4-D one
+ * unsqueezed), each node reading the tensors of the layers the spec's
+ * "inputs" name, softmax_xent -> Softmax (axis 1) into the
  * output "probabilities", float32 [N, classes]. Operator set 13 of the
  * default domain, IR version 7. Each parameter tensor is an initializer
  * named "<layer>.w" / "<layer>.b" (conv2d weights OIHW, dense weights

@@ -24,11 +24,23 @@
 
 /* Per-layer buffers. Every layer has its own output so that backward can
  * read what forward produced (relu reads its output, conv reads its
- * input, which is the previous layer's output). */
+ * input, which is an earlier layer's output).
+ *
+ * Gradients. Most outputs are read by one layer, the next to run backward
+ * after it (a chain): their gradients take turns in the two buffers grad_a
+ * and grad_b, the consumer writing its dx into the one its dy is not in.
+ * An output read by several layers (the start of a residual block), or by
+ * one that runs backward earlier than next (the shortcut into an add),
+ * has a gradient buffer of its own, grad_acc: the first consumer's
+ * contribution is written there, the others' added to it. */
 typedef struct {
   ps_conv_shape conv;
   ps_pool_shape pool;
+  /* The layers whose buffers hold the inputs (-1: the batch): the spec's
+   * inputs with flatten, which has no buffer, looked through. */
+  int src[PS_MAX_LAYER_INPUTS];
   float *out;      /* (max_batch, out_c*out_h*out_w) */
+  float *grad_acc; /* the output's own gradient buffer (see above), or NULL */
   int32_t *argmax; /* maxpool: same size as out */
   float *mask;     /* dropout: same size as out */
   size_t in_size, out_size; /* per example */
@@ -36,6 +48,10 @@ typedef struct {
    * when p_lo == p_hi), and needs [0, need) to have arrived in a staged
    * step (the most any layer up to this one reads). */
   size_t p_lo, p_hi, need;
+  /* In backward: where the output's gradient is, once every consumer has
+   * run, and how many have. */
+  float *dy;
+  int contributions;
 } layer_state;
 
 struct ps_model {
@@ -67,7 +83,6 @@ struct ps_model {
     const float *x;       /* the ops' copy of the batch */
     const uint8_t *y;     /* the ops' copy of the labels */
     const uint8_t *y_host;
-    const float *in;      /* the input of the next layer forward */
     int n, next_layer, done;
     uint64_t seed, step;
     float loss;
@@ -82,6 +97,41 @@ static void *backend_alloc(ps_model *m, size_t bytes) { return m->ops->alloc(m->
 
 static void backend_free(ps_model *m, void *p) {
   if (p) m->ops->free(m->ops->ctx, p);
+}
+
+/* The layer whose buffer holds layer j's output (-1: the batch): j, or for
+ * flatten, which passes its input on as it is, what its input's is. */
+static int buffer_layer(const ps_model_spec *spec, int j) {
+  while (j >= 0 && spec->layers[j].type == PS_LAYER_FLATTEN) j = spec->layers[j].inputs[0];
+  return j;
+}
+
+/* Which outputs need a gradient buffer of their own (see layer_state):
+ * consumed by more than one input slot, or by a layer with another between
+ * (flatten aside, which does nothing backward). Fills src too. 0, or -1
+ * when out of memory. */
+static int plan_gradients(ps_model *m) {
+  const ps_model_spec *spec = &m->spec;
+  int consumers[PS_MAX_LAYERS] = {0}, consumer[PS_MAX_LAYERS];
+  for (int i = 0; i < spec->n_layers; i++) {
+    const ps_layer *L = &spec->layers[i];
+    for (int a = 0; a < L->n_inputs; a++) {
+      int j = m->ls[i].src[a] = buffer_layer(spec, L->inputs[a]);
+      if (j < 0 || L->type == PS_LAYER_FLATTEN) continue;
+      consumers[j]++;
+      consumer[j] = i;
+    }
+  }
+  for (int j = 0; j < spec->n_layers; j++) {
+    if (consumers[j] == 0) continue;
+    int own = consumers[j] > 1;
+    for (int k = j + 1; !own && k < consumer[j]; k++)
+      own = spec->layers[k].type != PS_LAYER_FLATTEN;
+    if (!own) continue;
+    m->ls[j].grad_acc = backend_alloc(m, m->ls[j].out_size * (size_t)m->max_batch * sizeof(float));
+    if (!m->ls[j].grad_acc) return -1;
+  }
+  return 0;
 }
 
 ps_model *ps_model_create(const ps_model_spec *spec, ps_ops *ops, int max_batch, char *err) {
@@ -137,6 +187,7 @@ ps_model *ps_model_create(const ps_model_spec *spec, ps_ops *ops, int max_batch,
       return NULL;
     }
   }
+  if (plan_gradients(m)) goto oom;
   const size_t n_probs = (size_t)spec->classes * (size_t)max_batch;
   m->work = backend_alloc(m, (work ? work : 1) * sizeof(float));
   m->grad_a = backend_alloc(m, largest * (size_t)max_batch * sizeof(float));
@@ -170,6 +221,7 @@ void ps_model_destroy(ps_model *m) {
       backend_free(m, m->ls[i].out);
       backend_free(m, m->ls[i].argmax);
       backend_free(m, m->ls[i].mask);
+      backend_free(m, m->ls[i].grad_acc);
     }
     free(m->ls);
   }
@@ -190,16 +242,23 @@ void ps_model_destroy(ps_model *m) {
   free(m);
 }
 
-/* Runs layer i forward on n examples from `in` (backend memory); returns
- * the layer's output (in itself for flatten; NULL for the loss layer, which
- * the caller handles). training: dropout active with masks from (seed,
- * step, layer). */
-static const float *forward_layer(ps_model *m, int i, const float *params, const float *in, int n,
+/* Input a of layer i: an earlier layer's output, or the batch x. */
+static const float *layer_input(const ps_model *m, int i, int a, const float *x) {
+  const int j = m->ls[i].src[a];
+  return j < 0 ? x : m->ls[j].out;
+}
+
+/* Runs layer i forward on n examples of the batch x (backend memory);
+ * returns the layer's output (its input for flatten; NULL for the loss
+ * layer, which the caller handles). training: dropout active with masks
+ * from (seed, step, layer). */
+static const float *forward_layer(ps_model *m, int i, const float *params, const float *x, int n,
                                   int training, uint64_t seed, uint64_t step) {
   ps_ops *o = m->ops;
   const ps_layer *L = &m->spec.layers[i];
   layer_state *s = &m->ls[i];
   size_t n_out = s->out_size * (size_t)n;
+  const float *in = layer_input(m, i, 0, x);
   switch (L->type) {
     case PS_LAYER_CONV2D: {
       ps_conv_shape cs = s->conv;
@@ -238,6 +297,11 @@ static const float *forward_layer(ps_model *m, int i, const float *params, const
         o->copy(o->ctx, s->out, in, n_out * sizeof(float));
       }
       return s->out;
+    case PS_LAYER_ADD:
+      o->add(o->ctx, n_out, in, layer_input(m, i, 1, x), s->out);
+      for (int a = 2; a < L->n_inputs; a++)
+        o->add(o->ctx, n_out, s->out, layer_input(m, i, a, x), s->out);
+      return s->out;
     case PS_LAYER_FLATTEN:
       return in; /* NCHW is already (N, C*H*W) in memory */
     case PS_LAYER_SOFTMAX_XENT:
@@ -246,17 +310,18 @@ static const float *forward_layer(ps_model *m, int i, const float *params, const
   return in;
 }
 
+/* The loss layer's input: the logits, once forward has run. */
+static const float *logits_of(const ps_model *m, const float *x) {
+  return layer_input(m, m->spec.n_layers - 1, 0, x);
+}
+
 /* Runs the layers before the loss on n examples x (backend memory);
  * returns the logits. */
 static const float *forward(ps_model *m, const float *params, const float *x, int n,
                             int training, uint64_t seed, uint64_t step) {
-  const float *in = x;
-  for (int i = 0; i < m->spec.n_layers; i++) {
-    const float *out = forward_layer(m, i, params, in, n, training, seed, step);
-    if (!out) break;
-    in = out;
-  }
-  return in;
+  for (int i = 0; i < m->spec.n_layers; i++)
+    if (!forward_layer(m, i, params, x, n, training, seed, step)) break;
+  return logits_of(m, x);
 }
 
 /* The batch x, y (host memory) where the ops can read it: in place on a
@@ -341,7 +406,6 @@ void ps_model_step_begin(ps_model *m, const float *x, const uint8_t *y, int n, u
     m->st.x = m->x_dev;
     m->st.y = m->y_dev;
   }
-  m->st.in = m->st.x;
 }
 
 void ps_model_step_forward(ps_model *m, const float *params, size_t avail) {
@@ -350,17 +414,15 @@ void ps_model_step_forward(ps_model *m, const float *params, size_t avail) {
   for (; m->st.next_layer < m->spec.n_layers; m->st.next_layer++) {
     int i = m->st.next_layer;
     if (m->ls[i].need > avail) return; /* its parameters have not all arrived */
-    const float *out =
-        forward_layer(m, i, params, m->st.in, m->st.n, 1, m->st.seed, m->st.step);
-    if (!out) break;
-    m->st.in = out;
+    if (!forward_layer(m, i, params, m->st.x, m->st.n, 1, m->st.seed, m->st.step)) break;
   }
+  const float *logits = logits_of(m, m->st.x);
   if (o->softmax_xent_stats) {
-    o->softmax_xent_stats(o->ctx, m->st.n, m->spec.classes, m->st.in, m->st.y, m->probs, m->stats);
+    o->softmax_xent_stats(o->ctx, m->st.n, m->spec.classes, logits, m->st.y, m->probs, m->stats);
     m->st.pending = 1;
   } else {
-    m->st.loss = o->softmax_xent_forward(o->ctx, m->st.n, m->spec.classes, m->st.in, m->st.y,
-                                         m->probs);
+    m->st.loss =
+        o->softmax_xent_forward(o->ctx, m->st.n, m->spec.classes, logits, m->st.y, m->probs);
   }
   m->st.done = 1;
 }
@@ -420,7 +482,6 @@ int ps_model_graph_step(ps_model *m, const float *params, float *grads, void (*b
       m->graph.off = 1;
       m->st.done = m->st.pending = 0;
       m->st.next_layer = 0;
-      m->st.in = m->st.x;
       return 0;
     }
     m->graph.ready = 1;
@@ -441,31 +502,77 @@ float ps_model_step_loss(ps_model *m) {
   return m->st.loss;
 }
 
+/* Where layer i's dx for input a goes, with dy (NULL for the loss layer)
+ * where layer i's gradient is: NULL when no gradient is wanted (the
+ * batch); the input's own buffer for its first contribution; else the
+ * ping-pong buffer dy is not in, which then holds the input's gradient
+ * (one consumer) or a later contribution that contribution_done adds. */
+static float *contribution_target(ps_model *m, int i, int a, const float *dy) {
+  const int j = m->ls[i].src[a];
+  if (j < 0) return NULL;
+  layer_state *t = &m->ls[j];
+  if (t->grad_acc && t->contributions == 0) return t->grad_acc;
+  return dy == m->grad_a ? m->grad_b : m->grad_a;
+}
+
+/* The dx written at dst (contribution_target's) is in: recorded as the
+ * input's gradient, or added to its own buffer. */
+static void contribution_done(ps_model *m, int i, int a, float *dst) {
+  const int j = m->ls[i].src[a];
+  if (j < 0) return;
+  layer_state *t = &m->ls[j];
+  if (t->grad_acc && dst != t->grad_acc) {
+    ps_ops *o = m->ops;
+    o->add(o->ctx, t->out_size * (size_t)m->st.n, t->grad_acc, dst, t->grad_acc);
+  }
+  t->dy = t->grad_acc ? t->grad_acc : dst;
+  t->contributions++;
+}
+
+/* add's backward: its gradient dy is each input's contribution as it is. */
+static void add_backward(ps_model *m, int i, float *dy) {
+  ps_ops *o = m->ops;
+  for (int a = 0; a < m->spec.layers[i].n_inputs; a++) {
+    const int j = m->ls[i].src[a];
+    if (j < 0) continue;
+    layer_state *t = &m->ls[j];
+    if (t->grad_acc && t->contributions == 0)
+      o->copy(o->ctx, t->grad_acc, dy, t->out_size * (size_t)m->st.n * sizeof(float));
+    else if (t->grad_acc)
+      o->add(o->ctx, t->out_size * (size_t)m->st.n, t->grad_acc, dy, t->grad_acc);
+    t->dy = t->grad_acc ? t->grad_acc : dy;
+    t->contributions++;
+  }
+}
+
 /* The backward pass of the step whose forward has run: queued, nothing
- * read back. */
+ * read back. The layers run in reverse list order, so every consumer of
+ * an output has run before its producer. */
 static void backward_pass(ps_model *m, const float *params, float *grads,
                           void (*ready)(void *user, size_t lo), void *user) {
   ps_ops *o = m->ops;
-  const int k = m->spec.classes, n = m->st.n;
+  const int k = m->spec.classes, n = m->st.n, last = m->spec.n_layers - 1;
   const float *x = m->st.x;
   const uint8_t *y = m->st.y;
-  float *dy = m->grad_a, *dx = m->grad_b;
-  o->softmax_xent_backward(o->ctx, n, k, m->probs, y, dy);
+  for (int i = 0; i <= last; i++) {
+    m->ls[i].dy = NULL;
+    m->ls[i].contributions = 0;
+  }
+  float *dlogits = contribution_target(m, last, 0, NULL);
+  o->softmax_xent_backward(o->ctx, n, k, m->probs, y, dlogits);
+  contribution_done(m, last, 0, dlogits);
   size_t lo = m->spec.n_params; /* grads[lo, P) are written */
-  for (int i = m->spec.n_layers - 1; i >= 0; i--) {
+  for (int i = last - 1; i >= 0; i--) {
     const ps_layer *L = &m->spec.layers[i];
     layer_state *s = &m->ls[i];
-    if (L->type == PS_LAYER_SOFTMAX_XENT || L->type == PS_LAYER_FLATTEN) continue;
-    /* The input of layer i: the output of the nearest earlier layer that
-     * has one (flatten has none), or the batch itself. */
-    const float *in = x;
-    for (int j = i - 1; j >= 0; j--)
-      if (m->ls[j].out) {
-        in = m->ls[j].out;
-        break;
-      }
-    int first = in == x; /* no gradient needed for the input itself */
-    float *dxp = first ? NULL : dx;
+    if (L->type == PS_LAYER_FLATTEN) continue;
+    float *dy = s->dy;
+    if (L->type == PS_LAYER_ADD) {
+      add_backward(m, i, dy);
+      continue;
+    }
+    const float *in = layer_input(m, i, 0, x);
+    float *dxp = contribution_target(m, i, 0, dy);
     size_t n_out = s->out_size * (size_t)n;
     switch (L->type) {
       case PS_LAYER_CONV2D: {
@@ -508,16 +615,13 @@ static void backward_pass(ps_model *m, const float *params, float *grads,
       default:
         break;
     }
+    contribution_done(m, i, 0, dxp);
     if (s->p_hi > s->p_lo && s->p_lo < lo) {
       lo = s->p_lo;
       /* The layers' parameters are laid out in layer order (checked at
        * creation), so everything from here up is written. */
       if (ready && lo > 0) ready(user, lo);
     }
-    if (first) break;
-    float *t = dy;
-    dy = dx;
-    dx = t;
   }
   if (ready) ready(user, 0);
 }

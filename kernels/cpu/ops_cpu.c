@@ -848,6 +848,13 @@ static void dropout_backward_span(float *restrict dx, const float *restrict dy,
   for (size_t i = nv; i < n; i++) dx[i] = dy[i] * mask[i];
 }
 
+static void add_span(float *restrict y, const float *restrict a, const float *restrict b,
+                     size_t n) {
+  const size_t nv = vec_floor(n);
+  for (size_t i = 0; i < nv; i++) y[i] = a[i] + b[i]; /* vectorized */
+  for (size_t i = nv; i < n; i++) y[i] = a[i] + b[i];
+}
+
 static void relu_forward_part(void *arg, int part, int parts) {
   const map_job *j = arg;
   map_part(j, part, parts, relu_forward_span, j->x, j->x);
@@ -878,6 +885,11 @@ static void dropout_backward_part(void *arg, int part, int parts) {
   map_part(j, part, parts, dropout_backward_span, j->dy, j->mask);
 }
 
+static void add_part(void *arg, int part, int parts) {
+  const map_job *j = arg;
+  map_part(j, part, parts, add_span, j->x, j->y);
+}
+
 static void cpu_relu_forward(void *ctx, size_t n, const float *x, float *y) {
   map_job job = {.n = n, .x = x, .out = y};
   run_parts(ctx, n >= PARALLEL_MIN_FLOATS, relu_forward_part, &job);
@@ -886,6 +898,11 @@ static void cpu_relu_forward(void *ctx, size_t n, const float *x, float *y) {
 static void cpu_relu_backward(void *ctx, size_t n, const float *y, const float *dy, float *dx) {
   map_job job = {.n = n, .y = y, .dy = dy, .out = dx};
   run_parts(ctx, n >= PARALLEL_MIN_FLOATS, relu_backward_part, &job);
+}
+
+static void cpu_add(void *ctx, size_t n, const float *a, const float *b, float *y) {
+  map_job job = {.n = n, .x = a, .y = b, .out = y}; /* a, b in the job's x, y */
+  run_parts(ctx, n >= PARALLEL_MIN_FLOATS, add_part, &job);
 }
 
 static void cpu_dropout_forward(void *ctx, size_t n, float rate, uint64_t seed, uint64_t stream,
@@ -1051,6 +1068,7 @@ ps_ops *ps_ops_cpu_create(int threads) {
       .dense_backward = cpu_dense_backward,
       .relu_forward = cpu_relu_forward,
       .relu_backward = cpu_relu_backward,
+      .add = cpu_add,
       .dropout_forward = cpu_dropout_forward,
       .dropout_backward = cpu_dropout_backward,
       .softmax_xent_forward = cpu_softmax_xent_forward,

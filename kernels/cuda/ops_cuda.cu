@@ -414,6 +414,11 @@ static __global__ void relu_backward_kernel(size_t n, const float *y, const floa
   GRID_STRIDE(i, n) dx[i] = y[i] > 0.0f ? dy[i] : 0.0f;
 }
 
+/* Rounded to nearest as written, like the CPU's a[i] + b[i]. */
+static __global__ void add_kernel(size_t n, const float *a, const float *b, float *y) {
+  GRID_STRIDE(i, n) y[i] = __fadd_rn(a[i], b[i]);
+}
+
 static __global__ void dropout_forward_kernel(size_t n, float rate, float scale, uint64_t key,
                                               const float *x, float *y, float *mask) {
   GRID_STRIDE(i, n) {
@@ -949,6 +954,13 @@ static void cuda_relu_backward(void *ctx, size_t n, const float *y, const float 
   CUDA_CHECK_LAUNCH();
 }
 
+static void cuda_add(void *ctx, size_t n, const float *a, const float *b, float *y) {
+  cuda_backend *be = enter(ctx);
+  if (n == 0) return;
+  add_kernel<<<blocks_for(n), THREADS, 0, be->stream>>>(n, a, b, y);
+  CUDA_CHECK_LAUNCH();
+}
+
 static void cuda_dropout_forward(void *ctx, size_t n, float rate, uint64_t seed, uint64_t stream,
                                  const float *x, float *y, float *mask) {
   cuda_backend *be = enter(ctx);
@@ -1417,6 +1429,7 @@ extern "C" ps_ops *ps_ops_cuda_create(int device, char *err) {
   be->ops.dense_backward = cuda_dense_backward;
   be->ops.relu_forward = cuda_relu_forward;
   be->ops.relu_backward = cuda_relu_backward;
+  be->ops.add = cuda_add;
   be->ops.dropout_forward = cuda_dropout_forward;
   be->ops.dropout_backward = cuda_dropout_backward;
   be->ops.softmax_xent_forward = cuda_softmax_xent_forward;

@@ -1214,6 +1214,28 @@ static void dn_relu_backward(void *ctx, size_t n, const float *y, const float *d
   }
 }
 
+/* Both operands in one layout: the one they share when it is the same
+ * blocked layout (and y can hold it), else NCHW. */
+static void dn_add(void *ctx, size_t n, const float *a, const float *b, float *y) {
+  dnnl_backend *be = enter(ctx);
+  act_layout la = elementwise_layout(be, a, n);
+  act_layout lb = elementwise_layout(be, b, n);
+  if (!layout_equal(&la, &lb) || (la.blk > 1 && !buf_taggable(be, y, n * sizeof(float)))) {
+    if (la.blk > 1) buf_make_plain(be, buf_find(be, a));
+    if (lb.blk > 1) buf_make_plain(be, buf_find(be, b));
+    la.blk = 1;
+  }
+  if (y != a && y != b) {
+    if (la.blk > 1)
+      write_blocked(be, y, &la);
+    else
+      write_plain(be, y, n);
+  }
+  const long len = (long)n;
+#pragma omp parallel for simd schedule(static) if (len >= PARALLEL_MIN_FLOATS)
+  for (long i = 0; i < len; i++) y[i] = a[i] + b[i];
+}
+
 /* A rate >= 1 drops everything (no infinite scale); a rate <= 0 keeps
  * everything with scale 1. Each element costs a hash, so smaller arrays
  * are worth splitting. */
@@ -1484,6 +1506,7 @@ ps_ops *ps_ops_dnnl_create(int threads) {
       .dense_backward = dn_dense_backward,
       .relu_forward = dn_relu_forward,
       .relu_backward = dn_relu_backward,
+      .add = dn_add,
       .dropout_forward = dn_dropout_forward,
       .dropout_backward = dn_dropout_backward,
       .softmax_xent_forward = dn_softmax_xent_forward,

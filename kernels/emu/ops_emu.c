@@ -106,7 +106,7 @@ static emu_dev *enter(void *ctx) {
 enum {
   OP_CONV_FWD, OP_CONV_BWD, OP_POOL_FWD, OP_POOL_BWD, OP_DENSE_FWD, OP_DENSE_BWD, OP_RELU_FWD,
   OP_RELU_BWD, OP_DROP_FWD, OP_DROP_BWD, OP_XENT_STATS, OP_XENT_BWD, OP_SCALE, OP_COPY, OP_MARK,
-  OP_AVGPOOL_FWD, OP_AVGPOOL_BWD, OP_GAP_FWD, OP_GAP_BWD
+  OP_AVGPOOL_FWD, OP_AVGPOOL_BWD, OP_GAP_FWD, OP_GAP_BWD, OP_ADD
 };
 
 /* One op's arguments: p the pointers it reads, q those it writes. */
@@ -152,6 +152,7 @@ static void run_call(emu_dev *f, const em_call *c) {
       break;
     case OP_RELU_FWD: o->relu_forward(ctx, c->len, c->p[0], c->q[0]); break;
     case OP_RELU_BWD: o->relu_backward(ctx, c->len, c->p[0], c->p[1], c->q[0]); break;
+    case OP_ADD: o->add(ctx, c->len, c->p[0], c->p[1], c->q[0]); break;
     case OP_DROP_FWD:
       o->dropout_forward(ctx, c->len, c->rate, c->seed, c->stream, c->p[0], c->q[0], c->q[1]);
       break;
@@ -362,6 +363,14 @@ static void em_relu_backward(void *ctx, size_t n, const float *y, const float *d
   need(f, dy, n * F4, 0, "relu dy");
   need(f, dx, n * F4, 0, "relu dx");
   call(f, (em_call){.op = OP_RELU_BWD, .len = n, .p = {y, dy}, .q = {dx}});
+}
+
+static void em_add(void *ctx, size_t n, const float *a, const float *b, float *y) {
+  emu_dev *f = enter(ctx);
+  need(f, a, n * F4, 0, "add a");
+  need(f, b, n * F4, 0, "add b");
+  need(f, y, n * F4, 0, "add y");
+  call(f, (em_call){.op = OP_ADD, .len = n, .p = {a, b}, .q = {y}});
 }
 
 static void em_dropout_forward(void *ctx, size_t n, float rate, uint64_t seed, uint64_t stream,
@@ -625,6 +634,7 @@ static void emu_init(emu_dev *f, ps_ops *cpu) {
       .dense_backward = em_dense_backward,
       .relu_forward = em_relu_forward,
       .relu_backward = em_relu_backward,
+      .add = em_add,
       .dropout_forward = em_dropout_forward,
       .dropout_backward = em_dropout_backward,
       .softmax_xent_forward = em_softmax_xent_forward,

@@ -5,7 +5,7 @@
 #   tests/integration/keras_import.sh BUILD_DIR
 #
 # Real Keras (tensorflow-cpu and tf_keras from PyPI, in a venv kept and
-# reused in BUILD_DIR/venv-keras) writes two models and their weights
+# reused in BUILD_DIR/venv-keras, or $PS_KERAS_VENV) writes two models and their weights
 # (tools/keras_compare.py: a tf_keras Sequential CNN on a non-square input
 # with a Flatten into a Dense layer, and a Keras 3 functional chain with a
 # strided convolution, average and global average pooling and logits).
@@ -32,7 +32,8 @@ free_port() {
   python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
 
-venv=$build/venv-keras
+# PS_KERAS_VENV: another build's venv to reuse (CI's sanitizer pass).
+venv=${PS_KERAS_VENV:-$build/venv-keras}
 pins="tensorflow-cpu==2.18.1 tf_keras==2.18.0"
 probe="import numpy, tensorflow, tf_keras, keras"
 if [ "$(cat "$venv/.pins" 2>/dev/null)" != "$pins" ] || ! "$venv/bin/python" -c "$probe" 2>/dev/null; then

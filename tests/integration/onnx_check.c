@@ -149,11 +149,13 @@ static int forward_init(forward_pass *f, ps_ops *ops, const ps_model_spec *spec)
 static float forward_run(forward_pass *f, const float *params, const float *x, const uint8_t *y,
                          int n, float *probs) {
   ps_ops *ops = f->ops;
-  const float *in = x;
+  const float *outs[PS_MAX_LAYERS]; /* each layer's output (flatten: its input's) */
   for (int i = 0; i < f->spec->n_layers; i++) {
     const ps_layer *L = &f->spec->layers[i];
     const size_t n_out = (size_t)L->out_c * L->out_h * L->out_w * (size_t)n;
+    const float *in = L->inputs[0] < 0 ? x : outs[L->inputs[0]];
     float *out = f->out[i];
+    outs[i] = out;
     switch (L->type) {
       case PS_LAYER_CONV2D: {
         ps_conv_shape cs = conv_shape(L, n);
@@ -191,11 +193,15 @@ static float forward_run(forward_pass *f, const float *params, const float *x, c
         break;
       case PS_LAYER_RELU: ops->relu_forward(ops->ctx, n_out, in, out); break;
       case PS_LAYER_DROPOUT: ops->copy(ops->ctx, out, in, n_out * sizeof(float)); break;
-      case PS_LAYER_FLATTEN: continue; /* NCHW is already (N, C*H*W) */
+      case PS_LAYER_ADD:
+        ops->add(ops->ctx, n_out, in, L->inputs[1] < 0 ? x : outs[L->inputs[1]], out);
+        for (int a = 2; a < L->n_inputs; a++)
+          ops->add(ops->ctx, n_out, out, L->inputs[a] < 0 ? x : outs[L->inputs[a]], out);
+        break;
+      case PS_LAYER_FLATTEN: outs[i] = in; break; /* NCHW is already (N, C*H*W) */
       case PS_LAYER_SOFTMAX_XENT:
         return ops->softmax_xent_forward(ops->ctx, n, f->spec->classes, in, y, probs);
     }
-    in = out;
   }
   return NAN; /* a spec always ends in softmax_xent */
 }

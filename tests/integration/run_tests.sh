@@ -1618,7 +1618,8 @@ onnx_export)
   # tensors change rank between layers (a dense layer on a conv's output,
   # a conv on a dense layer's); and for a model with average pooling
   # (avgpool 3 of stride 2, global_avgpool, flatten, dense), which must also
-  # learn (test accuracy >= 0.8). Bad input (a checkpoint of another model,
+  # learn (test accuracy >= 0.8); and for a residual block (add of a conv's
+  # output and an earlier one: ONNX Add nodes), which must learn too. Bad input (a checkpoint of another model,
   # an --out that cannot be written, an unknown --format) is refused with
   # its cause and leaves nothing half-written. onnxruntime, onnx and numpy
   # come from PyPI into a venv kept in the build directory; skipped (77)
@@ -1654,6 +1655,9 @@ onnx_export)
   onnx_train pooling "$here/jobs/onnx_pooling.json"
   acc=$(final_accuracy "$out/pooling/worker.log")
   at_least "$acc" 0.8 || fail "the average pooling CNN reached test accuracy $acc, not 0.8"
+  onnx_train residual "$here/jobs/residual.json"
+  acc=$(final_accuracy "$out/residual/worker.log")
+  at_least "$acc" 0.8 || fail "the residual CNN reached test accuracy $acc, not 0.8"
   # export_fails NAME EXIT PATTERN ARGS...: ps-export ARGS exits EXIT with a
   # message matching PATTERN (an extended regular expression).
   export_fails() {
@@ -1700,7 +1704,7 @@ PY
     echo "onnx_export: SKIPPED the full-disk case: cannot mount a tmpfs ($(cat "$out/mount.err"))"
   fi
   # onnxruntime, in a venv kept and reused in the build directory.
-  venv=$build/venv-onnx
+  venv=${PS_ONNX_VENV:-$build/venv-onnx} # PS_ONNX_VENV: another build's, reused
   onnx_import="import numpy, onnx, onnxruntime"
   onnx_skip() {
     tail -3 "$out/venv.log"; rm -rf "$venv"
@@ -1721,9 +1725,12 @@ PY
     --classes 3 --input 2,9,9 >"$out/shapes/compare.log" 2>&1 || { cat "$out/shapes/compare.log"; fail "shapes: the ONNX model and ps-worker disagree"; }
   "$venv/bin/python" "$here/tools/onnx_compare.py" "$out/pooling.onnx" "$out/pooling/ours" \
     --classes 4 --input 1,12,12 >"$out/pooling/compare.log" 2>&1 || { cat "$out/pooling/compare.log"; fail "pooling: the ONNX model and ps-worker disagree"; }
+  "$venv/bin/python" "$here/tools/onnx_compare.py" "$out/residual.onnx" "$out/residual/ours" \
+    --classes 4 --input 1,12,12 >"$out/residual/compare.log" 2>&1 || { cat "$out/residual/compare.log"; fail "residual: the ONNX model and ps-worker disagree"; }
   sed "s/^onnx_compare: /onnx_export: cnn: /" "$out/cnn/compare.log"
   sed "s/^onnx_compare: /onnx_export: shapes: /" "$out/shapes/compare.log"
   sed "s/^onnx_compare: /onnx_export: pooling: /" "$out/pooling/compare.log"
+  sed "s/^onnx_compare: /onnx_export: residual: /" "$out/residual/compare.log"
   ;;
 data_formats)
   # ps-worker --local on data it reads besides IDX, written by a script with

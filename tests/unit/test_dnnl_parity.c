@@ -588,6 +588,67 @@ static void test_relu(void) {
   }
 }
 
+/* y = a + b on host memory (the reference's bits, in place too), then on
+ * backend buffers held blocked (a 1x1 identity convolution's outputs, of
+ * 16 and 8 channels) and NCHW in every pairing: the sum as NCHW is the
+ * reference's, and an op after it reads it right whatever layout it left. */
+static void test_add(void) {
+  static const size_t sizes[] = {1, 7, 1000, 100003};
+  char what[96];
+  for (size_t t = 0; t < sizeof sizes / sizeof sizes[0]; t++) {
+    const size_t n = sizes[t], bytes = n * sizeof(float);
+    float *a = uniform_floats(n, -1, 1), *b = uniform_floats(n, -1, 1);
+    float *want = nan_floats(n), *got = nan_floats(n), *ai = xmalloc(bytes);
+    ref->add(ref->ctx, n, a, b, want);
+    dut->add(dut->ctx, n, a, b, got);
+    snprintf(what, sizeof what, "add n%zu", n);
+    check_bits(what, got, want, n);
+    memcpy(ai, a, bytes);
+    dut->add(dut->ctx, n, ai, b, ai);
+    snprintf(what, sizeof what, "add in place n%zu", n);
+    check_bits(what, ai, want, n);
+    free(a), free(b), free(want), free(got), free(ai);
+  }
+  static const int chans[] = {16, 8};
+  for (size_t t = 0; t < sizeof chans / sizeof chans[0]; t++) {
+    const int N = 2, C = chans[t], H = 5, W = 3;
+    const size_t n = (size_t)N * C * H * W;
+    float *xa = uniform_floats(n, -1, 1), *xb = uniform_floats(n, -1, 1);
+    float *want = nan_floats(n), *want_relu = nan_floats(n);
+    ref->add(ref->ctx, n, xa, xb, want);
+    ref->relu_forward(ref->ctx, n, want, want_relu);
+    /* a, b: 0 NCHW, 1 blocked; out: 0 a buffer of its own, 1 over a, 2
+     * over b. */
+    for (int pa = 0; pa < 2; pa++)
+      for (int pb = 0; pb < 2; pb++)
+        for (int out = 0; out < 3; out++) {
+          float *d_a = pa ? dut_identity(xa, N, C, H, W) : dut_upload(xa, n);
+          float *d_b = pb ? dut_identity(xb, N, C, H, W) : dut_upload(xb, n);
+          float *d_y = out == 0 ? dut_nans(n) : out == 1 ? d_a : d_b;
+          float *d_r = dut_nans(n);
+          dut->add(dut->ctx, n, d_a, d_b, d_y);
+          dut->relu_forward(dut->ctx, n, d_y, d_r);
+          float *got = dut_fetch(d_y, n), *got_relu = dut_fetch(d_r, n);
+          snprintf(what, sizeof what, "add c%d a %s b %s into %s", C, pa ? "blocked" : "nchw",
+                   pb ? "blocked" : "nchw",
+                   out == 0   ? "y"
+                   : out == 1 ? "a"
+                              : "b");
+          check_bits(what, got, want, n);
+          snprintf(what, sizeof what, "relu after add c%d a %s b %s into %s", C,
+                   pa ? "blocked" : "nchw", pb ? "blocked" : "nchw",
+                   out == 0   ? "y"
+                   : out == 1 ? "a"
+                              : "b");
+          check_bits(what, got_relu, want_relu, n);
+          free(got), free(got_relu);
+          if (out == 0) dut->free(dut->ctx, d_y);
+          dut->free(dut->ctx, d_a), dut->free(dut->ctx, d_b), dut->free(dut->ctx, d_r);
+        }
+    free(xa), free(xb), free(want), free(want_relu);
+  }
+}
+
 static void test_scale(void) {
   static const size_t sizes[] = {1, 1000, 100003};
   static const float alphas[] = {0.25f, -3.0f, 1.0f / 3.0f};
@@ -1066,6 +1127,7 @@ int main(void) {
     fprintf(stderr, "-- oneDNN backend, %d thread%s, channel blocks of %d\n", team[t],
             team[t] > 1 ? "s" : "", ps_ops_dnnl_block(dut));
     RUN(test_relu);
+    RUN(test_add);
     RUN(test_scale);
     RUN(test_dropout);
     RUN(test_softmax_xent);

@@ -4,7 +4,9 @@
  * (conv "same" and "valid" with strides, maxpool, avgpool, global_avgpool,
  * the Flatten before a dense layer on a 4-D tensor and the Unsqueeze before
  * a conv or a global pooling after a dense layer, no Dropout), initializers
- * holding the parameters' bytes at the layout's offsets; and refusals that
+ * holding the parameters' bytes at the layout's offsets; residual models'
+ * Add nodes reading earlier layers' tensors by name (a 2-D and a 4-D input
+ * made 4-D, three inputs summed left to right); and refusals that
  * leave nothing behind: a layer type without an ONNX form, a directory as
  * the path, a missing directory. */
 #include <dirent.h>
@@ -263,6 +265,80 @@ static void test_pooling_graph(void) {
   free(params);
 }
 
+/* Add reads any earlier layer's tensor: a residual block; a dense output
+ * (N, 2) added to a global pooling's (N, 2, 1, 1) (the dense one
+ * unsqueezed); three inputs through a dropout (no node), two of them 2-D. */
+static const char *k_res_model =
+    "{\"input\": [2, 6, 6], \"classes\": 3, \"layers\": ["
+    "{\"type\": \"conv2d\", \"filters\": 2, \"kernel\": 3, \"padding\": \"same\", "
+    "\"name\": \"stem\"},"
+    "{\"type\": \"relu\"},"
+    "{\"type\": \"conv2d\", \"filters\": 2, \"kernel\": 3, \"padding\": \"same\"},"
+    "{\"type\": \"add\", \"inputs\": [\"conv2d_1\", \"stem\"]},"
+    "{\"type\": \"global_avgpool\"}, {\"type\": \"flatten\"},"
+    "{\"type\": \"dense\", \"units\": 2},"
+    "{\"type\": \"add\", \"inputs\": [\"dense_0\", \"global_avgpool_0\"]},"
+    "{\"type\": \"dropout\", \"rate\": 0.5},"
+    "{\"type\": \"add\", \"inputs\": [\"dropout_0\", \"flatten_0\", \"dense_0\"]},"
+    "{\"type\": \"flatten\"}, {\"type\": \"dense\", \"units\": 3},"
+    "{\"type\": \"softmax_xent\"}]}";
+
+static void test_residual_graph(void) {
+  ps_model_spec spec;
+  char err[PS_ERRLEN] = "";
+  CHECK_MSG(ps_model_spec_parse(k_res_model, &spec, err) == 0, "%s", err);
+  float *params = malloc(spec.n_params * sizeof(float));
+  for (size_t i = 0; i < spec.n_params; i++) params[i] = (float)i * 0.01f - 0.5f;
+  char path[128];
+  snprintf(path, sizeof path, "%s/res.onnx", g_dir);
+  CHECK_MSG(ps_onnx_check_spec(&spec, err) == 0, "%s", err);
+  CHECK_MSG(ps_onnx_export(&spec, params, NULL, path, NULL, err) == 0, "%s", err);
+  Onnx__ModelProto *m = read_model(path);
+  CHECK(m != NULL);
+  if (!m) {
+    free(params);
+    return;
+  }
+  const Onnx__GraphProto *g = m->graph;
+  static const char *const ops[] = {
+      "Conv", "Relu",      "Conv", "Add",       "GlobalAveragePool", "Flatten",
+      "Gemm", "Unsqueeze", "Add",  "Unsqueeze", "Unsqueeze",         "Add",
+      "Add",  "Flatten",   "Gemm", "Softmax"};
+  const size_t n_ops = sizeof ops / sizeof ops[0];
+  CHECK_MSG(g->n_node == n_ops, "%zu nodes", g->n_node);
+  for (size_t i = 0; i < g->n_node && i < n_ops; i++)
+    CHECK_MSG(!strcmp(g->node[i]->op_type, ops[i]), "node %zu is %s, not %s", i,
+              g->node[i]->op_type, ops[i]);
+  /* (node, input) -> the tensor it must read. */
+  static const struct {
+    int node, input;
+    const char *tensor;
+  } reads[] = {
+      {0, 0, "input"},         {1, 0, "stem"},         {2, 0, "relu_0"},
+      {3, 0, "conv2d_1"},      {3, 1, "stem"},         {4, 0, "add_0"},
+      {7, 0, "dense_0"},       {8, 0, "add_1.in0.in"}, {8, 1, "global_avgpool_0"},
+      {9, 0, "flatten_0"},     {10, 0, "dense_0"},     {11, 0, "add_1"},
+      {11, 1, "add_2.in1.in"}, {12, 0, "add_2.sum1"},  {12, 1, "add_2.in2.in"},
+      {13, 0, "add_2"},
+  };
+  if (g->n_node == n_ops) {
+    for (size_t i = 0; i < sizeof reads / sizeof reads[0]; i++) {
+      const Onnx__NodeProto *n = g->node[reads[i].node];
+      CHECK_MSG(
+          (size_t)reads[i].input < n->n_input && !strcmp(n->input[reads[i].input], reads[i].tensor),
+          "node %d input %d is %s, not %s", reads[i].node, reads[i].input,
+          (size_t)reads[i].input < n->n_input ? n->input[reads[i].input] : "(none)",
+          reads[i].tensor);
+    }
+    CHECK(g->node[3]->n_input == 2 && !strcmp(g->node[3]->output[0], "add_0"));
+    CHECK(!strcmp(g->node[12]->name, "add_2") && !strcmp(g->node[12]->output[0], "add_2"));
+    CHECK(!strcmp(g->node[15]->output[0], "probabilities"));
+  }
+  onnx__model_proto__free_unpacked(m, NULL);
+  unlink(path);
+  free(params);
+}
+
 static void test_refusals(void) {
   ps_model_spec spec;
   char err[PS_ERRLEN] = "", path[128];
@@ -308,6 +384,7 @@ int main(void) {
   ps_log_init("test_export_onnx", PS_LOG_WARN);
   RUN(test_graph);
   RUN(test_pooling_graph);
+  RUN(test_residual_graph);
   RUN(test_refusals);
   char path[128];
   snprintf(path, sizeof path, "%s/model.onnx", g_dir);

@@ -596,7 +596,31 @@ static void test_relu_large(void) {
   free(x), free(y), free(dy), free(dx);
 }
 
-/* The backward ops of two inputs, relu's and dropout's. */
+/* y = a + b, rounded once per element as float: small (the main loop and
+ * its tail, signed zeros and infinities) and split into parts. */
+static void test_add(void) {
+  const float ea[] = {1.0f, -0.0f, 0.0f, 1e30f, -3.5f, INFINITY, 0.1f};
+  const float eb[] = {2.0f, -0.0f, -0.0f, 1e30f, 3.5f, 1.0f, 0.2f};
+  enum { N = 21 };
+  float a[N], b[N], y[N];
+  for (size_t i = 0; i < N; i++) a[i] = ea[i % 7], b[i] = eb[i % 7];
+  ops->add(ops->ctx, N, a, b, y);
+  int ok = 1;
+  for (size_t i = 0; i < N; i++) {
+    const float want = a[i] + b[i];
+    ok &= memcmp(&y[i], &want, sizeof want) == 0; /* -0 + -0 is -0, -0 + 0 is +0 */
+  }
+  CHECK(ok);
+  enum { L = 100003 };
+  float *la = alloc_uniform(L, -1, 1), *lb = alloc_uniform(L, -1, 1), *ly = alloc_nan(L);
+  ops->add(ops->ctx, L, la, lb, ly);
+  ok = 1;
+  for (size_t i = 0; i < L; i++) ok &= ly[i] == la[i] + lb[i];
+  CHECK(ok);
+  free(la), free(lb), free(ly);
+}
+
+/* The ops of two inputs: relu's and dropout's backward, add. */
 typedef void (*backward_op)(void *ctx, size_t n, const float *a, const float *b, float *out);
 
 /* op in place over a, then over b, gives bit for bit what it writes to an
@@ -621,6 +645,7 @@ static void test_backward_in_place(void) {
   float *y = alloc_uniform(N, -1, 1), *dy = alloc_uniform(N, -1, 1), *mask = alloc_uniform(N, 0, 2);
   check_in_place("relu_backward", ops->relu_backward, y, dy, N);
   check_in_place("dropout_backward", ops->dropout_backward, mask, dy, N);
+  check_in_place("add", ops->add, y, dy, N);
   free(y), free(dy), free(mask);
 }
 
@@ -902,6 +927,7 @@ static void run_tests(int threads) {
   RUN(test_dense);
   RUN(test_relu);
   RUN(test_relu_large);
+  RUN(test_add);
   RUN(test_backward_in_place);
   RUN(test_dropout);
   RUN(test_softmax_xent);

@@ -224,9 +224,10 @@ static void test_errors(void) {
   expect_error(HEAD "{\"type\": \"avgpool\", \"size\": 2, \"stride\": 0}," TAIL,
                "layer 0 (avgpool): 'stride' must be a positive integer");
   expect_error(HEAD "{\"type\": \"avgpool\", \"size\": 2, \"padding\": \"same\"}," TAIL,
-               "layer 0 (avgpool): unknown field 'padding' (known: type, size, stride)");
+               "layer 0 (avgpool): unknown field 'padding' (known: type, size, stride, name, "
+               "inputs)");
   expect_error(HEAD "{\"type\": \"global_avgpool\", \"size\": 2}," TAIL,
-               "layer 0 (global_avgpool): unknown field 'size' (known: type)");
+               "layer 0 (global_avgpool): unknown field 'size' (known: type, name, inputs)");
   expect_error(HEAD "{\"type\": \"avgpooling\"}," TAIL,
                "unknown type 'avgpooling' (known: conv2d, maxpool, avgpool, global_avgpool,");
   expect_error(HEAD "{\"type\": \"dropout\", \"rate\": 1.0}," TAIL,
@@ -373,11 +374,115 @@ static void test_shard_range(void) {
   CHECK(b == 0 && e == 0);
 }
 
+/* A residual block: conv -> relu -> conv(same) -> add(with the first
+ * conv's output) -> relu -> flatten -> dense -> softmax_xent. */
+#define RESIDUAL                                                                         \
+  "{\"input\": [1, 8, 8], \"classes\": 10, \"layers\": ["                                \
+  "{\"type\": \"conv2d\", \"filters\": 4, \"kernel\": 3, \"padding\": \"same\"},"        \
+  "{\"type\": \"relu\"},"                                                                \
+  "{\"type\": \"conv2d\", \"filters\": 4, \"kernel\": 3, \"padding\": \"same\","         \
+  " \"name\": \"branch\"},"                                                              \
+  "{\"type\": \"add\", \"inputs\": [\"branch\", \"conv2d_0\"]},"                         \
+  "{\"type\": \"relu\"}, {\"type\": \"flatten\"}, {\"type\": \"dense\", \"units\": 10}," \
+  "{\"type\": \"softmax_xent\"}]}"
+
+static void test_residual(void) {
+  ps_model_spec m;
+  char err[PS_ERRLEN] = "";
+  int rc = ps_model_spec_parse(RESIDUAL, &m, err);
+  CHECK_MSG(rc == 0, "%s", err);
+  if (rc) return;
+  const ps_layer *L = m.layers;
+  CHECK(m.n_layers == 8);
+  /* Names: the given one, and the generated ones as if it had none. */
+  CHECK(strcmp(L[0].name, "conv2d_0") == 0 && strcmp(L[2].name, "branch") == 0);
+  CHECK(strcmp(L[3].name, "add_0") == 0 && strcmp(L[4].name, "relu_1") == 0);
+  /* Inputs: by default the previous layer, the model input for the first. */
+  CHECK(L[0].n_inputs == 1 && L[0].inputs[0] == -1);
+  CHECK(L[1].n_inputs == 1 && L[1].inputs[0] == 0);
+  CHECK(L[3].type == PS_LAYER_ADD && L[3].n_inputs == 2 && L[3].inputs[0] == 2 &&
+        L[3].inputs[1] == 0);
+  CHECK(L[3].in_c == 4 && L[3].out_c == 4 && L[3].out_h == 8 && L[3].out_w == 8);
+  CHECK(L[3].w_count == 0 && L[3].b_count == 0);
+  CHECK(L[6].in_c == 4 * 8 * 8);
+  CHECK(m.n_params == (4 * 9 + 4) + (4 * 4 * 9 + 4) + (10 * 256 + 10));
+  char desc[256];
+  ps_model_spec_describe(&m, desc, sizeof desc);
+  CHECK_MSG(strstr(desc,
+                   "conv2d(4,3x3) relu conv2d(4,3x3) add(branch,conv2d_0) relu flatten "
+                   "dense(10) softmax_xent(10) P=") == desc,
+            "%s", desc);
+
+  /* A branch: a layer reading an earlier output than the previous one,
+   * and "input" for the batch itself; add of three. */
+  rc = ps_model_spec_parse(
+      HEAD
+      "{\"type\": \"relu\", \"name\": \"r\"},"
+      "{\"type\": \"avgpool\", \"size\": 1, \"inputs\": [\"input\"]},"
+      "{\"type\": \"add\", \"inputs\": [\"r\", \"avgpool_0\", \"input\"]}," TAIL,
+      &m, err);
+  CHECK_MSG(rc == 0, "%s", err);
+  if (rc) return;
+  CHECK(m.layers[1].inputs[0] == -1 && m.layers[2].n_inputs == 3 && m.layers[2].inputs[2] == -1);
+  ps_model_spec_describe(&m, desc, sizeof desc);
+  CHECK_MSG(strstr(desc, "relu avgpool(1)<-input add(r,avgpool_0,input) flatten") == desc, "%s",
+            desc);
+}
+
+static void test_residual_errors(void) {
+  expect_error(HEAD "{\"type\": \"relu\", \"inputs\": [\"nope\"]}," TAIL,
+               "layer 0 (relu): 'inputs' names 'nope', which is no earlier layer");
+  expect_error(HEAD "{\"type\": \"relu\", \"inputs\": [\"relu_1\"]}, {\"type\": \"relu\"}," TAIL,
+               "layer 0 (relu): 'inputs' names 'relu_1', which is a later layer");
+  expect_error(HEAD "{\"type\": \"relu\", \"name\": \"me\", \"inputs\": [\"me\"]}," TAIL,
+               "layer 0 (relu 'me'): 'inputs' names 'me', which is this layer");
+  expect_error(HEAD
+               "{\"type\": \"conv2d\", \"filters\": 2, \"kernel\": 3},"
+               "{\"type\": \"add\", \"inputs\": [\"conv2d_0\", \"input\"]}," TAIL,
+               "layer 1 (add): inputs 'conv2d_0' (2x6x6) and 'input' (1x8x8) differ in shape");
+  expect_error(HEAD
+               "{\"type\": \"relu\", \"name\": \"a\"},"
+               "{\"type\": \"relu\", \"name\": \"a\"}," TAIL,
+               "layer 1 (relu 'a'): duplicate name 'a' (layer 0 has it too)");
+  /* A given name that a later generated one repeats. */
+  expect_error(HEAD "{\"type\": \"relu\", \"name\": \"relu_1\"}, {\"type\": \"relu\"}," TAIL,
+               "layer 1 (relu): duplicate name 'relu_1'");
+  expect_error(HEAD "{\"type\": \"relu\", \"name\": \"input\"}," TAIL,
+               "the name 'input' is the model input's");
+  expect_error(HEAD "{\"type\": \"relu\", \"name\": \"a b\"}," TAIL,
+               "layer 0 (relu 'a b'): 'name' must be a string of 1 to 31 characters from "
+               "[A-Za-z0-9_.-]");
+  expect_error(HEAD "{\"type\": \"relu\", \"name\": \"\"}," TAIL, "'name' must be a string");
+  expect_error(HEAD "{\"type\": \"add\"}," TAIL,
+               "layer 0 (add): 'inputs' is required (the names of 2 to 4 earlier layers)");
+  expect_error(HEAD "{\"type\": \"add\", \"inputs\": [\"input\"]}," TAIL,
+               "layer 0 (add): 'inputs' must be an array of 2 to 4 layer names");
+  expect_error(HEAD
+               "{\"type\": \"relu\"},"
+               "{\"type\": \"relu\", \"inputs\": [\"input\", \"relu_0\"]}," TAIL,
+               "layer 1 (relu): 'inputs' must be an array of one layer name (only add takes more)");
+  expect_error(HEAD "{\"type\": \"relu\", \"inputs\": \"input\"}," TAIL,
+               "'inputs' must be an array of one layer name");
+  expect_error(HEAD "{\"type\": \"relu\", \"inputs\": [3]}," TAIL,
+               "layer 0 (relu): 'inputs'[0] must be a string");
+  /* A dead branch: an output nothing reads. */
+  expect_error(HEAD "{\"type\": \"relu\"}, {\"type\": \"relu\", \"inputs\": [\"input\"]}," TAIL,
+               "layer 0 (relu_0): no later layer reads its output");
+  /* softmax_xent stays last, and may read an earlier layer. */
+  expect_error(HEAD
+               "{\"type\": \"flatten\"}, {\"type\": \"dense\", \"units\": 10},"
+               "{\"type\": \"softmax_xent\"}, {\"type\": \"add\", \"inputs\": "
+               "[\"dense_0\", \"dense_0\"]}]}",
+               "layer 2 (softmax_xent): must be the last layer");
+}
+
 int main(void) {
   RUN(test_quickstart_layout);
   RUN(test_shapes);
   RUN(test_pooling_layers);
   RUN(test_errors);
+  RUN(test_residual);
+  RUN(test_residual_errors);
   RUN(test_init_params);
   RUN(test_shard_range);
   return check_summary();
