@@ -1,6 +1,7 @@
 /* Keras model JSON to model spec; see keras.h. */
 #include "keras.h"
 
+#include <ctype.h>
 #include <jansson.h>
 #include <stdarg.h>
 #include <stdlib.h>
@@ -17,8 +18,9 @@ typedef struct {
   const char *name;   /* the layer's name */
   json_t *cfg;        /* config */
   int n_in;           /* inbound tensors of its one call (0 for an input) */
-  const char *in[2];  /* the layers they come from (the first two) */
+  const char *in[PS_MAX_LAYER_INPUTS]; /* the layers they come from (the first ones) */
   int n_calls;        /* how many times the layer is called */
+  int src[PS_MAX_LAYER_INPUTS]; /* the indices of the layers in[] names */
 } klayer;
 
 /* A layer with weights, in the order of Keras's model.get_weights(). */
@@ -30,8 +32,19 @@ typedef struct {
   const char *name;
 } kweights;
 
+/* What a Keras layer's output is here: the spec layer holding it ("input"
+ * for the model's input) and its shape. */
+typedef struct {
+  char spec[32];
+  int c, h, w, flat, fh, fw, fc;
+} kout;
+
 typedef struct {
   json_t *layers; /* the spec's "layers" */
+  char prev[32];     /* the spec layer emitted last ("input" before any) */
+  char pending[32];  /* the input the next emitted layer must name, or "" */
+  int emitted;       /* spec layers emitted for the current Keras layer */
+  int n_names;       /* spec layers named so far */
   kweights *plan; /* NULL: not wanted */
   int n_plan;
   int fh, fw, fc; /* the spatial shape the current flat features came from */
@@ -112,7 +125,7 @@ static const char *tensor_source(json_t *t) {
 }
 
 static void add_input(klayer *L, const char *src) {
-  if (L->n_in < 2) L->in[L->n_in] = src;
+  if (L->n_in < PS_MAX_LAYER_INPUTS) L->in[L->n_in] = src;
   L->n_in++;
 }
 
@@ -192,9 +205,28 @@ static int check_plain(const klayer *L, char *err) {
   return 0;
 }
 
+/* Appends a spec layer for Keras layer L, named after it (its first spec
+ * layer takes L's name, e.g. "conv2d_1", the next ones a suffix, e.g.
+ * "conv2d_1.relu"; a name too long for the spec becomes "k<N>"), reading
+ * x->pending when the input is not the layer emitted before. */
 static int emit(xlate *x, const klayer *L, json_t *layer, char *err) {
-  if (!layer || json_array_append_new(x->layers, layer))
+  char name[32];
+  const char *type = layer ? json_string_value(json_object_get(layer, "type")) : NULL;
+  int n = x->emitted ? snprintf(name, sizeof name, "%s.%s", L->name, type ? type : "x")
+                     : snprintf(name, sizeof name, "%s", L->name);
+  int usable = n > 0 && (size_t)n < sizeof name && strcmp(name, "input") != 0;
+  for (int i = 0; usable && name[i]; i++)
+    usable = isalnum((unsigned char)name[i]) || strchr("_.-", name[i]) != NULL;
+  if (!usable) snprintf(name, sizeof name, "k%d", x->n_names);
+  x->n_names++;
+  if (!layer || json_object_set_new(layer, "name", json_string(name)) ||
+      (x->pending[0] &&
+       json_object_set_new(layer, "inputs", json_pack("[s]", x->pending))) ||
+      json_array_append_new(x->layers, layer))
     return ps_seterr(err, PS_ENOMEM, "keras: out of memory at layer '%.48s'", L->name);
+  x->pending[0] = '\0';
+  x->emitted++;
+  snprintf(x->prev, sizeof x->prev, "%s", name);
   return 0;
 }
 
@@ -418,12 +450,12 @@ static int one_layer(xlate *x, const klayer *L, int first, char *err) {
     x->softmax = 1;
     return 0;
   }
-  if (!strcmp(c, "BatchNormalization") || !strcmp(c, "Add"))
+  if (!strcmp(c, "BatchNormalization"))
     return lerr(err, L, "not supported by this version's layers");
   return lerr(err, L,
               "unsupported layer type (supported: InputLayer, Conv2D, Dense, MaxPooling2D, "
               "AveragePooling2D, GlobalAveragePooling2D, Flatten, Dropout, Activation, ReLU, "
-              "Softmax)");
+              "Softmax, Add)");
 }
 
 /* A functional model's single input or output layer: [name, 0, 0] or
@@ -485,31 +517,83 @@ static int translate(json_t *root, klayer *ls, json_t *spec, xlate *x, char *err
     if (!out) return PS_EINVAL;
     if (strcmp(ls[0].name, in) != 0 || strcmp(ls[0].cls, "InputLayer") != 0)
       return ps_seterr(err, PS_EINVAL, "keras: the input '%.48s' is not the first layer", in);
+    /* Layers come in an order that runs them (each after its inputs). */
     for (size_t i = 1; i < n; i++) {
       klayer *L = &ls[i];
-      if (L->n_in > 1)
-        return lerr(err, L, "takes %d inputs: only chains of layers are supported", L->n_in);
       if (L->n_in == 0) return lerr(err, L, "takes no input");
-      if (strcmp(L->in[0], ls[i - 1].name) != 0)
-        return lerr(err, L, "takes '%.48s', not the layer before it: only chains are supported",
-                    L->in[0]);
+      if (L->n_in > PS_MAX_LAYER_INPUTS)
+        return lerr(err, L, "takes %d inputs: at most %d", L->n_in, PS_MAX_LAYER_INPUTS);
+      if (L->n_in > 1 && strcmp(L->cls, "Add") != 0)
+        return lerr(err, L, "takes %d inputs: only Add takes more than one", L->n_in);
+      for (int a = 0; a < L->n_in; a++) {
+        size_t j = 0;
+        while (j < i && strcmp(ls[j].name, L->in[a]) != 0) j++;
+        if (j == i) return lerr(err, L, "takes '%.48s', which is not an earlier layer", L->in[a]);
+        L->src[a] = (int)j;
+      }
     }
     if (strcmp(ls[n - 1].name, out) != 0)
       return ps_seterr(err, PS_EINVAL, "keras: the output '%.48s' is not the last layer", out);
+  } else {
+    for (size_t i = 1; i < n; i++) {
+      ls[i].n_in = 1;
+      ls[i].src[0] = (int)i - 1;
+    }
   }
   x->layers = json_array(); /* the caller releases it */
   if (!x->layers) return ps_seterr(err, PS_ENOMEM, "keras: out of memory");
   int in_c = 0, in_h = 0, in_w = 0;
-  for (size_t i = 0; i < n; i++) {
-    if ((rc = one_layer(x, &ls[i], i == 0, err))) return rc;
+  kout *outs = calloc(n, sizeof *outs);
+  if (!outs) return ps_seterr(err, PS_ENOMEM, "keras: out of memory");
+  snprintf(x->prev, sizeof x->prev, "input");
+  for (size_t i = 0; i < n && rc == 0; i++) {
+    klayer *L = &ls[i];
+    x->emitted = 0;
+    x->pending[0] = '\0';
+    if (i > 0) {
+      /* The current shape is the (first) input's. */
+      const kout *o = &outs[L->src[0]];
+      x->c = o->c, x->h = o->h, x->w = o->w, x->flat = o->flat;
+      x->fh = o->fh, x->fw = o->fw, x->fc = o->fc;
+      if (strcmp(o->spec, x->prev) != 0) snprintf(x->pending, sizeof x->pending, "%s", o->spec);
+    }
+    if (i > 0 && !strcmp(L->cls, "Add")) {
+      json_t *ins = json_array();
+      for (int a = 0; a < L->n_in && rc == 0; a++) {
+        const kout *o = &outs[L->src[a]];
+        if (o->c * o->h * o->w != x->c * x->h * x->w || o->h != x->h || o->w != x->w)
+          rc = lerr(err, L, "adds a %dx%dx%d to a %dx%dx%d", o->h, o->w, o->c, x->h, x->w, x->c);
+        else if (!ins || json_array_append_new(ins, json_string(o->spec)))
+          rc = ps_seterr(err, PS_ENOMEM, "keras: out of memory");
+      }
+      if (x->softmax) rc = lerr(err, L, "a layer after the softmax");
+      x->pending[0] = '\0';
+      json_t *layer = json_pack("{s:s}", "type", "add");
+      if (rc == 0 && (!layer || json_object_set(layer, "inputs", ins)))
+        rc = ps_seterr(err, PS_ENOMEM, "keras: out of memory");
+      json_decref(ins);
+      if (rc == 0) rc = emit(x, L, layer, err);
+      else json_decref(layer);
+      x->after_dense = 1;
+    } else {
+      rc = one_layer(x, L, i == 0, err);
+    }
+    if (rc) break;
     if (i == 0) {
       in_c = x->c;
       in_h = x->h;
       in_w = x->w;
     }
-    x->last_name = ls[i].name;
-    x->last_cls = ls[i].cls;
+    kout *o = &outs[i];
+    snprintf(o->spec, sizeof o->spec, "%s",
+             i == 0 ? "input" : x->emitted ? x->prev : outs[L->src[0]].spec);
+    o->c = x->c, o->h = x->h, o->w = x->w, o->flat = x->flat;
+    o->fh = x->fh, o->fw = x->fw, o->fc = x->fc;
+    x->last_name = L->name;
+    x->last_cls = L->cls;
   }
+  free(outs);
+  if (rc) return rc;
   if (!x->have_dense || x->after_dense)
     return ps_seterr(err, PS_EINVAL,
                      "keras: the model ends with '%.48s' (%.32s): it must end with a Dense layer "

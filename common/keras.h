@@ -1,6 +1,7 @@
 /* Keras models as model specs: the JSON of Keras's model.to_json() (tf_keras
  * / Keras 2 and Keras 3 formats; Sequential, and functional models whose
- * layers form a chain) translated into the model spec of model_spec.h.
+ * layers branch and join with Add, as residual blocks do) translated into
+ * the model spec of model_spec.h; the spec's layers keep the Keras names.
  *
  * Keras tensors are channels-last (H, W, C); here activations are (C, H, W).
  * The translation keeps every layer's function: the input [H, W, C] becomes
@@ -9,7 +10,8 @@
  * permuted (which matters only to weights brought over from Keras).
  *
  * Layers: InputLayer, Conv2D, Dense, MaxPooling2D, AveragePooling2D,
- * GlobalAveragePooling2D, Flatten, Dropout, Activation, ReLU and Softmax.
+ * GlobalAveragePooling2D, Flatten, Dropout, Activation, ReLU, Softmax and
+ * Add.
  * The model must end in a Dense layer giving the class scores, with a
  * softmax (as activation or layer) or as logits: either becomes
  * softmax_xent. Anything else is refused with a message naming the layer

@@ -27,8 +27,8 @@ typedef struct {
 
 static const ps_option import_flags[] = {
     {"model", "FILE", PS_OPT_STR, O(model), .help =
-     "the Keras model's JSON (`model.to_json()` of tf_keras or Keras 3: a Sequential model, "
-     "or a functional one whose layers form a chain), required"},
+     "the Keras model's JSON (`model.to_json()` of tf_keras or Keras 3: a Sequential or "
+     "functional model, residual blocks included), required"},
     {"out", "FILE", PS_OPT_STR, O(out), .def_doc = "standard output", .help =
      "where to write the model spec (the value of a job's `\"model\"` key), replaced "
      "atomically"},
@@ -52,7 +52,7 @@ static const ps_optspec import_spec = {
         "\n"
         "Translates a Keras model into this system's model spec. Layers: InputLayer,\n"
         "Conv2D, Dense, MaxPooling2D, AveragePooling2D, GlobalAveragePooling2D,\n"
-        "Flatten, Dropout, Activation, ReLU and Softmax, channels-last; the model ends\n"
+        "Flatten, Dropout, Activation, ReLU, Softmax and Add, channels-last; the model ends\n"
         "in a Dense layer with a softmax or logits. Anything else is refused, naming\n"
         "the layer and what is not supported. The spec's own initialisation applies\n"
         "(Keras's initializers are not carried over), or, with --weights, the model's\n"

@@ -8,7 +8,8 @@
 # reused in BUILD_DIR/venv-keras, or $PS_KERAS_VENV) writes two models and their weights
 # (tools/keras_compare.py: a tf_keras Sequential CNN on a non-square input
 # with a Flatten into a Dense layer, and a Keras 3 functional chain with a
-# strided convolution, average and global average pooling and logits).
+# strided convolution, average and global average pooling and logits, and
+# a Keras 3 residual block: a branch added to its shortcut).
 # For each: ps-import-keras gives the spec; a job holds it; ps-import-keras
 # --weights writes the weights as the job's starting checkpoint; onnx_check
 # runs ps's forward pass from that checkpoint over the job's test split;
@@ -66,9 +67,9 @@ json.dump(job, open(sys.argv[2], "w"), indent=1)
 PY
 }
 
-for name in seq chain; do
+for name in seq chain res; do
   k3=()
-  [ "$name" = chain ] && k3=(--keras3)
+  [ "$name" != seq ] && k3=(--keras3)
   "$build/ps-import-keras" --model "$out/$name.json" --out "$out/$name.spec.json" \
     2>"$out/$name.import.log" || { cat "$out/$name.import.log"; fail "$name: ps-import-keras failed"; }
   job "$name"
@@ -91,9 +92,12 @@ done
 port=$(free_port)
 "$build/ps-server" --insecure --job "$out/seq.job.json" --ps "127.0.0.1:$port" --index 0 \
   --checkpoint-dir "$out/seq.ckpt" --checkpoint-secs 3600 >"$out/server.log" 2>&1 &
-pids+=($!)
+spid=$!
+pids+=($spid)
 timeout 120 "$build/ps-worker" --insecure --ps "127.0.0.1:$port" --index 0 --num-workers 1 \
   --threads 1 --log-interval 0 >"$out/worker.log" 2>&1 || { tail -5 "$out/worker.log"; fail "the worker failed"; }
+kill -TERM "$spid"
+wait "$spid" || { tail -5 "$out/server.log"; fail "ps-server did not exit 0 on SIGTERM"; }
 grep -q "checkpoint: restored \[0, [0-9]*) at version 0" "$out/server.log" \
   || { cat "$out/server.log"; fail "the server did not restore the Keras weights"; }
 acc=$(sed -n 's/^final test accuracy \([0-9.]*\).*/\1/p' "$out/worker.log" | tail -1)

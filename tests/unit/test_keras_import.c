@@ -78,6 +78,24 @@ static void check_functional_chain(const char *prefix) {
   json_decref(spec);
 }
 
+/* A branch and an Add: the spec names the layers and the add reads both. */
+static void check_residual(const char *prefix) {
+  char name[64], err[PS_ERRLEN], notes[512], desc[512];
+  snprintf(name, sizeof name, "%s_residual.json", prefix);
+  json_t *spec = import_file(name, notes, sizeof notes, err);
+  CHECK_MSG(spec != NULL, "%s: %s", name, err);
+  if (!spec) return;
+  CHECK(describe(spec, desc, sizeof desc) == 0);
+  /* Keras: 224 + 584 + 90 = 898 parameters. */
+  CHECK_MSG(!strcmp(desc, "conv2d(8,3x3) relu conv2d(8,3x3) relu add(stem.relu,branch_relu) "
+                          "global_avgpool dense(10) softmax_xent(10) P=898"),
+            "%s: %s", name, desc);
+  json_t *add = json_array_get(json_object_get(spec, "layers"), 4);
+  CHECK(!strcmp(json_string_value(json_object_get(add, "type")), "add") &&
+        json_array_size(json_object_get(add, "inputs")) == 2);
+  json_decref(spec);
+}
+
 static void check_refused(const char *file, const char *want1, const char *want2) {
   char err[PS_ERRLEN] = "", notes[256];
   json_t *spec = import_file(file, notes, sizeof notes, err);
@@ -94,6 +112,7 @@ static void check_fixtures(void) {
     char f[64];
     check_sequential_cnn(p);
     check_functional_chain(p);
+    check_residual(p);
     snprintf(f, sizeof f, "%s_dilated.json", p);
     check_refused(f, "(Conv2D)", "dilation_rate (2, 2)");
     snprintf(f, sizeof f, "%s_sigmoid.json", p);
@@ -101,7 +120,7 @@ static void check_fixtures(void) {
     snprintf(f, sizeof f, "%s_uneven_same.json", p);
     check_refused(f, "(Conv2D)", "pads 0 before and 1 after");
     snprintf(f, sizeof f, "%s_residual_bn.json", p);
-    check_refused(f, "layer 'add' (Add)", "takes 2 inputs");
+    check_refused(f, "(Conv2D)", "use_bias false");
   }
 }
 
@@ -240,11 +259,11 @@ static void check_edges(void) {
        "{\"class_name\": \"Flatten\", \"name\": \"f\", \"config\": {}, \"inbound_nodes\": "
        "[[[\"i\", 0, 0, {}]]]},"
        "{\"class_name\": \"Flatten\", \"name\": \"g\", \"config\": {}, \"inbound_nodes\": "
-       "[[[\"i\", 0, 0, {}]]]},"
+       "[[[\"d\", 0, 0, {}]]]},"
        "{\"class_name\": \"Dense\", \"name\": \"d\", \"config\": {\"units\": 2}, "
        "\"inbound_nodes\": [[[\"g\", 0, 0, {}]]]}],"
        "\"input_layers\": [[\"i\", 0, 0]], \"output_layers\": [[\"d\", 0, 0]]}}",
-       "takes 'i', not the layer before it"},
+       "takes 'd', which is not an earlier layer"},
       {"{\"class_name\": \"Functional\", \"config\": {\"layers\": ["
        "{\"class_name\": \"InputLayer\", \"name\": \"i\", \"config\": {\"batch_input_shape\": "
        "[null, 4, 4, 1]}, \"inbound_nodes\": []}],"

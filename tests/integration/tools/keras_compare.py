@@ -13,7 +13,9 @@ The models: "seq" (tf_keras Sequential, a non-square 12x10x3 input, a
 Flatten of a spatial tensor into a Dense layer, so the column order of
 that Dense layer's kernel matters) and "chain" (Keras 3 functional: a
 stride-2 valid convolution, ReLU and Activation layers, average and global
-average pooling, a logits output).
+average pooling, a logits output) and "res" (Keras 3 functional: a
+residual block, an Add of a branch and its shortcut, then a Flatten of a
+non-square tensor into a Dense layer).
 """
 import os
 import sys
@@ -48,6 +50,18 @@ def build(name):
         ])
     k = keras_module(True)
     L = k.layers
+    if name == "res":
+        x = inp = k.Input(shape=(10, 12, 3))
+        s = L.Conv2D(8, 3, padding="same", activation="relu")(x)
+        y = L.Conv2D(8, 3, padding="same")(s)
+        y = L.ReLU()(y)
+        y = L.Conv2D(8, 3, padding="same")(y)
+        x = L.Add()([s, y])
+        x = L.ReLU()(x)
+        x = L.MaxPooling2D(2)(x)
+        x = L.Flatten()(x)
+        x = L.Dense(6, activation="softmax")(x)
+        return k.Model(inp, x)
     x = inp = k.Input(shape=(16, 16, 2))
     x = L.Conv2D(8, 3, strides=2, padding="valid")(x)
     x = L.ReLU()(x)
@@ -60,7 +74,7 @@ def build(name):
 
 def make(out):
     rng = np.random.default_rng(11)
-    for name in ("seq", "chain"):
+    for name in ("seq", "chain", "res"):
         m = build(name)
         w = [a + rng.normal(0, 0.1, a.shape).astype(np.float32) if a.ndim == 1 else a
              for a in m.get_weights()]
