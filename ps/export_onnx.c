@@ -258,7 +258,7 @@ static int to_rank2(onnx_graph *g, const ps_layer *L) {
 static const char *unsqueeze_to_rank4(onnx_graph *g, const char *tensor, const char *prefix) {
   static const int64_t axes[2] = {2, 3}; /* little-endian int64 on this host */
   static const int64_t axes_dims[1] = {2};
-  char name[sizeof((ps_layer *)0)->name + 24], out[sizeof name];
+  char name[sizeof((ps_layer *)0)->name + 40], out[sizeof name]; /* prefix: name + 16 */
   snprintf(name, sizeof name, "%s.axes", prefix);
   const char *in[2] = {tensor, init_add(g, name, ONNX__TENSOR_PROTO__DATA_TYPE__INT64, axes_dims, 1,
                                         axes, sizeof axes)};
@@ -400,15 +400,15 @@ static int emit_add(onnx_graph *g, const ps_layer *L, char *err) {
   }
   for (int a = 0; a < L->n_inputs; a++) {
     if (ranks[a] == rank) continue;
-    char prefix[sizeof L->name + 8];
-    snprintf(prefix, sizeof prefix, "%s.in%d", L->name, a);
+    char prefix[sizeof L->name + 16]; /* the name, ".in" and a digit */
+    snprintf(prefix, sizeof prefix, "%.31s.in%d", L->name, a % PS_MAX_LAYER_INPUTS);
     if (!(in[a] = unsqueeze_to_rank4(g, in[a], prefix))) return PS_ENOMEM;
   }
   const char *sum = in[0];
   for (int a = 1; a < L->n_inputs; a++) {
     char name[sizeof L->name + 16];
     if (a + 1 < L->n_inputs)
-      snprintf(name, sizeof name, "%s.sum%d", L->name, a);
+      snprintf(name, sizeof name, "%.31s.sum%d", L->name, a % PS_MAX_LAYER_INPUTS);
     else
       snprintf(name, sizeof name, "%s", L->name);
     const char *pair[2] = {sum, in[a]};
