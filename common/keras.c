@@ -492,7 +492,7 @@ static int translate(json_t *root, klayer *ls, json_t *spec, xlate *x, char *err
   size_t n = json_array_size(layers);
   if (n > MAX_KERAS_LAYERS)
     return ps_seterr(err, PS_EINVAL, "keras: %zu layers: at most %d", n, MAX_KERAS_LAYERS);
-  int rc;
+  int rc = 0;
   for (size_t i = 0; i < n; i++) {
     json_t *e = json_array_get(layers, i);
     klayer *L = &ls[i];
@@ -543,6 +543,7 @@ static int translate(json_t *root, klayer *ls, json_t *spec, xlate *x, char *err
   x->layers = json_array(); /* the caller releases it */
   if (!x->layers) return ps_seterr(err, PS_ENOMEM, "keras: out of memory");
   int in_c = 0, in_h = 0, in_w = 0;
+  rc = 0;
   kout *outs = calloc(n, sizeof *outs);
   if (!outs) return ps_seterr(err, PS_ENOMEM, "keras: out of memory");
   snprintf(x->prev, sizeof x->prev, "input");
