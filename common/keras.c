@@ -24,13 +24,22 @@ typedef struct {
 } klayer;
 
 /* A layer with weights, in the order of Keras's model.get_weights(). */
+enum { KW_CONV2D, KW_DENSE, KW_BATCHNORM };
 typedef struct {
-  int dense;          /* 0: Conv2D, 1: Dense */
+  int kind;           /* KW_* */
+  int bias;           /* Conv2D, Dense: use_bias (a bias array follows the kernel) */
   int k, ic, oc;      /* Conv2D: kernel, input channels, filters */
   int in, units;      /* Dense: input features, units */
-  int fh, fw, fc;     /* Dense after a Flatten of an (fh, fw, fc) input: 0 if none */
+  int c;              /* BatchNormalization: the values normalized (channels or features) */
+  float momentum, epsilon; /* BatchNormalization */
+  /* Dense or BatchNormalization after a Flatten of an (fh, fw, fc) input:
+   * its features come in Keras's (h, w, c) order; 0 if none. */
+  int fh, fw, fc;
   const char *name;
 } kweights;
+
+/* How many arrays of model.get_weights() the layer holds. */
+static int kw_arrays(const kweights *kw) { return kw->kind == KW_BATCHNORM ? 4 : 1 + kw->bias; }
 
 /* What a Keras layer's output is here: the spec layer holding it ("input"
  * for the model's input) and its shape. */
@@ -268,8 +277,8 @@ static int conv2d(xlate *x, const klayer *L, char *err) {
   json_t *g = json_object_get(L->cfg, "groups");
   if (g && !(json_is_integer(g) && json_integer_value(g) == 1))
     return lerr(err, L, "groups other than 1: not supported");
-  if (json_is_false(json_object_get(L->cfg, "use_bias")))
-    return lerr(err, L, "use_bias false: every conv2d here has a bias");
+  /* Without a bias (as before a BatchNormalization) the spec says "bias": false. */
+  const int bias = !json_is_false(json_object_get(L->cfg, "use_bias"));
   const char *pad = str_field(L->cfg, "padding");
   if (!pad) pad = "valid";
   int oh, ow;
@@ -291,14 +300,16 @@ static int conv2d(xlate *x, const klayer *L, char *err) {
   } else {
     return lerr(err, L, "padding '%.16s' is not supported", pad);
   }
-  if ((rc = emit(x, L,
-                 json_pack("{s:s,s:I,s:i,s:i,s:s}", "type", "conv2d", "filters",
-                           json_integer_value(f), "kernel", kh, "stride", sh, "padding", pad),
-                 err)))
-    return rc;
+  json_t *layer = json_pack("{s:s,s:I,s:i,s:i,s:s}", "type", "conv2d", "filters",
+                            json_integer_value(f), "kernel", kh, "stride", sh, "padding", pad);
+  if (layer && !bias && json_object_set_new(layer, "bias", json_false())) {
+    json_decref(layer);
+    layer = NULL;
+  }
+  if ((rc = emit(x, L, layer, err))) return rc;
   if (x->plan && x->n_plan < MAX_KERAS_LAYERS)
-    x->plan[x->n_plan++] = (kweights){.k = kh, .ic = x->c, .oc = (int)json_integer_value(f),
-                                      .name = L->name};
+    x->plan[x->n_plan++] = (kweights){.kind = KW_CONV2D, .bias = bias, .k = kh, .ic = x->c,
+                                      .oc = (int)json_integer_value(f), .name = L->name};
   x->c = (int)json_integer_value(f);
   x->h = oh;
   x->w = ow;
@@ -317,14 +328,16 @@ static int dense(xlate *x, const klayer *L, char *err) {
   json_t *u = json_object_get(L->cfg, "units");
   if (!json_is_integer(u) || json_integer_value(u) < 1 || json_integer_value(u) > (1 << 24))
     return lerr(err, L, "'units' is not a positive integer");
-  if (json_is_false(json_object_get(L->cfg, "use_bias")))
-    return lerr(err, L, "use_bias false: every dense layer here has a bias");
-  if ((rc = emit(x, L, json_pack("{s:s,s:I}", "type", "dense", "units", json_integer_value(u)),
-                 err)))
-    return rc;
+  const int bias = !json_is_false(json_object_get(L->cfg, "use_bias"));
+  json_t *layer = json_pack("{s:s,s:I}", "type", "dense", "units", json_integer_value(u));
+  if (layer && !bias && json_object_set_new(layer, "bias", json_false())) {
+    json_decref(layer);
+    layer = NULL;
+  }
+  if ((rc = emit(x, L, layer, err))) return rc;
   if (x->plan && x->n_plan < MAX_KERAS_LAYERS) {
-    kweights kw = {.dense = 1, .in = x->c * x->h * x->w, .units = (int)json_integer_value(u),
-                   .name = L->name};
+    kweights kw = {.kind = KW_DENSE, .bias = bias, .in = x->c * x->h * x->w,
+                   .units = (int)json_integer_value(u), .name = L->name};
     if (x->flat && x->fh * x->fw > 1) {
       kw.fh = x->fh;
       kw.fw = x->fw;
@@ -369,6 +382,78 @@ static int pooling(xlate *x, const klayer *L, const char *type, char *err) {
     return rc;
   x->h = (x->h - ph) / sh + 1;
   x->w = (x->w - pw) / sw + 1;
+  x->after_dense = 1;
+  return 0;
+}
+
+/* The smallest epsilon the model spec takes (model_spec.h; cuDNN's). */
+#define MIN_BN_EPSILON 1e-5
+
+/* BatchNormalization over the channel axis (or, after Flatten, Dense or
+ * GlobalAveragePooling2D, each feature): the spec's batchnorm, with Keras's
+ * momentum and epsilon. What the spec cannot hold (another axis, no gamma
+ * or beta, renormalization, a tiny epsilon) is refused rather than
+ * approximated, since the imported weights would compute something else. */
+static int batchnorm(xlate *x, const klayer *L, char *err) {
+  int rc;
+  if ((rc = check_plain(L, err))) return rc;
+  static const char *const regs[] = {"beta_regularizer", "gamma_regularizer", "beta_constraint",
+                                     "gamma_constraint"};
+  for (size_t i = 0; i < sizeof regs / sizeof regs[0]; i++)
+    if (!is_null(L->cfg, regs[i])) return lerr(err, L, "%s is set: not supported", regs[i]);
+  /* Keras 3 writes the axis as an int, tf_keras as a list of one, made
+   * non-negative; Keras's default is -1. */
+  json_t *ax = json_object_get(L->cfg, "axis");
+  if (json_is_array(ax) && json_array_size(ax) == 1) ax = json_array_get(ax, 0);
+  if (ax && !json_is_integer(ax))
+    return lerr(err, L, "'axis' is not one integer: only the channel axis is supported");
+  const long long axis = ax ? json_integer_value(ax) : -1, last = x->flat ? 1 : 3;
+  if (axis != -1 && axis != last)
+    return lerr(err, L,
+                "axis %lld of a %s input: only the channel axis (-1 or %lld) is supported", axis,
+                x->flat ? "2-D (batch, features)" : "4-D (batch, height, width, channels)", last);
+  if (json_is_false(json_object_get(L->cfg, "scale")))
+    return lerr(err, L, "scale false (no gamma): not supported, every batchnorm here has gamma");
+  if (json_is_false(json_object_get(L->cfg, "center")))
+    return lerr(err, L, "center false (no beta): not supported, every batchnorm here has beta");
+  if (json_is_true(json_object_get(L->cfg, "renorm")))
+    return lerr(err, L, "renorm true (batch renormalization): not supported");
+  if (!is_null(L->cfg, "virtual_batch_size"))
+    return lerr(err, L, "virtual_batch_size is set: not supported");
+  if (!is_null(L->cfg, "adjustment")) return lerr(err, L, "adjustment is set: not supported");
+  json_t *m = json_object_get(L->cfg, "momentum"), *e = json_object_get(L->cfg, "epsilon");
+  const double momentum = m ? (json_is_number(m) ? json_number_value(m) : -1.0) : 0.99;
+  const double epsilon = e ? (json_is_number(e) ? json_number_value(e) : -1.0) : 1e-3;
+  if (!(momentum >= 0.0 && momentum < 1.0))
+    return lerr(err, L, "'momentum' is not a number in [0, 1)");
+  if (!(epsilon > 0.0 && epsilon <= 1.0))
+    return lerr(err, L, "'epsilon' is not a number in (0, 1]");
+  if (epsilon < MIN_BN_EPSILON)
+    return lerr(err, L,
+                "epsilon %g is below %g, the smallest every backend here takes (cuDNN's "
+                "minimum): not supported; retrain with epsilon >= %g",
+                epsilon, MIN_BN_EPSILON, MIN_BN_EPSILON);
+  if (json_is_true(json_object_get(L->cfg, "synchronized")))
+    note(x,
+         "keras: '%s': synchronized batch normalization: each worker here normalizes over its "
+         "own batch",
+         L->name);
+  if ((rc = emit(x, L,
+                 json_pack("{s:s,s:f,s:f}", "type", "batchnorm", "momentum", momentum, "epsilon",
+                           epsilon),
+                 err)))
+    return rc;
+  if (x->plan && x->n_plan < MAX_KERAS_LAYERS) {
+    kweights kw = {.kind = KW_BATCHNORM, .c = x->c, .momentum = (float)momentum,
+                   .epsilon = (float)epsilon, .name = L->name};
+    if (x->flat && x->fh * x->fw > 1) {
+      kw.fh = x->fh;
+      kw.fw = x->fw;
+      kw.fc = x->fc;
+    }
+    x->plan[x->n_plan++] = kw;
+  }
+  /* The shape, and a Flatten's feature order, stay as they are. */
   x->after_dense = 1;
   return 0;
 }
@@ -450,12 +535,11 @@ static int one_layer(xlate *x, const klayer *L, int first, char *err) {
     x->softmax = 1;
     return 0;
   }
-  if (!strcmp(c, "BatchNormalization"))
-    return lerr(err, L, "not supported by this version's layers");
+  if (!strcmp(c, "BatchNormalization")) return batchnorm(x, L, err);
   return lerr(err, L,
               "unsupported layer type (supported: InputLayer, Conv2D, Dense, MaxPooling2D, "
               "AveragePooling2D, GlobalAveragePooling2D, Flatten, Dropout, Activation, ReLU, "
-              "Softmax, Add)");
+              "Softmax, Add, BatchNormalization)");
 }
 
 /* A functional model's single input or output layer: [name, 0, 0] or
@@ -669,6 +753,123 @@ static void shape_str(const ps_keras_tensor *t, char *buf, size_t len) {
   if (used < len) snprintf(buf + used, len - used, t->ndim == 1 ? ",)" : ")");
 }
 
+/* Keras's index of our feature `in` (c, h, w order) of a layer after a
+ * Flatten of an (fh, fw, fc) input, where Keras has (h, w, c); the same
+ * index without one. */
+static int keras_feature(const kweights *kw, int in) {
+  if (!kw->fh) return in;
+  int c = in / (kw->fh * kw->fw), hw = in % (kw->fh * kw->fw);
+  return hw * kw->fc + c;
+}
+
+static int is_weighted(const ps_layer *L) {
+  return L->type == PS_LAYER_CONV2D || L->type == PS_LAYER_DENSE ||
+         L->type == PS_LAYER_BATCHNORM;
+}
+
+/* Conv2D: arrays t[0] (kernel) and, with a bias, t[1] into L. */
+static int conv_weights(const kweights *kw, const ps_layer *L, int p, int a,
+                        const ps_keras_tensor *t, float *params, char *err) {
+  if (L->type != PS_LAYER_CONV2D || L->filters != kw->oc || L->kernel != kw->k ||
+      L->in_c != kw->ic || (L->b_count > 0) != kw->bias)
+    return ps_seterr(err, PS_EINVAL, "keras: weighted layer %d is a conv2d(%d, %dx%d%s) in "
+                     "Keras but '%.32s' in the job's model", p, kw->oc, kw->k, kw->k,
+                     kw->bias ? "" : ", no bias", L->name);
+  char ks[64], bs[64] = "";
+  shape_str(&t[0], ks, sizeof ks);
+  if (kw->bias) shape_str(&t[1], bs, sizeof bs);
+  if (!shape_is(&t[0], 4, kw->k, kw->k, kw->ic, kw->oc) ||
+      (kw->bias && !shape_is(&t[1], 1, kw->oc, 0, 0, 0))) {
+    if (kw->bias)
+      return ps_seterr(err, PS_EINVAL, "keras: arrays %d and %d (%s, %s) are not the kernel "
+                       "(%d, %d, %d, %d) and bias (%d,) of '%.32s'", a, a + 1, ks, bs, kw->k,
+                       kw->k, kw->ic, kw->oc, kw->oc, L->name);
+    return ps_seterr(err, PS_EINVAL, "keras: array %d %s is not the kernel (%d, %d, %d, %d) of "
+                     "'%.32s' (use_bias false: no bias array)", a, ks, kw->k, kw->k, kw->ic,
+                     kw->oc, L->name);
+  }
+  /* Keras (KH, KW, IC, OC); here (OC, IC, KH, KW). */
+  float *w = params + L->w_off;
+  for (int o = 0; o < kw->oc; o++)
+    for (int c = 0; c < kw->ic; c++)
+      for (int i = 0; i < kw->k; i++)
+        for (int j = 0; j < kw->k; j++)
+          w[(((size_t)o * kw->ic + c) * kw->k + i) * kw->k + j] =
+              t[0].data[(((size_t)i * kw->k + j) * kw->ic + c) * kw->oc + o];
+  if (kw->bias) memcpy(params + L->b_off, t[1].data, (size_t)kw->oc * sizeof(float));
+  return 0;
+}
+
+/* Dense: arrays t[0] (kernel) and, with a bias, t[1] into L. */
+static int dense_weights(const kweights *kw, const ps_layer *L, int p, int a,
+                         const ps_keras_tensor *t, float *params, char *err) {
+  if (L->type != PS_LAYER_DENSE || L->units != kw->units ||
+      (size_t)L->in_c * L->in_h * L->in_w != (size_t)kw->in || (L->b_count > 0) != kw->bias)
+    return ps_seterr(err, PS_EINVAL, "keras: weighted layer %d is a dense(%d%s) of %d inputs in "
+                     "Keras but '%.32s' in the job's model", p, kw->units,
+                     kw->bias ? "" : ", no bias", kw->in, L->name);
+  char ks[64], bs[64] = "";
+  shape_str(&t[0], ks, sizeof ks);
+  if (kw->bias) shape_str(&t[1], bs, sizeof bs);
+  if (!shape_is(&t[0], 2, kw->in, kw->units, 0, 0) ||
+      (kw->bias && !shape_is(&t[1], 1, kw->units, 0, 0, 0))) {
+    if (kw->bias)
+      return ps_seterr(err, PS_EINVAL, "keras: arrays %d and %d (%s, %s) are not the kernel "
+                       "(%d, %d) and bias (%d,) of '%.32s'", a, a + 1, ks, bs, kw->in,
+                       kw->units, kw->units, L->name);
+    return ps_seterr(err, PS_EINVAL, "keras: array %d %s is not the kernel (%d, %d) of '%.32s' "
+                     "(use_bias false: no bias array)", a, ks, kw->in, kw->units, L->name);
+  }
+  /* Keras (IN, OUT) over features in (h, w, c) order after a Flatten;
+   * here (OUT, IN) over (c, h, w). */
+  float *w = params + L->w_off;
+  for (int in = 0; in < kw->in; in++) {
+    const int kin = keras_feature(kw, in);
+    for (int o = 0; o < kw->units; o++)
+      w[(size_t)o * kw->in + in] = t[0].data[(size_t)kin * kw->units + o];
+  }
+  if (kw->bias) memcpy(params + L->b_off, t[1].data, (size_t)kw->units * sizeof(float));
+  return 0;
+}
+
+/* BatchNormalization: arrays t[0..4) (gamma, beta, moving_mean,
+ * moving_variance, Keras's order) into L's gamma, beta and s (mean then
+ * variance), each reordered like a Dense layer's inputs after a Flatten. */
+static int batchnorm_weights(const kweights *kw, const ps_layer *L, int p, int a,
+                             const ps_keras_tensor *t, float *params, char *err) {
+  if (L->type != PS_LAYER_BATCHNORM || L->w_count != (size_t)kw->c)
+    return ps_seterr(err, PS_EINVAL, "keras: weighted layer %d is a batchnorm of %d values in "
+                     "Keras but '%.32s' in the job's model", p, kw->c, L->name);
+  /* epsilon is part of the function the weights were trained for (the
+   * momentum only of how training averages, which a job may change). The
+   * spec holds it as a float, as the translation wrote it. */
+  if (L->epsilon != kw->epsilon)
+    return ps_seterr(err, PS_EINVAL, "keras: weighted layer %d, '%.32s', has epsilon %g in the "
+                     "job's model but %g in Keras", p, L->name, (double)L->epsilon,
+                     (double)kw->epsilon);
+  static const char *const what[4] = {"gamma", "beta", "moving_mean", "moving_variance"};
+  for (int i = 0; i < 4; i++) {
+    if (!shape_is(&t[i], 1, kw->c, 0, 0, 0)) {
+      char s[64];
+      shape_str(&t[i], s, sizeof s);
+      return ps_seterr(err, PS_EINVAL, "keras: array %d %s is not the %s (%d,) of '%.32s' "
+                       "(arrays %d to %d: gamma, beta, moving_mean, moving_variance)", a + i, s,
+                       what[i], kw->c, L->name, a, a + 3);
+    }
+  }
+  const float *var = t[3].data;
+  for (int k = 0; k < kw->c; k++)
+    if (var[k] < 0.0f)
+      return ps_seterr(err, PS_EINVAL, "keras: array %d, the moving_variance of '%.32s', holds "
+                       "%g at %d: a variance cannot be negative", a + 3, L->name,
+                       (double)var[k], k);
+  float *dst[4] = {params + L->w_off, params + L->b_off, params + L->s_off,
+                   params + L->s_off + (size_t)kw->c};
+  for (int i = 0; i < 4; i++)
+    for (int k = 0; k < kw->c; k++) dst[i][k] = t[i].data[keras_feature(kw, k)];
+  return 0;
+}
+
 int ps_keras_weights(const char *keras_json, const ps_model_spec *spec,
                      const ps_keras_tensor *tensors, int n_tensors, float *params, char *err) {
   kweights *plan = calloc(MAX_KERAS_LAYERS, sizeof *plan);
@@ -681,84 +882,38 @@ int ps_keras_weights(const char *keras_json, const ps_model_spec *spec,
     free(plan);
     return rc;
   }
-  if (n_tensors != 2 * n_plan) {
+  int wanted = 0;
+  for (int p = 0; p < n_plan; p++) wanted += kw_arrays(&plan[p]);
+  if (n_tensors != wanted) {
     free(plan);
     return ps_seterr(err, PS_EINVAL,
                      "keras: %d weight arrays for a model with %d layers with weights: %d wanted "
-                     "(a kernel and a bias each, in the order of model.get_weights())",
-                     n_tensors, n_plan, 2 * n_plan);
+                     "(in the order of model.get_weights(): a kernel, and a bias unless "
+                     "use_bias is false, per Conv2D and Dense; gamma, beta, moving_mean and "
+                     "moving_variance per BatchNormalization)",
+                     n_tensors, n_plan, wanted);
   }
-  /* The spec's conv2d and dense layers, in order, are the plan's. */
-  int li = 0;
+  /* The spec's conv2d, dense and batchnorm layers, in order, are the
+   * plan's. */
+  int li = 0, a = 0;
   for (int p = 0; p < n_plan && rc == 0; p++) {
     const kweights *kw = &plan[p];
-    while (li < spec->n_layers && spec->layers[li].type != PS_LAYER_CONV2D &&
-           spec->layers[li].type != PS_LAYER_DENSE)
-      li++;
+    while (li < spec->n_layers && !is_weighted(&spec->layers[li])) li++;
     if (li == spec->n_layers) {
       rc = ps_seterr(err, PS_EINVAL, "keras: the job's model has fewer layers with weights (%d) "
                      "than the Keras model", p);
       break;
     }
     const ps_layer *L = &spec->layers[li++];
-    const ps_keras_tensor *k = &tensors[2 * p], *b = &tensors[2 * p + 1];
-    char ks[64], bs[64];
-    shape_str(k, ks, sizeof ks);
-    shape_str(b, bs, sizeof bs);
-    if (!kw->dense) {
-      if (L->type != PS_LAYER_CONV2D || L->filters != kw->oc || L->kernel != kw->k ||
-          L->in_c != kw->ic) {
-        rc = ps_seterr(err, PS_EINVAL, "keras: weighted layer %d is a conv2d(%d, %dx%d) in "
-                       "Keras but '%.32s' in the job's model", p, kw->oc, kw->k, kw->k, L->name);
-        break;
-      }
-      if (!shape_is(k, 4, kw->k, kw->k, kw->ic, kw->oc) || !shape_is(b, 1, kw->oc, 0, 0, 0)) {
-        rc = ps_seterr(err, PS_EINVAL, "keras: arrays %d and %d (%s, %s) are not the kernel "
-                       "(%d, %d, %d, %d) and bias (%d,) of '%.32s'", 2 * p, 2 * p + 1, ks, bs,
-                       kw->k, kw->k, kw->ic, kw->oc, kw->oc, L->name);
-        break;
-      }
-      /* Keras (KH, KW, IC, OC); here (OC, IC, KH, KW). */
-      float *w = params + L->w_off;
-      for (int o = 0; o < kw->oc; o++)
-        for (int c = 0; c < kw->ic; c++)
-          for (int i = 0; i < kw->k; i++)
-            for (int j = 0; j < kw->k; j++)
-              w[(((size_t)o * kw->ic + c) * kw->k + i) * kw->k + j] =
-                  k->data[(((size_t)i * kw->k + j) * kw->ic + c) * kw->oc + o];
-      memcpy(params + L->b_off, b->data, (size_t)kw->oc * sizeof(float));
-    } else {
-      if (L->type != PS_LAYER_DENSE || L->units != kw->units ||
-          (size_t)L->in_c * L->in_h * L->in_w != (size_t)kw->in) {
-        rc = ps_seterr(err, PS_EINVAL, "keras: weighted layer %d is a dense(%d) of %d inputs in "
-                       "Keras but '%.32s' in the job's model", p, kw->units, kw->in, L->name);
-        break;
-      }
-      if (!shape_is(k, 2, kw->in, kw->units, 0, 0) || !shape_is(b, 1, kw->units, 0, 0, 0)) {
-        rc = ps_seterr(err, PS_EINVAL, "keras: arrays %d and %d (%s, %s) are not the kernel "
-                       "(%d, %d) and bias (%d,) of '%.32s'", 2 * p, 2 * p + 1, ks, bs, kw->in,
-                       kw->units, kw->units, L->name);
-        break;
-      }
-      /* Keras (IN, OUT) over features in (h, w, c) order after a Flatten;
-       * here (OUT, IN) over (c, h, w). */
-      float *w = params + L->w_off;
-      for (int in = 0; in < kw->in; in++) {
-        int kin = in;
-        if (kw->fh) {
-          int c = in / (kw->fh * kw->fw), hw = in % (kw->fh * kw->fw);
-          kin = hw * kw->fc + c;
-        }
-        for (int o = 0; o < kw->units; o++)
-          w[(size_t)o * kw->in + in] = k->data[(size_t)kin * kw->units + o];
-      }
-      memcpy(params + L->b_off, b->data, (size_t)kw->units * sizeof(float));
+    switch (kw->kind) {
+      case KW_CONV2D: rc = conv_weights(kw, L, p, a, tensors + a, params, err); break;
+      case KW_DENSE: rc = dense_weights(kw, L, p, a, tensors + a, params, err); break;
+      default: rc = batchnorm_weights(kw, L, p, a, tensors + a, params, err); break;
     }
+    a += kw_arrays(kw);
   }
   if (rc == 0) {
-    while (li < spec->n_layers && spec->layers[li].type != PS_LAYER_CONV2D &&
-           spec->layers[li].type != PS_LAYER_DENSE)
-      li++;
+    while (li < spec->n_layers && !is_weighted(&spec->layers[li])) li++;
     if (li < spec->n_layers)
       rc = ps_seterr(err, PS_EINVAL, "keras: the job's model has more layers with weights than "
                      "the Keras model ('%.32s' has none)", spec->layers[li].name);

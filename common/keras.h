@@ -10,8 +10,13 @@
  * permuted (which matters only to weights brought over from Keras).
  *
  * Layers: InputLayer, Conv2D, Dense, MaxPooling2D, AveragePooling2D,
- * GlobalAveragePooling2D, Flatten, Dropout, Activation, ReLU, Softmax and
- * Add.
+ * GlobalAveragePooling2D, Flatten, Dropout, Activation, ReLU, Softmax,
+ * Add and BatchNormalization. Conv2D and Dense with use_bias false become
+ * "bias": false. BatchNormalization must normalize the channel axis (-1,
+ * or 3 of a 4-D input, 1 of a 2-D one: each feature after Flatten, Dense
+ * or GlobalAveragePooling2D) with gamma and beta (center and scale true),
+ * no renormalization and epsilon >= 1e-5; it becomes batchnorm with
+ * Keras's momentum and epsilon.
  * The model must end in a Dense layer giving the class scores, with a
  * softmax (as activation or layer) or as logits: either becomes
  * softmax_xent. Anything else is refused with a message naming the layer
@@ -44,12 +49,16 @@ typedef struct {
 
 /* The parameters of spec (which must be the translation of keras_json, as
  * in a job whose model came from ps-import-keras) from the model's weights:
- * tensors are model.get_weights() in order, a kernel and a bias per Conv2D
- * and Dense layer (Conv2D kernels (KH, KW, IC, OC) become (OC, IC, KH, KW);
- * Dense kernels (IN, OUT) become (OUT, IN), their columns reordered from
- * (h, w, c) to (c, h, w) after a Flatten). Writes every parameter of
+ * tensors are model.get_weights() in order, a kernel and (unless use_bias
+ * is false) a bias per Conv2D and Dense layer, gamma, beta, moving_mean and
+ * moving_variance per BatchNormalization (Conv2D kernels (KH, KW, IC, OC)
+ * become (OC, IC, KH, KW); Dense kernels (IN, OUT) become (OUT, IN), their
+ * columns reordered from (h, w, c) to (c, h, w) after a Flatten, and so
+ * are a BatchNormalization's four arrays there; batchnorm's moving mean
+ * and variance go to its s range). Writes every parameter of
  * params[0 .. spec->n_params). PS_EINVAL with a message naming the array
- * and the shapes when a count or a shape differs (params then partly
+ * and the shapes when a count or a shape differs, the layer when the job's
+ * epsilon differs or a moving variance is negative (params then partly
  * written). */
 int ps_keras_weights(const char *keras_json, const ps_model_spec *spec,
                      const ps_keras_tensor *tensors, int n_tensors, float *params, char *err);

@@ -33,9 +33,9 @@ typedef struct {
 
 /* Every layer also takes "name" and "inputs" (listed last). */
 static const layer_kind kinds[] = {
-    {PS_LAYER_CONV2D, "conv2d", "type, filters, kernel, stride, padding, name, inputs"},
+    {PS_LAYER_CONV2D, "conv2d", "type, filters, kernel, stride, padding, bias, name, inputs"},
     {PS_LAYER_MAXPOOL, "maxpool", "type, size, stride, name, inputs"},
-    {PS_LAYER_DENSE, "dense", "type, units, name, inputs"},
+    {PS_LAYER_DENSE, "dense", "type, units, bias, name, inputs"},
     {PS_LAYER_RELU, "relu", "type, name, inputs"},
     {PS_LAYER_DROPOUT, "dropout", "type, rate, name, inputs"},
     {PS_LAYER_FLATTEN, "flatten", "type, name, inputs"},
@@ -43,6 +43,7 @@ static const layer_kind kinds[] = {
     {PS_LAYER_AVGPOOL, "avgpool", "type, size, stride, name, inputs"},
     {PS_LAYER_GLOBAL_AVGPOOL, "global_avgpool", "type, name, inputs"},
     {PS_LAYER_ADD, "add", "type, name, inputs"},
+    {PS_LAYER_BATCHNORM, "batchnorm", "type, momentum, epsilon, name, inputs"},
 };
 #define N_KINDS (sizeof kinds / sizeof kinds[0])
 
@@ -91,6 +92,32 @@ static int require_pos_int(json_t *obj, const char *key, const char *where, int 
   if (rc == 0)
     return ps_seterr(err, PS_EINVAL, "%s: '%s' is required (a positive integer)", where, key);
   return rc < 0 ? rc : 0;
+}
+
+/* "bias": true (the default) or false: whether conv2d or dense has a bias
+ * vector; 1 or 0 into *out, PS_EINVAL for anything else. */
+static int get_bias(json_t *obj, const char *where, int *out, char *err) {
+  json_t *v = json_object_get(obj, "bias");
+  *out = 1;
+  if (!v) return 0;
+  if (!json_is_boolean(v))
+    return ps_seterr(err, PS_EINVAL, "%s: 'bias' must be true or false", where);
+  *out = json_is_true(v);
+  return 0;
+}
+
+/* An optional number field in [lo, hi) (hi_closed: [lo, hi]) into *out
+ * (left as it is when absent); PS_EINVAL naming the field otherwise. */
+static int get_number_in(json_t *obj, const char *key, double lo, double hi, int hi_closed,
+                         const char *where, float *out, char *err) {
+  json_t *v = json_object_get(obj, key);
+  if (!v) return 0;
+  double d = json_is_number(v) ? json_number_value(v) : NAN;
+  if (!(d >= lo && (hi_closed ? d <= hi : d < hi)))
+    return ps_seterr(err, PS_EINVAL, "%s: '%s' must be a number in [%g, %g%c", where, key, lo, hi,
+                     hi_closed ? ']' : ')');
+  *out = (float)d;
+  return 0;
 }
 
 static int check_keys(json_t *obj, const char *allowed, const char *where, char *err) {
@@ -142,7 +169,9 @@ static int infer_conv2d(ps_layer *L, json_t *obj, const char *where, char *err) 
       mul_within((size_t)L->in_c, kk, MAX_PARAMS, &fan_in) ||
       mul_within(fan_in, (size_t)L->filters, MAX_PARAMS, &L->w_count))
     return ps_seterr(err, PS_EINVAL, "%s: too many weights (more than %zu)", where, MAX_PARAMS);
-  L->b_count = (size_t)L->filters;
+  int bias;
+  if ((rc = get_bias(obj, where, &bias, err))) return rc;
+  L->b_count = bias ? (size_t)L->filters : 0;
   return 0;
 }
 
@@ -172,7 +201,26 @@ static int infer_dense(ps_layer *L, json_t *obj, const char *where, char *err) {
   L->out_h = L->out_w = 1;
   if (mul_within((size_t)L->in_c, (size_t)L->units, MAX_PARAMS, &L->w_count))
     return ps_seterr(err, PS_EINVAL, "%s: too many weights (more than %zu)", where, MAX_PARAMS);
-  L->b_count = (size_t)L->units;
+  int bias;
+  if ((rc = get_bias(obj, where, &bias, err))) return rc;
+  L->b_count = bias ? (size_t)L->units : 0;
+  return 0;
+}
+
+/* The smallest epsilon: cuDNN's CUDNN_BN_MIN_EPSILON, so that every
+ * backend takes every spec. */
+#define MIN_BN_EPSILON 1e-5
+
+static int infer_batchnorm(ps_layer *L, json_t *obj, const char *where, char *err) {
+  int rc;
+  L->momentum = 0.99f;
+  L->epsilon = 1e-3f;
+  if ((rc = get_number_in(obj, "momentum", 0.0, 1.0, 0, where, &L->momentum, err))) return rc;
+  if ((rc = get_number_in(obj, "epsilon", MIN_BN_EPSILON, 1.0, 1, where, &L->epsilon, err)))
+    return rc;
+  L->out_c = L->in_c, L->out_h = L->in_h, L->out_w = L->in_w;
+  L->w_count = L->b_count = (size_t)L->in_c;
+  L->s_count = 2 * (size_t)L->in_c;
   return 0;
 }
 
@@ -373,7 +421,8 @@ int ps_model_spec_from_json(const void *json_obj, ps_model_spec *out, char *err)
     if (k == N_KINDS)
       return ps_seterr(err, PS_EINVAL,
                        "layer %zu: unknown type '%.40s' (known: conv2d, maxpool, avgpool, "
-                       "global_avgpool, dense, relu, dropout, flatten, add, softmax_xent)",
+                       "global_avgpool, dense, batchnorm, relu, dropout, flatten, add, "
+                       "softmax_xent)",
                        i, type);
     snprintf(where, sizeof where, "layer %zu (%s)", i, kinds[k].name);
     if ((rc = check_keys(obj, kinds[k].keys, where, err))) return rc;
@@ -403,6 +452,9 @@ int ps_model_spec_from_json(const void *json_obj, ps_model_spec *out, char *err)
       case PS_LAYER_DROPOUT:
         rc = infer_dropout(L, obj, where, err);
         break;
+      case PS_LAYER_BATCHNORM:
+        rc = infer_batchnorm(L, obj, where, err);
+        break;
       case PS_LAYER_RELU:
         L->out_c = c, L->out_h = h, L->out_w = w;
         break;
@@ -430,13 +482,14 @@ int ps_model_spec_from_json(const void *json_obj, ps_model_spec *out, char *err)
       return ps_seterr(err, PS_EINVAL, "%s: output has more than %zu values per example", where,
                        MAX_ACT);
     if (L->w_count) {
-      /* Both counts are <= MAX_PARAMS, so the sums below cannot wrap. */
-      if (L->w_count + L->b_count > MAX_PARAMS - off)
+      /* The counts are <= MAX_PARAMS each, so the sums below cannot wrap. */
+      if (L->w_count + L->b_count + L->s_count > MAX_PARAMS - off)
         return ps_seterr(err, PS_EINVAL, "%s: the model has more than %zu parameters", where,
                          MAX_PARAMS);
       L->w_off = off;
       L->b_off = off + L->w_count;
-      off += L->w_count + L->b_count;
+      L->s_off = L->b_off + L->b_count;
+      off += L->w_count + L->b_count + L->s_count;
     }
   }
   if (out->layers[n - 1].type != PS_LAYER_SOFTMAX_XENT)
@@ -471,8 +524,9 @@ int ps_model_spec_parse(const char *json_text, ps_model_spec *out, char *err) {
   return rc;
 }
 
-/* Weight init limit of layer i: He-uniform when a relu follows (keeps the
- * activation variance through the rectifier), Glorot-uniform otherwise. */
+/* Weight init limit of layer i: He-uniform when a relu follows, directly
+ * or after a batchnorm (keeps the activation variance through the
+ * rectifier), Glorot-uniform otherwise. */
 static float init_limit(const ps_model_spec *spec, int i) {
   const ps_layer *L = &spec->layers[i];
   double fan_in, fan_out;
@@ -484,8 +538,19 @@ static float init_limit(const ps_model_spec *spec, int i) {
     fan_in = (double)L->in_c * L->in_h * L->in_w;
     fan_out = L->units;
   }
-  int relu_next = i + 1 < spec->n_layers && spec->layers[i + 1].type == PS_LAYER_RELU;
+  int next = i + 1;
+  if (next < spec->n_layers && spec->layers[next].type == PS_LAYER_BATCHNORM) next++;
+  int relu_next = next < spec->n_layers && spec->layers[next].type == PS_LAYER_RELU;
   return (float)(relu_next ? sqrt(6.0 / fan_in) : sqrt(6.0 / (fan_in + fan_out)));
+}
+
+/* Fills out[pos - begin ..] for the global indices [pos, min(stop, end))
+ * with value; returns where it stopped. */
+static size_t fill_const(float *out, size_t begin, size_t pos, size_t stop, size_t end,
+                         float value) {
+  if (stop > end) stop = end;
+  for (size_t g = pos; g < stop; g++) out[g - begin] = value;
+  return stop > pos ? stop : pos;
 }
 
 void ps_model_init_params(const ps_model_spec *spec, uint64_t seed, size_t begin, size_t end,
@@ -498,8 +563,17 @@ void ps_model_init_params(const ps_model_spec *spec, uint64_t seed, size_t begin
   for (int i = 0; i < spec->n_layers && pos < end; i++) {
     const ps_layer *L = &spec->layers[i];
     if (L->w_count == 0) continue;
-    size_t w_end = L->w_off + L->w_count, b_end = L->b_off + L->b_count;
-    if (b_end <= pos) continue;
+    size_t lo, hi;
+    ps_layer_param_range(L, &lo, &hi);
+    if (hi <= pos) continue;
+    const size_t w_end = L->w_off + L->w_count, b_end = L->b_off + L->b_count;
+    if (L->type == PS_LAYER_BATCHNORM) {
+      /* gamma 1, beta 0, moving mean 0, moving variance 1 */
+      pos = fill_const(out, begin, pos, w_end, end, 1.0f);
+      pos = fill_const(out, begin, pos, L->s_off + L->s_count / 2, end, 0.0f);
+      pos = fill_const(out, begin, pos, hi, end, 1.0f);
+      continue;
+    }
     if (pos < w_end) {
       float limit = init_limit(spec, i);
       size_t stop = w_end < end ? w_end : end;
@@ -507,13 +581,30 @@ void ps_model_init_params(const ps_model_spec *spec, uint64_t seed, size_t begin
         out[g - begin] = (2.0f * ps_rng_uniform(seed, 0, g) - 1.0f) * limit;
       pos = stop;
     }
-    if (pos < end && pos < b_end) {
-      size_t stop = b_end < end ? b_end : end;
-      memset(out + (pos - begin), 0, (stop - pos) * sizeof *out);
-      pos = stop;
-    }
+    pos = fill_const(out, begin, pos, b_end, end, 0.0f);
   }
   if (pos < end) memset(out + (pos - begin), 0, (end - pos) * sizeof *out);
+}
+
+void ps_layer_param_range(const ps_layer *L, size_t *lo, size_t *hi) {
+  if (L->w_count == 0) {
+    *lo = *hi = 0;
+    return;
+  }
+  *lo = L->w_off;
+  *hi = L->w_off + L->w_count + L->b_count + L->s_count;
+}
+
+int ps_model_moving_ranges(const ps_model_spec *spec, ps_moving_range *out) {
+  int n = 0;
+  for (int i = 0; i < spec->n_layers; i++) {
+    const ps_layer *L = &spec->layers[i];
+    if (L->type != PS_LAYER_BATCHNORM) continue;
+    const size_t c = L->s_count / 2;
+    out[n++] = (ps_moving_range){L->s_off, c, L->momentum, 0};
+    out[n++] = (ps_moving_range){L->s_off + c, c, L->momentum, 1};
+  }
+  return n;
 }
 
 void ps_shard_range(size_t P, int S, int s, size_t *begin, size_t *end) {
@@ -550,6 +641,7 @@ void ps_model_spec_describe(const ps_model_spec *spec, char *buf, size_t len) {
         /* The quickstart's "same" convolutions print bare, as in the
          * header's example; a padding-free one is marked. */
         if (L->pad == 0 && L->kernel > 1) APPEND(",valid");
+        if (!L->b_count) APPEND(",nobias");
         APPEND(") ");
         break;
       case PS_LAYER_MAXPOOL:
@@ -560,7 +652,10 @@ void ps_model_spec_describe(const ps_model_spec *spec, char *buf, size_t len) {
           APPEND("%s(%d) ", kind_name(L->type), L->pool);
         break;
       case PS_LAYER_DENSE:
-        APPEND("dense(%d) ", L->units);
+        APPEND("dense(%d%s) ", L->units, L->b_count ? "" : ",nobias");
+        break;
+      case PS_LAYER_BATCHNORM:
+        APPEND("batchnorm ");
         break;
       case PS_LAYER_DROPOUT:
         APPEND("dropout(%g) ", (double)L->rate);

@@ -11,6 +11,7 @@
  *      {"type": "relu"}, {"type": "maxpool", "size": 2, "stride": 2},
  *      {"type": "avgpool", "size": 2, "stride": 2},
  *      {"type": "global_avgpool"},
+ *      {"type": "batchnorm", "momentum": 0.99, "epsilon": 0.001},
  *      {"type": "flatten"}, {"type": "dense", "units": 128},
  *      {"type": "dropout", "rate": 0.25}, {"type": "dense", "units": 10},
  *      {"type": "softmax_xent"}]}
@@ -25,6 +26,19 @@
  * padding: maxpool and avgpool give floor((h - size) / stride) + 1 rows
  * (stride defaults to size), avgpool the mean of each size x size window;
  * global_avgpool gives C x 1 x 1, the mean of each channel's H x W plane.
+ *
+ * conv2d and dense take "bias": false (default true) for layers without a
+ * bias vector (a conv2d followed by batchnorm needs none).
+ *
+ * batchnorm normalizes each channel (each feature after dense or flatten)
+ * over the batch and the H x W plane: in training y = gamma * (x - mean) /
+ * sqrt(var + epsilon) + beta with the batch's mean and (biased) variance;
+ * in evaluation and export with the moving mean and variance. It holds
+ * gamma (starts at 1) and beta (0), trained by the optimizer, and the
+ * moving mean (0) and variance (1), which are not: a worker pushes its
+ * batch's statistics in their places and the shard folds them in as
+ * moving = momentum * moving + (1 - momentum) * pushed (Keras's rule and
+ * defaults: momentum 0.99, epsilon 0.001; epsilon >= 1e-5).
  */
 #ifndef PS_COMMON_MODEL_SPEC_H
 #define PS_COMMON_MODEL_SPEC_H
@@ -46,6 +60,7 @@ typedef enum {
   PS_LAYER_AVGPOOL,
   PS_LAYER_GLOBAL_AVGPOOL,
   PS_LAYER_ADD,
+  PS_LAYER_BATCHNORM,
 } ps_layer_type;
 
 typedef struct {
@@ -65,11 +80,18 @@ typedef struct {
   int units;
   /* dropout */
   float rate;
-  /* parameters in the flat vector; count 0 when the layer has none.
-   * conv2d: w (filters, in_c*kernel*kernel), b (filters)
-   * dense:  w (units, in_c*in_h*in_w),        b (units) */
+  /* batchnorm */
+  float momentum, epsilon;
+  /* parameters in the flat vector, in this order; count 0 when the layer
+   * has none.
+   * conv2d:    w (filters, in_c*kernel*kernel), b (filters; 0 without bias)
+   * dense:     w (units, in_c*in_h*in_w),        b (units; 0 without bias)
+   * batchnorm: w gamma (C), b beta (C), s the moving mean (C) then the
+   *            moving variance (C): s is not trained but averaged (see
+   *            ps_model_moving_ranges). */
   size_t w_off, w_count;
   size_t b_off, b_count;
+  size_t s_off, s_count;
 } ps_layer;
 
 typedef struct {
@@ -88,11 +110,30 @@ int ps_model_spec_parse(const char *json_text, ps_model_spec *out, char *err);
 int ps_model_spec_from_json(const void *json_obj, ps_model_spec *out, char *err);
 
 /* Initial values of the global parameter indices [begin, end) into
- * out[0 .. end-begin). Weights: He-uniform for layers followed by relu,
- * Glorot-uniform otherwise, drawn from ps_rng_uniform(seed, 0, index);
- * biases: zero. The result depends only on (spec, seed, index). */
+ * out[0 .. end-begin). Weights: He-uniform for layers followed by relu
+ * (or by batchnorm and relu), Glorot-uniform otherwise, drawn from
+ * ps_rng_uniform(seed, 0, index); biases: zero; batchnorm: gamma 1, beta
+ * 0, moving mean 0, moving variance 1. The result depends only on (spec, seed, index). */
 void ps_model_init_params(const ps_model_spec *spec, uint64_t seed, size_t begin, size_t end,
                           float *out);
+
+/* [*lo, *hi): all of layer L's parameters (w, b and s); empty (lo == hi)
+ * when it has none. */
+void ps_layer_param_range(const ps_layer *L, size_t *lo, size_t *hi);
+
+/* The parameters that a push does not train but averages in (batchnorm's
+ * moving mean and variance): [off, off + count) with the layer's momentum,
+ * nonneg when the pushed values must not be negative (a variance). */
+typedef struct {
+  size_t off, count;
+  float momentum;
+  int nonneg;
+} ps_moving_range;
+#define PS_MAX_MOVING_RANGES (2 * PS_MAX_LAYERS)
+
+/* Fills out[] (room for PS_MAX_MOVING_RANGES) with the model's moving
+ * ranges in layout order; returns how many. */
+int ps_model_moving_ranges(const ps_model_spec *spec, ps_moving_range *out);
 
 /* The range of shard s of S over P values: [P*s/S, P*(s+1)/S) with both
  * ends rounded down to a multiple of 16 values (64 bytes), the last end P. */

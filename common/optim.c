@@ -233,3 +233,48 @@ const ps_optimizer *ps_optimizer_find(const char *name) {
     if (strcmp(optimizers[i].name, name) == 0) return &optimizers[i];
   return NULL;
 }
+
+/* ---- moving statistics ---- */
+
+static inline void moving_run(float *restrict p, const ps_ufloat *restrict g, size_t n, float mu,
+                              float one_minus_mu) {
+  for (size_t j = 0; j < n; j++) p[j] = mu * p[j] + one_minus_mu * g[j];
+}
+
+void ps_moving_average(float momentum, float *param, const ps_ufloat *grad, size_t n) {
+  const float rest = 1.0f - momentum;
+  size_t i = 0;
+  for (; i + PS_OPTIM_BLOCK <= n; i += PS_OPTIM_BLOCK)
+    moving_run(param + i, grad + i, PS_OPTIM_BLOCK, momentum, rest);
+  moving_run(param + i, grad + i, n - i, momentum, rest);
+}
+
+void ps_optim_apply_ranges(const ps_optimizer *opt, const ps_optim_config *cfg, uint64_t t,
+                           float lr, float *param, float **slots, const ps_ufloat *grad, size_t n,
+                           size_t first, const ps_moving_range *mr, int n_mr) {
+  size_t pos = 0; /* from param[0] */
+  for (int r = 0; r < n_mr && pos < n; r++) {
+    const size_t lo = mr[r].off, hi = mr[r].off + mr[r].count;
+    if (hi <= first + pos) continue;
+    if (lo >= first + n) break;
+    /* Trained values before the range, then the range's own. */
+    const size_t start = lo > first + pos ? lo - first : pos;
+    if (start > pos) {
+      float *sl[PS_OPTIM_MAX_SLOTS];
+      for (int k = 0; k < opt->n_slots; k++) sl[k] = slots[k] + pos;
+      opt->apply(cfg, t, lr, param + pos, sl, grad + pos, start - pos);
+    }
+    const size_t stop = hi - first < n ? hi - first : n;
+    ps_moving_average(mr[r].momentum, param + start, grad + start, stop - start);
+    pos = stop;
+  }
+  if (pos < n) {
+    float *sl[PS_OPTIM_MAX_SLOTS];
+    for (int k = 0; k < opt->n_slots; k++) sl[k] = slots[k] + pos;
+    opt->apply(cfg, t, lr, param + pos, sl, grad + pos, n - pos);
+  }
+}
+
+void ps_moving_bound(double g, const ps_optim_bounds *before, ps_optim_bounds *b) {
+  b->param = max2(b->param, up(max2(before->param, g)));
+}

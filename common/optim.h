@@ -53,4 +53,22 @@ typedef struct {
 /* The optimizer of that name, or NULL. */
 const ps_optimizer *ps_optimizer_find(const char *name);
 
+/* param[i] = momentum * param[i] + (1 - momentum) * grad[i] for i < n: how
+ * a moving statistic (batchnorm's mean and variance) takes a pushed batch
+ * statistic in, in place of the optimizer. */
+void ps_moving_average(float momentum, float *param, const ps_ufloat *grad, size_t n);
+
+/* One update of param[0..n), which are the global indices [first,
+ * first + n): opt->apply, except on the parts inside the moving ranges
+ * mr[0..n_mr) (in layout order, disjoint), which ps_moving_average updates
+ * (their slots stay as they are). slots[k] point at the slots of param[0]. */
+void ps_optim_apply_ranges(const ps_optimizer *opt, const ps_optim_config *cfg, uint64_t t,
+                           float lr, float *param, float **slots, const ps_ufloat *grad, size_t n,
+                           size_t first, const ps_moving_range *mr, int n_mr);
+
+/* Bounds after an update of ps_optim_apply_ranges: b as opt->bound left
+ * it, raised to cover the moving values, each an average of a value below
+ * before->param and a gradient value below g. */
+void ps_moving_bound(double g, const ps_optim_bounds *before, ps_optim_bounds *b);
+
 #endif

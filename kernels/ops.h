@@ -82,6 +82,27 @@ struct ps_ops {
   void (*global_avgpool_backward)(void *ctx, int n, int c, int h, int w, const float *dy,
                                   float *dx);
 
+  /* Batch normalization of x (n, c, hw): channel k's statistics run over
+   * its n*hw values (hw = h*w; 1 after dense). y must not be x.
+   * forward_train: mean[k] and var[k] (biased: divided by m = n*hw) of
+   * the batch, invstd[k] = 1 / sqrt(var[k] + eps), and
+   * y = gamma[k] * (x - mean[k]) * invstd[k] + beta[k]. The host backends
+   * sum in double, so their results agree to the last bit or two.
+   * forward_infer: the same y from the given (moving) mean and var.
+   * backward, from forward_train's x, mean and invstd: with
+   * xhat = (x - mean) * invstd, dbeta[k] = sum dy, dgamma[k] = sum dy *
+   * xhat, and (unless dx is NULL) dx = gamma * invstd * (dy - dbeta / m -
+   * xhat * dgamma / m). */
+  void (*batchnorm_forward_train)(void *ctx, int n, int c, int hw, float eps, const float *x,
+                                  const float *gamma, const float *beta, float *y, float *mean,
+                                  float *var, float *invstd);
+  void (*batchnorm_forward_infer)(void *ctx, int n, int c, int hw, float eps, const float *x,
+                                  const float *gamma, const float *beta, const float *mean,
+                                  const float *var, float *y);
+  void (*batchnorm_backward)(void *ctx, int n, int c, int hw, const float *x, const float *dy,
+                             const float *gamma, const float *mean, const float *invstd,
+                             float *dx, float *dgamma, float *dbeta);
+
   /* y (n, out) = x (n, in) W^T + b */
   void (*dense_forward)(void *ctx, int n, int in, int out, const float *x, const float *w,
                         const float *b, float *y);
@@ -238,6 +259,21 @@ double ps_xent_host_forward(int n, int k, const float *logits, const uint8_t *la
 int ps_xent_host_correct(int n, int k, const float *probs, const uint8_t *labels);
 void ps_xent_host_backward(int n, int k, const float *probs, const uint8_t *labels,
                            float *dlogits);
+
+/* Batch normalization on the host (the cpu and dnnl backends): the ops'
+ * arithmetic (see batchnorm_forward_train) over the channel blocks
+ * [kb0, kb1) of an activation held with channel blocks of blk (1: NCHW;
+ * 8, 16: (n, c/blk, hw, blk)); blk divides c, blk <= 16. y is computed in
+ * float as (x - mean) * (gamma * invstd) + beta. */
+void ps_bn_host_train(int n, int c, int hw, int blk, int kb0, int kb1, float eps, const float *x,
+                      const float *gamma, const float *beta, float *y, float *mean, float *var,
+                      float *invstd);
+void ps_bn_host_infer(int n, int c, int hw, int blk, int kb0, int kb1, float eps, const float *x,
+                      const float *gamma, const float *beta, const float *mean, const float *var,
+                      float *y);
+void ps_bn_host_backward(int n, int c, int hw, int blk, int kb0, int kb1, const float *x,
+                         const float *dy, const float *gamma, const float *mean,
+                         const float *invstd, float *dx, float *dgamma, float *dbeta);
 
 /* Fills conv output size from the other fields. */
 void ps_conv_shape_finish(ps_conv_shape *s);

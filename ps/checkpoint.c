@@ -1376,7 +1376,8 @@ int ps_ckpt_export_npy(const ps_model_spec *spec, const float *params, const cha
     const ps_layer *L = &spec->layers[i];
     if (L->w_count == 0 && L->b_count == 0) continue;
     if (L->w_off > spec->n_params || L->w_count > spec->n_params - L->w_off ||
-        L->b_off > spec->n_params || L->b_count > spec->n_params - L->b_off)
+        L->b_off > spec->n_params || L->b_count > spec->n_params - L->b_off ||
+        L->s_off > spec->n_params || L->s_count > spec->n_params - L->s_off)
       return ps_seterr(err, PS_EINVAL, "export: %s lies outside the %zu parameters", L->name,
                        spec->n_params);
     size_t wshape[4], bshape[1] = {L->b_count};
@@ -1395,6 +1396,23 @@ int ps_ckpt_export_npy(const ps_model_spec *spec, const float *params, const cha
       wdim = 1;
     }
     int rc;
+    if (L->type == PS_LAYER_BATCHNORM) {
+      /* Keras's names for the four (C) vectors, in model.get_weights()
+       * order: gamma and beta where w and b are, the moving mean and
+       * variance the two halves of s. */
+      const size_t c = L->w_count, cshape[1] = {c};
+      if ((rc = export_tensor(out_dir, L->name, "gamma", params + L->w_off, cshape, 1,
+                              L->w_count, files_written, err)) ||
+          (rc = export_tensor(out_dir, L->name, "beta", params + L->b_off, cshape, 1, L->b_count,
+                              files_written, err)) ||
+          (rc = export_tensor(out_dir, L->name, "moving_mean", params + L->s_off, cshape, 1,
+                              L->s_count / 2, files_written, err)) ||
+          (rc = export_tensor(out_dir, L->name, "moving_variance", params + L->s_off + c, cshape,
+                              1, L->s_count - L->s_count / 2, files_written, err)))
+        return rc;
+      continue;
+    }
+    /* A conv2d or dense without a bias (b_count 0) has no b file. */
     if (L->w_count && (rc = export_tensor(out_dir, L->name, "w", params + L->w_off, wshape, wdim,
                                           L->w_count, files_written, err)))
       return rc;

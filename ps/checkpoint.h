@@ -256,7 +256,9 @@ int ps_npy_write(const char *path, const float *data, const size_t *shape, int n
 /* Writes one .npy file per parameter tensor of the model into out_dir
  * (created if missing; its parent must exist): "<layer>.w.npy" with shape
  * (OC, IC, KH, KW) for conv2d and (OUT, IN) for dense, "<layer>.b.npy"
- * with shape (OC) or (OUT). params holds the whole vector [0, P). The
+ * with shape (OC) or (OUT) (none for a layer without bias); for batchnorm
+ * "<layer>.gamma.npy", ".beta.npy", ".moving_mean.npy" and
+ * ".moving_variance.npy", each (C). params holds the whole vector [0, P). The
  * directory is fsynced at the end. *files_written (may be NULL) counts the
  * files written. PS_EINVAL, PS_EIO. */
 int ps_ckpt_export_npy(const ps_model_spec *spec, const float *params, const char *out_dir,

@@ -40,9 +40,11 @@ static const ps_option export_flags[] = {
      "the file to write (replaced atomically)"},
     {"format", "F", PS_OPT_CHOICE, O(format), .choices = format_choices, .def = "npy", .help =
      "`npy`: one NumPy file per tensor, `<layer>.w.npy` (conv2d: OC, IC, KH, KW; dense: OUT, "
-     "IN) and `<layer>.b.npy`, float32; `onnx`: the inference graph (input `input` [N, C, H, "
-     "W], output `probabilities` [N, classes], dropout left out) with the parameters as "
-     "initializers, ONNX operator set 13"},
+     "IN) and `<layer>.b.npy` (none for a layer without a bias), batchnorm's "
+     "`<layer>.gamma.npy`, `.beta.npy`, `.moving_mean.npy` and `.moving_variance.npy` (C), "
+     "float32; `onnx`: the inference graph (input `input` [N, C, H, W], output "
+     "`probabilities` [N, classes], dropout left out, batchnorm with its moving statistics) "
+     "with the parameters as initializers, ONNX operator set 13"},
     {"log-level", "L", PS_OPT_CHOICE, O(log_level), .choices = level_choices, .def = "info",
      .help = "`debug`, `info`, `warn` or `error`"},
 };

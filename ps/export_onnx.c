@@ -6,7 +6,7 @@
  * to the layer's output, which is recorded per layer so that a later layer
  * (an add, a branch) can read any earlier output. A layer type without a
  * row is refused by name before anything is written; a new layer type
- * (batch norm) is one emit function and one row.
+ * is one emit function and one row.
  *
  * The messages are built in an arena freed at once; initializers point at
  * the caller's parameters (raw_data is little-endian float32, which is this
@@ -36,9 +36,10 @@
 #define ONNX_OUTPUT "probabilities"
 #define ONNX_BATCH "N" /* the symbolic batch dimension */
 /* The most nodes, initializers and attributes one layer may add: its own
- * node and a reshaping node before it, each with an initializer or two. */
+ * node and a reshaping node before it, each with an initializer or two;
+ * batchnorm's node has four (scale, bias, mean, variance). */
 #define ONNX_NODES_PER_LAYER 2
-#define ONNX_INITS_PER_LAYER 3
+#define ONNX_INITS_PER_LAYER 4
 /* add: an Unsqueeze (and its axes) per input, and one Add fewer than the
  * inputs. */
 #define ONNX_NODES_PER_ADD (2 * PS_MAX_LAYER_INPUTS - 1)
@@ -158,19 +159,28 @@ static Onnx__NodeProto *node_add(onnx_graph *g, const char *op, const char *name
   return n;
 }
 
+/* A new attribute `name` of node n, its value still to be set; NULL when
+ * the node has no room or memory is out. */
+static Onnx__AttributeProto *node_attr_new(onnx_graph *g, Onnx__NodeProto *n, const char *name) {
+  if (n->n_attribute == ONNX_ATTRS_PER_NODE) {
+    g->full = 1;
+    return NULL;
+  }
+  Onnx__AttributeProto *a = g_alloc(g, sizeof *a);
+  if (!a) return NULL;
+  onnx__attribute_proto__init(a);
+  if (!(a->name = g_strf(g, "%s", name))) return NULL;
+  a->has_type = 1;
+  n->attribute[n->n_attribute++] = a;
+  return a;
+}
+
 /* An attribute of node n: one integer (count 0, v[0]) or a list of count
  * integers. 0, or PS_ENOMEM. */
 static int node_attr_ints(onnx_graph *g, Onnx__NodeProto *n, const char *name, const int64_t *v,
                           size_t count) {
-  if (n->n_attribute == ONNX_ATTRS_PER_NODE) {
-    g->full = 1;
-    return PS_ENOMEM;
-  }
-  Onnx__AttributeProto *a = g_alloc(g, sizeof *a);
+  Onnx__AttributeProto *a = node_attr_new(g, n, name);
   if (!a) return PS_ENOMEM;
-  onnx__attribute_proto__init(a);
-  if (!(a->name = g_strf(g, "%s", name))) return PS_ENOMEM;
-  a->has_type = 1;
   if (count == 0) {
     a->type = ONNX__ATTRIBUTE_PROTO__ATTRIBUTE_TYPE__INT;
     a->has_i = 1;
@@ -181,12 +191,21 @@ static int node_attr_ints(onnx_graph *g, Onnx__NodeProto *n, const char *name, c
     memcpy(a->ints, v, count * sizeof *v);
     a->n_ints = count;
   }
-  n->attribute[n->n_attribute++] = a;
   return 0;
 }
 
 static int node_attr_int(onnx_graph *g, Onnx__NodeProto *n, const char *name, int64_t v) {
   return node_attr_ints(g, n, name, &v, 0);
+}
+
+/* A FLOAT attribute of node n. 0, or PS_ENOMEM. */
+static int node_attr_float(onnx_graph *g, Onnx__NodeProto *n, const char *name, float v) {
+  Onnx__AttributeProto *a = node_attr_new(g, n, name);
+  if (!a) return PS_ENOMEM;
+  a->type = ONNX__ATTRIBUTE_PROTO__ATTRIBUTE_TYPE__FLOAT;
+  a->has_f = 1;
+  a->f = v;
+  return 0;
 }
 
 /* An initializer: a tensor of type dtype and shape dims[0..ndim) whose
@@ -299,8 +318,10 @@ static int emit_conv2d(onnx_graph *g, const ps_layer *L, char *err) {
   const int64_t wdims[4] = {L->filters, L->in_c, k, k}, bdims[1] = {L->filters};
   const char *in[3] = {g->cur, NULL, NULL};
   if (!(in[1] = init_param(g, L, "w", wdims, 4, L->w_off, L->w_count, &rc, err))) return rc;
-  if (!(in[2] = init_param(g, L, "b", bdims, 1, L->b_off, L->b_count, &rc, err))) return rc;
-  Onnx__NodeProto *n = node_add(g, "Conv", L->name, L->name, 3, in);
+  /* Without a bias ("bias": false) Conv takes no B, its optional input. */
+  if (L->b_count && !(in[2] = init_param(g, L, "b", bdims, 1, L->b_off, L->b_count, &rc, err)))
+    return rc;
+  Onnx__NodeProto *n = node_add(g, "Conv", L->name, L->name, L->b_count ? 3 : 2, in);
   /* Explicit pads [H begin, W begin, H end, W end]: "same" is k/2 on every
    * side, as the kernels pad, at any stride; ONNX's auto_pad SAME_* pads
    * only what its output size needs, which with a stride can be less and
@@ -358,10 +379,40 @@ static int emit_dense(onnx_graph *g, const ps_layer *L, char *err) {
   const int64_t wdims[2] = {L->units, in_features}, bdims[1] = {L->units};
   const char *in[3] = {g->cur, NULL, NULL};
   if (!(in[1] = init_param(g, L, "w", wdims, 2, L->w_off, L->w_count, &rc, err))) return rc;
-  if (!(in[2] = init_param(g, L, "b", bdims, 1, L->b_off, L->b_count, &rc, err))) return rc;
+  /* Gemm's C is optional since operator set 11: none without a bias. */
+  if (L->b_count && !(in[2] = init_param(g, L, "b", bdims, 1, L->b_off, L->b_count, &rc, err)))
+    return rc;
   /* y = x W^T + b with W (OUT, IN), as the kernels compute it. */
-  Onnx__NodeProto *n = node_add(g, "Gemm", L->name, L->name, 3, in);
+  Onnx__NodeProto *n = node_add(g, "Gemm", L->name, L->name, L->b_count ? 3 : 2, in);
   if (!n || node_attr_int(g, n, "transB", 1)) return PS_ENOMEM;
+  g->cur = n->output[0];
+  return 0;
+}
+
+/* Inference with the moving statistics: BatchNormalization (version 9 in
+ * operator set 13) normalizes axis 1, the channels of (N, C, H, W) and the
+ * features of (N, C), the spec's channels either way (a 2-D tensor is the
+ * spec's (C, 1, 1)), so the tensor keeps its rank. y = scale * (x - mean)
+ * / sqrt(var + epsilon) + B, as batchnorm_forward_infer computes it. */
+static int emit_batchnorm(onnx_graph *g, const ps_layer *L, char *err) {
+  int rc = 0;
+  const size_t c = L->w_count;
+  const int64_t dims[1] = {(int64_t)c};
+  if (L->b_count != c || L->s_count != 2 * c)
+    return ps_seterr(err, PS_EINVAL, "%s: batchnorm with %zu gamma, %zu beta and %zu moving "
+                     "values", L->name, L->w_count, L->b_count, L->s_count);
+  const char *in[5] = {g->cur, NULL, NULL, NULL, NULL};
+  if (!(in[1] = init_param(g, L, "gamma", dims, 1, L->w_off, c, &rc, err)) ||
+      !(in[2] = init_param(g, L, "beta", dims, 1, L->b_off, c, &rc, err)) ||
+      !(in[3] = init_param(g, L, "moving_mean", dims, 1, L->s_off, c, &rc, err)) ||
+      !(in[4] = init_param(g, L, "moving_variance", dims, 1, L->s_off + c, c, &rc, err)))
+    return rc;
+  Onnx__NodeProto *n = node_add(g, "BatchNormalization", L->name, L->name, 5, in);
+  /* momentum only documents how the moving statistics were averaged
+   * (ONNX's convention is Keras's and the spec's). */
+  if (!n || node_attr_float(g, n, "epsilon", L->epsilon) ||
+      node_attr_float(g, n, "momentum", L->momentum))
+    return PS_ENOMEM;
   g->cur = n->output[0];
   return 0;
 }
@@ -445,6 +496,7 @@ static const struct {
     {PS_LAYER_AVGPOOL, emit_avgpool},
     {PS_LAYER_GLOBAL_AVGPOOL, emit_global_avgpool},
     {PS_LAYER_ADD, emit_add},
+    {PS_LAYER_BATCHNORM, emit_batchnorm},
 };
 
 static emit_fn emitter_of(ps_layer_type type) {

@@ -3,10 +3,13 @@
  *
  * The graph: input "input", float32 [N, C, H, W] with a symbolic batch
  * dimension N; per layer, conv2d -> Conv (explicit symmetric pads, strides,
- * bias), relu -> Relu, maxpool -> MaxPool, avgpool -> AveragePool
+ * bias unless "bias": false), relu -> Relu, maxpool -> MaxPool, avgpool -> AveragePool
  * (count_include_pad 0), global_avgpool -> GlobalAveragePool ((N, C, 1, 1)),
  * flatten -> Flatten (axis 1),
- * dense -> Gemm (transB = 1, after a Flatten when its input is 4-D),
+ * dense -> Gemm (transB = 1, after a Flatten when its input is 4-D; no C
+ * without a bias), batchnorm -> BatchNormalization (inference: the moving
+ * mean and variance; epsilon, momentum; on the 4-D or 2-D tensor as it
+ * comes),
  * dropout -> nothing (inference), add -> Add (a chain of them, left to
  * right, for more than two inputs; a 2-D input beside a 4-D one
  * unsqueezed), each node reading the tensors of the layers the spec's
@@ -14,7 +17,9 @@
  * output "probabilities", float32 [N, classes]. Operator set 13 of the
  * default domain, IR version 7. Each parameter tensor is an initializer
  * named "<layer>.w" / "<layer>.b" (conv2d weights OIHW, dense weights
- * (OUT, IN)), its values little-endian float32 in raw_data. */
+ * (OUT, IN)) or, for batchnorm, "<layer>.gamma", ".beta", ".moving_mean"
+ * and ".moving_variance" (C each), its values little-endian float32 in
+ * raw_data. */
 #ifndef PS_PS_EXPORT_ONNX_H
 #define PS_PS_EXPORT_ONNX_H
 

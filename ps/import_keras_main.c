@@ -52,8 +52,9 @@ static const ps_optspec import_spec = {
         "\n"
         "Translates a Keras model into this system's model spec. Layers: InputLayer,\n"
         "Conv2D, Dense, MaxPooling2D, AveragePooling2D, GlobalAveragePooling2D,\n"
-        "Flatten, Dropout, Activation, ReLU, Softmax and Add, channels-last; the model ends\n"
-        "in a Dense layer with a softmax or logits. Anything else is refused, naming\n"
+        "Flatten, Dropout, Activation, ReLU, Softmax, Add and BatchNormalization (over\n"
+        "the channel axis), channels-last; the model ends in a Dense layer with a\n"
+        "softmax or logits. Anything else is refused, naming\n"
         "the layer and what is not supported. The spec's own initialisation applies\n"
         "(Keras's initializers are not carried over), or, with --weights, the model's\n"
         "trained weights as the job's starting checkpoint.\n",
@@ -207,7 +208,9 @@ int main(int argc, char **argv) {
   char desc[512];
   ps_model_spec_describe(ms, desc, sizeof desc);
   free(ms);
-  char *body = json_dumps(spec, JSON_INDENT(1) | JSON_PRESERVE_ORDER);
+  /* 15 digits: batchnorm's momentum 0.99 reads "0.99", not the 17 digits of
+   * the nearest double; every float32 the spec holds survives it. */
+  char *body = json_dumps(spec, JSON_INDENT(1) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(15));
   json_decref(spec);
   if (!body) {
     fprintf(stderr, "ps-import-keras: out of memory\n");

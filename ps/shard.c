@@ -103,6 +103,10 @@ struct ps_shard {
   ps_optim_config cfg;
   ps_wire wire; /* how pushed gradients are encoded (the job's) */
   float *slots[SHARD_MAX_SLOTS]; /* opt->n_slots arrays of (n) */
+  /* The model's moving statistics within the range (batchnorm's mean and
+   * variance): averaged in, not trained (ps_optim_apply_ranges). */
+  ps_moving_range moving[PS_MAX_MOVING_RANGES];
+  int n_moving;
 
   pthread_mutex_t apply_mu;         /* serializes updates */
   pthread_mutex_t encode_mu;        /* serializes encoding snapshots in 16 bits */
@@ -384,6 +388,10 @@ ps_shard *ps_shard_create(const ps_job *job, int index, int num_shards, char *er
   s->staleness_aware = job->staleness_aware_lr && job->mode_kind != PS_MODE_SYNC;
   ps_shard_range(job->model.n_params, num_shards, index, &s->begin, &s->end);
   size_t n = s->end - s->begin;
+  ps_moving_range all[PS_MAX_MOVING_RANGES];
+  for (int r = 0, nr = ps_model_moving_ranges(&job->model, all); r < nr; r++)
+    if (all[r].off < s->end && all[r].off + all[r].count > s->begin)
+      s->moving[s->n_moving++] = all[r];
   if (pthread_mutex_init(&s->mu, NULL) != 0) {
     free(s);
     ps_seterr(err, PS_ENOMEM, "cannot create the mutex of shard %d", index);
@@ -559,7 +567,8 @@ static int apply_piece(const ps_ufloat *values, size_t n, size_t first, void *us
     float *slots[SHARD_MAX_SLOTS];
     for (int j = 0; j < s->opt->n_slots; j++) slots[j] = s->slots[j] + at;
     if (c->out != c->in) memcpy(c->out + at, c->in + at, k * sizeof(float));
-    s->opt->apply(&s->cfg, c->t, c->lr, c->out + at, slots, values + done, k);
+    ps_optim_apply_ranges(s->opt, &s->cfg, c->t, c->lr, c->out + at, slots, values + done, k,
+                          s->begin + at, s->moving, s->n_moving);
     done += k;
   }
   return 0;
@@ -590,7 +599,8 @@ static int trial_piece(const ps_ufloat *values, size_t n, size_t first, void *us
       res[q] = t->area + (size_t)q * APPLY_CHUNK;
       memcpy(res[q], q == 0 ? t->c.in + at : s->slots[q - 1] + at, k * sizeof(float));
     }
-    s->opt->apply(&s->cfg, t->c.t, t->c.lr, res[0], res + 1, values + done, k);
+    ps_optim_apply_ranges(s->opt, &s->cfg, t->c.t, t->c.lr, res[0], res + 1, values + done, k,
+                          s->begin + at, s->moving, s->n_moving);
     size_t bad = k;
     for (int q = 0; q <= ns; q++) {
       uint32_t m = max_abs_bits(res[q], k);
@@ -677,6 +687,45 @@ static int sum_trial_piece(const ps_ufloat *values, size_t n, size_t first, void
   return 0;
 }
 
+typedef struct {
+  size_t bad_index; /* from the start of the push */
+  float bad_value;
+} neg_scan;
+
+/* Stops at the first value below zero. */
+static int scan_neg_piece(const ps_ufloat *values, size_t n, size_t first, void *user) {
+  neg_scan *ns = user;
+  for (size_t i = 0; i < n; i++)
+    if (values[i] < 0.0f) {
+      ns->bad_index = first + i;
+      ns->bad_value = values[i];
+      return 1;
+    }
+  return 0;
+}
+
+/* The values a push carries for moving statistics that cannot be negative
+ * (batchnorm's variances) are not: a negative one would make the model's
+ * evaluation NaN. */
+static int check_nonneg(ps_shard *s, size_t offset, size_t count, const ps_segview *grad,
+                        char *err) {
+  for (int r = 0; r < s->n_moving; r++) {
+    const ps_moving_range *m = &s->moving[r];
+    if (!m->nonneg) continue;
+    size_t lo = m->off > offset ? m->off : offset;
+    size_t hi = m->off + m->count < offset + count ? m->off + m->count : offset + count;
+    if (lo >= hi) continue;
+    neg_scan ns = {0};
+    if (walk_values(grad, s->wire, lo - offset, hi - lo, scan_neg_piece, &ns))
+      return ps_seterr(err, PS_EINVAL,
+                       "gradient value %zu (global index %zu) is %g, in a batch variance "
+                       "(batchnorm's moving variance [%zu, %zu)), which cannot be negative",
+                       ns.bad_index, offset + ns.bad_index, (double)ns.bad_value, m->off,
+                       m->off + m->count);
+  }
+  return PS_OK;
+}
+
 static int reject_push(ps_shard *s, int code) {
   pthread_mutex_lock(&s->mu);
   s->stats.rejected++;
@@ -721,6 +770,7 @@ static int check_gradient(ps_shard *s, size_t offset, size_t count, const ps_seg
                        offset + fs->bad_index, nonfinite_name(fs->bad_value));
     }
     *gmax = bits_magnitude(a.max_bits > b.max_bits ? a.max_bits : b.max_bits);
+    if ((rc = check_nonneg(s, offset, count, grad, err))) return rc;
   }
   return PS_OK;
 }
@@ -738,6 +788,7 @@ static int check_update(ps_shard *s, size_t offset, size_t count, const ps_segvi
   int whole = count == s->end - s->begin;
   ps_optim_bounds b = s->bounds;
   s->opt->bound(&s->cfg, t, lr, gmax, &b);
+  if (s->n_moving) ps_moving_bound(gmax, &s->bounds, &b);
   if (bounds_finite(s, &b)) {
     *after = merge_bounds(s, &b, whole);
     return PS_OK;

@@ -43,6 +43,7 @@ typedef struct {
   float *grad_acc; /* the output's own gradient buffer (see above), or NULL */
   int32_t *argmax; /* maxpool: same size as out */
   float *mask;     /* dropout: same size as out */
+  float *bn;       /* batchnorm: the batch's mean, variance and invstd (3 x C) */
   size_t in_size, out_size; /* per example */
   /* Parameters: the layer reads [p_lo, p_hi) of the flat vector (empty
    * when p_lo == p_hi), and needs [0, need) to have arrived in a staged
@@ -64,6 +65,9 @@ struct ps_model {
   float *grad_a;     /* gradient ping-pong buffers, largest activation */
   float *grad_b;
   float *probs;      /* (max_batch, classes) */
+  /* Layers without a bias: a zero bias to add, and where their bias
+   * gradient goes (NULL when every layer has one). */
+  float *zero_bias, *db_sink;
   /* Only when !ops->host_memory (else NULL): */
   float *x_dev;      /* (max_batch, in_size): the batch, copied in */
   uint8_t *y_dev;    /* (max_batch): its labels */
@@ -146,7 +150,7 @@ ps_model *ps_model_create(const ps_model_spec *spec, ps_ops *ops, int max_batch,
   m->in_size = layer_size(spec->in_c, spec->in_h, spec->in_w);
   m->ls = calloc((size_t)spec->n_layers, sizeof *m->ls);
   if (!m->ls) goto oom;
-  size_t work = 0, largest = m->in_size;
+  size_t work = 0, largest = m->in_size, no_bias = 0;
   for (int i = 0; i < spec->n_layers; i++) {
     const ps_layer *L = &spec->layers[i];
     layer_state *s = &m->ls[i];
@@ -170,16 +174,18 @@ ps_model *ps_model_create(const ps_model_spec *spec, ps_ops *ops, int max_batch,
     } else if (L->type == PS_LAYER_DROPOUT) {
       s->mask = backend_alloc(m, n_out * sizeof(float));
       if (!s->mask) goto oom;
+    } else if (L->type == PS_LAYER_BATCHNORM) {
+      s->bn = backend_alloc(m, 3 * (size_t)L->in_c * sizeof(float));
+      if (!s->bn) goto oom;
     }
+    if ((L->type == PS_LAYER_CONV2D || L->type == PS_LAYER_DENSE) && L->b_count == 0 &&
+        (size_t)L->out_c > no_bias)
+      no_bias = (size_t)L->out_c;
     if (L->type != PS_LAYER_FLATTEN && L->type != PS_LAYER_SOFTMAX_XENT) {
       s->out = backend_alloc(m, n_out * sizeof(float));
       if (!s->out) goto oom;
     }
-    if (L->type == PS_LAYER_CONV2D || L->type == PS_LAYER_DENSE) {
-      s->p_lo = L->w_off < L->b_off ? L->w_off : L->b_off;
-      size_t w_end = L->w_off + L->w_count, b_end = L->b_off + L->b_count;
-      s->p_hi = w_end > b_end ? w_end : b_end;
-    }
+    ps_layer_param_range(L, &s->p_lo, &s->p_hi);
     s->need = i > 0 && m->ls[i - 1].need > s->p_hi ? m->ls[i - 1].need : s->p_hi;
     if (s->p_hi > s->p_lo && i > 0 && s->p_lo < m->ls[i - 1].need) {
       ps_model_destroy(m);
@@ -194,6 +200,11 @@ ps_model *ps_model_create(const ps_model_spec *spec, ps_ops *ops, int max_batch,
   m->grad_b = backend_alloc(m, largest * (size_t)max_batch * sizeof(float));
   m->probs = backend_alloc(m, n_probs * sizeof(float));
   if (!m->work || !m->grad_a || !m->grad_b || !m->probs) goto oom;
+  if (no_bias) {
+    m->zero_bias = backend_alloc(m, no_bias * sizeof(float)); /* zeroed by alloc */
+    m->db_sink = backend_alloc(m, no_bias * sizeof(float));
+    if (!m->zero_bias || !m->db_sink) goto oom;
+  }
   if (ops->softmax_xent_stats && !(m->stats = backend_alloc(m, 2 * sizeof(double)))) goto oom;
   if (ops->softmax_xent_stats && !ops->host_memory) {
     m->stats_host = ops->host_alloc ? ops->host_alloc(ops->ctx, 2 * sizeof(double))
@@ -221,6 +232,7 @@ void ps_model_destroy(ps_model *m) {
       backend_free(m, m->ls[i].out);
       backend_free(m, m->ls[i].argmax);
       backend_free(m, m->ls[i].mask);
+      backend_free(m, m->ls[i].bn);
       backend_free(m, m->ls[i].grad_acc);
     }
     free(m->ls);
@@ -229,6 +241,8 @@ void ps_model_destroy(ps_model *m) {
   backend_free(m, m->grad_a);
   backend_free(m, m->grad_b);
   backend_free(m, m->probs);
+  backend_free(m, m->zero_bias);
+  backend_free(m, m->db_sink);
   backend_free(m, m->stats);
   if (m->stats_host) {
     if (m->ops->host_free)
@@ -248,6 +262,16 @@ static const float *layer_input(const ps_model *m, int i, int a, const float *x)
   return j < 0 ? x : m->ls[j].out;
 }
 
+/* Layer L's bias in params (a zero one when it has none), and where its
+ * bias gradient goes in grads. */
+static const float *bias_of(const ps_model *m, const ps_layer *L, const float *params) {
+  return L->b_count ? params + L->b_off : m->zero_bias;
+}
+
+static float *bias_grad_of(const ps_model *m, const ps_layer *L, float *grads) {
+  return L->b_count ? grads + L->b_off : m->db_sink;
+}
+
 /* Runs layer i forward on n examples of the batch x (backend memory);
  * returns the layer's output (its input for flatten; NULL for the loss
  * layer, which the caller handles). training: dropout active with masks
@@ -263,7 +287,8 @@ static const float *forward_layer(ps_model *m, int i, const float *params, const
     case PS_LAYER_CONV2D: {
       ps_conv_shape cs = s->conv;
       cs.n = n;
-      o->conv2d_forward(o->ctx, &cs, in, params + L->w_off, params + L->b_off, s->out, m->work);
+      o->conv2d_forward(o->ctx, &cs, in, params + L->w_off, bias_of(m, L, params), s->out,
+                        m->work);
       return s->out;
     }
     case PS_LAYER_MAXPOOL: {
@@ -283,8 +308,21 @@ static const float *forward_layer(ps_model *m, int i, const float *params, const
       return s->out;
     case PS_LAYER_DENSE:
       o->dense_forward(o->ctx, n, (int)s->in_size, L->units, in, params + L->w_off,
-                       params + L->b_off, s->out);
+                       bias_of(m, L, params), s->out);
       return s->out;
+    case PS_LAYER_BATCHNORM: {
+      const int c = L->in_c, hw = L->in_h * L->in_w;
+      /* Training: the batch's statistics (kept for backward, and pushed);
+       * otherwise the moving ones from the parameters. */
+      if (training)
+        o->batchnorm_forward_train(o->ctx, n, c, hw, L->epsilon, in, params + L->w_off,
+                                   params + L->b_off, s->out, s->bn, s->bn + c, s->bn + 2 * c);
+      else
+        o->batchnorm_forward_infer(o->ctx, n, c, hw, L->epsilon, in, params + L->w_off,
+                                   params + L->b_off, params + L->s_off, params + L->s_off + c,
+                                   s->out);
+      return s->out;
+    }
     case PS_LAYER_RELU:
       o->relu_forward(o->ctx, n_out, in, s->out);
       return s->out;
@@ -579,7 +617,7 @@ static void backward_pass(ps_model *m, const float *params, float *grads,
         ps_conv_shape cs = s->conv;
         cs.n = n;
         o->conv2d_backward(o->ctx, &cs, in, params + L->w_off, dy, dxp, grads + L->w_off,
-                           grads + L->b_off, m->work);
+                           bias_grad_of(m, L, grads), m->work);
         break;
       }
       case PS_LAYER_MAXPOOL: {
@@ -599,8 +637,17 @@ static void backward_pass(ps_model *m, const float *params, float *grads,
         break;
       case PS_LAYER_DENSE:
         o->dense_backward(o->ctx, n, (int)s->in_size, L->units, in, params + L->w_off, dy, dxp,
-                          grads + L->w_off, grads + L->b_off);
+                          grads + L->w_off, bias_grad_of(m, L, grads));
         break;
+      case PS_LAYER_BATCHNORM: {
+        const int c = L->in_c, hw = L->in_h * L->in_w;
+        o->batchnorm_backward(o->ctx, n, c, hw, in, dy, params + L->w_off, s->bn, s->bn + 2 * c,
+                              dxp, grads + L->w_off, grads + L->b_off);
+        /* The moving statistics' places carry the batch's mean and
+         * variance, which the shard averages in (ps_model_moving_ranges). */
+        o->copy(o->ctx, grads + L->s_off, s->bn, 2 * (size_t)c * sizeof(float));
+        break;
+      }
       case PS_LAYER_RELU:
         if (dxp) o->relu_backward(o->ctx, n_out, s->out, dy, dxp);
         break;

@@ -36,8 +36,11 @@ void ps_model_destroy(ps_model *m);
  * (both host memory, read before the call returns): forward with dropout
  * drawn from (seed, step), backward, and the gradient of the mean loss
  * written to grads (P floats of backend memory, overwritten) from params
- * (P floats of backend memory). Returns the mean loss; *correct (may be
- * NULL) receives the number of examples whose arg-max matched the label.
+ * (P floats of backend memory). Batchnorm layers normalize with the
+ * batch's statistics and write its mean and variance into grads where
+ * their moving statistics are (the shard averages them in). Returns the
+ * mean loss; *correct (may be NULL) receives the number of examples whose
+ * arg-max matched the label.
  * On cuda the gradient may still be in flight on return: read it with
  * ps_model_params_to_host (or ops->to_host then ops->sync), which waits. */
 float ps_model_train_step(ps_model *m, const float *params, const float *x, const uint8_t *y,
@@ -93,7 +96,8 @@ int ps_model_graph_able(const ps_model *m, char *why, size_t why_len);
  * backward and asks here afterwards. */
 int ps_model_step_correct(ps_model *m);
 
-/* Forward only, without dropout, over any number of examples x, y (host
+/* Forward only, without dropout and with batchnorm's moving statistics
+ * (from params), over any number of examples x, y (host
  * memory; processed in chunks of max_batch) with params (backend memory).
  * Returns the mean loss; *correct as above. */
 float ps_model_evaluate(ps_model *m, const float *params, const float *x, const uint8_t *y,

@@ -86,6 +86,8 @@ struct ps_client {
   ps_wire wire;
   float *residual;      /* (P), 16-bit wire only */
   uint16_t *wire_grads; /* (P), 16-bit wire only: sent without a copy */
+  ps_moving_range moving[PS_MAX_MOVING_RANGES]; /* no error feedback there */
+  int n_moving;
   /* The push round in progress (ps_client_push_begin .. push_end). */
   struct {
     uint64_t *versions; /* per shard */
@@ -394,6 +396,13 @@ static int reregister(ps_client *c, rpc_queue *q, int s, char *err) {
 
 void ps_client_set_wait_ms(ps_client *c, int wait_ms) { c->wait_ms = wait_ms > 0 ? wait_ms : 0; }
 
+void ps_client_set_moving(ps_client *c, const ps_moving_range *mr, int n) {
+  if (n < 0) n = 0;
+  if (n > PS_MAX_MOVING_RANGES) n = PS_MAX_MOVING_RANGES;
+  for (int r = 0; r < n; r++) c->moving[r] = mr[r];
+  c->n_moving = n;
+}
+
 int ps_client_set_wire(ps_client *c, ps_wire wire, char *err) {
   if (wire == c->wire) return PS_OK;
   for (int s = 0; s < c->nshards; s++)
@@ -601,11 +610,20 @@ static int slice_for(ps_client *c, int s, const float *grads, const void **tenso
     return PS_OK;
   }
   uint16_t *enc = c->wire_grads + off;
-  if (!c->push.encoded[s])
+  if (!c->push.encoded[s]) {
     c->push.encoded[s] = ps_half_encode_feedback(c->wire, grads + off, c->residual + off, enc,
                                                  cnt) >= ps_half_nonfinite_bits(c->wire)
                              ? ENC_NONFINITE
                              : ENC_FINITE;
+    /* Statistics keep no residual: with it zero before every encoding,
+     * theirs is the plain rounding of the value. */
+    for (int r = 0; r < c->n_moving; r++) {
+      size_t lo = c->moving[r].off, hi = lo + c->moving[r].count;
+      if (lo < off) lo = off;
+      if (hi > off + cnt) hi = off + cnt;
+      if (lo < hi) memset(c->residual + lo, 0, (hi - lo) * sizeof *c->residual);
+    }
+  }
   if (c->push.encoded[s] == ENC_NONFINITE) {
     size_t i = ps_half_first_nonfinite(c->wire, enc, cnt);
     return ps_seterr(err, PS_EINVAL,

@@ -12,6 +12,7 @@
 
 #include "../common/auth.h"
 #include "../common/half.h"
+#include "../common/model_spec.h"
 #include "../common/rpc.h"
 
 typedef struct ps_client ps_client;
@@ -84,6 +85,13 @@ void ps_client_set_wait_ms(ps_client *c, int wait_ms);
  * (nothing changed) without memory. */
 int ps_client_set_wire(ps_client *c, ps_wire wire, char *err);
 ps_wire ps_client_wire(const ps_client *c);
+/* The model's moving statistics (ps_model_moving_ranges: batchnorm's
+ * batch mean and variance ride in the gradient there). On a 16-bit wire
+ * they are pushed rounded but without error feedback: a statistic's
+ * rounding error carried into the next batch's would bias it, and could
+ * take a variance of 0 below zero, which the shard refuses. mr is copied;
+ * at most PS_MAX_MOVING_RANGES. */
+void ps_client_set_moving(ps_client *c, const ps_moving_range *mr, int n);
 /* The residual (P floats; NULL with fp32), for tests. */
 const float *ps_client_residual(const ps_client *c);
 

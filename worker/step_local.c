@@ -11,6 +11,8 @@ typedef struct {
   ps_worker *w;
   const ps_optimizer *opt;
   float **slots;
+  ps_moving_range moving[PS_MAX_MOVING_RANGES]; /* averaged in, as on a shard */
+  int n_moving;
 } local_state;
 
 static void local_free(local_state *s) {
@@ -42,6 +44,7 @@ static int local_begin(ps_worker *w, void **state, char *err) {
     for (size_t i = 0; i < P; i++) s->slots[k][i] = init;
   }
   ps_model_init_params(&w->job.model, w->job.seed, 0, P, w->params);
+  s->n_moving = ps_model_moving_ranges(&w->job.model, s->moving);
   PS_INFO("local mode: no servers; optimizer %s lr %g in this process", w->job.optim.name,
           (double)w->job.optim.lr);
   *state = s;
@@ -55,8 +58,8 @@ static int local_run(void *state, int64_t step, const ps_batch *b, ps_step_resul
   r->loss = ps_compute_step(w, step, b, &r->correct);
   double tc = ps_now_s();
   if (ps_step_check_loss(step, r->loss, err) != 0) return -1;
-  s->opt->apply(&w->job.optim, (uint64_t)step + 1, w->job.optim.lr, w->params, s->slots, w->grads,
-                w->job.model.n_params);
+  ps_optim_apply_ranges(s->opt, &w->job.optim, (uint64_t)step + 1, w->job.optim.lr, w->params,
+                        s->slots, w->grads, w->job.model.n_params, 0, s->moving, s->n_moving);
   r->applied = 1;
   r->compute_s = tc - tb;
   r->push_s = ps_now_s() - tc;

@@ -176,6 +176,8 @@ static int setup_job(ps_worker *w, char *err) {
       fprintf(stderr, "ps-worker: %s\n", err);
       return PS_WORKER_EXIT_ERROR;
     }
+    ps_moving_range mr[PS_MAX_MOVING_RANGES];
+    ps_client_set_moving(w->client, mr, ps_model_moving_ranges(&w->job.model, mr));
     if (o->chief < 0) o->chief = !o->have_tf_config && w->rank == 0;
     PS_INFO("registered as worker %016" PRIx64 " (rank %d) with %d shards of job '%s', mode %s, "
             "wire %s%s",

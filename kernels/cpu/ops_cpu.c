@@ -711,6 +711,70 @@ static void cpu_global_avgpool_backward(void *ctx, int n, int c, int h, int w, c
   run_parts(ctx, job.planes * job.plane >= PARALLEL_MIN_FLOATS, global_avgpool_backward_part, &job);
 }
 
+/* ---- batch normalization ----
+ *
+ * Parts split the channels; the arithmetic is ps_bn_host_* (NCHW). */
+
+typedef struct {
+  int n, c, hw;
+  float eps;
+  const float *x, *dy, *gamma, *beta, *mean_in, *var_in, *invstd_in;
+  float *y, *dx, *mean, *var, *invstd, *dgamma, *dbeta;
+} bn_job;
+
+static void bn_train_part(void *arg, int part, int parts) {
+  const bn_job *j = arg;
+  size_t first, end;
+  part_range((size_t)j->c, part, parts, &first, &end);
+  ps_bn_host_train(j->n, j->c, j->hw, 1, (int)first, (int)end, j->eps, j->x, j->gamma, j->beta,
+                   j->y, j->mean, j->var, j->invstd);
+}
+
+static void bn_infer_part(void *arg, int part, int parts) {
+  const bn_job *j = arg;
+  size_t first, end;
+  part_range((size_t)j->c, part, parts, &first, &end);
+  ps_bn_host_infer(j->n, j->c, j->hw, 1, (int)first, (int)end, j->eps, j->x, j->gamma, j->beta,
+                   j->mean_in, j->var_in, j->y);
+}
+
+static void bn_backward_part(void *arg, int part, int parts) {
+  const bn_job *j = arg;
+  size_t first, end;
+  part_range((size_t)j->c, part, parts, &first, &end);
+  ps_bn_host_backward(j->n, j->c, j->hw, 1, (int)first, (int)end, j->x, j->dy, j->gamma,
+                      j->mean_in, j->invstd_in, j->dx, j->dgamma, j->dbeta);
+}
+
+/* Worth splitting: enough values, and a channel for every part. */
+static int bn_split(const bn_job *j) {
+  return (size_t)j->n * j->c * j->hw >= PARALLEL_MIN_FLOATS && j->c > 1;
+}
+
+static void cpu_batchnorm_forward_train(void *ctx, int n, int c, int hw, float eps, const float *x,
+                                        const float *gamma, const float *beta, float *y,
+                                        float *mean, float *var, float *invstd) {
+  bn_job job = {.n = n, .c = c, .hw = hw, .eps = eps, .x = x, .gamma = gamma, .beta = beta,
+                .y = y, .mean = mean, .var = var, .invstd = invstd};
+  run_parts(ctx, bn_split(&job), bn_train_part, &job);
+}
+
+static void cpu_batchnorm_forward_infer(void *ctx, int n, int c, int hw, float eps, const float *x,
+                                        const float *gamma, const float *beta, const float *mean,
+                                        const float *var, float *y) {
+  bn_job job = {.n = n, .c = c, .hw = hw, .eps = eps, .x = x, .gamma = gamma, .beta = beta,
+                .mean_in = mean, .var_in = var, .y = y};
+  run_parts(ctx, bn_split(&job), bn_infer_part, &job);
+}
+
+static void cpu_batchnorm_backward(void *ctx, int n, int c, int hw, const float *x,
+                                   const float *dy, const float *gamma, const float *mean,
+                                   const float *invstd, float *dx, float *dgamma, float *dbeta) {
+  bn_job job = {.n = n, .c = c, .hw = hw, .x = x, .dy = dy, .gamma = gamma, .mean_in = mean,
+                .invstd_in = invstd, .dx = dx, .dgamma = dgamma, .dbeta = dbeta};
+  run_parts(ctx, bn_split(&job), bn_backward_part, &job);
+}
+
 /* ---- dense ----
  *
  * Parts split the output features for y, dW and db (each part packs its
@@ -1064,6 +1128,9 @@ ps_ops *ps_ops_cpu_create(int threads) {
       .avgpool_backward = cpu_avgpool_backward,
       .global_avgpool_forward = cpu_global_avgpool_forward,
       .global_avgpool_backward = cpu_global_avgpool_backward,
+      .batchnorm_forward_train = cpu_batchnorm_forward_train,
+      .batchnorm_forward_infer = cpu_batchnorm_forward_infer,
+      .batchnorm_backward = cpu_batchnorm_backward,
       .dense_forward = cpu_dense_forward,
       .dense_backward = cpu_dense_backward,
       .relu_forward = cpu_relu_forward,

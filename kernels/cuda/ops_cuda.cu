@@ -9,6 +9,8 @@
  *   average pooling  kernels here, the CPU's sums in the CPU's order
  *   dense            cuBLAS sgemm (row-major through the transposes) and
  *                    a kernel for the bias and its gradient
+ *   batch norm       kernels here, one block per channel, sums in double
+ *                    (the CPU's two-pass mean and biased variance)
  *   relu, dropout    kernels here (dropout: the CPU's counter-based RNG)
  *   softmax + xent   cuDNN softmax for the probabilities, kernels for the
  *                    loss (one block, deterministic) and its gradient
@@ -510,6 +512,148 @@ static __global__ void xent_backward_kernel(size_t total, int k, float inv_n, co
   }
 }
 
+/* ---- batch normalization kernels ----
+ *
+ * One block per channel (blockIdx.x = k) for the statistics and the
+ * gradient sums: its threads stride over the channel's n*hw values, each
+ * summing its share in double, then a fixed tree over the block, so the
+ * sums are the same every run (and within the last bit or two of the
+ * CPU's, which also sums in double). The block then writes the channel's
+ * outputs itself, so one launch does a whole op and needs no scratch
+ * memory: nothing to allocate while a step is captured into a graph.
+ * Float results use the reference's formulas with the _rn intrinsics
+ * (no fused multiply-add), so that with equal statistics they are equal. */
+
+/* Threads of the per-channel blocks: more than THREADS, because a layer
+ * has few channels (often fewer than the device has SMs) and each block
+ * must keep enough loads in flight on its own. __launch_bounds__ holds the
+ * kernels to the registers this takes (64 a thread). */
+enum { BN_THREADS = 1024 };
+
+/* Calls f(at) for the elements at = (i*c + k)*hw + j of channel k, for the
+ * element numbers e = i*hw + j = first, first + step, ... below n*hw: the
+ * example and offset advance by step's quotient and remainder, so the loop
+ * divides nothing (as bias_grad_kernel). */
+template <typename F>
+__device__ static inline void bn_for_channel(int n, int c, size_t hw, int k, size_t first,
+                                             size_t step, F f) {
+  if (hw == 0) return;
+  const size_t step_i = step / hw, step_j = step % hw;
+  const size_t stride = (size_t)c * hw, base = (size_t)k * hw;
+  size_t i = first / hw, j = first % hw;
+  for (; i < (size_t)n; i += step_i, j += step_j) {
+    if (j >= hw) { /* j + step_j < 2*hw: one carry at most */
+      j -= hw;
+      i++;
+      if (i >= (size_t)n) break;
+    }
+    f(i * stride + base + j);
+  }
+}
+
+/* The sum of v over the block (blockDim.x a power of two, part one double
+ * per thread), in a fixed tree; every thread gets it. part is free again
+ * on return. */
+__device__ static double bn_block_sum(double v, double *part) {
+  part[threadIdx.x] = v;
+  __syncthreads();
+  for (unsigned half = blockDim.x / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) part[threadIdx.x] += part[threadIdx.x + half];
+    __syncthreads();
+  }
+  const double sum = part[0];
+  __syncthreads(); /* everyone has read part[0] before it is written again */
+  return sum;
+}
+
+/* forward_train, channel blockIdx.x: the mean, then the sum of squared
+ * deviations from it (two passes, as the CPU: no cancellation of E[x^2] -
+ * mean^2), the statistics, then y. m = n*hw may be 0 (statistics 0, as
+ * the CPU's). */
+static __global__ void __launch_bounds__(BN_THREADS)
+    bn_train_kernel(int n, int c, size_t hw, float eps, const float *x, const float *gamma,
+                    const float *beta, float *y, float *mean, float *var, float *invstd) {
+  __shared__ double part[BN_THREADS];
+  __shared__ float coef[3]; /* mean, gamma * invstd, beta */
+  const int k = blockIdx.x;
+  const double m = (double)n * (double)hw;
+  double s = 0.0;
+  bn_for_channel(n, c, hw, k, threadIdx.x, blockDim.x, [&](size_t at) { s += (double)x[at]; });
+  s = bn_block_sum(s, part); /* every thread calls it: it has barriers */
+  const double mu = m > 0 ? s / m : 0.0;
+  double q = 0.0;
+  bn_for_channel(n, c, hw, k, threadIdx.x, blockDim.x, [&](size_t at) {
+    const double d = (double)x[at] - mu;
+    q += d * d;
+  });
+  q = bn_block_sum(q, part);
+  if (threadIdx.x == 0) {
+    const double v = m > 0 ? q / m : 0.0;
+    const float is = (float)(1.0 / sqrt(v + (double)eps));
+    mean[k] = (float)mu;
+    var[k] = (float)v;
+    invstd[k] = is;
+    coef[0] = (float)mu;
+    coef[1] = __fmul_rn(gamma[k], is);
+    coef[2] = beta[k];
+  }
+  __syncthreads();
+  const float mf = coef[0], scale = coef[1], shift = coef[2];
+  /* Each thread writes only the elements it read above (after the block's
+   * last read of x in bn_block_sum), so this is right even in place. */
+  bn_for_channel(n, c, hw, k, threadIdx.x, blockDim.x, [&](size_t at) {
+    y[at] = __fadd_rn(__fmul_rn(__fsub_rn(x[at], mf), scale), shift);
+  });
+}
+
+/* forward_infer: elementwise, a grid of (channels, parts of a channel);
+ * each thread computes its channel's scale once, as the CPU does. */
+static __global__ void bn_infer_kernel(int n, int c, size_t hw, float eps, const float *x,
+                                       const float *gamma, const float *beta, const float *mean,
+                                       const float *var, float *y) {
+  const int k = blockIdx.x;
+  const float mf = mean[k], shift = beta[k];
+  const float scale = __fmul_rn(gamma[k], (float)(1.0 / sqrt((double)var[k] + (double)eps)));
+  bn_for_channel(
+      n, c, hw, k, (size_t)blockIdx.y * blockDim.x + threadIdx.x, (size_t)gridDim.y * blockDim.x,
+      [&](size_t at) { y[at] = __fadd_rn(__fmul_rn(__fsub_rn(x[at], mf), scale), shift); });
+}
+
+/* backward, channel blockIdx.x: dbeta = sum dy, dgamma = sum dy * xhat
+ * (xhat rounded in float, as the CPU), then dx unless it is NULL. */
+static __global__ void __launch_bounds__(BN_THREADS)
+    bn_backward_kernel(int n, int c, size_t hw, const float *x, const float *dy, const float *gamma,
+                       const float *mean, const float *invstd, float *dx, float *dgamma,
+                       float *dbeta) {
+  __shared__ double part[BN_THREADS];
+  __shared__ float coef[3]; /* gamma * invstd, dbeta / m, dgamma / m */
+  const int k = blockIdx.x;
+  const double m = (double)n * (double)hw;
+  const float mf = mean[k], is = invstd[k];
+  double sd = 0.0, sdx = 0.0;
+  bn_for_channel(n, c, hw, k, threadIdx.x, blockDim.x, [&](size_t at) {
+    const double g = dy[at];
+    sd += g;
+    sdx += g * (double)__fmul_rn(__fsub_rn(x[at], mf), is);
+  });
+  sd = bn_block_sum(sd, part);
+  sdx = bn_block_sum(sdx, part);
+  if (threadIdx.x == 0) {
+    dbeta[k] = (float)sd;
+    dgamma[k] = (float)sdx;
+    coef[0] = __fmul_rn(gamma[k], is);
+    coef[1] = m > 0 ? (float)(sd / m) : 0.0f;
+    coef[2] = m > 0 ? (float)(sdx / m) : 0.0f;
+  }
+  if (!dx) return; /* the same for the whole block: no thread waits below */
+  __syncthreads();
+  const float a = coef[0], b = coef[1], q = coef[2];
+  bn_for_channel(n, c, hw, k, threadIdx.x, blockDim.x, [&](size_t at) {
+    const float xh = __fmul_rn(__fsub_rn(x[at], mf), is);
+    dx[at] = __fmul_rn(a, __fsub_rn(__fsub_rn(dy[at], b), __fmul_rn(xh, q)));
+  });
+}
+
 /* ---- convolution ---- */
 
 static bool same_conv_shape(const ps_conv_shape *a, const ps_conv_shape *b) {
@@ -862,6 +1006,55 @@ static void cuda_global_avgpool_backward(void *ctx, int n, int c, int h, int w, 
   const size_t total = (size_t)n * c * h * w;
   global_avgpool_backward_kernel<<<blocks_for(total), THREADS, 0, be->stream>>>(
       total, (size_t)h * w, dy, dx);
+  CUDA_CHECK_LAUNCH();
+}
+
+/* ---- batch normalization ----
+ *
+ * Our own kernels (see above) rather than cuDNN's: cuDNN returns the
+ * unbiased variance in its running variance (the contract wants the biased
+ * one, and m = 1 would divide by zero), sums in float, and wants
+ * descriptors per shape; these sum in double in a fixed order, need no
+ * workspace or descriptor, and stay float32 at every set_precision. */
+
+static void cuda_batchnorm_forward_train(void *ctx, int n, int c, int hw, float eps, const float *x,
+                                         const float *gamma, const float *beta, float *y,
+                                         float *mean, float *var, float *invstd) {
+  cuda_backend *be = enter(ctx);
+  if (c <= 0) return;
+  /* An empty batch still has statistics (0, 0, 1/sqrt(eps)), as the CPU's. */
+  bn_train_kernel<<<(unsigned)c, BN_THREADS, 0, be->stream>>>(
+      n > 0 ? n : 0, c, (size_t)(hw > 0 ? hw : 0), eps, x, gamma, beta, y, mean, var, invstd);
+  CUDA_CHECK_LAUNCH();
+}
+
+static void cuda_batchnorm_forward_infer(void *ctx, int n, int c, int hw, float eps, const float *x,
+                                         const float *gamma, const float *beta, const float *mean,
+                                         const float *var, float *y) {
+  cuda_backend *be = enter(ctx);
+  if (n <= 0 || c <= 0 || hw <= 0) return;
+  /* Enough blocks in all to fill the device (about MAX_BLOCKS), at most
+   * one per THREADS values of a channel; gridDim.y is at most 65535. */
+  const size_t per_channel = (size_t)n * hw;
+  size_t parts = (per_channel + THREADS - 1) / THREADS;
+  const size_t fill = (size_t)MAX_BLOCKS / (size_t)c;
+  if (parts > fill) parts = fill;
+  if (parts > 65535) parts = 65535;
+  if (parts < 1) parts = 1;
+  const dim3 grid((unsigned)c, (unsigned)parts);
+  bn_infer_kernel<<<grid, THREADS, 0, be->stream>>>(n, c, (size_t)hw, eps, x, gamma, beta, mean,
+                                                    var, y);
+  CUDA_CHECK_LAUNCH();
+}
+
+static void cuda_batchnorm_backward(void *ctx, int n, int c, int hw, const float *x,
+                                    const float *dy, const float *gamma, const float *mean,
+                                    const float *invstd, float *dx, float *dgamma, float *dbeta) {
+  cuda_backend *be = enter(ctx);
+  if (c <= 0) return;
+  /* An empty batch: dgamma = dbeta = 0, written by the kernel. */
+  bn_backward_kernel<<<(unsigned)c, BN_THREADS, 0, be->stream>>>(
+      n > 0 ? n : 0, c, (size_t)(hw > 0 ? hw : 0), x, dy, gamma, mean, invstd, dx, dgamma, dbeta);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -1425,6 +1618,9 @@ extern "C" ps_ops *ps_ops_cuda_create(int device, char *err) {
   be->ops.avgpool_backward = cuda_avgpool_backward;
   be->ops.global_avgpool_forward = cuda_global_avgpool_forward;
   be->ops.global_avgpool_backward = cuda_global_avgpool_backward;
+  be->ops.batchnorm_forward_train = cuda_batchnorm_forward_train;
+  be->ops.batchnorm_forward_infer = cuda_batchnorm_forward_infer;
+  be->ops.batchnorm_backward = cuda_batchnorm_backward;
   be->ops.dense_forward = cuda_dense_forward;
   be->ops.dense_backward = cuda_dense_backward;
   be->ops.relu_forward = cuda_relu_forward;

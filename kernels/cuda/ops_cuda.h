@@ -11,7 +11,10 @@
  * the first in row-major order), average pooling (the same sums in the same
  * order) and the softmax gradient given the same probabilities; within
  * float rounding for the reductions (convolution, dense, softmax, loss),
- * which sum in another order (see the test for the tolerances). tests/unit/test_cuda_parity.c checks all of it.
+ * which sum in another order (see the test for the tolerances); batch
+ * normalization sums in double like the CPU (in a fixed tree rather than
+ * in order), so its statistics and outputs agree to the last bit or two,
+ * and it stays float32 at every set_precision. tests/unit/test_cuda_parity.c checks all of it.
  *
  * Convolution: the backend keeps its own workspace, so conv2d_workspace
  * answers 0 and the `work` argument is ignored (NULL is fine). It chooses the

@@ -3,9 +3,9 @@
  * Convolution (forward, backward data, backward weights with the bias) is
  * oneDNN's primitives, created the first time a shape is seen and kept;
  * dense layers are OpenBLAS sgemm in parts (faster here than oneDNN's inner
- * product, see "dense"). Max and average pooling, relu, dropout, the
- * softmax and scale are OpenMP loops here, written to give the reference's
- * bits.
+ * product, see "dense"). Max and average pooling, batch normalization,
+ * relu, dropout, the softmax and scale are OpenMP loops here, written to
+ * give the reference's bits.
  *
  * Why blocked layouts. With plain NCHW activations oneDNN's convolutions
  * are no faster than the reference's im2col + sgemm; with nChw16c (16
@@ -15,9 +15,9 @@
  * layout a JIT kernel does not take leaves oneDNN only its reference
  * loops, hundreds of times slower, so each convolution picks layouts
  * oneDNN has a kernel for, conv_choose). So a convolution writes its
- * output blocked when the buffer is this backend's, relu and max pooling
- * work on it as it is, and the layout is recorded per buffer (the buffer
- * table below) for the next op. An op that needs NCHW (dense after
+ * output blocked when the buffer is this backend's, relu, pooling and
+ * batch normalization work on it as it is, and the layout is recorded per
+ * buffer (the buffer table below) for the next op. An op that needs NCHW (dense after
  * flatten, dropout, copies out) reorders first, in place.
  *
  * Why one OpenMP team. oneDNN here runs on OpenMP (Debian's libdnnl is
@@ -1029,6 +1029,144 @@ static void dn_global_avgpool_backward(void *ctx, int n, int c, int h, int w, co
   }
 }
 
+/* ---- batch normalization ----
+ *
+ * ps_bn_host_* (the reference's arithmetic) in the layout the activation is
+ * held in, each channel block a task on the team: every channel's sums run
+ * over the same values in the same order (in double) whatever the block,
+ * so the results are the reference's bits. y is written in x's layout (when
+ * y is ours); dx in x's layout too (when dx is ours), since it goes back to
+ * the op that wrote x, which holds that layout: a conv or relu reads it as
+ * it is, dense or dropout (NCHW) need no reorder. The statistics, gamma,
+ * beta and their gradients are plain vectors of c floats. */
+
+/* The layout the activation (n, c, hw) at p is held in: the recorded one
+ * when p starts a buffer holding exactly n examples of c channels of hw
+ * values, all blocked (h and w come only as their product here, so the
+ * recorded ones are kept for the output, for the next op's view_blk);
+ * otherwise NCHW as (n, c, hw, 1), with what is read made NCHW. */
+static act_layout bn_view(dnnl_backend *be, const void *p, int n, int c, int hw) {
+  const buf_entry *e = buf_find(be, p);
+  if (e && e->lay.blk > 1 && e->base == (const char *)p && !e->lay.s32 && e->prefix == 0 &&
+      e->lay.n == n && e->lay.c == c && (long)e->lay.h * e->lay.w == hw)
+    return e->lay;
+  read_plain(be, p, (size_t)n * c * hw);
+  return (act_layout){1, n, c, hw, 1, 0};
+}
+
+/* The block ps_bn_host_* runs in on an activation held in block `held`:
+ * that one, except with one value per channel (hw 1, after dense), where
+ * every block layout is NCHW's bytes (element (i, kb*blk + l) at
+ * (i*(c/blk) + kb)*blk + l = i*c + k): then the widest block that divides
+ * c, so that a pass reads blk neighbouring channels at once instead of one
+ * channel strided by c. */
+static int bn_blk(int held, int c, int hw) {
+  if (hw != 1) return held;
+  for (int b = 16; b > 1; b--)
+    if (c % b == 0) return b;
+  return 1;
+}
+
+/* Worth waking the team: enough values, and a block for each thread. */
+static int bn_parallel(int n, int c, int hw, int blk) {
+  return (long)n * c * hw >= PARALLEL_MIN_FLOATS && c / blk > 1;
+}
+
+/* x's layout for the forward ops: held as it is when y can take it, else
+ * NCHW (x made so, as pooling does). With hw 1 every layout is the same
+ * bytes, so nothing is reordered. */
+static act_layout bn_forward_layout(dnnl_backend *be, const float *x, float *y, int n, int c,
+                                    int hw) {
+  act_layout lx = bn_view(be, x, n, c, hw);
+  if (lx.blk > 1 && !buf_taggable(be, y, layout_elems(&lx) * sizeof(float))) {
+    if (hw > 1) buf_make_plain(be, buf_find(be, x));
+    lx.blk = 1;
+  }
+  write_act(be, y, lx.blk, n, c, lx.h, lx.w, 0);
+  return lx;
+}
+
+static void dn_batchnorm_forward_train(void *ctx, int n, int c, int hw, float eps, const float *x,
+                                       const float *gamma, const float *beta, float *y, float *mean,
+                                       float *var, float *invstd) {
+  dnnl_backend *be = enter(ctx);
+  if (c == 0) return;
+  read_plain(be, gamma, (size_t)c);
+  read_plain(be, beta, (size_t)c);
+  write_plain(be, mean, (size_t)c);
+  write_plain(be, var, (size_t)c);
+  write_plain(be, invstd, (size_t)c);
+  if ((long)n * hw == 0) { /* no values: the reference's empty statistics */
+    ps_bn_host_train(n, c, hw, 1, 0, c, eps, x, gamma, beta, y, mean, var, invstd);
+    return;
+  }
+  const act_layout lx = bn_forward_layout(be, x, y, n, c, hw);
+  const int blk = bn_blk(lx.blk, c, hw);
+  const long blocks = c / blk;
+#pragma omp parallel for schedule(static) if (bn_parallel(n, c, hw, blk))
+  for (long kb = 0; kb < blocks; kb++)
+    ps_bn_host_train(n, c, hw, blk, (int)kb, (int)kb + 1, eps, x, gamma, beta, y, mean, var,
+                     invstd);
+}
+
+static void dn_batchnorm_forward_infer(void *ctx, int n, int c, int hw, float eps, const float *x,
+                                       const float *gamma, const float *beta, const float *mean,
+                                       const float *var, float *y) {
+  dnnl_backend *be = enter(ctx);
+  if (c == 0 || (long)n * hw == 0) return;
+  read_plain(be, gamma, (size_t)c);
+  read_plain(be, beta, (size_t)c);
+  read_plain(be, mean, (size_t)c);
+  read_plain(be, var, (size_t)c);
+  const act_layout lx = bn_forward_layout(be, x, y, n, c, hw);
+  const int blk = bn_blk(lx.blk, c, hw);
+  const long blocks = c / blk;
+#pragma omp parallel for schedule(static) if (bn_parallel(n, c, hw, blk))
+  for (long kb = 0; kb < blocks; kb++)
+    ps_bn_host_infer(n, c, hw, blk, (int)kb, (int)kb + 1, eps, x, gamma, beta, mean, var, y);
+}
+
+/* p, held in `held`, in block `want`: p itself (also with hw 1, where the
+ * bytes are the same), or a copy in scratch slot; p's own buffer keeps its
+ * layout (x is still to be read by the backward ops before this one). */
+static const float *bn_operand(dnnl_backend *be, const float *p, const act_layout *held, int want,
+                               int slot) {
+  if (held->blk == want || (long)held->h * held->w == 1) return p;
+  return act_in(be, p, held->blk, want, held->n, held->c, held->h, held->w, slot);
+}
+
+/* Works in x's layout when dx can be held in it (or is NULL), else NCHW;
+ * x and dy are brought to it through scratch when held otherwise. */
+static void dn_batchnorm_backward(void *ctx, int n, int c, int hw, const float *x, const float *dy,
+                                  const float *gamma, const float *mean, const float *invstd,
+                                  float *dx, float *dgamma, float *dbeta) {
+  dnnl_backend *be = enter(ctx);
+  if (c == 0) return;
+  read_plain(be, gamma, (size_t)c);
+  read_plain(be, mean, (size_t)c);
+  read_plain(be, invstd, (size_t)c);
+  write_plain(be, dgamma, (size_t)c);
+  write_plain(be, dbeta, (size_t)c);
+  if ((long)n * hw == 0) { /* nothing summed: zero gradients, as the reference gives */
+    ps_bn_host_backward(n, c, hw, 1, 0, c, x, dy, gamma, mean, invstd, dx, dgamma, dbeta);
+    return;
+  }
+  const act_layout lx = bn_view(be, x, n, c, hw), ld = bn_view(be, dy, n, c, hw);
+  /* The shape a blocked dx is recorded with: x's, else dy's (their h, w). */
+  const act_layout *shape = lx.blk > 1 ? &lx : &ld;
+  int held = lx.blk;
+  if (dx && held > 1 && !buf_taggable(be, dx, layout_elems(&lx) * sizeof(float))) held = 1;
+  const float *xp = bn_operand(be, x, &lx, held, 0);
+  const float *dyp = bn_operand(be, dy, &ld, held, 1);
+  if (dx) write_act(be, dx, held, n, c, shape->h, shape->w, 0);
+  const int blk = bn_blk(held, c, hw);
+  const long blocks = c / blk;
+#pragma omp parallel for schedule(static) if (bn_parallel(n, c, hw, blk))
+  for (long kb = 0; kb < blocks; kb++)
+    ps_bn_host_backward(n, c, hw, blk, (int)kb, (int)kb + 1, xp, dyp, gamma, mean, invstd, dx,
+                        dgamma, dbeta);
+}
+
 /* ---- dense ----
  *
  * OpenBLAS sgemm in parts on the team (OpenBLAS at one thread): each
@@ -1502,6 +1640,9 @@ ps_ops *ps_ops_dnnl_create(int threads) {
       .avgpool_backward = dn_avgpool_backward,
       .global_avgpool_forward = dn_global_avgpool_forward,
       .global_avgpool_backward = dn_global_avgpool_backward,
+      .batchnorm_forward_train = dn_batchnorm_forward_train,
+      .batchnorm_forward_infer = dn_batchnorm_forward_infer,
+      .batchnorm_backward = dn_batchnorm_backward,
       .dense_forward = dn_dense_forward,
       .dense_backward = dn_dense_backward,
       .relu_forward = dn_relu_forward,

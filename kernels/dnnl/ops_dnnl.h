@@ -11,9 +11,10 @@
 
 /* The backend, with the semantics of the reference (ps_ops_cpu_create):
  * the same outputs up to float rounding (convolution and dense sum in
- * another order), bit for bit for relu, dropout, max and average pooling
- * and the softmax. threads > 0: every op runs on an OpenMP team of that many
- * threads (set for the calling thread at each op), and OpenBLAS (dense
+ * another order), bit for bit for relu, dropout, max and average pooling,
+ * batch normalization and the softmax. threads > 0: every op runs on an
+ * OpenMP team of that many threads (set for the calling thread at each
+ * op), and OpenBLAS (dense
  * layers, in parts on the team) is set to one thread for the process;
  * threads == 0: OpenMP's default team, and dense layers in one call with
  * OpenBLAS's own threading. Results depend only on the inputs and the
@@ -23,8 +24,9 @@
  * alloc gave (at its start) may be held in oneDNN's blocked layout
  * (nChw16c or nChw8c) when its channels are a multiple of the block: the
  * backend records the layout of each such buffer and the next op reads it
- * as it is (conv, relu, max and average pooling) or turns it back into
- * NCHW first (dense, dropout, softmax, scale of part of it, copies out). to_host,
+ * as it is (conv, relu, max and average pooling, batch normalization) or
+ * turns it back into NCHW first (dense, dropout, softmax, scale of part
+ * of it, copies out). to_host,
  * copy and to_host_async always deliver NCHW, so callers that read
  * backend memory through them never see the blocked layout; a caller that
  * reads an op's output buffer directly (host memory) must not rely on its

@@ -106,8 +106,11 @@ static emu_dev *enter(void *ctx) {
 enum {
   OP_CONV_FWD, OP_CONV_BWD, OP_POOL_FWD, OP_POOL_BWD, OP_DENSE_FWD, OP_DENSE_BWD, OP_RELU_FWD,
   OP_RELU_BWD, OP_DROP_FWD, OP_DROP_BWD, OP_XENT_STATS, OP_XENT_BWD, OP_SCALE, OP_COPY, OP_MARK,
-  OP_AVGPOOL_FWD, OP_AVGPOOL_BWD, OP_GAP_FWD, OP_GAP_BWD, OP_ADD
+  OP_AVGPOOL_FWD, OP_AVGPOOL_BWD, OP_GAP_FWD, OP_GAP_BWD, OP_ADD, OP_BN_TRAIN, OP_BN_INFER,
+  OP_BN_BWD
 };
+
+enum { CALL_PTRS = 5 }; /* the most pointers an op reads (batchnorm's backward) */
 
 /* One op's arguments: p the pointers it reads, q those it writes. */
 typedef struct em_call {
@@ -118,8 +121,8 @@ typedef struct em_call {
   size_t len;
   float rate, alpha;
   uint64_t seed, stream;
-  const void *p[4];
-  void *q[4];
+  const void *p[CALL_PTRS];
+  void *q[CALL_PTRS];
 } em_call;
 
 static void run_call(emu_dev *f, const em_call *c) {
@@ -161,6 +164,18 @@ static void run_call(emu_dev *f, const em_call *c) {
       o->softmax_xent_stats(ctx, c->n, c->k, c->p[0], c->p[1], c->q[0], c->q[1]);
       break;
     case OP_XENT_BWD: o->softmax_xent_backward(ctx, c->n, c->k, c->p[0], c->p[1], c->q[0]); break;
+    case OP_BN_TRAIN:
+      o->batchnorm_forward_train(ctx, c->n, c->k, c->in, c->alpha, c->p[0], c->p[1], c->p[2],
+                                 c->q[0], c->q[1], c->q[2], c->q[3]);
+      break;
+    case OP_BN_INFER:
+      o->batchnorm_forward_infer(ctx, c->n, c->k, c->in, c->alpha, c->p[0], c->p[1], c->p[2],
+                                 c->p[3], c->p[4], c->q[0]);
+      break;
+    case OP_BN_BWD:
+      o->batchnorm_backward(ctx, c->n, c->k, c->in, c->p[0], c->p[1], c->p[2], c->p[3], c->p[4],
+                            c->q[0], c->q[1], c->q[2]);
+      break;
     case OP_SCALE: o->scale(ctx, c->len, c->alpha, c->q[0]); break;
     case OP_COPY: memcpy(c->q[0], c->p[0], c->len); break;
     case OP_MARK: o->mark(ctx, c->n); break;
@@ -229,7 +244,7 @@ static int em_graph_launch(void *ctx) {
   if (!f->graph && f->n_graph == 0 && f->graphs == 0) return PS_ESTATE;
   for (int i = 0; i < f->n_graph; i++) {
     const em_call *c = &f->graph[i];
-    for (int j = 0; j < 4; j++) {
+    for (int j = 0; j < CALL_PTRS; j++) {
       if (c->p[j] && c->op != OP_MARK) need(f, c->p[j], 1, 0, "graph launch: a pointer read");
       if (c->q[j] && c->op != OP_MARK) need(f, c->q[j], 1, 0, "graph launch: a pointer written");
     }
@@ -325,6 +340,56 @@ static void em_global_avgpool_backward(void *ctx, int n, int c, int h, int w, co
   need(f, dx, planes * h * w * F4, 0, "global_avgpool dx");
   call(f,
        (em_call){.op = OP_GAP_BWD, .ps = {.n = n, .c = c, .h = h, .w = w}, .p = {dy}, .q = {dx}});
+}
+
+/* Batch normalization: n, c (k), hw (in) and eps (alpha) travel in the
+ * call. */
+static void em_batchnorm_forward_train(void *ctx, int n, int c, int hw, float eps, const float *x,
+                                       const float *gamma, const float *beta, float *y,
+                                       float *mean, float *var, float *invstd) {
+  emu_dev *f = enter(ctx);
+  const size_t all = (size_t)n * c * hw * F4, ch = (size_t)c * F4;
+  need(f, x, all, 0, "batchnorm x");
+  need(f, gamma, ch, 0, "batchnorm gamma");
+  need(f, beta, ch, 0, "batchnorm beta");
+  need(f, y, all, 0, "batchnorm y");
+  need(f, mean, ch, 0, "batchnorm mean");
+  need(f, var, ch, 0, "batchnorm var");
+  need(f, invstd, ch, 0, "batchnorm invstd");
+  call(f, (em_call){.op = OP_BN_TRAIN, .n = n, .k = c, .in = hw, .alpha = eps,
+                    .p = {x, gamma, beta}, .q = {y, mean, var, invstd}});
+}
+
+static void em_batchnorm_forward_infer(void *ctx, int n, int c, int hw, float eps, const float *x,
+                                       const float *gamma, const float *beta, const float *mean,
+                                       const float *var, float *y) {
+  emu_dev *f = enter(ctx);
+  const size_t all = (size_t)n * c * hw * F4, ch = (size_t)c * F4;
+  need(f, x, all, 0, "batchnorm x");
+  need(f, gamma, ch, 0, "batchnorm gamma");
+  need(f, beta, ch, 0, "batchnorm beta");
+  need(f, mean, ch, 0, "batchnorm mean");
+  need(f, var, ch, 0, "batchnorm var");
+  need(f, y, all, 0, "batchnorm y");
+  call(f, (em_call){.op = OP_BN_INFER, .n = n, .k = c, .in = hw, .alpha = eps,
+                    .p = {x, gamma, beta, mean, var}, .q = {y}});
+}
+
+static void em_batchnorm_backward(void *ctx, int n, int c, int hw, const float *x,
+                                  const float *dy, const float *gamma, const float *mean,
+                                  const float *invstd, float *dx, float *dgamma, float *dbeta) {
+  emu_dev *f = enter(ctx);
+  const size_t all = (size_t)n * c * hw * F4, ch = (size_t)c * F4;
+  need(f, x, all, 0, "batchnorm x");
+  need(f, dy, all, 0, "batchnorm dy");
+  need(f, gamma, ch, 0, "batchnorm gamma");
+  need(f, mean, ch, 0, "batchnorm mean");
+  need(f, invstd, ch, 0, "batchnorm invstd");
+  need(f, dx, all, 1, "batchnorm dx");
+  need(f, dgamma, ch, 0, "batchnorm dgamma");
+  need(f, dbeta, ch, 0, "batchnorm dbeta");
+  call(f, (em_call){.op = OP_BN_BWD, .n = n, .k = c, .in = hw, .p = {x, dy, gamma, mean, invstd},
+                    .q = {dx, dgamma, dbeta}});
 }
 
 static void em_dense_forward(void *ctx, int n, int in, int out, const float *x, const float *w,
@@ -630,6 +695,9 @@ static void emu_init(emu_dev *f, ps_ops *cpu) {
       .avgpool_backward = em_avgpool_backward,
       .global_avgpool_forward = em_global_avgpool_forward,
       .global_avgpool_backward = em_global_avgpool_backward,
+      .batchnorm_forward_train = em_batchnorm_forward_train,
+      .batchnorm_forward_infer = em_batchnorm_forward_infer,
+      .batchnorm_backward = em_batchnorm_backward,
       .dense_forward = em_dense_forward,
       .dense_backward = em_dense_backward,
       .relu_forward = em_relu_forward,

@@ -9,7 +9,10 @@
  * ps-export reads it, or a `ps-worker --save-params` file), runs the
  * model's forward pass without dropout on the cpu reference backend over
  * the job's test split, and writes DIR/input.npy (N, C, H, W),
- * DIR/labels.npy (N) and DIR/probs.npy (N, classes), float32.
+ * DIR/labels.npy (N) and DIR/probs.npy (N, classes), float32. batchnorm
+ * runs as at inference (batchnorm_forward_infer, the moving mean and
+ * variance), what ONNX's BatchNormalization and Keras's predict compute;
+ * a conv2d or dense without a bias adds zeros.
  *
  * The forward pass is the worker's layer by layer (worker/model.c's
  * forward_layer with training off) through the same ops table, since the
@@ -93,6 +96,7 @@ typedef struct {
   float **out;      /* per layer: (BATCH, out_c*out_h*out_w) */
   int32_t **argmax; /* per maxpool layer: as out */
   float *work;
+  float *zeros; /* the bias of the layers without one: the kernels always add one */
 } forward_pass;
 
 static ps_conv_shape conv_shape(const ps_layer *L, int n) {
@@ -117,6 +121,7 @@ static void forward_free(forward_pass *f) {
   free(f->out);
   free(f->argmax);
   ps_free(f->work);
+  ps_free(f->zeros);
 }
 
 /* 0, or -1 when out of memory (f freed). */
@@ -125,9 +130,11 @@ static int forward_init(forward_pass *f, ps_ops *ops, const ps_model_spec *spec)
   f->out = calloc((size_t)spec->n_layers, sizeof *f->out);
   f->argmax = calloc((size_t)spec->n_layers, sizeof *f->argmax);
   int ok = f->out && f->argmax;
-  size_t work = 1;
+  size_t work = 1, zeros = 1;
   for (int i = 0; ok && i < spec->n_layers; i++) {
     const ps_layer *L = &spec->layers[i];
+    if (L->type == PS_LAYER_CONV2D && (size_t)L->filters > zeros) zeros = (size_t)L->filters;
+    if (L->type == PS_LAYER_DENSE && (size_t)L->units > zeros) zeros = (size_t)L->units;
     const size_t n_out = (size_t)L->out_c * L->out_h * L->out_w * BATCH;
     ok = (f->out[i] = ps_alloc(n_out * sizeof(float))) != NULL;
     if (ok && L->type == PS_LAYER_MAXPOOL)
@@ -139,6 +146,8 @@ static int forward_init(forward_pass *f, ps_ops *ops, const ps_model_spec *spec)
     }
   }
   if (ok) ok = (f->work = ps_alloc(work * sizeof(float))) != NULL;
+  if (ok) ok = (f->zeros = ps_alloc(zeros * sizeof(float))) != NULL;
+  if (ok) memset(f->zeros, 0, zeros * sizeof(float));
   if (!ok) forward_free(f);
   return ok ? 0 : -1;
 }
@@ -156,10 +165,11 @@ static float forward_run(forward_pass *f, const float *params, const float *x, c
     const float *in = L->inputs[0] < 0 ? x : outs[L->inputs[0]];
     float *out = f->out[i];
     outs[i] = out;
+    const float *bias = L->b_count ? params + L->b_off : f->zeros;
     switch (L->type) {
       case PS_LAYER_CONV2D: {
         ps_conv_shape cs = conv_shape(L, n);
-        ops->conv2d_forward(ops->ctx, &cs, in, params + L->w_off, params + L->b_off, out, f->work);
+        ops->conv2d_forward(ops->ctx, &cs, in, params + L->w_off, bias, out, f->work);
         break;
       }
       case PS_LAYER_MAXPOOL: {
@@ -189,8 +199,17 @@ static float forward_run(forward_pass *f, const float *params, const float *x, c
         break;
       case PS_LAYER_DENSE:
         ops->dense_forward(ops->ctx, n, L->in_c * L->in_h * L->in_w, L->units, in,
-                           params + L->w_off, params + L->b_off, out);
+                           params + L->w_off, bias, out);
         break;
+      case PS_LAYER_BATCHNORM: {
+        /* Channels of (C, H, W); after dense or flatten the features, each
+         * its own channel (H = W = 1). */
+        const float *moving = params + L->s_off;
+        ops->batchnorm_forward_infer(ops->ctx, n, L->in_c, L->in_h * L->in_w, L->epsilon, in,
+                                     params + L->w_off, params + L->b_off, moving,
+                                     moving + L->in_c, out);
+        break;
+      }
       case PS_LAYER_RELU: ops->relu_forward(ops->ctx, n_out, in, out); break;
       case PS_LAYER_DROPOUT: ops->copy(ops->ctx, out, in, n_out * sizeof(float)); break;
       case PS_LAYER_ADD:

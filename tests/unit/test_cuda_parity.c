@@ -28,6 +28,9 @@
  *    exp, whose error grows with |x| (about 2 + 1.2|x| ulp, 1e-5 at
  *    |x| = 80); tiny probabilities may be flushed to zero. The loss (our own
  *    kernel, accurate expf, double sums): rtol 1e-5, atol 1e-7.
+ *  - Batch normalization: statistics and their gradient sums rtol 1e-6,
+ *    y and dx rtol 1e-5 (see test_batchnorm); a CNN step with it as
+ *    test_avg_cnn_step (test_bn_cnn_step).
  *  - End to end: see test_cnn_trajectory.
  *  - tf32 and bf16 (ps_ops.set_precision, when the device has the tensor
  *    cores): convolutions and dense layers again, with the inputs of each
@@ -537,6 +540,130 @@ static void test_dense(void) {
     for (int off = 0; off < 2; off++) dense_one(&dense_cases[i], off);
 }
 
+/* ---- batch normalization ----
+ *
+ * Both sides sum each channel's n*hw values in double (the CPU in order,
+ * the CUDA kernels in a fixed tree), so the statistics agree to the last
+ * bit or two: mean, var, invstd, dgamma and dbeta within rtol 1e-6 (atol
+ * 1e-6 of the array's largest, for a mean or a sum near zero by
+ * cancellation). y and dx are then the same float formulas: with equal
+ * statistics equal, unless the host's compiler fuses a multiply-add
+ * (-march=native); an ulp of a statistic moves an element by about an ulp
+ * of the largest term: atol 1e-5 of max|want|, rtol 1e-5. A wrong channel
+ * or stride is O(1). backward and infer are given the reference's
+ * statistics, so that each op is checked on its own. */
+
+typedef struct {
+  int n, c, hw;
+  float eps;
+  float lo, hi; /* x in [lo, hi) */
+} bn_case;
+
+static const bn_case bn_cases[] = {
+    {2, 3, 49, 1e-3f, -1, 1},    /* after a 7x7 conv, odd channel count */
+    {1, 5, 7, 1e-3f, 2, 4},      /* one example: statistics over hw only; mean far from 0 */
+    {64, 128, 1, 1e-3f, -1, 1},  /* after dense: hw = 1 */
+    {7, 33, 1, 1e-5f, -3, 1},    /* dense, odd sizes, the smallest epsilon */
+    {1, 4, 1, 1e-3f, -1, 1},     /* m = 1: var 0, xhat 0, y = beta, dx = 0 */
+    {2500, 3, 1, 1e-3f, -1, 1},  /* more examples than a block has threads */
+    {3, 2, 1500, 1e-3f, -2, 2},  /* a plane larger than a block */
+    {32, 32, 196, 1e-3f, -1, 1}, /* 14x14 planes at batch 32 */
+    {4, 16, 1024, 1e-5f, 0, 1},  /* 32x32 planes: m = 4096 per channel */
+    {0, 3, 5, 1e-3f, -1, 1},     /* an empty batch: statistics 0, 0, 1/sqrt(eps); no y */
+};
+
+static void bn_one(const bn_case *k) {
+  const int n = k->n, c = k->c, hw = k->hw;
+  char what[128];
+  const size_t nx = (size_t)n * c * hw, nc = (size_t)c, fl = sizeof(float);
+  float *x = uniform_floats(nx, k->lo, k->hi), *dy = uniform_floats(nx, -1, 1);
+  /* Channel 0 constant where it has values: var 0 exactly, xhat 0. */
+  if (c > 1)
+    for (int i = 0; i < n; i++)
+      for (int j = 0; j < hw; j++) x[(size_t)i * c * hw + j] = 0.75f;
+  float *gamma = uniform_floats(nc, 0.5f, 1.5f), *beta = uniform_floats(nc, -0.5f, 0.5f);
+  float *mmean = uniform_floats(nc, -0.5f, 0.5f), *mvar = uniform_floats(nc, 0.0f, 2.0f);
+
+  float *y_ref = nan_floats(nx), *mean_ref = nan_floats(nc), *var_ref = nan_floats(nc),
+        *is_ref = nan_floats(nc), *yi_ref = nan_floats(nx), *dx_ref = nan_floats(nx),
+        *dg_ref = nan_floats(nc), *db_ref = nan_floats(nc);
+  ps_ops *r = ref.ops;
+  r->batchnorm_forward_train(r->ctx, n, c, hw, k->eps, x, gamma, beta, y_ref, mean_ref, var_ref,
+                             is_ref);
+  r->batchnorm_forward_infer(r->ctx, n, c, hw, k->eps, x, gamma, beta, mmean, mvar, yi_ref);
+  r->batchnorm_backward(r->ctx, n, c, hw, x, dy, gamma, mean_ref, is_ref, dx_ref, dg_ref, db_ref);
+
+  ps_ops *o = dut.ops;
+  float *d_x = s_upload(&dut, x, nx * fl), *d_dy = s_upload(&dut, dy, nx * fl);
+  float *d_gamma = s_upload(&dut, gamma, nc * fl), *d_beta = s_upload(&dut, beta, nc * fl);
+  float *d_mmean = s_upload(&dut, mmean, nc * fl), *d_mvar = s_upload(&dut, mvar, nc * fl);
+  float *d_mean_ref = s_upload(&dut, mean_ref, nc * fl),
+        *d_is_ref = s_upload(&dut, is_ref, nc * fl);
+  float *d_y = s_nans(&dut, nx), *d_mean = s_nans(&dut, nc), *d_var = s_nans(&dut, nc),
+        *d_is = s_nans(&dut, nc), *d_yi = s_nans(&dut, nx), *d_dx = s_nans(&dut, nx),
+        *d_dg = s_nans(&dut, nc), *d_db = s_nans(&dut, nc), *d_y2 = s_nans(&dut, nx),
+        *d_dg2 = s_nans(&dut, nc), *d_db2 = s_nans(&dut, nc);
+  o->batchnorm_forward_train(o->ctx, n, c, hw, k->eps, d_x, d_gamma, d_beta, d_y, d_mean, d_var,
+                             d_is);
+  o->batchnorm_forward_infer(o->ctx, n, c, hw, k->eps, d_x, d_gamma, d_beta, d_mmean, d_mvar, d_yi);
+  o->batchnorm_backward(o->ctx, n, c, hw, d_x, d_dy, d_gamma, d_mean_ref, d_is_ref, d_dx, d_dg,
+                        d_db);
+  /* Again: forward into another y (the same bits: a fixed order), and
+   * backward without dx (the same dgamma, dbeta). */
+  o->batchnorm_forward_train(o->ctx, n, c, hw, k->eps, d_x, d_gamma, d_beta, d_y2, d_mean, d_var,
+                             d_is);
+  o->batchnorm_backward(o->ctx, n, c, hw, d_x, d_dy, d_gamma, d_mean_ref, d_is_ref, NULL, d_dg2,
+                        d_db2);
+  float *y = s_fetch(&dut, d_y, nx * fl), *mean = s_fetch(&dut, d_mean, nc * fl);
+  float *var = s_fetch(&dut, d_var, nc * fl), *is = s_fetch(&dut, d_is, nc * fl);
+  float *yi = s_fetch(&dut, d_yi, nx * fl), *dx = s_fetch(&dut, d_dx, nx * fl);
+  float *dg = s_fetch(&dut, d_dg, nc * fl), *db = s_fetch(&dut, d_db, nc * fl);
+  float *y2 = s_fetch(&dut, d_y2, nx * fl), *dg2 = s_fetch(&dut, d_dg2, nc * fl);
+  float *db2 = s_fetch(&dut, d_db2, nc * fl);
+
+#define BN_WHAT(name)                                                                              \
+  (snprintf(what, sizeof what, "batchnorm %s n%d c%d hw%d eps%g", name, n, c, hw, (double)k->eps), \
+   what)
+  check_scaled(BN_WHAT("mean"), mean, mean_ref, nc, 1e-6, 1e-6);
+  check_scaled(BN_WHAT("var"), var, var_ref, nc, 1e-6, 1e-6);
+  check_close(BN_WHAT("invstd"), is, is_ref, nc, 0.0, 1e-6);
+  check_scaled(BN_WHAT("y"), y, y_ref, nx, 1e-5, 1e-5);
+  check_scaled(BN_WHAT("y infer"), yi, yi_ref, nx, 1e-5, 1e-5);
+  check_scaled(BN_WHAT("dgamma"), dg, dg_ref, nc, 1e-6, 1e-6);
+  check_scaled(BN_WHAT("dbeta"), db, db_ref, nc, 1e-6, 1e-6);
+  check_scaled(BN_WHAT("dx"), dx, dx_ref, nx, 1e-5, 1e-5);
+  check_bits(BN_WHAT("y again"), y2, y, nx);
+  check_bits(BN_WHAT("dgamma without dx"), dg2, dg, nc);
+  check_bits(BN_WHAT("dbeta without dx"), db2, db, nc);
+  /* The contract itself, beyond agreeing with the reference: a biased
+   * variance (m = 1 and a constant channel give 0, not NaN or inf), and
+   * invstd from it. */
+  if (n * hw == 1 || n == 0)
+    for (int j = 0; j < c; j++)
+      CHECK_MSG(var[j] == 0.0f, "%s: %g", BN_WHAT("var of m <= 1"), var[j]);
+  if (c > 1 && n > 0)
+    CHECK_MSG(var[0] == 0.0f, "%s: %g", BN_WHAT("var of a constant channel"), var[0]);
+  for (int j = 0; j < c; j++) {
+    const double want = 1.0 / sqrt((double)var[j] + (double)k->eps);
+    CHECK_MSG(fabs(is[j] - want) <= 1e-6 * want, "%s: channel %d: %.9g, want %.9g",
+              BN_WHAT("invstd of var"), j, (double)is[j], want);
+  }
+#undef BN_WHAT
+
+  float *hosts[] = {x,      dy,     gamma,  beta,   mmean,  mvar, y_ref, mean_ref, var_ref,
+                    is_ref, yi_ref, dx_ref, dg_ref, db_ref, y,    mean,  var,      is,
+                    yi,     dx,     dg,     db,     y2,     dg2,  db2};
+  for (size_t i = 0; i < sizeof hosts / sizeof hosts[0]; i++) free(hosts[i]);
+  float *devs[] = {d_x,      d_dy, d_gamma, d_beta, d_mmean, d_mvar, d_mean_ref,
+                   d_is_ref, d_y,  d_mean,  d_var,  d_is,    d_yi,   d_dx,
+                   d_dg,     d_db, d_y2,    d_dg2,  d_db2};
+  for (size_t i = 0; i < sizeof devs / sizeof devs[0]; i++) s_free(&dut, devs[i]);
+}
+
+static void test_batchnorm(void) {
+  for (size_t i = 0; i < sizeof bn_cases / sizeof bn_cases[0]; i++) bn_one(&bn_cases[i]);
+}
+
 /* ---- relu ---- */
 
 static void test_relu(void) {
@@ -916,6 +1043,10 @@ typedef struct {
   float *out[PS_MAX_LAYERS], *mask[PS_MAX_LAYERS];
   const float *in[PS_MAX_LAYERS]; /* each layer's input, set by the forward pass */
   int32_t *argmax[PS_MAX_LAYERS];
+  float *bn[PS_MAX_LAYERS]; /* batchnorm: the batch's mean, var, invstd (3 x C) */
+  /* conv2d and dense without a bias (b_count 0): a zero bias, and a place
+   * for its gradient that nobody reads (as worker/model.c) */
+  float *zero_bias, *db_sink;
   ps_conv_shape conv[PS_MAX_LAYERS];
   ps_pool_shape pool[PS_MAX_LAYERS];
 } net;
@@ -927,7 +1058,7 @@ static void net_init(net *m, const side *sd, const ps_model_spec *spec, int batc
   memset(m, 0, sizeof *m);
   m->sd = sd, m->spec = spec, m->batch = batch;
   ps_ops *o = sd->ops;
-  size_t work = 0, largest = (size_t)spec->in_c * spec->in_h * spec->in_w;
+  size_t work = 0, largest = (size_t)spec->in_c * spec->in_h * spec->in_w, no_bias = 1;
   for (int i = 0; i < spec->n_layers; i++) {
     const ps_layer *L = &spec->layers[i];
     const size_t n_out = out_size(L) * (size_t)batch;
@@ -946,11 +1077,21 @@ static void net_init(net *m, const side *sd, const ps_model_spec *spec, int batc
       if (L->type == PS_LAYER_MAXPOOL) m->argmax[i] = s_alloc(sd, n_out * sizeof(int32_t));
     } else if (L->type == PS_LAYER_DROPOUT) {
       m->mask[i] = s_alloc(sd, n_out * sizeof(float));
+    } else if (L->type == PS_LAYER_BATCHNORM) {
+      m->bn[i] = s_alloc(sd, 3 * (size_t)L->in_c * sizeof(float));
     }
+    if ((L->type == PS_LAYER_CONV2D || L->type == PS_LAYER_DENSE) && L->b_count == 0 &&
+        (size_t)L->out_c > no_bias)
+      no_bias = (size_t)L->out_c;
     if (L->type != PS_LAYER_FLATTEN && L->type != PS_LAYER_SOFTMAX_XENT)
       m->out[i] = s_alloc(sd, n_out * sizeof(float));
   }
   m->work = s_alloc(sd, work * sizeof(float));
+  float *zeros = host_alloc(no_bias * sizeof(float));
+  memset(zeros, 0, no_bias * sizeof(float));
+  m->zero_bias = s_upload(sd, zeros, no_bias * sizeof(float));
+  m->db_sink = s_alloc(sd, no_bias * sizeof(float));
+  free(zeros);
   m->ga = s_alloc(sd, largest * (size_t)batch * sizeof(float));
   m->gb = s_alloc(sd, largest * (size_t)batch * sizeof(float));
   m->probs = s_alloc(sd, (size_t)spec->classes * batch * sizeof(float));
@@ -965,9 +1106,21 @@ static void net_free(net *m) {
     if (m->out[i]) s_free(m->sd, m->out[i]);
     if (m->mask[i]) s_free(m->sd, m->mask[i]);
     if (m->argmax[i]) s_free(m->sd, m->argmax[i]);
+    if (m->bn[i]) s_free(m->sd, m->bn[i]);
   }
-  void *bufs[] = {m->work, m->ga, m->gb, m->probs, m->params, m->grads, m->x, m->y};
+  void *bufs[] = {m->work,  m->ga, m->gb, m->probs,     m->params,
+                  m->grads, m->x,  m->y,  m->zero_bias, m->db_sink};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) s_free(m->sd, bufs[i]);
+}
+
+/* Layer L's bias in params (the zero one when it has none), and where its
+ * bias gradient goes in grads. */
+static const float *net_bias(const net *m, const ps_layer *L, const float *p) {
+  return L->b_count ? p + L->b_off : m->zero_bias;
+}
+
+static float *net_bias_grad(const net *m, const ps_layer *L, float *g) {
+  return L->b_count ? g + L->b_off : m->db_sink;
 }
 
 /* One training step on the host's params, batch and labels: the mean loss,
@@ -988,7 +1141,7 @@ static float net_step(net *m, const float *params_host, const float *x_host,
     m->in[i] = act;
     switch (L->type) {
       case PS_LAYER_CONV2D:
-        o->conv2d_forward(o->ctx, &m->conv[i], act, p + L->w_off, p + L->b_off, m->out[i],
+        o->conv2d_forward(o->ctx, &m->conv[i], act, p + L->w_off, net_bias(m, L, p), m->out[i],
                           m->work);
         break;
       case PS_LAYER_MAXPOOL:
@@ -999,9 +1152,16 @@ static float net_step(net *m, const float *params_host, const float *x_host,
         o->global_avgpool_forward(o->ctx, n, L->in_c, L->in_h, L->in_w, act, m->out[i]);
         break;
       case PS_LAYER_DENSE:
-        o->dense_forward(o->ctx, n, (int)in_size(L), L->units, act, p + L->w_off, p + L->b_off,
+        o->dense_forward(o->ctx, n, (int)in_size(L), L->units, act, p + L->w_off, net_bias(m, L, p),
                          m->out[i]);
         break;
+      case PS_LAYER_BATCHNORM: { /* training: the batch's statistics, kept for backward */
+        const int c = L->in_c;
+        o->batchnorm_forward_train(o->ctx, n, c, L->in_h * L->in_w, L->epsilon, act, p + L->w_off,
+                                   p + L->b_off, m->out[i], m->bn[i], m->bn[i] + c,
+                                   m->bn[i] + 2 * c);
+        break;
+      }
       case PS_LAYER_RELU:
         o->relu_forward(o->ctx, n_out, act, m->out[i]);
         break;
@@ -1030,7 +1190,7 @@ static float net_step(net *m, const float *params_host, const float *x_host,
     switch (L->type) {
       case PS_LAYER_CONV2D:
         o->conv2d_backward(o->ctx, &m->conv[i], m->in[i], p + L->w_off, dy, dxp, g + L->w_off,
-                           g + L->b_off, m->work);
+                           net_bias_grad(m, L, g), m->work);
         break;
       case PS_LAYER_MAXPOOL:
         if (dxp) o->maxpool_backward(o->ctx, &m->pool[i], dy, m->argmax[i], dxp);
@@ -1043,8 +1203,17 @@ static float net_step(net *m, const float *params_host, const float *x_host,
         break;
       case PS_LAYER_DENSE:
         o->dense_backward(o->ctx, n, (int)in_size(L), L->units, m->in[i], p + L->w_off, dy, dxp,
-                          g + L->w_off, g + L->b_off);
+                          g + L->w_off, net_bias_grad(m, L, g));
         break;
+      case PS_LAYER_BATCHNORM: {
+        const int c = L->in_c;
+        o->batchnorm_backward(o->ctx, n, c, L->in_h * L->in_w, m->in[i], dy, p + L->w_off, m->bn[i],
+                              m->bn[i] + 2 * c, dxp, g + L->w_off, g + L->b_off);
+        /* The moving statistics' places carry the batch's mean and
+         * variance, as the worker pushes them. */
+        o->copy(o->ctx, g + L->s_off, m->bn[i], 2 * (size_t)c * sizeof(float));
+        break;
+      }
       case PS_LAYER_RELU:
         if (dxp) o->relu_backward(o->ctx, n_out, m->out[i], dy, dxp);
         break;
@@ -1210,6 +1379,73 @@ static void test_avg_cnn_step(void) {
   free(params), free(x), free(y), free(grads[0]), free(grads[1]);
 }
 
+/* A CNN with batch normalization after convolutions and a dense layer
+ * without biases: one training step on both sides from the same parameters
+ * and batch, checked as test_avg_cnn_step (loss rtol 1e-5; each gradient,
+ * gamma's and beta's too, within 1e-3 relative L2), and the batch
+ * statistics each side puts in the moving statistics' places (means and
+ * variances of the layers' inputs, which carry the convolutions' ~1e-6
+ * differences) within 1e-4 relative L2. Average pooling again, so that no
+ * tie is broken differently. */
+static const char *BN_CNN_JSON =
+    "{\"input\": [1, 28, 28], \"classes\": 10, \"layers\": ["
+    "{\"type\": \"conv2d\", \"filters\": 8, \"kernel\": 3, \"padding\": \"same\", "
+    "\"bias\": false},"
+    "{\"type\": \"batchnorm\"}, {\"type\": \"relu\"}, {\"type\": \"avgpool\", \"size\": 2},"
+    "{\"type\": \"conv2d\", \"filters\": 12, \"kernel\": 3, \"stride\": 2, \"bias\": false},"
+    "{\"type\": \"batchnorm\", \"epsilon\": 1e-5}, {\"type\": \"relu\"},"
+    "{\"type\": \"flatten\"}, {\"type\": \"dense\", \"units\": 24, \"bias\": false},"
+    "{\"type\": \"batchnorm\", \"momentum\": 0.9}, {\"type\": \"relu\"},"
+    "{\"type\": \"dense\", \"units\": 10}, {\"type\": \"softmax_xent\"}]}";
+
+static void test_bn_cnn_step(void) {
+  ps_model_spec spec;
+  char err[PS_ERRLEN];
+  if (ps_model_spec_parse(BN_CNN_JSON, &spec, err) != 0) {
+    CHECK_MSG(0, "spec: %s", err);
+    return;
+  }
+  const size_t P = spec.n_params, in = (size_t)28 * 28;
+  float *params = host_alloc(P * sizeof(float));
+  ps_model_init_params(&spec, 9, 0, P, params);
+  /* gamma and beta away from their initial 1 and 0, so that a mix-up of
+   * the two (or of channels) shows. */
+  for (int i = 0; i < spec.n_layers; i++) {
+    const ps_layer *L = &spec.layers[i];
+    if (L->type != PS_LAYER_BATCHNORM) continue;
+    for (size_t j = 0; j < L->w_count; j++) params[L->w_off + j] = 0.5f + (float)rand_unit();
+    for (size_t j = 0; j < L->b_count; j++) params[L->b_off + j] = (float)rand_unit() - 0.5f;
+  }
+  float *x = host_alloc((size_t)CNN_BATCH * in * sizeof(float));
+  uint8_t *y = host_alloc(CNN_BATCH);
+  cnn_data(x, y, CNN_BATCH);
+  const side *sides[2] = {&ref, &dut};
+  float loss[2], *grads[2];
+  for (int s = 0; s < 2; s++) {
+    net m;
+    net_init(&m, sides[s], &spec, CNN_BATCH);
+    grads[s] = host_alloc(P * sizeof(float));
+    loss[s] = net_step(&m, params, x, y, 3, 0, grads[s]);
+    net_free(&m);
+  }
+  const double rel = fabs((double)loss[1] - loss[0]) / fabs((double)loss[0]);
+  CHECK_MSG(isfinite(loss[1]) && rel <= 1e-5, "batchnorm CNN: loss %.9g vs %.9g", (double)loss[1],
+            (double)loss[0]);
+  for (int i = 0; i < spec.n_layers; i++) {
+    const ps_layer *L = &spec.layers[i];
+    if (!L->w_count) continue;
+    const double ew = rel_l2(grads[1] + L->w_off, grads[0] + L->w_off, L->w_count);
+    const double eb = rel_l2(grads[1] + L->b_off, grads[0] + L->b_off, L->b_count);
+    CHECK_MSG(ew <= 1e-3 && eb <= 1e-3, "batchnorm CNN %s: gradients differ: w %.3g, b %.3g",
+              L->name, ew, eb);
+    if (L->type == PS_LAYER_BATCHNORM) {
+      const double es = rel_l2(grads[1] + L->s_off, grads[0] + L->s_off, L->s_count);
+      CHECK_MSG(es <= 1e-4, "batchnorm CNN %s: batch statistics differ: %.3g", L->name, es);
+    }
+  }
+  free(params), free(x), free(y), free(grads[0]), free(grads[1]);
+}
+
 int main(void) {
   char why[128] = "";
   const int devices = ps_cuda_device_count(why);
@@ -1241,12 +1477,14 @@ int main(void) {
   RUN(test_maxpool);
   RUN(test_avgpool);
   RUN(test_dense);
+  RUN(test_batchnorm);
   RUN(test_softmax_xent);
   RUN(test_conv2d);
   RUN(test_conv2d_empty_batch);
   if (dut.on_device) RUN(test_memory_helpers);
   RUN(test_cnn_trajectory);
   RUN(test_avg_cnn_step);
+  RUN(test_bn_cnn_step);
 
   /* tf32 and bf16, where the device has them: the sums of products again. */
   for (int p = PS_PRECISION_TF32; p <= PS_PRECISION_BF16; p++) {
@@ -1263,6 +1501,7 @@ int main(void) {
     printf("precision %s:\n", ps_precision_name(precision));
     RUN(test_dense);
     RUN(test_conv2d);
+    RUN(test_batchnorm); /* stays float32: the same tolerances */
   }
   if (precision != PS_PRECISION_FP32) {
     char err[PS_ERRLEN] = "";

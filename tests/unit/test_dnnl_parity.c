@@ -14,7 +14,9 @@
  *    ps_rng_uniform itself, output, gradient), scale, max pooling (y, the
  *    int32 argmax, dx: comparisons, and the same adds in the same order per
  *    plane), average pooling (the same sums in the same order per lane),
- *    the softmax (the reference's arithmetic).
+ *    batch normalization (both run ps_bn_host_*, whose per-channel sums
+ *    are in double in the same order for every block), the softmax (the
+ *    reference's arithmetic).
  *  - Convolution and dense: the same products summed in another order
  *    (oneDNN blocks the reductions over channels, taps and examples
  *    differently from im2col + sgemm; dense layers are sgemm on other
@@ -495,6 +497,225 @@ static void test_avgpool(void) {
       avgpool_one(&pool_cases[i], in_backend);
       global_avgpool_one(&pool_cases[i], in_backend);
     }
+}
+
+/* ---- batch normalization ----
+ *
+ * Bit for bit: both backends run ps_bn_host_* (kernels/ops_common.c), whose
+ * sums are in double over each channel's values in the same order (i, then
+ * j) whatever the channel block, and whose float arithmetic per element is
+ * the same expression; the oneDNN backend only picks the block (the one x
+ * is held in; for hw 1, where every block is NCHW's bytes, the widest that
+ * divides c) and which thread takes which block. So there is no rounding
+ * to allow: any difference is a layout or indexing mistake. In backend
+ * memory x and dy are written by an identity convolution (blocked when the
+ * channels allow) and the reference runs on the values read back. */
+
+typedef struct {
+  int n, c, h, w;
+} bn_case;
+
+static const bn_case bn_cases[] = {
+    {4, 16, 7, 5},    /* blocked: 16 on AVX-512, 8 on AVX2 */
+    {3, 8, 6, 6},     /* one block of 8 */
+    {2, 12, 5, 5},    /* channels not a multiple of 8: NCHW */
+    {1, 24, 4, 3},    /* batch 1, blocks of 8 only */
+    {64, 32, 14, 14}, /* blocked, large enough for the team to split */
+    {8, 20, 30, 30},  /* NCHW, split */
+    {37, 100, 1, 1},  /* hw 1 (after dense): blocks of 10 over NCHW */
+    {64, 128, 1, 1},  /* hw 1, channels in blocks of 16 */
+    {1, 7, 1, 1},     /* batch 1 and hw 1: one value per channel, variance 0 */
+    {5, 13, 1, 1},    /* hw 1, a prime channel count: NCHW */
+};
+
+/* The reference's outputs on x and dy: train (y, mean, var, invstd),
+ * infer from the given moving statistics (yi), backward from train's
+ * statistics (dx, dgamma, dbeta). */
+typedef struct {
+  float *y, *mean, *var, *invstd, *yi, *dx, *dg, *db;
+} bn_out;
+
+static void bn_ref(int n, int c, int hw, float eps, const float *x, const float *dy,
+                   const float *gamma, const float *beta, const float *mmean, const float *mvar,
+                   bn_out *o) {
+  const size_t nx = (size_t)n * c * hw;
+  o->y = nan_floats(nx), o->yi = nan_floats(nx), o->dx = nan_floats(nx);
+  o->mean = nan_floats(c), o->var = nan_floats(c), o->invstd = nan_floats(c);
+  o->dg = nan_floats(c), o->db = nan_floats(c);
+  ref->batchnorm_forward_train(ref->ctx, n, c, hw, eps, x, gamma, beta, o->y, o->mean, o->var,
+                               o->invstd);
+  ref->batchnorm_forward_infer(ref->ctx, n, c, hw, eps, x, gamma, beta, mmean, mvar, o->yi);
+  ref->batchnorm_backward(ref->ctx, n, c, hw, x, dy, gamma, o->mean, o->invstd, o->dx, o->dg,
+                          o->db);
+}
+
+static void bn_out_free(bn_out *o) {
+  free(o->y), free(o->mean), free(o->var), free(o->invstd);
+  free(o->yi), free(o->dx), free(o->dg), free(o->db);
+}
+
+/* Whether the backend buffer p (nx floats) is held blocked: its bytes as
+ * they are differ from the NCHW ones to_host delivers. */
+static int dut_held_blocked(const float *p, size_t nx) {
+  float *plain = dut_fetch(p, nx);
+  const int differ = memcmp(plain, p, nx * sizeof(float)) != 0;
+  free(plain);
+  return differ;
+}
+
+static void bn_one(const bn_case *k) {
+  const int n = k->n, c = k->c, h = k->h, w = k->w, hw = h * w;
+  const size_t nx = (size_t)n * c * hw;
+  const float eps = 1e-3f;
+  char what[160];
+  /* A mean away from 0, and scales that are not 1. */
+  float *x0 = uniform_floats(nx, -1, 3), *dy0 = uniform_floats(nx, -1, 1);
+  float *gamma = uniform_floats(c, 0.5f, 1.5f), *beta = uniform_floats(c, -1, 1);
+  float *mmean = uniform_floats(c, -0.5f, 1.5f), *mvar = uniform_floats(c, 0.5f, 2);
+  /* Held blocked in backend memory (a convolution's output of c channels,
+   * hw > 1: with hw 1 every layout has NCHW's bytes). */
+  const int blocked = c % 8 == 0 && hw > 1;
+#define BN_WHAT(name, where) \
+  (snprintf(what, sizeof what, "batchnorm %s n%d c%d %dx%d%s", name, n, c, h, w, where), what)
+
+  /* Host arrays: NCHW in and out. */
+  bn_out want;
+  bn_ref(n, c, hw, eps, x0, dy0, gamma, beta, mmean, mvar, &want);
+  {
+    bn_out got;
+    got.y = nan_floats(nx), got.yi = nan_floats(nx), got.dx = nan_floats(nx);
+    got.mean = nan_floats(c), got.var = nan_floats(c), got.invstd = nan_floats(c);
+    got.dg = nan_floats(c), got.db = nan_floats(c);
+    dut->batchnorm_forward_train(dut->ctx, n, c, hw, eps, x0, gamma, beta, got.y, got.mean, got.var,
+                                 got.invstd);
+    dut->batchnorm_forward_infer(dut->ctx, n, c, hw, eps, x0, gamma, beta, mmean, mvar, got.yi);
+    dut->batchnorm_backward(dut->ctx, n, c, hw, x0, dy0, gamma, want.mean, want.invstd, got.dx,
+                            got.dg, got.db);
+    check_bits(BN_WHAT("train y", ""), got.y, want.y, nx);
+    check_bits(BN_WHAT("train mean", ""), got.mean, want.mean, c);
+    check_bits(BN_WHAT("train var", ""), got.var, want.var, c);
+    check_bits(BN_WHAT("train invstd", ""), got.invstd, want.invstd, c);
+    check_bits(BN_WHAT("infer y", ""), got.yi, want.yi, nx);
+    check_bits(BN_WHAT("dx", ""), got.dx, want.dx, nx);
+    check_bits(BN_WHAT("dgamma", ""), got.dg, want.dg, c);
+    check_bits(BN_WHAT("dbeta", ""), got.db, want.db, c);
+    /* Without dx: the same parameter gradients. */
+    float *dg2 = nan_floats(c), *db2 = nan_floats(c);
+    dut->batchnorm_backward(dut->ctx, n, c, hw, x0, dy0, gamma, want.mean, want.invstd, NULL, dg2,
+                            db2);
+    check_bits(BN_WHAT("dgamma without dx", ""), dg2, want.dg, c);
+    check_bits(BN_WHAT("dbeta without dx", ""), db2, want.db, c);
+    free(dg2), free(db2);
+    bn_out_free(&got);
+  }
+  bn_out_free(&want);
+
+  /* The backend's buffers: x and dy blocked where the channels allow, the
+   * statistics in one buffer (as a layer's state vector), and the reference
+   * on the values read back. */
+  float *d_x = dut_identity(x0, n, c, h, w), *d_dy = dut_identity(dy0, n, c, h, w);
+  float *x = dut_fetch(d_x, nx), *dy = dut_fetch(d_dy, nx);
+  bn_ref(n, c, hw, eps, x, dy, gamma, beta, mmean, mvar, &want);
+  CHECK_MSG(dut_held_blocked(d_x, nx) == blocked, "%s",
+            BN_WHAT(blocked ? "x not blocked" : "x blocked", ""));
+  const char *mem = " in backend memory";
+  float *d_y = dut_nans(nx), *d_stats = dut_nans(3 * (size_t)c);
+  dut->batchnorm_forward_train(dut->ctx, n, c, hw, eps, d_x, gamma, beta, d_y, d_stats, d_stats + c,
+                               d_stats + 2 * (size_t)c);
+  float *y = dut_fetch(d_y, nx), *stats = dut_fetch(d_stats, 3 * (size_t)c);
+  check_bits(BN_WHAT("train y", mem), y, want.y, nx);
+  check_bits(BN_WHAT("train mean", mem), stats, want.mean, c);
+  check_bits(BN_WHAT("train var", mem), stats + c, want.var, c);
+  check_bits(BN_WHAT("train invstd", mem), stats + 2 * (size_t)c, want.invstd, c);
+  CHECK_MSG(dut_held_blocked(d_y, nx) == blocked, "%s", BN_WHAT("y not in x's layout", mem));
+  /* y keeps x's (n, c, h, w), so that a pooling after it reads it as it
+   * is: a 1x1 average pooling (exact) leaves y blocked and gives its bits. */
+  ps_pool_shape ps = {.n = n, .c = c, .h = h, .w = w, .size = 1, .stride = 1};
+  ps_pool_shape_finish(&ps);
+  float *d_p = dut_nans(nx);
+  dut->avgpool_forward(dut->ctx, &ps, d_y, d_p);
+  float *pooled = dut_fetch(d_p, nx);
+  check_bits(BN_WHAT("y read by the next op", mem), pooled, want.y, nx);
+  CHECK_MSG(dut_held_blocked(d_y, nx) == blocked, "%s", BN_WHAT("y made NCHW by the next op", mem));
+
+  float *d_yi = dut_nans(nx);
+  dut->batchnorm_forward_infer(dut->ctx, n, c, hw, eps, d_x, gamma, beta, mmean, mvar, d_yi);
+  float *yi = dut_fetch(d_yi, nx);
+  check_bits(BN_WHAT("infer y", mem), yi, want.yi, nx);
+  CHECK_MSG(dut_held_blocked(d_yi, nx) == blocked, "%s", BN_WHAT("infer y not in x's layout", mem));
+
+  /* Backward from dy held as x is, from a plain dy (as dense's dx
+   * arrives), without dx, and into host memory. */
+  float *d_dx = dut_nans(nx), *d_dy_plain = dut_upload(dy, nx), *d_dx2 = dut_nans(nx);
+  float *dg = nan_floats(c), *db = nan_floats(c);
+  dut->batchnorm_backward(dut->ctx, n, c, hw, d_x, d_dy, gamma, want.mean, want.invstd, d_dx, dg,
+                          db);
+  float *dx = dut_fetch(d_dx, nx);
+  check_bits(BN_WHAT("dx", mem), dx, want.dx, nx);
+  check_bits(BN_WHAT("dgamma", mem), dg, want.dg, c);
+  check_bits(BN_WHAT("dbeta", mem), db, want.db, c);
+  CHECK_MSG(dut_held_blocked(d_dx, nx) == blocked, "%s", BN_WHAT("dx not in x's layout", mem));
+  float *dg2 = nan_floats(c), *db2 = nan_floats(c);
+  dut->batchnorm_backward(dut->ctx, n, c, hw, d_x, d_dy_plain, gamma, want.mean, want.invstd, d_dx2,
+                          dg2, db2);
+  float *dx2 = dut_fetch(d_dx2, nx);
+  check_bits(BN_WHAT("dx from plain dy", mem), dx2, want.dx, nx);
+  check_bits(BN_WHAT("dgamma from plain dy", mem), dg2, want.dg, c);
+  check_bits(BN_WHAT("dbeta from plain dy", mem), db2, want.db, c);
+  float *dg3 = nan_floats(c), *db3 = nan_floats(c);
+  dut->batchnorm_backward(dut->ctx, n, c, hw, d_x, d_dy, gamma, want.mean, want.invstd, NULL, dg3,
+                          db3);
+  check_bits(BN_WHAT("dgamma without dx", mem), dg3, want.dg, c);
+  check_bits(BN_WHAT("dbeta without dx", mem), db3, want.db, c);
+  float *dx3 = nan_floats(nx), *dg4 = nan_floats(c), *db4 = nan_floats(c);
+  dut->batchnorm_backward(dut->ctx, n, c, hw, d_x, d_dy, gamma, want.mean, want.invstd, dx3, dg4,
+                          db4);
+  check_bits(BN_WHAT("dx into host memory", mem), dx3, want.dx, nx);
+  check_bits(BN_WHAT("dgamma with dx in host memory", mem), dg4, want.dg, c);
+  CHECK_MSG(dut_held_blocked(d_x, nx) == blocked, "%s",
+            BN_WHAT("x changed layout in backward", mem));
+
+  /* Last (x is made NCHW for it): y into host memory. */
+  float *y2 = nan_floats(nx), *st2 = nan_floats(3 * (size_t)c);
+  dut->batchnorm_forward_train(dut->ctx, n, c, hw, eps, d_x, gamma, beta, y2, st2, st2 + c,
+                               st2 + 2 * (size_t)c);
+  check_bits(BN_WHAT("train y into host memory", mem), y2, want.y, nx);
+  check_bits(BN_WHAT("train statistics, y in host memory", mem), st2, stats, 3 * (size_t)c);
+  float *x2 = dut_fetch(d_x, nx);
+  check_bits(BN_WHAT("x after y into host memory", mem), x2, x, nx);
+#undef BN_WHAT
+  float *hosts[] = {x0, dy0, gamma, beta, mmean, mvar, x,   dy,  y,   stats, pooled, yi,  dg,
+                    db, dx,  dg2,   db2,  dx2,   dg3,  db3, dx3, dg4, db4,   y2,     st2, x2};
+  for (size_t i = 0; i < sizeof hosts / sizeof hosts[0]; i++) free(hosts[i]);
+  float *devs[] = {d_x, d_dy, d_y, d_stats, d_p, d_yi, d_dx, d_dy_plain, d_dx2};
+  for (size_t i = 0; i < sizeof devs / sizeof devs[0]; i++) dut->free(dut->ctx, devs[i]);
+  bn_out_free(&want);
+}
+
+/* An empty batch: the reference's statistics (mean and variance 0) and
+ * zero gradients, nothing else written. */
+static void test_batchnorm_empty_batch(void) {
+  const int c = 16;
+  float *gamma = uniform_floats(c, 0.5f, 1.5f), *beta = uniform_floats(c, -1, 1);
+  float *any = nan_floats(1);
+  float *st_ref = nan_floats(3 * c), *st = nan_floats(3 * c);
+  float *g_ref = nan_floats(2 * c), *g = nan_floats(2 * c);
+  ref->batchnorm_forward_train(ref->ctx, 0, c, 9, 1e-3f, any, gamma, beta, any, st_ref, st_ref + c,
+                               st_ref + 2 * c);
+  dut->batchnorm_forward_train(dut->ctx, 0, c, 9, 1e-3f, any, gamma, beta, any, st, st + c,
+                               st + 2 * c);
+  check_bits("batchnorm n0: statistics", st, st_ref, 3 * c);
+  dut->batchnorm_forward_infer(dut->ctx, 0, c, 9, 1e-3f, any, gamma, beta, st, st + c, any);
+  ref->batchnorm_backward(ref->ctx, 0, c, 9, any, any, gamma, st_ref, st_ref + 2 * c, any, g_ref,
+                          g_ref + c);
+  dut->batchnorm_backward(dut->ctx, 0, c, 9, any, any, gamma, st, st + 2 * c, any, g, g + c);
+  check_bits("batchnorm n0: gradients", g, g_ref, 2 * c);
+  CHECK(isnan(any[0]));
+  free(gamma), free(beta), free(any), free(st_ref), free(st), free(g_ref), free(g);
+}
+
+static void test_batchnorm(void) {
+  for (size_t i = 0; i < sizeof bn_cases / sizeof bn_cases[0]; i++) bn_one(&bn_cases[i]);
 }
 
 /* ---- dense ---- */
@@ -1133,6 +1354,8 @@ int main(void) {
     RUN(test_softmax_xent);
     RUN(test_maxpool);
     RUN(test_avgpool);
+    RUN(test_batchnorm);
+    RUN(test_batchnorm_empty_batch);
     RUN(test_dense);
     RUN(test_conv2d);
     RUN(test_conv2d_empty_batch);

@@ -6,7 +6,10 @@
  * a conv or a global pooling after a dense layer, no Dropout), initializers
  * holding the parameters' bytes at the layout's offsets; residual models'
  * Add nodes reading earlier layers' tensors by name (a 2-D and a 4-D input
- * made 4-D, three inputs summed left to right); and refusals that
+ * made 4-D, three inputs summed left to right); batchnorm as
+ * BatchNormalization (epsilon, momentum; gamma, beta, moving mean and
+ * variance as initializers) on 4-D and 2-D tensors, and conv2d and dense
+ * without a bias as Conv and Gemm of two inputs; and refusals that
  * leave nothing behind: a layer type without an ONNX form, a directory as
  * the path, a missing directory. */
 #include <dirent.h>
@@ -339,6 +342,116 @@ static void test_residual_graph(void) {
   free(params);
 }
 
+/* Float attribute name of n is want. */
+static int float_is(const Onnx__NodeProto *n, const char *name, float want) {
+  const Onnx__AttributeProto *a = attr(n, name);
+  return a && a->type == ONNX__ATTRIBUTE_PROTO__ATTRIBUTE_TYPE__FLOAT && a->has_f && a->f == want;
+}
+
+/* Batch normalization after a bias-less conv (4-D), after a global
+ * pooling ((N, C, 1, 1)), after a bias-less dense layer (2-D) and after a
+ * flatten (2-D, a feature per channel); nothing reshapes around it. */
+static const char *k_bn_model =
+    "{\"input\": [2, 6, 6], \"classes\": 3, \"layers\": ["
+    "{\"type\": \"conv2d\", \"filters\": 4, \"kernel\": 3, \"padding\": \"same\", "
+    "\"bias\": false},"
+    "{\"type\": \"batchnorm\", \"momentum\": 0.9, \"epsilon\": 0.0001},"
+    "{\"type\": \"relu\"},"
+    "{\"type\": \"maxpool\", \"size\": 2},"
+    "{\"type\": \"flatten\"},"
+    "{\"type\": \"batchnorm\"},"
+    "{\"type\": \"dense\", \"units\": 5, \"bias\": false},"
+    "{\"type\": \"batchnorm\", \"name\": \"bn_dense\"},"
+    "{\"type\": \"conv2d\", \"filters\": 3, \"kernel\": 1, \"padding\": \"valid\"},"
+    "{\"type\": \"global_avgpool\"},"
+    "{\"type\": \"batchnorm\", \"epsilon\": 0.5},"
+    "{\"type\": \"dense\", \"units\": 3},"
+    "{\"type\": \"softmax_xent\"}]}";
+
+static void test_batchnorm_graph(void) {
+  ps_model_spec spec;
+  char err[PS_ERRLEN] = "";
+  CHECK_MSG(ps_model_spec_parse(k_bn_model, &spec, err) == 0, "%s", err);
+  float *params = malloc(spec.n_params * sizeof(float));
+  for (size_t i = 0; i < spec.n_params; i++) params[i] = (float)i * 0.01f - 0.5f;
+  char path[128];
+  snprintf(path, sizeof path, "%s/bn.onnx", g_dir);
+  CHECK_MSG(ps_onnx_check_spec(&spec, err) == 0, "%s", err);
+  CHECK_MSG(ps_onnx_export(&spec, params, NULL, path, NULL, err) == 0, "%s", err);
+  Onnx__ModelProto *m = read_model(path);
+  CHECK(m != NULL);
+  if (!m) {
+    free(params);
+    return;
+  }
+  const Onnx__GraphProto *g = m->graph;
+  static const char *const ops[] = {
+      "Conv",      "BatchNormalization", "Relu", "MaxPool",           "Flatten",
+      "BatchNormalization", "Gemm",      "BatchNormalization", "Unsqueeze",
+      "Conv",      "GlobalAveragePool",  "BatchNormalization", "Flatten", "Gemm", "Softmax"};
+  const size_t n_ops = sizeof ops / sizeof ops[0];
+  CHECK_MSG(g->n_node == n_ops, "%zu nodes", g->n_node);
+  for (size_t i = 0; i < g->n_node && i < n_ops; i++)
+    CHECK_MSG(!strcmp(g->node[i]->op_type, ops[i]), "node %zu is %s, not %s", i,
+              g->node[i]->op_type, ops[i]);
+  for (size_t i = 1; i < g->n_node; i++)
+    CHECK_MSG(!strcmp(g->node[i]->input[0], g->node[i - 1]->output[0]), "node %zu's input", i);
+  const ps_layer *L = spec.layers;
+  if (g->n_node == n_ops) {
+    /* Bias-less Conv and Gemm: no B, no C; the others keep theirs. */
+    CHECK(g->node[0]->n_input == 2 && !strcmp(g->node[0]->input[1], "conv2d_0.w"));
+    CHECK(g->node[6]->n_input == 2 && !strcmp(g->node[6]->input[1], "dense_0.w"));
+    CHECK(int_is(g->node[6], "transB", 1));
+    CHECK(g->node[9]->n_input == 3 && !strcmp(g->node[9]->input[2], "conv2d_1.b"));
+    CHECK(g->node[13]->n_input == 3 && !strcmp(g->node[13]->input[2], "dense_1.b"));
+    CHECK(!init_named(g, "conv2d_0.b") && !init_named(g, "dense_0.b"));
+    static const struct {
+      int node;
+      const char *name;
+      float epsilon, momentum;
+    } bns[] = {{1, "batchnorm_0", 1e-4f, 0.9f},
+               {5, "batchnorm_1", 1e-3f, 0.99f},
+               {7, "bn_dense", 1e-3f, 0.99f},
+               {11, "batchnorm_3", 0.5f, 0.99f}};
+    for (size_t b = 0; b < sizeof bns / sizeof bns[0]; b++) {
+      const Onnx__NodeProto *n = g->node[bns[b].node];
+      CHECK_MSG(!strcmp(n->name, bns[b].name) && !strcmp(n->output[0], bns[b].name), "%s",
+                n->name);
+      CHECK_MSG(float_is(n, "epsilon", bns[b].epsilon) && float_is(n, "momentum", bns[b].momentum),
+                "%s: epsilon or momentum", n->name);
+      static const char *const what[4] = {"gamma", "beta", "moving_mean", "moving_variance"};
+      CHECK(n->n_input == 5);
+      for (size_t k = 0; k < 4 && n->n_input == 5; k++) {
+        char want[64];
+        snprintf(want, sizeof want, "%s.%s", bns[b].name, what[k]);
+        CHECK_MSG(!strcmp(n->input[1 + k], want), "%s input %zu: %s", n->name, 1 + k,
+                  n->input[1 + k]);
+      }
+    }
+  }
+  /* Each batchnorm's four vectors at the layout's offsets. */
+  static const int bn_layers[] = {1, 5, 7, 10};
+  for (size_t b = 0; b < sizeof bn_layers / sizeof bn_layers[0]; b++) {
+    const ps_layer *B = &L[bn_layers[b]];
+    const size_t c = B->w_count;
+    const int64_t dims[1] = {(int64_t)c};
+    char name[64];
+    snprintf(name, sizeof name, "%s.gamma", B->name);
+    check_param(g, name, params, B->w_off, c, dims, 1);
+    snprintf(name, sizeof name, "%s.beta", B->name);
+    check_param(g, name, params, B->b_off, c, dims, 1);
+    snprintf(name, sizeof name, "%s.moving_mean", B->name);
+    check_param(g, name, params, B->s_off, c, dims, 1);
+    snprintf(name, sizeof name, "%s.moving_variance", B->name);
+    check_param(g, name, params, B->s_off + c, c, dims, 1);
+  }
+  /* The flatten's 4*3*3 features are its batchnorm's channels. */
+  CHECK(L[5].w_count == 36 && L[10].w_count == 3);
+  onnx__model_proto__free_unpacked(m, NULL);
+  unlink(path);
+  free(params);
+}
+
 static void test_refusals(void) {
   ps_model_spec spec;
   char err[PS_ERRLEN] = "", path[128];
@@ -385,6 +498,7 @@ int main(void) {
   RUN(test_graph);
   RUN(test_pooling_graph);
   RUN(test_residual_graph);
+  RUN(test_batchnorm_graph);
   RUN(test_refusals);
   char path[128];
   snprintf(path, sizeof path, "%s/model.onnx", g_dir);

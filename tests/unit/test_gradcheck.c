@@ -20,7 +20,12 @@
  * eps = 0.01 gives a truncation error eps^2 * |L'''| / 6 and a rounding
  * error of the float loss 2^-24 * L / (2 eps), both ~1e-5 (measured). THR
  * is 50x or more above all of them, while a wrong index or a missing term
- * is an error of order 0.1 to 1. */
+ * is an error of order 0.1 to 1. Batchnorm is not linear in x (every x of
+ * a channel moves its mean and variance, so all the channel's outputs):
+ * eps = 0.01 keeps the truncation error (eps^2 times a third derivative of
+ * order 1 for inputs of spread ~0.6) and the rounding of the channel's
+ * outputs (2^-24 * sqrt(m) / (2 eps)) both near 1e-5. */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,6 +39,7 @@
 #define THR 1e-3
 #define EPS_LINEAR 0.1f /* conv, dense, dropout, average pooling */
 #define EPS_KINK 0.01f  /* relu, maxpool, softmax */
+#define EPS_BN 0.01f    /* batchnorm's x (gamma and beta are linear: EPS_LINEAR) */
 
 static ps_ops *ops;
 
@@ -253,6 +259,81 @@ static void test_avgpool(void) {
   check_global_avgpool(3, 2, 1, 1);
 }
 
+/* ---- batch normalization ---- */
+
+typedef struct {
+  int n, c, hw;
+  float eps;
+  float *x, *gamma, *beta, *y, *r, *mean, *var, *invstd;
+} bn_layer;
+
+static double bn_loss(void *p) {
+  bn_layer *l = p;
+  ops->batchnorm_forward_train(ops->ctx, l->n, l->c, l->hw, l->eps, l->x, l->gamma, l->beta, l->y,
+                               l->mean, l->var, l->invstd);
+  return dot(l->y, l->r, (size_t)l->n * l->c * l->hw);
+}
+
+static void check_batchnorm(int n, int c, int hw, float eps) {
+  bn_layer l = {.n = n, .c = c, .hw = hw, .eps = eps};
+  const size_t xn = (size_t)n * c * hw;
+  l.x = alloc_uniform(xn, -1, 1), l.r = alloc_uniform(xn, -1, 1);
+  l.gamma = alloc_uniform(c, 0.5f, 1.5f), l.beta = alloc_uniform(c, -1, 1);
+  l.y = malloc(xn * sizeof(float));
+  l.mean = malloc(c * sizeof(float)), l.var = malloc(c * sizeof(float));
+  l.invstd = malloc(c * sizeof(float));
+  float *dx = malloc(xn * sizeof(float)), *dg = malloc(c * sizeof(float));
+  float *db = malloc(c * sizeof(float)), *y2 = malloc(xn * sizeof(float));
+  bn_loss(&l);
+  ops->batchnorm_backward(ops->ctx, n, c, hw, l.x, l.r, l.gamma, l.mean, l.invstd, dx, dg, db);
+
+  char what[100];
+  int len = snprintf(what, sizeof what, "batchnorm n=%d c=%d hw=%d", n, c, hw);
+  /* The statistics are the batch's: mean and biased variance. */
+  double worst = 0;
+  for (int k = 0; k < c; k++) {
+    double s = 0, q = 0;
+    for (int i = 0; i < n; i++)
+      for (int j = 0; j < hw; j++) s += l.x[((size_t)i * c + k) * hw + j];
+    const double mu = s / ((double)n * hw);
+    for (int i = 0; i < n; i++)
+      for (int j = 0; j < hw; j++) {
+        const double d = l.x[((size_t)i * c + k) * hw + j] - mu;
+        q += d * d;
+      }
+    const double v = q / ((double)n * hw);
+    worst = fmax(worst, fabs(l.mean[k] - mu) + fabs(l.var[k] - v) +
+                            fabs(l.invstd[k] - 1.0 / sqrt(v + eps)) / (1.0 / sqrt(v + eps)));
+  }
+  CHECK_MSG(worst < 1e-6, "%s: batch mean, variance and invstd off by %g", what, worst);
+  /* Inference from the batch's own statistics gives the training output. */
+  ops->batchnorm_forward_infer(ops->ctx, n, c, hw, eps, l.x, l.gamma, l.beta, l.mean, l.var, y2);
+  double dmax = 0;
+  for (size_t i = 0; i < xn; i++) dmax = fmax(dmax, fabs((double)y2[i] - l.y[i]));
+  CHECK_MSG(dmax < 1e-5, "%s: inference with the batch's statistics differs by %g", what, dmax);
+  snprintf(what + len, sizeof what - len, ": dx");
+  gradcheck(what, l.x, xn, dx, bn_loss, &l, EPS_BN);
+  snprintf(what + len, sizeof what - len, ": dgamma");
+  gradcheck(what, l.gamma, c, dg, bn_loss, &l, EPS_LINEAR);
+  snprintf(what + len, sizeof what - len, ": dbeta");
+  gradcheck(what, l.beta, c, db, bn_loss, &l, EPS_LINEAR);
+  /* dx NULL: the parameters' gradients alone, the same. */
+  float *dg2 = malloc(c * sizeof(float)), *db2 = malloc(c * sizeof(float));
+  ops->batchnorm_backward(ops->ctx, n, c, hw, l.x, l.r, l.gamma, l.mean, l.invstd, NULL, dg2,
+                          db2);
+  CHECK_MSG(memcmp(dg, dg2, c * sizeof(float)) == 0 && memcmp(db, db2, c * sizeof(float)) == 0,
+            "batchnorm n=%d c=%d hw=%d: dgamma/dbeta differ when dx is NULL", n, c, hw);
+  free(l.x), free(l.r), free(l.gamma), free(l.beta), free(l.y), free(l.mean), free(l.var);
+  free(l.invstd), free(dx), free(dg), free(db), free(y2), free(dg2), free(db2);
+}
+
+static void test_batchnorm(void) {
+  check_batchnorm(4, 3, 10, 1e-3f);  /* after a convolution */
+  check_batchnorm(16, 5, 1, 1e-3f);  /* after dense: hw = 1 */
+  check_batchnorm(2, 16, 9, 1e-5f);  /* 16 channels, the smallest epsilon */
+  check_batchnorm(1, 2, 12, 0.1f);   /* one example: the plane alone */
+}
+
 /* ---- dense ---- */
 
 typedef struct {
@@ -371,6 +452,7 @@ static void run_all(const char *name, backend_create create, int threads) {
   RUN(test_maxpool);
   RUN(test_avgpool);
   RUN(test_dense);
+  RUN(test_batchnorm);
   RUN(test_relu);
   RUN(test_dropout);
   RUN(test_softmax_xent);

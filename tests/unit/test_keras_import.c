@@ -96,6 +96,89 @@ static void check_residual(const char *prefix) {
   json_decref(spec);
 }
 
+/* The spec's layer called name. */
+static json_t *layer_named(json_t *spec, const char *name) {
+  size_t i;
+  json_t *l;
+  json_array_foreach(json_object_get(spec, "layers"), i, l) {
+    const char *n = json_string_value(json_object_get(l, "name"));
+    if (n && !strcmp(n, name)) return l;
+  }
+  return NULL;
+}
+
+/* Layer name is a batchnorm with this momentum and epsilon (as floats:
+ * the spec keeps them so). */
+static int is_batchnorm(json_t *spec, const char *name, double momentum, double epsilon) {
+  json_t *l = layer_named(spec, name);
+  return l && !strcmp(json_string_value(json_object_get(l, "type")), "batchnorm") &&
+         (float)json_number_value(json_object_get(l, "momentum")) == (float)momentum &&
+         (float)json_number_value(json_object_get(l, "epsilon")) == (float)epsilon;
+}
+
+/* Batch normalization: bias-less Conv2D and Dense layers say "bias":
+ * false; BatchNormalization becomes batchnorm with Keras's momentum and
+ * epsilon, after a convolution, a Flatten, a global pooling and a Dense
+ * layer, and in a residual block. Keras's parameter counts include the
+ * moving mean and variance, as P does. */
+static void check_batchnorm_fixtures(const char *prefix) {
+  char name[64], err[PS_ERRLEN], notes[512], desc[1024];
+  json_t *spec;
+  snprintf(name, sizeof name, "%s_conv_bn.json", prefix);
+  spec = import_file(name, notes, sizeof notes, err);
+  CHECK_MSG(spec != NULL, "%s: %s", name, err);
+  if (spec) {
+    CHECK(describe(spec, desc, sizeof desc) == 0);
+    /* Keras: 216 + 32 + 4608 + 64 + 85 = 5005. */
+    CHECK_MSG(!strcmp(desc, "conv2d(8,3x3,nobias) batchnorm relu maxpool(2) flatten "
+                            "dense(16,nobias) batchnorm relu dense(5) softmax_xent(5) P=5005"),
+              "%s: %s", name, desc);
+    CHECK(json_is_false(json_object_get(layer_named(spec, "conv"), "bias")));
+    CHECK(json_is_false(json_object_get(layer_named(spec, "fc"), "bias")));
+    CHECK(json_object_get(layer_named(spec, "out"), "bias") == NULL);
+    CHECK_MSG(is_batchnorm(spec, "conv_bn", 0.9, 1e-5), "%s: conv_bn", name);
+    CHECK_MSG(is_batchnorm(spec, "fc_bn", 0.99, 1e-3), "%s: fc_bn", name);
+    json_decref(spec);
+  }
+  snprintf(name, sizeof name, "%s_dense_bn.json", prefix);
+  spec = import_file(name, notes, sizeof notes, err);
+  CHECK_MSG(spec != NULL, "%s: %s", name, err);
+  if (spec) {
+    CHECK(describe(spec, desc, sizeof desc) == 0);
+    /* Keras: 16 + 60 + 48 + 39 = 163. */
+    CHECK_MSG(!strcmp(desc, "global_avgpool batchnorm dense(12) batchnorm relu dense(3) "
+                            "softmax_xent(3) P=163"),
+              "%s: %s", name, desc);
+    CHECK(is_batchnorm(spec, "pool_bn", 0.99, 1e-3) && is_batchnorm(spec, "hidden_bn", 0.99, 1e-3));
+    json_decref(spec);
+  }
+  snprintf(name, sizeof name, "%s_resblock_bn.json", prefix);
+  spec = import_file(name, notes, sizeof notes, err);
+  CHECK_MSG(spec != NULL, "%s: %s", name, err);
+  if (spec) {
+    CHECK(describe(spec, desc, sizeof desc) == 0);
+    /* Keras: 216 + 32 + 1152 + 64 + 128 + 2304 + 64 + 64 + 170 = 4194;
+     * the branch and the shortcut are interleaved as Keras lists them. */
+    CHECK_MSG(!strcmp(desc, "conv2d(8,3x3,nobias) batchnorm relu conv2d(16,3x3,nobias) batchnorm "
+                            "relu conv2d(16,1x1,nobias)<-stem_relu conv2d(16,3x3,nobias)<-b1_relu "
+                            "batchnorm<-proj batchnorm<-b2 add(proj_bn,b2_bn) relu global_avgpool "
+                            "dense(10) softmax_xent(10) P=4194"),
+              "%s: %s", name, desc);
+    json_decref(spec);
+  }
+  snprintf(name, sizeof name, "%s_residual_bn.json", prefix);
+  spec = import_file(name, notes, sizeof notes, err);
+  CHECK_MSG(spec != NULL, "%s: %s", name, err);
+  if (spec) {
+    CHECK(describe(spec, desc, sizeof desc) == 0);
+    /* Keras: 432 + 64 + 2320 + 170 = 2986. */
+    CHECK_MSG(strstr(desc, "conv2d(16,3x3,nobias) batchnorm relu conv2d(16,3x3) relu add(") &&
+                  strstr(desc, "global_avgpool dense(10) softmax_xent(10) P=2986"),
+              "%s: %s", name, desc);
+    json_decref(spec);
+  }
+}
+
 static void check_refused(const char *file, const char *want1, const char *want2) {
   char err[PS_ERRLEN] = "", notes[256];
   json_t *spec = import_file(file, notes, sizeof notes, err);
@@ -119,8 +202,10 @@ static void check_fixtures(void) {
     check_refused(f, "(Dense)", "activation 'sigmoid'");
     snprintf(f, sizeof f, "%s_uneven_same.json", p);
     check_refused(f, "(Conv2D)", "pads 0 before and 1 after");
-    snprintf(f, sizeof f, "%s_residual_bn.json", p);
-    check_refused(f, "(Conv2D)", "use_bias false");
+    check_batchnorm_fixtures(p);
+    snprintf(f, sizeof f, "%s_bn_axis.json", p);
+    check_refused(f, "(BatchNormalization): axis 1 of a 4-D",
+                  "only the channel axis (-1 or 3) is supported");
   }
 }
 
@@ -176,6 +261,33 @@ static void check_edges(void) {
               desc);
     json_decref(s);
   }
+  /* Bias-less Conv2D and Dense layers; BatchNormalization with tf_keras's
+   * axis list and Keras 3's int, after a convolution and after a Flatten. */
+  s = seq_with("{\"class_name\": \"Conv2D\", \"config\": {\"name\": \"c\", \"filters\": 4, "
+               "\"kernel_size\": [3, 3], \"padding\": \"same\", \"use_bias\": false}}, "
+               "{\"class_name\": \"BatchNormalization\", \"config\": {\"name\": \"b\", "
+               "\"axis\": [3], \"momentum\": 0.5, \"epsilon\": 0.01, \"center\": true, "
+               "\"scale\": true, \"gamma_regularizer\": null}}, "
+               "{\"class_name\": \"Flatten\", \"config\": {\"name\": \"f\"}}, "
+               "{\"class_name\": \"BatchNormalization\", \"config\": {\"name\": \"fb\", "
+               "\"axis\": -1}}, "
+               "{\"class_name\": \"Dense\", \"config\": {\"name\": \"d\", \"units\": 3, "
+               "\"use_bias\": false}}",
+               err);
+  CHECK_MSG(s != NULL, "%s", err);
+  if (s) {
+    CHECK(describe(s, desc, sizeof desc) == 0);
+    /* conv 72, batchnorms 4*4 and 4*256, dense 768 */
+    CHECK_MSG(!strcmp(desc, "conv2d(4,3x3,nobias) batchnorm flatten batchnorm dense(3,nobias) "
+                            "softmax_xent(3) P=1880"),
+              "%s", desc);
+    CHECK(is_batchnorm(s, "b", 0.5, 0.01) && is_batchnorm(s, "fb", 0.99, 0.001));
+    json_decref(s);
+  }
+#define BN(cfg)                                                                         \
+  "{\"class_name\": \"Conv2D\", \"config\": {\"name\": \"c\", \"filters\": 4, "              \
+  "\"kernel_size\": [3, 3]}}, {\"class_name\": \"BatchNormalization\", \"config\": {\"name\": " \
+  "\"bn\"" cfg "}}, " DENSE_OUT
   /* Each refusal names the layer and the reason. */
   struct {
     const char *layers, *want;
@@ -191,9 +303,6 @@ static void check_edges(void) {
       {"{\"class_name\": \"Conv2D\", \"config\": {\"name\": \"c\", \"filters\": 4, "
        "\"kernel_size\": [2, 2], \"padding\": \"same\"}}, " DENSE_OUT,
        "pads 0 before and 1 after"},
-      {"{\"class_name\": \"Conv2D\", \"config\": {\"name\": \"c\", \"filters\": 4, "
-       "\"kernel_size\": [3, 3], \"use_bias\": false}}, " DENSE_OUT,
-       "use_bias false"},
       {"{\"class_name\": \"Conv2D\", \"config\": {\"name\": \"c\", \"filters\": 4, "
        "\"kernel_size\": [3, 3], \"kernel_regularizer\": {\"class_name\": \"L2\"}}}, " DENSE_OUT,
        "kernel_regularizer is set"},
@@ -219,6 +328,27 @@ static void check_edges(void) {
       {"{\"class_name\": \"Dense\", \"config\": {\"name\": \"d\", \"units\": 3, \"trainable\": "
        "false}}",
        "frozen"},
+      /* BatchNormalization the spec cannot hold. */
+      {BN(", \"axis\": 2"), "layer 'bn' (BatchNormalization): axis 2 of a 4-D"},
+      {BN(", \"axis\": [1, 2]"), "'axis' is not one integer"},
+      {DENSE_OUT ", {\"class_name\": \"BatchNormalization\", \"config\": {\"name\": \"bn\"}}",
+       "after the softmax"},
+      {"{\"class_name\": \"Flatten\", \"config\": {\"name\": \"f\"}}, {\"class_name\": "
+       "\"Dense\", \"config\": {\"name\": \"d\", \"units\": 3}}, {\"class_name\": "
+       "\"BatchNormalization\", \"config\": {\"name\": \"bn\"}}",
+       "ends with 'bn' (BatchNormalization): it must end with a Dense layer"},
+      {"{\"class_name\": \"Flatten\", \"config\": {\"name\": \"f\"}}, {\"class_name\": "
+       "\"BatchNormalization\", \"config\": {\"name\": \"bn\", \"axis\": 3}}, " DENSE_OUT,
+       "axis 3 of a 2-D (batch, features) input: only the channel axis (-1 or 1)"},
+      {BN(", \"scale\": false"), "layer 'bn' (BatchNormalization): scale false (no gamma)"},
+      {BN(", \"center\": false"), "layer 'bn' (BatchNormalization): center false (no beta)"},
+      {BN(", \"epsilon\": 1e-6"), "layer 'bn' (BatchNormalization): epsilon 1e-06 is below 1e-05"},
+      {BN(", \"epsilon\": 0"), "'epsilon' is not a number in (0, 1]"},
+      {BN(", \"momentum\": 1.0"), "'momentum' is not a number in [0, 1)"},
+      {BN(", \"renorm\": true"), "renorm true (batch renormalization): not supported"},
+      {BN(", \"virtual_batch_size\": 8"), "virtual_batch_size is set"},
+      {BN(", \"gamma_regularizer\": {\"class_name\": \"L2\"}"), "gamma_regularizer is set"},
+      {BN(", \"trainable\": false"), "layer 'bn' (BatchNormalization): trainable false"},
   };
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     err[0] = '\0';
@@ -347,9 +477,103 @@ static void check_weights(void) {
   free(spec);
 }
 
+/* Bias-less layers take their kernel alone; BatchNormalization's gamma,
+ * beta, moving_mean and moving_variance go to w, b and the two halves of
+ * s, reordered from (h, w, c) to (c, h, w) after a Flatten like a Dense
+ * layer's inputs. A negative moving variance, a missing array and a job
+ * whose epsilon differs are refused, naming the layer. */
+static void check_batchnorm_weights(void) {
+  const char *model =
+      "{\"class_name\": \"Sequential\", \"config\": {\"layers\": ["
+      "{\"class_name\": \"InputLayer\", \"config\": {\"batch_input_shape\": [null, 2, 3, 1]}},"
+      "{\"class_name\": \"Conv2D\", \"config\": {\"name\": \"c\", \"filters\": 2, "
+      "\"kernel_size\": [1, 1], \"use_bias\": false}},"
+      "{\"class_name\": \"BatchNormalization\", \"config\": {\"name\": \"cb\", \"axis\": [3]}},"
+      "{\"class_name\": \"Flatten\", \"config\": {}},"
+      "{\"class_name\": \"BatchNormalization\", \"config\": {\"name\": \"fb\", "
+      "\"epsilon\": 0.01}},"
+      "{\"class_name\": \"Dense\", \"config\": {\"name\": \"d\", \"units\": 2, "
+      "\"use_bias\": false, \"activation\": \"softmax\"}}]}}";
+  char err[PS_ERRLEN] = "";
+  void *specv = NULL;
+  ps_model_spec *spec = calloc(1, sizeof *spec);
+  CHECK(ps_keras_to_spec(model, &specv, NULL, 0, err) == 0);
+  CHECK_MSG(ps_model_spec_from_json(specv, spec, err) == 0, "%s", err);
+  json_decref(specv);
+  /* conv 2, cb 4*2, fb 4*12, dense 12*2 */
+  CHECK_MSG(spec->n_params == 82, "P=%zu", spec->n_params);
+  const ps_layer *c = &spec->layers[0], *cb = &spec->layers[1], *fb = &spec->layers[3],
+                 *d = &spec->layers[4];
+  CHECK(c->b_count == 0 && cb->type == PS_LAYER_BATCHNORM && fb->type == PS_LAYER_BATCHNORM &&
+        d->b_count == 0 && fb->w_count == 12);
+  float kc[2] = {3, 4}, cg[2] = {1.5f, 2.5f}, cbeta[2] = {-1, 1}, cm[2] = {0.25f, -0.25f},
+        cv[2] = {2, 0.5f}, fg[12], fbeta[12], fm[12], fv[12], kd[24];
+  for (int i = 0; i < 12; i++) {
+    /* Keras feature i of the 2x3x2 (h, w, c) flattening */
+    fg[i] = 100.0f + (float)i;
+    fbeta[i] = 200.0f + (float)i;
+    fm[i] = 300.0f + (float)i;
+    fv[i] = 400.0f + (float)i;
+  }
+  for (int i = 0; i < 24; i++) kd[i] = (float)i;
+  ps_keras_tensor t[10] = {{kc, 4, {1, 1, 1, 2}}, {cg, 1, {2}},  {cbeta, 1, {2}}, {cm, 1, {2}},
+                           {cv, 1, {2}},          {fg, 1, {12}}, {fbeta, 1, {12}}, {fm, 1, {12}},
+                           {fv, 1, {12}},         {kd, 2, {12, 2}}};
+  float *params = calloc(spec->n_params, sizeof(float));
+  int rc = ps_keras_weights(model, spec, t, 10, params, err);
+  CHECK_MSG(rc == 0, "%s", err);
+  CHECK(params[c->w_off] == 3.0f && params[c->w_off + 1] == 4.0f);
+  CHECK(params[cb->w_off + 1] == 2.5f && params[cb->b_off] == -1.0f);
+  CHECK(params[cb->s_off] == 0.25f && params[cb->s_off + 1] == -0.25f);
+  CHECK(params[cb->s_off + 2] == 2.0f && params[cb->s_off + 3] == 0.5f);
+  /* Our feature 7 is (c=1, h=0, w=1): Keras's (0*3 + 1)*2 + 1 = 3. */
+  CHECK(params[fb->w_off + 7] == 103.0f && params[fb->b_off + 7] == 203.0f);
+  CHECK(params[fb->s_off + 7] == 303.0f && params[fb->s_off + 12 + 7] == 403.0f);
+  /* Our feature 2 is (c=0, h=0, w=2): Keras's 4. */
+  CHECK(params[fb->s_off + 12 + 2] == 404.0f);
+  CHECK(params[d->w_off + 1 * 12 + 7] == kd[3 * 2 + 1]);
+  CHECK(spec->layers[3].epsilon == 0.01f);
+  /* Refusals. */
+  CHECK(ps_keras_weights(model, spec, t, 9, params, err) == PS_EINVAL &&
+        strstr(err, "9 weight arrays for a model with 4 layers with weights: 10 wanted") &&
+        strstr(err, "moving_variance per BatchNormalization"));
+  cv[1] = -0.5f;
+  CHECK(ps_keras_weights(model, spec, t, 10, params, err) == PS_EINVAL);
+  CHECK_MSG(strstr(err, "array 4, the moving_variance of 'cb', holds -0.5 at 1: a variance "
+                        "cannot be negative"),
+            "%s", err);
+  cv[1] = 0.5f;
+  ps_keras_tensor bad[10];
+  memcpy(bad, t, sizeof bad);
+  bad[7].shape[0] = 11;
+  CHECK(ps_keras_weights(model, spec, bad, 10, params, err) == PS_EINVAL);
+  CHECK_MSG(strstr(err, "array 7 (11,) is not the moving_mean (12,) of 'fb'"), "%s", err);
+  memcpy(bad, t, sizeof bad);
+  bad[9].shape[1] = 3;
+  CHECK(ps_keras_weights(model, spec, bad, 10, params, err) == PS_EINVAL);
+  CHECK_MSG(strstr(err, "array 9 (12, 3) is not the kernel (12, 2) of 'd' (use_bias false"), "%s",
+            err);
+  /* A job whose batchnorm has another epsilon computes something else. */
+  ps_model_spec *other = malloc(sizeof *other);
+  memcpy(other, spec, sizeof *other);
+  other->layers[3].epsilon = 0.001f;
+  CHECK(ps_keras_weights(model, other, t, 10, params, err) == PS_EINVAL);
+  CHECK_MSG(strstr(err, "'fb', has epsilon 0.001 in the job's model but 0.01 in Keras"), "%s",
+            err);
+  /* ... and one whose conv2d has a bias is another model. */
+  memcpy(other, spec, sizeof *other);
+  other->layers[0].b_count = 2;
+  CHECK(ps_keras_weights(model, other, t, 10, params, err) == PS_EINVAL);
+  CHECK_MSG(strstr(err, "conv2d(2, 1x1, no bias) in Keras but 'c'"), "%s", err);
+  free(other);
+  free(params);
+  free(spec);
+}
+
 int main(void) {
   check_fixtures();
   check_edges();
   check_weights();
+  check_batchnorm_weights();
   return check_summary();
 }

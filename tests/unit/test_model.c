@@ -23,6 +23,9 @@
  *    The residual and branching models check gradients summed over
  *    several consumers (an output read by two layers, through flatten too)
  *    and add with the batch as an input.
+ *    The batchnorm model's loss is the training step's (batch statistics),
+ *    its moving statistics left out (they carry the batch's statistics,
+ *    checked on their own: test_batchnorm_statistics).
  *  - Evaluate: the mean loss and correct count of train_step without
  *    dropout, bit for bit, in one chunk and in several (max_batch < n);
  *    dropout is off in evaluation.
@@ -177,6 +180,27 @@ static int branch_spec(ps_model_spec *spec) {
   return rc;
 }
 
+/* Batch normalization after bias-less convolutions, inside a residual
+ * block, and after a dense layer. */
+static int bn_spec(ps_model_spec *spec) {
+  char err[PS_ERRLEN];
+  int rc = ps_model_spec_parse(
+      "{\"input\": [2, 6, 6], \"classes\": 3, \"layers\": ["
+      "{\"type\": \"conv2d\", \"filters\": 3, \"kernel\": 3, \"padding\": \"same\", "
+      "\"bias\": false},"
+      "{\"type\": \"batchnorm\"}, {\"type\": \"relu\", \"name\": \"stem\"},"
+      "{\"type\": \"conv2d\", \"filters\": 3, \"kernel\": 3, \"padding\": \"same\", "
+      "\"bias\": false},"
+      "{\"type\": \"batchnorm\", \"momentum\": 0.5},"
+      "{\"type\": \"add\", \"inputs\": [\"batchnorm_1\", \"stem\"]},"
+      "{\"type\": \"relu\"}, {\"type\": \"flatten\"}, {\"type\": \"dense\", \"units\": 5},"
+      "{\"type\": \"batchnorm\"}, {\"type\": \"dense\", \"units\": 3},"
+      "{\"type\": \"softmax_xent\"}]}",
+      spec, err);
+  CHECK_MSG(rc == 0, "%s", err);
+  return rc;
+}
+
 static size_t example_size(const ps_model_spec *spec) {
   return (size_t)spec->in_c * spec->in_h * spec->in_w;
 }
@@ -255,18 +279,32 @@ static void gradcheck_spec(const char *what, const ps_model_spec *spec) {
   for (size_t j = 0; j < P; j++) grads[j] = NAN; /* must be overwritten */
   const float loss = ps_model_train_step(m, params, x, y, n, 5, 0, grads, NULL);
   CHECK(isfinite(loss));
+  /* With batchnorm the loss is the training one (the batch's statistics;
+   * evaluation uses the moving ones), and the moving statistics are no
+   * derivatives: the pushed batch statistics, checked elsewhere. */
+  ps_moving_range mr[PS_MAX_MOVING_RANGES];
+  const int n_mr = ps_model_moving_ranges(spec, mr);
+  float *scratch = xalloc(P * sizeof(float));
   size_t outliers = 0;
   double worst = 0.0;
   for (size_t j = 0; j < P; j++) {
+    int moving = 0;
+    for (int r = 0; r < n_mr; r++) moving |= j >= mr[r].off && j < mr[r].off + mr[r].count;
+    if (moving) {
+      numeric[j] = grads[j];
+      continue;
+    }
     double diff = 0.0;
     for (float eps = FD_EPS; eps >= FD_EPS / 9; eps /= 3) {
       const float saved = params[j];
       params[j] = saved + eps;
       const float up = params[j];
-      const double l_up = ps_model_evaluate(m, params, x, y, n, NULL);
+      const double l_up = n_mr ? ps_model_train_step(m, params, x, y, n, 5, 0, scratch, NULL)
+                               : ps_model_evaluate(m, params, x, y, n, NULL);
       params[j] = saved - eps;
       const float down = params[j];
-      const double l_down = ps_model_evaluate(m, params, x, y, n, NULL);
+      const double l_down = n_mr ? ps_model_train_step(m, params, x, y, n, 5, 0, scratch, NULL)
+                                 : ps_model_evaluate(m, params, x, y, n, NULL);
       params[j] = saved;
       numeric[j] = (float)((l_up - l_down) / ((double)up - down));
       diff = fabs((double)numeric[j] - grads[j]);
@@ -282,7 +320,7 @@ static void gradcheck_spec(const char *what, const ps_model_spec *spec) {
   CHECK_MSG(rel <= FD_MAX_REL_L2, "%s: relative L2 %.3g", what, rel);
   CHECK_MSG((double)outliers <= FD_MAX_OUTLIERS * (double)P, "%s: %zu of %zu parameters off", what,
             outliers, P);
-  free(params), free(grads), free(numeric), free(x), free(y);
+  free(params), free(grads), free(numeric), free(x), free(y), free(scratch);
   ps_model_destroy(m);
   ops->destroy(ops);
 }
@@ -306,6 +344,66 @@ static void test_gradient_residual(void) {
   ps_model_spec spec;
   if (res_spec(&spec) == 0) gradcheck_spec("residual model", &spec);
   if (branch_spec(&spec) == 0) gradcheck_spec("branching model", &spec);
+}
+
+static void test_gradient_batchnorm(void) {
+  ps_model_spec spec;
+  if (bn_spec(&spec) == 0) gradcheck_spec("batchnorm model", &spec);
+}
+
+/* A training step writes the batch's mean and (biased) variance where the
+ * moving statistics are; evaluation normalizes with the moving statistics
+ * of the parameters: given the batch's own, it computes the training
+ * step's loss. */
+static void test_batchnorm_statistics(void) {
+  ps_model_spec spec;
+  char err[PS_ERRLEN];
+  int rc = ps_model_spec_parse(
+      "{\"input\": [2, 3, 3], \"classes\": 3, \"layers\": ["
+      "{\"type\": \"batchnorm\"}, {\"type\": \"flatten\"},"
+      "{\"type\": \"dense\", \"units\": 3}, {\"type\": \"softmax_xent\"}]}",
+      &spec, err);
+  CHECK_MSG(rc == 0, "%s", err);
+  if (rc) return;
+  ps_ops *ops = ps_ops_cpu_create(2);
+  ps_model *m = ps_model_create(&spec, ops, 16, err);
+  CHECK_MSG(m != NULL, "%s", err);
+  if (!m) {
+    ops->destroy(ops);
+    return;
+  }
+  const int n = 16;
+  const ps_layer *bn = &spec.layers[0];
+  float *params = make_params(&spec, 4), *grads = xalloc(spec.n_params * sizeof(float));
+  float *x;
+  uint8_t *y;
+  make_learnable(&spec, n, &x, &y);
+  for (int k = 0; k < 2; k++) params[bn->w_off + k] = 1.5f - (float)k, params[bn->b_off + k] = 0.3f;
+  const float l_train = ps_model_train_step(m, params, x, y, n, 1, 0, grads, NULL);
+  int ok = 1;
+  for (int k = 0; k < 2; k++) {
+    double s = 0, q = 0;
+    for (int i = 0; i < n; i++)
+      for (int j = 0; j < 9; j++) s += x[(size_t)i * 18 + (size_t)k * 9 + j];
+    const double mu = s / (n * 9);
+    for (int i = 0; i < n; i++)
+      for (int j = 0; j < 9; j++) {
+        const double d = x[(size_t)i * 18 + (size_t)k * 9 + j] - mu;
+        q += d * d;
+      }
+    ok &= fabs(grads[bn->s_off + k] - mu) < 1e-6 && fabs(grads[bn->s_off + 2 + k] - q / (n * 9)) < 1e-6;
+  }
+  CHECK_MSG(ok, "the batch's statistics in the moving statistics' places");
+  /* The initial moving statistics (0, 1) give another loss; the batch's the same. */
+  const float l_init = ps_model_evaluate(m, params, x, y, n, NULL);
+  CHECK(fabsf(l_init - l_train) > 1e-3f);
+  memcpy(params + bn->s_off, grads + bn->s_off, 4 * sizeof(float));
+  const float l_eval = ps_model_evaluate(m, params, x, y, n, NULL);
+  CHECK_MSG(fabsf(l_eval - l_train) < 1e-5f, "train %.7g, evaluation with its statistics %.7g",
+            (double)l_train, (double)l_eval);
+  free(params), free(grads), free(x), free(y);
+  ps_model_destroy(m);
+  ops->destroy(ops);
 }
 
 /* A chain written with every name and input spelled out is the same
@@ -774,6 +872,11 @@ static void test_staged_step(void) {
                  pieces[k]);
         staged_case(what, &dense, on_emu, pieces[k], NULL);
       }
+      if (bn_spec(&dense) == 0) {
+        snprintf(what, sizeof what, "batchnorm, %s, %d pieces", on_emu ? "device" : "cpu",
+                 pieces[k]);
+        staged_case(what, &dense, on_emu, pieces[k], NULL);
+      }
     }
 }
 
@@ -825,6 +928,7 @@ static void test_device_path(void) {
   if (avg_spec(&dense) == 0) device_path_case("average pooling model", &dense);
   if (res_spec(&dense) == 0) device_path_case("residual model", &dense);
   if (branch_spec(&dense) == 0) device_path_case("branching model", &dense);
+  if (bn_spec(&dense) == 0) device_path_case("batchnorm model", &dense);
 }
 
 /* Every allocation of ps_model_create fails in turn (on the emulated device, which
@@ -1092,6 +1196,8 @@ int main(void) {
   RUN(test_gradient_flatten_first);
   RUN(test_gradient_avgpool);
   RUN(test_gradient_residual);
+  RUN(test_gradient_batchnorm);
+  RUN(test_batchnorm_statistics);
   RUN(test_chain_spelled_out);
   RUN(test_evaluate_matches_train_step);
   RUN(test_dropout_replay);

@@ -1,5 +1,6 @@
 /* Model spec: shapes, layout, errors, initial values and sharding. */
 #include <jansson.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -476,6 +477,77 @@ static void test_residual_errors(void) {
                "layer 2 (softmax_xent): must be the last layer");
 }
 
+/* batchnorm: layout (gamma, beta, moving mean, moving variance), initial
+ * values, the moving ranges, bias-less layers, and the errors. */
+static void test_batchnorm(void) {
+  ps_model_spec m;
+  char err[PS_ERRLEN] = "";
+  int rc = ps_model_spec_parse(HEAD
+                               "{\"type\": \"conv2d\", \"filters\": 4, \"kernel\": 3, "
+                               "\"padding\": \"same\", \"bias\": false},"
+                               "{\"type\": \"batchnorm\"}, {\"type\": \"relu\"},"
+                               "{\"type\": \"flatten\"}, {\"type\": \"dense\", \"units\": 6},"
+                               "{\"type\": \"batchnorm\", \"momentum\": 0.9, \"epsilon\": 1e-5},"
+                               "{\"type\": \"dense\", \"units\": 10, \"bias\": true},"
+                               "{\"type\": \"softmax_xent\"}]}",
+                               &m, err);
+  CHECK_MSG(rc == 0, "%s", err);
+  if (rc) return;
+  const ps_layer *L = m.layers;
+  /* conv: 4*9 weights, no bias; batchnorm over 4 channels of 8x8 */
+  CHECK(L[0].w_count == 36 && L[0].b_count == 0 && L[0].s_count == 0);
+  CHECK(L[1].type == PS_LAYER_BATCHNORM && strcmp(L[1].name, "batchnorm_0") == 0);
+  CHECK(L[1].out_c == 4 && L[1].out_h == 8 && L[1].out_w == 8);
+  CHECK(L[1].w_off == 36 && L[1].w_count == 4 && L[1].b_off == 40 && L[1].b_count == 4);
+  CHECK(L[1].s_off == 44 && L[1].s_count == 8);
+  CHECK(fabsf(L[1].momentum - 0.99f) < 1e-7f && fabsf(L[1].epsilon - 1e-3f) < 1e-9f);
+  /* dense(6) reads 256 features; its batchnorm has 6 channels */
+  CHECK(L[4].w_off == 52 && L[4].w_count == 6 * 256 && L[4].b_count == 6);
+  CHECK(L[5].w_count == 6 && L[5].s_count == 12 && L[5].in_c == 6 && L[5].in_h == 1);
+  CHECK(fabsf(L[5].momentum - 0.9f) < 1e-7f && fabsf(L[5].epsilon - 1e-5f) < 1e-12f);
+  CHECK(m.n_params == 36 + 16 + 6 * 256 + 6 + 24 + 10 * 6 + 10);
+  size_t lo, hi;
+  ps_layer_param_range(&L[1], &lo, &hi);
+  CHECK(lo == 36 && hi == 52);
+  ps_layer_param_range(&L[2], &lo, &hi);
+  CHECK(lo == hi);
+
+  ps_moving_range mr[PS_MAX_MOVING_RANGES];
+  int n = ps_model_moving_ranges(&m, mr);
+  CHECK(n == 4);
+  CHECK(mr[0].off == 44 && mr[0].count == 4 && !mr[0].nonneg && mr[0].momentum == L[1].momentum);
+  CHECK(mr[1].off == 48 && mr[1].count == 4 && mr[1].nonneg);
+  CHECK(mr[2].off == L[5].s_off && mr[2].count == 6 && !mr[2].nonneg);
+  CHECK(mr[3].off == L[5].s_off + 6 && mr[3].count == 6 && mr[3].nonneg);
+
+  /* gamma 1, beta 0, mean 0, variance 1, whatever window is asked for */
+  float *all = malloc(m.n_params * sizeof(float));
+  ps_model_init_params(&m, 3, 0, m.n_params, all);
+  int ok = 1;
+  for (int k = 0; k < 4; k++)
+    ok &= all[36 + k] == 1.0f && all[40 + k] == 0.0f && all[44 + k] == 0.0f && all[48 + k] == 1.0f;
+  CHECK_MSG(ok, "batchnorm's initial gamma, beta, mean, variance");
+  float part[7];
+  ps_model_init_params(&m, 3, 43, 50, part);
+  CHECK(memcmp(part, all + 43, sizeof part) == 0);
+  free(all);
+
+  char d[256];
+  ps_model_spec_describe(&m, d, sizeof d);
+  CHECK_MSG(strstr(d, "conv2d(4,3x3,nobias) batchnorm relu") != NULL, "%s", d);
+
+  expect_error(HEAD "{\"type\": \"batchnorm\", \"momentum\": 1}," TAIL,
+               "layer 0 (batchnorm): 'momentum' must be a number in [0, 1)");
+  expect_error(HEAD "{\"type\": \"batchnorm\", \"epsilon\": 1e-6}," TAIL,
+               "layer 0 (batchnorm): 'epsilon' must be a number in [1e-05, 1]");
+  expect_error(HEAD "{\"type\": \"batchnorm\", \"epsilon\": \"small\"}," TAIL,
+               "'epsilon' must be a number");
+  expect_error(HEAD "{\"type\": \"batchnorm\", \"axis\": 1}," TAIL,
+               "layer 0 (batchnorm): unknown field 'axis' (known: type, momentum, epsilon");
+  expect_error(HEAD "{\"type\": \"conv2d\", \"filters\": 2, \"kernel\": 3, \"bias\": 0}," TAIL,
+               "layer 0 (conv2d): 'bias' must be true or false");
+}
+
 int main(void) {
   RUN(test_quickstart_layout);
   RUN(test_shapes);
@@ -483,6 +555,7 @@ int main(void) {
   RUN(test_errors);
   RUN(test_residual);
   RUN(test_residual_errors);
+  RUN(test_batchnorm);
   RUN(test_init_params);
   RUN(test_shard_range);
   return check_summary();

@@ -329,7 +329,54 @@ static void test_bounds_tight_and_signs(void) {
   CHECK(isinf(b.param));
 }
 
+/* ps_optim_apply_ranges: inside the moving ranges the pushed values are
+ * averaged in and the slots stay; elsewhere the optimizer, exactly as a
+ * plain apply; for windows that start, end and fall inside ranges. */
+static void test_moving_ranges(void) {
+  const ps_optimizer *opt = ps_optimizer_find("momentum");
+  ps_optim_config cfg = config("momentum");
+  const ps_moving_range mr[3] = {{10, 5, 0.9f, 0}, {15, 5, 0.9f, 1}, {40, 3, 0.5f, 1}};
+  enum { P = 64 };
+  for (size_t first = 0; first < 48; first += 7) {
+    for (size_t n = 1; first + n <= P; n += 5) {
+      float p[P], v[P], g[P], p0[P], v0[P];
+      for (int i = 0; i < P; i++) {
+        p[i] = p0[i] = 0.5f + 0.01f * (float)i;
+        v[i] = v0[i] = -0.1f * (float)(i % 3);
+        g[i] = 0.25f - 0.02f * (float)i;
+      }
+      float *slots[1] = {v + first};
+      ps_optim_apply_ranges(opt, &cfg, 1, cfg.lr, p + first, slots, g + first, n, first, mr, 3);
+      int ok = 1;
+      for (size_t i = 0; i < P; i++) {
+        float want_p = p0[i], want_v = v0[i];
+        if (i >= first && i < first + n) {
+          float mu = -1;
+          for (int r = 0; r < 3; r++)
+            if (i >= mr[r].off && i < mr[r].off + mr[r].count) mu = mr[r].momentum;
+          if (mu >= 0) {
+            want_p = mu * p0[i] + (1.0f - mu) * g[i];
+          } else {
+            want_v = cfg.momentum * v0[i] + g[i];
+            want_p = p0[i] - cfg.lr * want_v;
+          }
+        }
+        ok &= fabsf(p[i] - want_p) <= TOL && v[i] == want_v;
+      }
+      CHECK_MSG(ok, "window [%zu, %zu)", first, first + n);
+    }
+  }
+  /* The bound covers the averages: max of the old values and the pushed. */
+  ps_optim_bounds before = {.param = 2.0}, b = {.param = 1.0};
+  ps_moving_bound(5.0, &before, &b);
+  CHECK(b.param >= 5.0 && b.param < 5.001);
+  b.param = 7.0;
+  ps_moving_bound(5.0, &before, &b);
+  CHECK(b.param == 7.0);
+}
+
 int main(void) {
+  RUN(test_moving_ranges);
   RUN(test_table);
   RUN(test_sgd);
   RUN(test_momentum);

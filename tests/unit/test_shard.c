@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "check.h"
+#include "common/half.h"
 #include "common/model_spec.h"
 #include "ps/shard.h"
 #include "shard_fixture.h"
@@ -841,8 +842,108 @@ static void test_split_push(void) {
   ps_shard_destroy(s);
 }
 
+/* batchnorm's moving statistics: a push's values there are averaged in
+ * with the layer's momentum (slots untouched), the rest trained; a
+ * negative batch variance is refused with nothing changed, on the float32
+ * and the 16-bit wire; a sync step averages the workers' statistics. */
+static const char *BN_SPEC =
+    "{\"input\": [1, 8, 8], \"classes\": 10, \"layers\": ["
+    "{\"type\": \"conv2d\", \"filters\": 4, \"kernel\": 3, \"bias\": false},"
+    "{\"type\": \"batchnorm\", \"momentum\": 0.75}, {\"type\": \"relu\"},"
+    "{\"type\": \"flatten\"}, {\"type\": \"dense\", \"units\": 10},"
+    "{\"type\": \"softmax_xent\"}]}";
+
+static void test_moving_stats(void) {
+  ps_job job = fixture_job("test-bn", BN_SPEC, "momentum", 0);
+  ps_shard *s = fixture_shard(&job, 0, 1);
+  if (!s) return;
+  const ps_layer *bn = &job.model.layers[1];
+  const size_t n = shard_len(s), mean = bn->s_off, var = bn->s_off + 4;
+  CHECK(bn->type == PS_LAYER_BATCHNORM && mean == 36 + 8 && n == job.model.n_params);
+  char err[PS_ERRLEN] = "";
+  float *g = malloc(n * sizeof(float));
+  for (size_t i = 0; i < n; i++) g[i] = 0.01f * (float)(i % 13) - 0.05f;
+  for (int k = 0; k < 4; k++) {
+    g[mean + k] = 2.0f + (float)k;  /* batch means */
+    g[var + k] = 0.5f * (float)k;   /* batch variances, one of them 0 */
+  }
+  shard_state before = state_of(s);
+  uint64_t v = 0;
+  CHECK(push_floats(s, 0, 0, g, n, &v, NULL, err) == PS_OK && v == 1);
+  shard_state after = state_of(s);
+  int ok = 1;
+  for (size_t i = 0; i < n; i++) {
+    const int moving = i >= mean && i < var + 4;
+    float want_p, want_v = before.slots[0][i];
+    if (moving) {
+      want_p = 0.75f * before.params[i] + (1.0f - 0.75f) * g[i];
+    } else {
+      want_v = job.optim.momentum * before.slots[0][i] + g[i];
+      want_p = before.params[i] - job.optim.lr * want_v;
+    }
+    ok &= after.params[i] == want_p && after.slots[0][i] == want_v;
+  }
+  CHECK_MSG(ok, "moving statistics averaged in, everything else trained");
+  CHECK(after.params[mean] == 0.25f * 2.0f && after.params[var] == 0.75f);
+
+  /* A negative batch variance: refused whole, nothing changes. */
+  g[var + 2] = -0.5f;
+  CHECK(push_floats(s, 1, 0, g, n, &v, NULL, err) == PS_EINVAL);
+  CHECK_MSG(strstr(err, "gradient value 50 (global index 50) is -0.5, in a batch variance "
+                        "(batchnorm's moving variance [48, 52)), which cannot be negative") != NULL,
+            "%s", err);
+  /* A push of a part of the range is checked where it overlaps. */
+  CHECK(push_floats(s, 1, var + 1, g + var + 1, 8, &v, NULL, err) == PS_EINVAL);
+  CHECK_MSG(strstr(err, "gradient value 1 (global index 50)") != NULL, "%s", err);
+  CHECK(push_floats(s, 1, var + 3, g + var + 3, 8, &v, NULL, err) == PS_OK && v == 2);
+  ps_shard_destroy(s);
+
+  /* The same on the 16-bit wire. */
+  job.wire = PS_WIRE_FP16;
+  s = fixture_shard(&job, 0, 1);
+  shard_state w0 = state_of(s);
+  uint16_t *h = malloc(n * sizeof(uint16_t));
+  ps_half_encode(PS_WIRE_FP16, g, h, n);
+  ps_seg seg = {(const uint8_t *)h, n * 2};
+  ps_segview view = {&seg, 1, n * 2};
+  CHECK(ps_shard_push(s, 0, 0, n, &view, &v, NULL, err) == PS_EINVAL);
+  CHECK_MSG(strstr(err, "which cannot be negative") != NULL, "%s", err);
+  shard_state w1 = state_of(s);
+  CHECK(state_equal(&w0, &w1));
+  ps_shard_stats st;
+  ps_shard_stats_get(s, &st);
+  CHECK(st.rejected == 1 && st.version == 0);
+  ps_shard_destroy(s);
+
+  /* Sync: the step applies the mean of the workers' statistics. */
+  job = fixture_job("test-bn", BN_SPEC, "sgd", 1);
+  s = fixture_shard(&job, 0, 1);
+  g[var + 2] = 1.0f;
+  float *g2 = malloc(n * sizeof(float));
+  for (size_t i = 0; i < n; i++) g2[i] = g[i];
+  for (int k = 0; k < 4; k++) g2[mean + k] = -1.0f, g2[var + k] = 3.0f;
+  ps_seg s1 = {(const uint8_t *)g, n * 4}, s2 = {(const uint8_t *)g2, n * 4};
+  ps_segview v1 = {&s1, 1, n * 4}, v2 = {&s2, 1, n * 4};
+  int dropped, have;
+  CHECK(ps_shard_sync_add(s, 1, 0, 0, n, &v1, &dropped, &have, err) == 0);
+  CHECK(ps_shard_sync_add(s, 2, 0, 0, n, &v2, &dropped, &have, err) == 0 && have == 2);
+  CHECK(ps_shard_sync_try_apply(s, 2, &v, err) == 1 && v == 1);
+  float *p = malloc(n * sizeof(float));
+  ps_shard_copy_params(s, p);
+  ok = 1;
+  for (int k = 0; k < 4; k++) {
+    const float m = (g[mean + k] + g2[mean + k]) * 0.5f, q = (g[var + k] + g2[var + k]) * 0.5f;
+    ok &= fabsf(p[mean + k] - 0.25f * m) < 1e-6f && fabsf(p[var + k] - (0.75f + 0.25f * q)) < 1e-6f;
+  }
+  CHECK_MSG(ok, "sync: the moving statistics take the workers' mean");
+  ps_shard_destroy(s);
+  free(g), free(g2), free(h), free(p);
+  state_free(&before), state_free(&after), state_free(&w0), state_free(&w1);
+}
+
 int main(void) {
   RUN(test_split_push);
+  RUN(test_moving_stats);
   RUN(test_sync_steps);
   RUN(test_staleness_aware_lr);
   RUN(test_create);
