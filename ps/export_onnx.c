@@ -514,6 +514,26 @@ int ps_onnx_check_spec(const ps_model_spec *spec, char *err) {
                        i, spec->layers[i].name);
   if (spec->n_layers == 0 || spec->layers[spec->n_layers - 1].type != PS_LAYER_SOFTMAX_XENT)
     return ps_seterr(err, PS_EINVAL, "the model does not end in softmax_xent: no probabilities");
+  /* Tensors are named after the layers: a layer's output by its name, its
+   * parameters and helper tensors "<name>.<what>", the graph's output
+   * ONNX_OUTPUT. A name that repeats one of those would join two tensors. */
+  for (int i = 0; i < spec->n_layers; i++) {
+    const char *a = spec->layers[i].name;
+    if (strcmp(a, ONNX_OUTPUT) == 0 && i + 1 < spec->n_layers)
+      return ps_seterr(err, PS_EINVAL,
+                       "layer %d is named '%s', the name of the ONNX graph's output: rename it to "
+                       "export the model",
+                       i, a);
+    for (int j = 0; j < spec->n_layers; j++) {
+      const char *b = spec->layers[j].name;
+      const size_t nb = strlen(b);
+      if (j != i && strncmp(a, b, nb) == 0 && a[nb] == '.')
+        return ps_seterr(err, PS_EINVAL,
+                         "layer %d is named '%s', which ONNX tensors of layer '%s' (named "
+                         "'%s.<what>') could have: rename it to export the model",
+                         i, a, b, b);
+    }
+  }
   return 0;
 }
 

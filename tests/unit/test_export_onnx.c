@@ -470,6 +470,19 @@ static void test_refusals(void) {
   CHECK(ps_onnx_export(&odd, params, NULL, path, NULL, err) == PS_EINVAL);
   CHECK_MSG(strstr(err, "layer 2 (maxpool_0) has no ONNX form"), "%s", err);
 
+  /* Layer names that ONNX tensor names would repeat: the graph's output,
+   * or another layer's "<name>.<what>" (its parameters, helpers). */
+  odd = spec;
+  snprintf(odd.layers[1].name, sizeof odd.layers[1].name, "probabilities");
+  CHECK(ps_onnx_export(&odd, params, NULL, path, NULL, err) == PS_EINVAL);
+  CHECK_MSG(strstr(err, "layer 1 is named 'probabilities', the name of the ONNX graph's output"),
+            "%s", err);
+  odd = spec;
+  snprintf(odd.layers[1].name, sizeof odd.layers[1].name, "conv2d_0.w");
+  CHECK(strcmp(spec.layers[0].name, "conv2d_0") == 0);
+  CHECK(ps_onnx_export(&odd, params, NULL, path, NULL, err) == PS_EINVAL);
+  CHECK_MSG(strstr(err, "which ONNX tensors of layer 'conv2d_0'"), "%s", err);
+
   CHECK(ps_onnx_export(&spec, params, NULL, g_dir, NULL, err) == PS_EINVAL);
   CHECK_MSG(strstr(err, "is a directory"), "%s", err);
   char missing[160];
