@@ -1,4 +1,5 @@
 /* Job file: every field, defaults, validation messages, file errors. */
+#include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -239,11 +240,46 @@ static void test_modes(void) {
         job.wait_timeout_ms == 60000);
 }
 
-int main(void) {
+/* Every job the project ships (deploy/jobs/ and tests/integration/jobs/)
+ * parses, but broken.json, which is broken on purpose: a job file that a
+ * spec change broke is found here, not by a user. The directories come
+ * from the command line (ctest passes them). */
+static const char *g_job_dirs[4];
+static int g_n_job_dirs;
+
+static void test_shipped_jobs(void) {
+  int seen = 0;
+  for (int d = 0; d < g_n_job_dirs; d++) {
+    DIR *dir = opendir(g_job_dirs[d]);
+    CHECK_MSG(dir != NULL, "cannot open %s", g_job_dirs[d]);
+    if (!dir) continue;
+    struct dirent *e;
+    while ((e = readdir(dir)) != NULL) {
+      size_t len = strlen(e->d_name);
+      if (len < 6 || strcmp(e->d_name + len - 5, ".json") != 0) continue;
+      if (strcmp(e->d_name, "broken.json") == 0) continue;
+      char path[1024], err[PS_ERRLEN] = "";
+      snprintf(path, sizeof path, "%s/%s", g_job_dirs[d], e->d_name);
+      ps_job job;
+      char *text = NULL;
+      int rc = ps_job_load(path, &job, &text, err);
+      free(text);
+      CHECK_MSG(rc == 0, "%s: %s", path, err);
+      seen++;
+    }
+    closedir(dir);
+  }
+  CHECK_MSG(g_n_job_dirs == 0 || seen > 0, "no job files found");
+  if (g_n_job_dirs) printf("%d shipped job files parse\n", seen);
+}
+
+int main(int argc, char **argv) {
+  for (int a = 1; a < argc && g_n_job_dirs < 4; a++) g_job_dirs[g_n_job_dirs++] = argv[a];
   RUN(test_full_job);
   RUN(test_modes);
   RUN(test_defaults);
   RUN(test_invalid);
   RUN(test_load);
+  RUN(test_shipped_jobs);
   return check_summary();
 }
