@@ -136,20 +136,30 @@ static void expect_names_job(const char *what, const char *detail) {
  * 2^-9), which bf16 rounds to 2^-10; b = 2^-10, exact. N pairs move every
  * parameter by -N 2^-19 with float32 pushes; by 0 with bf16 pushes each
  * rounded alone. */
-static int check_residual(const char *addr) {
-  char err[PS_ERRLEN];
+/* A worker's client of the shard at addr, on the job's wire, and the job;
+ * NULL with a message on stderr. */
+static ps_client *client_of(const char *addr, ps_job *job) {
+  char err[PS_ERRLEN] = "";
   ps_client_opts o = {.host = "wire16-check",
                       .role = "worker",
                       .task_index = -1,
                       .timeout_ms = 10000,
                       .token = &token};
   ps_client *c = ps_client_connect(addr, &o, err);
-  ps_job job;
-  if (!c || ps_job_parse(ps_client_job_json(c), &job, err) != 0 ||
-      ps_client_set_wire(c, job.wire, err) != 0) {
+  if (!c || ps_job_parse(ps_client_job_json(c), job, err) != 0 ||
+      ps_client_set_wire(c, job->wire, err) != 0) {
     fprintf(stderr, "wire16_check: %s\n", err);
-    return 1;
+    if (c) ps_client_destroy(c);
+    return NULL;
   }
+  return c;
+}
+
+static int check_residual(const char *addr) {
+  char err[PS_ERRLEN];
+  ps_job job;
+  ps_client *c = client_of(addr, &job);
+  if (!c) return 1;
   CHECK_MSG(job.wire == PS_WIRE_BF16 && strcmp(job.optim.name, "sgd") == 0 && job.optim.lr == 1.0f,
             "the residual check needs a bf16 job with sgd, lr 1 (not %s, %s, %g)",
             ps_wire_name(job.wire), job.optim.name, (double)job.optim.lr);
@@ -205,18 +215,9 @@ static int check_moving(const char *addr) {
   ps_moving_range mr[PS_MAX_MOVING_RANGES];
   for (int fixed = 0; fixed <= 1; fixed++) {
     char err[PS_ERRLEN] = "";
-    ps_client_opts o = {.host = "wire16-check",
-                        .role = "worker",
-                        .task_index = -1,
-                        .timeout_ms = 10000,
-                        .token = &token};
-    ps_client *c = ps_client_connect(addr, &o, err);
     ps_job job;
-    if (!c || ps_job_parse(ps_client_job_json(c), &job, err) != 0 ||
-        ps_client_set_wire(c, job.wire, err) != 0) {
-      fprintf(stderr, "wire16_check: %s\n", err);
-      return 1;
-    }
+    ps_client *c = client_of(addr, &job);
+    if (!c) return 1;
     const int n = ps_model_moving_ranges(&job.model, mr);
     CHECK_MSG(job.wire == PS_WIRE_BF16 && n > 0, "the moving check needs a bf16 job with batchnorm");
     if (fixed) ps_client_set_moving(c, mr, n);

@@ -209,6 +209,30 @@ static void test_graph(void) {
  * count_include_pad 0; GlobalAveragePool on a 4-D tensor and, after a
  * dense layer, on its Unsqueeze; its (N, C, 1, 1) output flattened before
  * the dense layer that reads it. */
+/* The model of spec_json with parameters i * 0.01 - 0.5, exported as
+ * g_dir/file, read back and removed (NULL, with a failed check, when any
+ * step fails). */
+static Onnx__ModelProto *export_model(const char *spec_json, const char *file, ps_model_spec *spec,
+                                      float **params) {
+  char err[PS_ERRLEN] = "", path[128];
+  *params = NULL;
+  CHECK_MSG(ps_model_spec_parse(spec_json, spec, err) == 0, "%s", err);
+  float *p = malloc(spec->n_params * sizeof(float));
+  for (size_t i = 0; i < spec->n_params; i++) p[i] = (float)i * 0.01f - 0.5f;
+  snprintf(path, sizeof path, "%s/%s", g_dir, file);
+  CHECK_MSG(ps_onnx_check_spec(spec, err) == 0, "%s", err);
+  CHECK_MSG(ps_onnx_export(spec, p, NULL, path, NULL, err) == 0, "%s", err);
+  Onnx__ModelProto *m = read_model(path);
+  unlink(path);
+  CHECK(m != NULL);
+  if (!m) {
+    free(p);
+    return NULL;
+  }
+  *params = p;
+  return m;
+}
+
 static const char *k_pool_model =
     "{\"input\": [3, 10, 10], \"classes\": 3, \"layers\": ["
     "{\"type\": \"conv2d\", \"filters\": 4, \"kernel\": 3, \"padding\": \"same\"},"
@@ -222,20 +246,9 @@ static const char *k_pool_model =
 
 static void test_pooling_graph(void) {
   ps_model_spec spec;
-  char err[PS_ERRLEN] = "";
-  CHECK_MSG(ps_model_spec_parse(k_pool_model, &spec, err) == 0, "%s", err);
-  float *params = malloc(spec.n_params * sizeof(float));
-  for (size_t i = 0; i < spec.n_params; i++) params[i] = (float)i * 0.01f - 0.5f;
-  char path[128];
-  snprintf(path, sizeof path, "%s/pool.onnx", g_dir);
-  CHECK_MSG(ps_onnx_check_spec(&spec, err) == 0, "%s", err);
-  CHECK_MSG(ps_onnx_export(&spec, params, NULL, path, NULL, err) == 0, "%s", err);
-  Onnx__ModelProto *m = read_model(path);
-  CHECK(m != NULL);
-  if (!m) {
-    free(params);
-    return;
-  }
+  float *params;
+  Onnx__ModelProto *m = export_model(k_pool_model, "pool.onnx", &spec, &params);
+  if (!m) return;
   const Onnx__GraphProto *g = m->graph;
   static const char *const ops[] = {"Conv", "AveragePool", "GlobalAveragePool", "Flatten",
                                     "Gemm", "Unsqueeze",   "GlobalAveragePool", "Flatten",
@@ -264,7 +277,6 @@ static void test_pooling_graph(void) {
   check_param(g, "dense_0.w", params, L[3].w_off, L[3].w_count, d0w, 2);
   check_param(g, "dense_1.w", params, L[6].w_off, L[6].w_count, d1w, 2);
   onnx__model_proto__free_unpacked(m, NULL);
-  unlink(path);
   free(params);
 }
 
@@ -288,20 +300,9 @@ static const char *k_res_model =
 
 static void test_residual_graph(void) {
   ps_model_spec spec;
-  char err[PS_ERRLEN] = "";
-  CHECK_MSG(ps_model_spec_parse(k_res_model, &spec, err) == 0, "%s", err);
-  float *params = malloc(spec.n_params * sizeof(float));
-  for (size_t i = 0; i < spec.n_params; i++) params[i] = (float)i * 0.01f - 0.5f;
-  char path[128];
-  snprintf(path, sizeof path, "%s/res.onnx", g_dir);
-  CHECK_MSG(ps_onnx_check_spec(&spec, err) == 0, "%s", err);
-  CHECK_MSG(ps_onnx_export(&spec, params, NULL, path, NULL, err) == 0, "%s", err);
-  Onnx__ModelProto *m = read_model(path);
-  CHECK(m != NULL);
-  if (!m) {
-    free(params);
-    return;
-  }
+  float *params;
+  Onnx__ModelProto *m = export_model(k_res_model, "res.onnx", &spec, &params);
+  if (!m) return;
   const Onnx__GraphProto *g = m->graph;
   static const char *const ops[] = {
       "Conv", "Relu",      "Conv", "Add",       "GlobalAveragePool", "Flatten",
@@ -338,7 +339,6 @@ static void test_residual_graph(void) {
     CHECK(!strcmp(g->node[15]->output[0], "probabilities"));
   }
   onnx__model_proto__free_unpacked(m, NULL);
-  unlink(path);
   free(params);
 }
 
@@ -370,20 +370,9 @@ static const char *k_bn_model =
 
 static void test_batchnorm_graph(void) {
   ps_model_spec spec;
-  char err[PS_ERRLEN] = "";
-  CHECK_MSG(ps_model_spec_parse(k_bn_model, &spec, err) == 0, "%s", err);
-  float *params = malloc(spec.n_params * sizeof(float));
-  for (size_t i = 0; i < spec.n_params; i++) params[i] = (float)i * 0.01f - 0.5f;
-  char path[128];
-  snprintf(path, sizeof path, "%s/bn.onnx", g_dir);
-  CHECK_MSG(ps_onnx_check_spec(&spec, err) == 0, "%s", err);
-  CHECK_MSG(ps_onnx_export(&spec, params, NULL, path, NULL, err) == 0, "%s", err);
-  Onnx__ModelProto *m = read_model(path);
-  CHECK(m != NULL);
-  if (!m) {
-    free(params);
-    return;
-  }
+  float *params;
+  Onnx__ModelProto *m = export_model(k_bn_model, "bn.onnx", &spec, &params);
+  if (!m) return;
   const Onnx__GraphProto *g = m->graph;
   static const char *const ops[] = {
       "Conv",      "BatchNormalization", "Relu", "MaxPool",           "Flatten",
@@ -448,7 +437,6 @@ static void test_batchnorm_graph(void) {
   /* The flatten's 4*3*3 features are its batchnorm's channels. */
   CHECK(L[5].w_count == 36 && L[10].w_count == 3);
   onnx__model_proto__free_unpacked(m, NULL);
-  unlink(path);
   free(params);
 }
 
