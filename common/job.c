@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "keras.h"
 #include "util.h"
 
 #define MAX_SYNTHETIC (1 << 24)
@@ -438,6 +439,10 @@ static int parse_root(json_t *root, ps_job *job, char *err) {
 
   json_t *model = json_object_get(root, "model");
   if (!model) return ps_seterr(err, PS_EINVAL, "'model' is required (see model_spec.h)");
+  if (json_is_object(model) && json_object_get(model, "keras"))
+    return ps_seterr(err, PS_EINVAL,
+                     "model: {\"keras\": ...} names a file, read when the job is loaded from "
+                     "its file (ps-server --job, ps-worker --local --job)");
   /* The spec's messages already say "model: ..." or "layer N (type): ...". */
   if ((rc = ps_model_spec_from_json(model, &job->model, err))) return rc;
 
@@ -494,6 +499,40 @@ int ps_job_parse(const char *json_text, ps_job *job, char *err) {
   return rc;
 }
 
+/* A job's "model": {"keras": FILE} replaced in root by FILE's translation
+ * (FILE relative to the job file's directory unless absolute). 1 when it
+ * was replaced, 0 when the model is a spec already, PS_E* with a message
+ * (naming FILE) otherwise. */
+static int resolve_keras(json_t *root, const char *job_path, char *err) {
+  json_t *model = json_object_get(root, "model");
+  json_t *file = json_is_object(model) ? json_object_get(model, "keras") : NULL;
+  if (!file) return 0;
+  if (!json_is_string(file) || json_string_length(file) == 0)
+    return ps_seterr(err, PS_EINVAL, "model: 'keras' must name a file (a string)");
+  if (json_object_size(model) != 1)
+    return ps_seterr(err, PS_EINVAL,
+                     "model: with 'keras' nothing else may be given (the file is the model)");
+  const char *name = json_string_value(file);
+  char full[4096];
+  const char *slash = strrchr(job_path, '/');
+  if (name[0] == '/' || !slash)
+    snprintf(full, sizeof full, "%s", name);
+  else
+    snprintf(full, sizeof full, "%.*s/%s", (int)(slash - job_path), job_path, name);
+  char *text = NULL, why[PS_ERRLEN];
+  int rc = ps_read_file(full, &text, NULL, why);
+  if (rc) return ps_seterr(err, rc, "model: Keras model file: %s", why);
+  void *spec = NULL;
+  char notes[1024] = "";
+  rc = ps_keras_to_spec(text, &spec, notes, sizeof notes, why);
+  free(text);
+  if (rc) return ps_seterr(err, rc, "model: Keras model '%s': %s", full, why);
+  for (char *line = strtok(notes, "\n"); line; line = strtok(NULL, "\n"))
+    PS_INFO("model: Keras model '%s': %s", full, line);
+  json_object_set_new(root, "model", (json_t *)spec);
+  return 1;
+}
+
 int ps_job_load(const char *path, ps_job *job, char **text_out, char *err) {
   if (text_out) *text_out = NULL;
   char *text = NULL;
@@ -511,7 +550,17 @@ int ps_job_load(const char *path, ps_job *job, char **text_out, char *err) {
     free(text);
     return rc;
   }
-  rc = parse_root(root, job, why);
+  int resolved = resolve_keras(root, path, why);
+  rc = resolved < 0 ? resolved : parse_root(root, job, why);
+  if (rc == 0 && resolved) {
+    /* The text others parse carries the translation. */
+    char *dumped = json_dumps(root, JSON_INDENT(1) | JSON_PRESERVE_ORDER);
+    char *copy = dumped ? strdup(dumped) : NULL; /* free() for the caller, whatever jansson uses */
+    free(dumped);
+    if (!copy) rc = ps_seterr(why, PS_ENOMEM, "out of memory writing the job's text");
+    free(text);
+    text = copy;
+  }
   json_decref(root);
   if (rc) {
     free(text);

@@ -3,7 +3,9 @@
  *
  * {
  *   "job_id": "fmnist-cnn",             (required)
- *   "model": { ...model spec... },       (required, see model_spec.h)
+ *   "model": { ...model spec... },       (required, see model_spec.h; or
+ *            {"keras": "model.json"}: a Keras model.to_json() file,
+ *            translated as ps-import-keras does, see keras.h)
  *   "optimizer": {"name": "adam", "lr": 0.001, "beta1": 0.9, "beta2": 0.999,
  *                 "eps": 1e-8, "momentum": 0.9, "nesterov": false,
  *                 "initial_accumulator": 0.1},
@@ -96,7 +98,10 @@ int ps_job_parse(const char *json_text, ps_job *job, char *err);
 
 /* Reads and parses a job file; the message names the file and the line and
  * column of a JSON syntax error. If text_out is not NULL it receives the
- * file's text (malloc'd). */
+ * job's text (malloc'd): the file's, or, when its model is {"keras":
+ * FILE} (FILE relative to the job file's directory unless absolute), the
+ * job with that model translated into a spec, so that whoever parses the
+ * text (workers, from the server) needs no file of its own. */
 int ps_job_load(const char *path, ps_job *job, char **text_out, char *err);
 
 #endif

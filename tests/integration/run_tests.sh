@@ -1799,6 +1799,22 @@ for layer in ("batchnorm_0", "batchnorm_1", "batchnorm_2"):
 assert not os.path.exists(os.path.join(d, "stem.b.npy")), "a bias-less conv2d exported a bias"
 PY
   done
+  # A job whose model is a Keras file ("model": {"keras": "model.json"},
+  # beside the job): the server translates it and hands the translation
+  # to the workers, which have no such file.
+  mkdir -p "$out/keras"
+  cp "$root/tests/fixtures/keras/tf2_resblock_bn.json" "$out/keras/model.json"
+  cat >"$out/keras/job.json" <<'JOB'
+{"job_id": "keras-job", "model": {"keras": "model.json"},
+ "optimizer": {"name": "adam", "lr": 0.003}, "batch_size": 32, "max_steps": 20, "mode": "async",
+ "dataset": {"name": "synthetic", "train_size": 1024, "test_size": 256}, "eval_interval_s": 0}
+JOB
+  (cd "$out" && "$root/deploy/local-cluster.sh" --job keras/job.json --bin "$build" --servers 1 \
+    --workers 1 --out "$out/keras/run" --timeout 120 --threads 1 >"$out/keras.out" 2>&1) \
+    || { tail -20 "$out/keras.out"; fail "the job with a Keras model file failed"; }
+  grep -q "model: conv2d(8,3x3,nobias) batchnorm relu" "$out/keras/run/worker-0.log" \
+    || { tail -5 "$out/keras/run/worker-0.log"; fail "the worker did not train the Keras file's model"; }
+  echo "batchnorm: a job with \"model\": {\"keras\": \"model.json\"}: $(grep -o 'trained .*' "$out/keras/run/worker-0.log" | head -1)"
   ;;
 data_formats)
   # ps-worker --local on data it reads besides IDX, written by a script with

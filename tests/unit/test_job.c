@@ -5,7 +5,10 @@
 #include <string.h>
 #include <unistd.h>
 
+#include <jansson.h>
+
 #include "common/job.h"
+#include "common/keras.h"
 #include "common/util.h"
 #include "tests/unit/check.h"
 
@@ -240,6 +243,71 @@ static void test_modes(void) {
         job.wait_timeout_ms == 60000);
 }
 
+/* "model": {"keras": FILE}: FILE (relative to the job file's directory)
+ * is translated as ps-import-keras does; the job's text carries the
+ * translation, which parses to the same job with no file; errors name the
+ * file. */
+static void test_keras_model(void) {
+  char dir[] = "/tmp/test_job_keras_XXXXXX", path[128], kpath[128], err[PS_ERRLEN] = "";
+  CHECK(mkdtemp(dir) != NULL);
+  char *fixture = NULL;
+  CHECK_MSG(ps_read_file(KERAS_FIXTURES "/tf2_conv_bn.json", &fixture, NULL, err) == 0, "%s",
+            err);
+  snprintf(kpath, sizeof kpath, "%s/model.json", dir);
+  FILE *f = fopen(kpath, "w");
+  CHECK(f != NULL);
+  if (!f || !fixture) return;
+  fputs(fixture, f);
+  fclose(f);
+  snprintf(path, sizeof path, "%s/job.json", dir);
+  f = fopen(path, "w");
+  fputs("{\"job_id\": \"k\", \"model\": {\"keras\": \"model.json\"}, \"batch_size\": 8}", f);
+  fclose(f);
+  ps_job job, again;
+  char *text = NULL;
+  int rc = ps_job_load(path, &job, &text, err);
+  CHECK_MSG(rc == 0, "%s", err);
+  void *spec = NULL;
+  CHECK(ps_keras_to_spec(fixture, &spec, NULL, 0, err) == 0);
+  ps_model_spec want;
+  CHECK(spec && ps_model_spec_from_json(spec, &want, err) == 0);
+  if (spec) json_decref(spec);
+  CHECK(rc == 0 && job.model.n_params == want.n_params && job.model.n_layers == want.n_layers &&
+        job.batch_size == 8);
+  int bn = 0;
+  for (int i = 0; i < job.model.n_layers; i++) bn |= job.model.layers[i].type == PS_LAYER_BATCHNORM;
+  CHECK_MSG(bn, "the fixture's BatchNormalization is in the spec");
+  CHECK(text && !strstr(text, "\"keras\"") && strstr(text, "\"layers\""));
+  CHECK_MSG(text && ps_job_parse(text, &again, err) == 0, "%s", err);
+  CHECK(again.model.n_params == job.model.n_params && strcmp(again.job_id, "k") == 0);
+  free(text);
+  /* The same model given as text (not from a file): refused, with why. */
+  rc = ps_job_parse("{\"job_id\": \"k\", \"model\": {\"keras\": \"model.json\"}}", &again, err);
+  CHECK_MSG(rc == PS_EINVAL && strstr(err, "names a file, read when the job is loaded"), "%s", err);
+  /* A missing file, a file Keras's JSON of an unsupported model, extra keys. */
+  f = fopen(path, "w");
+  fputs("{\"job_id\": \"k\", \"model\": {\"keras\": \"nope.json\"}}", f);
+  fclose(f);
+  rc = ps_job_load(path, &job, NULL, err);
+  CHECK_MSG(rc != 0 && strstr(err, "nope.json") && strstr(err, "No such file"), "%s", err);
+  f = fopen(path, "w");
+  fprintf(f, "{\"job_id\": \"k\", \"model\": {\"keras\": \"%s\"}}",
+          KERAS_FIXTURES "/tf2_dilated.json");
+  fclose(f);
+  rc = ps_job_load(path, &job, NULL, err);
+  CHECK_MSG(rc == PS_EINVAL && strstr(err, "tf2_dilated.json") && strstr(err, "dilation"), "%s",
+            err);
+  f = fopen(path, "w");
+  fputs("{\"job_id\": \"k\", \"model\": {\"keras\": \"model.json\", \"classes\": 3}}", f);
+  fclose(f);
+  rc = ps_job_load(path, &job, NULL, err);
+  CHECK_MSG(rc == PS_EINVAL && strstr(err, "with 'keras' nothing else"), "%s", err);
+  unlink(path);
+  unlink(kpath);
+  rmdir(dir);
+  free(fixture);
+}
+
 /* Every job the project ships (deploy/jobs/ and tests/integration/jobs/)
  * parses, but broken.json, which is broken on purpose: a job file that a
  * spec change broke is found here, not by a user. The directories come
@@ -280,6 +348,7 @@ int main(int argc, char **argv) {
   RUN(test_defaults);
   RUN(test_invalid);
   RUN(test_load);
+  RUN(test_keras_model);
   RUN(test_shipped_jobs);
   return check_summary();
 }
