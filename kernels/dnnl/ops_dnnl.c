@@ -1328,21 +1328,29 @@ static void dn_relu_forward(void *ctx, size_t n, const float *x, float *y) {
   relu_loop((long)n, x, y);
 }
 
+/* Two operands a and b of n floats and the output out (which may be
+ * either): all three in one layout, the one a and b share when it is the
+ * same blocked layout (and out can hold it), else NCHW (the operands made
+ * plain). */
+static void binary_layout(dnnl_backend *be, const float *a, const float *b, float *out, size_t n) {
+  act_layout la = elementwise_layout(be, a, n);
+  act_layout lb = elementwise_layout(be, b, n);
+  if (!layout_equal(&la, &lb) || (la.blk > 1 && !buf_taggable(be, out, n * sizeof(float)))) {
+    if (la.blk > 1) buf_make_plain(be, buf_find(be, a));
+    if (lb.blk > 1) buf_make_plain(be, buf_find(be, b));
+    la.blk = 1;
+  }
+  if (out != a && out != b) {
+    if (la.blk > 1)
+      write_blocked(be, out, &la);
+    else
+      write_plain(be, out, n);
+  }
+}
+
 static void dn_relu_backward(void *ctx, size_t n, const float *y, const float *dy, float *dx) {
   dnnl_backend *be = enter(ctx);
-  act_layout ly = elementwise_layout(be, y, n);
-  act_layout ld = elementwise_layout(be, dy, n);
-  if (!layout_equal(&ly, &ld) || (ly.blk > 1 && !buf_taggable(be, dx, n * sizeof(float)))) {
-    if (ly.blk > 1) buf_make_plain(be, buf_find(be, y));
-    if (ld.blk > 1) buf_make_plain(be, buf_find(be, dy));
-    ly.blk = 1;
-  }
-  if (dx != dy && dx != y) {
-    if (ly.blk > 1)
-      write_blocked(be, dx, &ly);
-    else
-      write_plain(be, dx, n);
-  }
+  binary_layout(be, y, dy, dx, n);
   const long len = (long)n;
 #pragma omp parallel if (len >= PARALLEL_MIN_FLOATS)
   {
@@ -1352,23 +1360,10 @@ static void dn_relu_backward(void *ctx, size_t n, const float *y, const float *d
   }
 }
 
-/* Both operands in one layout: the one they share when it is the same
- * blocked layout (and y can hold it), else NCHW. */
+/* See binary_layout. */
 static void dn_add(void *ctx, size_t n, const float *a, const float *b, float *y) {
   dnnl_backend *be = enter(ctx);
-  act_layout la = elementwise_layout(be, a, n);
-  act_layout lb = elementwise_layout(be, b, n);
-  if (!layout_equal(&la, &lb) || (la.blk > 1 && !buf_taggable(be, y, n * sizeof(float)))) {
-    if (la.blk > 1) buf_make_plain(be, buf_find(be, a));
-    if (lb.blk > 1) buf_make_plain(be, buf_find(be, b));
-    la.blk = 1;
-  }
-  if (y != a && y != b) {
-    if (la.blk > 1)
-      write_blocked(be, y, &la);
-    else
-      write_plain(be, y, n);
-  }
+  binary_layout(be, a, b, y, n);
   const long len = (long)n;
 #pragma omp parallel for simd schedule(static) if (len >= PARALLEL_MIN_FLOATS)
   for (long i = 0; i < len; i++) y[i] = a[i] + b[i];
