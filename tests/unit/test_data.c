@@ -13,6 +13,7 @@
 
 #include "common/util.h"
 #include "tests/unit/check.h"
+#include "tests/unit/tmp_tree.h"
 #include "worker/data.h"
 
 #define FASHION_DIR "/usr/share/datasets/fashion-mnist"
@@ -550,24 +551,6 @@ static void test_batcher_args(void) {
   }
   ps_batcher_destroy(b);
   ps_dataset_free(&ds);
-}
-
-static void remove_tree(const char *path) {
-  DIR *dir = opendir(path);
-  if (!dir) return;
-  struct dirent *e;
-  char sub[PATH_MAX];
-  while ((e = readdir(dir)) != NULL) {
-    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
-    snprintf(sub, sizeof sub, "%s/%s", path, e->d_name);
-    struct stat st;
-    if (lstat(sub, &st) == 0 && S_ISDIR(st.st_mode))
-      remove_tree(sub);
-    else
-      unlink(sub);
-  }
-  closedir(dir);
-  rmdir(path);
 }
 
 int main(void) {

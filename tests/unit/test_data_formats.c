@@ -15,6 +15,7 @@
 #include "common/job.h"
 #include "common/util.h"
 #include "tests/unit/check.h"
+#include "tests/unit/tmp_tree.h"
 #include "worker/data.h"
 
 static char tmpdir[64];
@@ -943,24 +944,6 @@ static void test_augment(void) {
   CHECK(a && memcmp(a, d.images, (size_t)N * dim * sizeof(float)) == 0);
   free(a);
   ps_dataset_free(&d);
-}
-
-static void remove_tree(const char *path) {
-  DIR *dir = opendir(path);
-  if (!dir) return;
-  struct dirent *e;
-  char sub[PATH_MAX];
-  while ((e = readdir(dir)) != NULL) {
-    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
-    snprintf(sub, sizeof sub, "%s/%s", path, e->d_name);
-    struct stat st;
-    if (lstat(sub, &st) == 0 && S_ISDIR(st.st_mode))
-      remove_tree(sub);
-    else
-      unlink(sub);
-  }
-  closedir(dir);
-  rmdir(path);
 }
 
 /* np.savez(f, *arrays): members arr_0, arr_1, ... as float32 (float64

@@ -14,6 +14,7 @@
 #include "../../common/tbevents.h"
 #include "../../common/util.h"
 #include "check.h"
+#include "tmp_tree.h"
 #include "proto/tb_event.pb-c.h"
 
 /* CRC-32C bit by bit, from the definition: the reader's own. */
@@ -124,12 +125,6 @@ static void make_tmp_root(void) {
     perror("mkdtemp");
     exit(1);
   }
-}
-
-static void remove_tree(const char *path) {
-  char cmd[256];
-  snprintf(cmd, sizeof cmd, "rm -rf '%s'", path);
-  if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", path);
 }
 
 static void test_crc_vectors(void) {
