@@ -3,12 +3,12 @@
 # UndefinedBehaviorSanitizer) and runs each for SECONDS (default 60),
 # starting from the seeds in tests/fuzz/seeds/TARGET. A crash, a leak or a
 # sanitizer report fails the run and leaves the input in the output folder.
-#   tests/fuzz/run.sh [SECONDS] [TARGET...]   (targets: wire job leases ckpt idx npy auth)
+#   tests/fuzz/run.sh [SECONDS] [TARGET...]   (targets: wire job leases ckpt idx npy auth keras)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 secs=${1:-60}
 shift || true
-targets=("${@:-wire job leases ckpt idx npy auth}")
+targets=("${@:-wire job leases ckpt idx npy auth keras}")
 read -r -a targets <<<"${targets[*]}"
 build=build-fuzz
 deploy/install-deps.sh clang libclang-rt-14-dev
@@ -21,7 +21,7 @@ protobuf_inc=$(find "$build" -name ps.pb-c.h -printf '%h\n' | head -1)
 for t in "${targets[@]}"; do
   case "$t" in
     wire) libs=("$build/libps_rpc.a" "$build/libps_proto.a" "$build/libps_util.a") ;;
-    job) libs=("$build/libps_spec.a" "$build/libps_util.a") ;;
+    job | keras) libs=("$build/libps_spec.a" "$build/libps_util.a") ;;
     leases | ckpt) libs=("$build/libps_shardlib.a" "$build/libps_spec.a" "$build/libps_util.a") ;;
     auth) libs=("$build/libps_shardlib.a" "$build/libps_rpc.a" "$build/libps_proto.a"
                 "$build/libps_spec.a" "$build/libps_util.a") ;;
@@ -33,8 +33,12 @@ for t in "${targets[@]}"; do
     $(pkg-config --libs libprotobuf-c jansson grpc) -lm -lpthread -o "$out/fuzz_$t"
   mkdir -p "$out/corpus-$t"
   [ -d "tests/fuzz/seeds/$t" ] && cp tests/fuzz/seeds/"$t"/* "$out/corpus-$t/" 2>/dev/null || true
+  # Keras's JSON: the test fixtures written by tf_keras and Keras 3 (up to
+  # 14 KB, hence the larger inputs).
+  maxlen=4096
+  if [ "$t" = keras ]; then cp tests/fixtures/keras/*.json "$out/corpus-$t/"; maxlen=16384; fi
   echo "fuzz: $t for $secs s"
-  (cd "$out" && ASAN_OPTIONS=detect_leaks=1 "./fuzz_$t" -max_total_time="$secs" -max_len=4096 \
+  (cd "$out" && ASAN_OPTIONS=detect_leaks=1 "./fuzz_$t" -max_total_time="$secs" -max_len="$maxlen" \
      -print_final_stats=1 "corpus-$t" 2>"$out/$t.log") ||
     { tail -40 "$out/$t.log"; echo "fuzz: $t FAILED; inputs and log in $out" >&2; exit 1; }
   grep -E "stat::number_of_executed_units|cov:" "$out/$t.log" | tail -2
