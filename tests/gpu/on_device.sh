@@ -67,6 +67,10 @@ if [ -n "$cs" ]; then
   run "compute-sanitizer memcheck training" 900 "$cs" --tool memcheck --error-exitcode 1 \
     "$b/bin/ps-worker" --local --device cuda --job deploy/jobs/fashion_mnist_cnn.json \
     --data-dir "$b/data" --max-steps 5 --eval-interval 0 || fails=$((fails + 1))
+  # Batchnorm's kernels and the residual model's buffers (the ResNet job).
+  run "compute-sanitizer memcheck batchnorm" 900 "$cs" --tool memcheck --error-exitcode 1 \
+    "$b/bin/ps-worker" --local --device cuda --job deploy/jobs/fashion_mnist_resnet.json \
+    --data-dir "$b/data" --max-steps 3 --eval-interval 0 || fails=$((fails + 1))
 else
   say "compute-sanitizer: not on this machine: memcheck, racecheck and synccheck not run"
 fi
@@ -119,6 +123,19 @@ for p in tf32 bf16; do
   python3 -c "import sys; sys.exit(0 if float('$(acc_of "$b/precision-$p.log")') >= float('$(acc_of "$b/precision-fp32.log")') - 0.02 else 1)" \
     || { say "FAIL: precision $p trains worse than fp32"; fails=$((fails + 1)); }
 done
+# Batchnorm in training and evaluation: 200 steps of the ResNet job on the
+# GPU and on the cpu end within 0.03 of each other's test accuracy (the
+# evaluation normalizes with the moving statistics both updated).
+for d in cuda cpu; do
+  timeout 600 "$b/bin/ps-worker" --local --device "$d" --job deploy/jobs/fashion_mnist_resnet.json \
+    --data-dir "$b/data" --max-steps 200 --eval-interval 0 >"$b/resnet-$d.log" 2>&1 \
+    || { say "FAIL: the ResNet job on $d: $(tail -1 "$b/resnet-$d.log")"; fails=$((fails + 1)); }
+  say "resnet on $d: $(grep "^trained" "$b/resnet-$d.log"), accuracy $(acc_of "$b/resnet-$d.log")"
+done
+if [ -n "$(acc_of "$b/resnet-cuda.log")" ] && [ -n "$(acc_of "$b/resnet-cpu.log")" ]; then
+  python3 -c "import sys; sys.exit(0 if abs(float('$(acc_of "$b/resnet-cuda.log")') - float('$(acc_of "$b/resnet-cpu.log")')) <= 0.03 else 1)" \
+    || { say "FAIL: the ResNet's accuracy on the GPU differs from the cpu's by more than 0.03"; fails=$((fails + 1)); }
+fi
 # The benchmark (the data set from the bundle).
 DATA_DIR="$b/data" run gpu.sh 540 bash tests/bench/gpu.sh "$b/bin" "$steps" || fails=$((fails + 1))
 say "on_device: $fails part(s) failed"
