@@ -123,18 +123,18 @@ for p in tf32 bf16; do
   python3 -c "import sys; sys.exit(0 if float('$(acc_of "$b/precision-$p.log")') >= float('$(acc_of "$b/precision-fp32.log")') - 0.02 else 1)" \
     || { say "FAIL: precision $p trains worse than fp32"; fails=$((fails + 1)); }
 done
-# Batchnorm in training and evaluation: 200 steps of the ResNet job on the
-# GPU and on the cpu end within 0.03 of each other's test accuracy (the
+# Batchnorm in training and evaluation: 300 steps of the ResNet job on the
+# GPU and on the cpu end within 0.04 of each other's test accuracy (the
 # evaluation normalizes with the moving statistics both updated).
 for d in cuda cpu; do
   timeout 600 "$b/bin/ps-worker" --local --device "$d" --job deploy/jobs/fashion_mnist_resnet.json \
-    --data-dir "$b/data" --max-steps 200 --eval-interval 0 >"$b/resnet-$d.log" 2>&1 \
+    --data-dir "$b/data" --max-steps 300 --eval-interval 0 >"$b/resnet-$d.log" 2>&1 \
     || { say "FAIL: the ResNet job on $d: $(tail -1 "$b/resnet-$d.log")"; fails=$((fails + 1)); }
   say "resnet on $d: $(grep "^trained" "$b/resnet-$d.log"), accuracy $(acc_of "$b/resnet-$d.log")"
 done
 if [ -n "$(acc_of "$b/resnet-cuda.log")" ] && [ -n "$(acc_of "$b/resnet-cpu.log")" ]; then
-  python3 -c "import sys; sys.exit(0 if abs(float('$(acc_of "$b/resnet-cuda.log")') - float('$(acc_of "$b/resnet-cpu.log")')) <= 0.03 else 1)" \
-    || { say "FAIL: the ResNet's accuracy on the GPU differs from the cpu's by more than 0.03"; fails=$((fails + 1)); }
+  python3 -c "import sys; sys.exit(0 if abs(float('$(acc_of "$b/resnet-cuda.log")') - float('$(acc_of "$b/resnet-cpu.log")')) <= 0.04 else 1)" \
+    || { say "FAIL: the ResNet's accuracy on the GPU differs from the cpu's by more than 0.04"; fails=$((fails + 1)); }
 fi
 # The benchmark (the data set from the bundle).
 DATA_DIR="$b/data" run gpu.sh 540 bash tests/bench/gpu.sh "$b/bin" "$steps" || fails=$((fails + 1))
