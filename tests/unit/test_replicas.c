@@ -356,6 +356,52 @@ static void test_dropout_streams(void) {
   free_problem(&p);
 }
 
+/* Batchnorm: each replica normalizes its own slice, so the gradient is
+ * the slices' weighted sum as with dropout, and the pushed statistics (in
+ * the moving statistics' places) are the slices' means and variances
+ * weighted by their sizes; the by-hand sum from separate models. */
+static void test_batchnorm_slices(void) {
+  ps_model_spec spec;
+  if (load_model("tests/integration/jobs/batchnorm.json", &spec, NULL) != 0) return;
+  const int R = 2, n = 20; /* slices of 10 and 10 */
+  const int first[2] = {0, 10}, count[2] = {10, 10};
+  problem p = make_problem(&spec, n, 31);
+  char err[PS_ERRLEN];
+  ps_ops *ops = ps_ops_cpu_create(1);
+  ps_model *m = ps_model_create(&spec, ops, 10, err);
+  CHECK_MSG(m != NULL, "%s", err);
+  float *g[2], *want = malloc(p.P * sizeof(float));
+  for (int i = 0; i < R; i++) {
+    g[i] = malloc(p.P * sizeof(float));
+    if (m)
+      ps_model_train_step(m, p.params, p.x + (size_t)first[i] * p.in_size, p.y + first[i],
+                          count[i], 3, 5 * R + (uint64_t)i, g[i], NULL);
+  }
+  for (size_t k = 0; k < p.P; k++) want[k] = 0.5f * g[0][k] + 0.5f * g[1][k];
+  ps_replicas *r = m ? ps_replicas_create(&spec, R, 32, err) : NULL;
+  CHECK_MSG(r != NULL, "%s", err);
+  if (r) {
+    step_result got = replicas_step(r, &p, n, 3, 5);
+    size_t bad = 0;
+    for (size_t k = 0; k < p.P; k++)
+      if (!(fabsf(got.grads[k] - want[k]) <= 1e-7f + 1e-6f * fabsf(want[k]))) bad++;
+    CHECK_MSG(bad == 0, "%zu of %zu values differ from the slices' weighted sum", bad, p.P);
+    /* The statistics differ between the slices, and the push carries their mean. */
+    const ps_layer *bn = &spec.layers[1];
+    CHECK(bn->type == PS_LAYER_BATCHNORM);
+    CHECK(g[0][bn->s_off] != g[1][bn->s_off]);
+    CHECK_NEAR(got.grads[bn->s_off], 0.5 * ((double)g[0][bn->s_off] + g[1][bn->s_off]), 0.0,
+               1e-6);
+    free(got.grads);
+    ps_replicas_destroy(r);
+  }
+  for (int i = 0; i < R; i++) free(g[i]);
+  free(want);
+  ps_model_destroy(m);
+  ops->destroy(ops);
+  free_problem(&p);
+}
+
 /* One replicas object over many steps of different sizes: the threads are
  * reused, and every step still matches its reference. */
 static void test_repeated_steps(void) {
@@ -608,6 +654,7 @@ int main(void) {
   RUN(test_replicas_match_one);
   RUN(test_odd_batches);
   RUN(test_dropout_streams);
+  RUN(test_batchnorm_slices);
   RUN(test_repeated_steps);
   RUN(test_lifecycle_and_errors);
   RUN(test_training_converges);
