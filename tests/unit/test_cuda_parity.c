@@ -1343,16 +1343,13 @@ static const char *AVG_CNN_JSON =
     "{\"type\": \"global_avgpool\"}, {\"type\": \"flatten\"},"
     "{\"type\": \"dense\", \"units\": 10}, {\"type\": \"softmax_xent\"}]}";
 
-static void test_avg_cnn_step(void) {
-  ps_model_spec spec;
-  char err[PS_ERRLEN];
-  if (ps_model_spec_parse(AVG_CNN_JSON, &spec, err) != 0) {
-    CHECK_MSG(0, "spec: %s", err);
-    return;
-  }
-  const size_t P = spec.n_params, in = (size_t)28 * 28;
-  float *params = host_alloc(P * sizeof(float));
-  ps_model_init_params(&spec, 5, 0, P, params);
+/* One training step of spec from params on both sides, on the same batch
+ * of CNN_BATCH examples: the loss within rtol 1e-5 and each layer's
+ * gradients (weights, biases) within 1e-3 relative L2, batchnorm's batch
+ * statistics (in the moving statistics' places) within 1e-4. what names
+ * the model in the messages. */
+static void cnn_step_both(const char *what, const ps_model_spec *spec, const float *params) {
+  const size_t P = spec->n_params, in = (size_t)28 * 28;
   float *x = host_alloc((size_t)CNN_BATCH * in * sizeof(float));
   uint8_t *y = host_alloc(CNN_BATCH);
   cnn_data(x, y, CNN_BATCH);
@@ -1360,23 +1357,40 @@ static void test_avg_cnn_step(void) {
   float loss[2], *grads[2];
   for (int s = 0; s < 2; s++) {
     net m;
-    net_init(&m, sides[s], &spec, CNN_BATCH);
+    net_init(&m, sides[s], spec, CNN_BATCH);
     grads[s] = host_alloc(P * sizeof(float));
     loss[s] = net_step(&m, params, x, y, 3, 0, grads[s]);
     net_free(&m);
   }
   const double rel = fabs((double)loss[1] - loss[0]) / fabs((double)loss[0]);
-  CHECK_MSG(isfinite(loss[1]) && rel <= 1e-5, "avgpool CNN: loss %.9g vs %.9g", (double)loss[1],
+  CHECK_MSG(isfinite(loss[1]) && rel <= 1e-5, "%s: loss %.9g vs %.9g", what, (double)loss[1],
             (double)loss[0]);
-  for (int i = 0; i < spec.n_layers; i++) {
-    const ps_layer *L = &spec.layers[i];
+  for (int i = 0; i < spec->n_layers; i++) {
+    const ps_layer *L = &spec->layers[i];
     if (!L->w_count) continue;
     const double ew = rel_l2(grads[1] + L->w_off, grads[0] + L->w_off, L->w_count);
     const double eb = rel_l2(grads[1] + L->b_off, grads[0] + L->b_off, L->b_count);
-    CHECK_MSG(ew <= 1e-3 && eb <= 1e-3, "avgpool CNN %s: gradients differ: w %.3g, b %.3g", L->name,
+    CHECK_MSG(ew <= 1e-3 && eb <= 1e-3, "%s %s: gradients differ: w %.3g, b %.3g", what, L->name,
               ew, eb);
+    if (L->type == PS_LAYER_BATCHNORM) {
+      const double es = rel_l2(grads[1] + L->s_off, grads[0] + L->s_off, L->s_count);
+      CHECK_MSG(es <= 1e-4, "%s %s: batch statistics differ: %.3g", what, L->name, es);
+    }
   }
-  free(params), free(x), free(y), free(grads[0]), free(grads[1]);
+  free(x), free(y), free(grads[0]), free(grads[1]);
+}
+
+static void test_avg_cnn_step(void) {
+  ps_model_spec spec;
+  char err[PS_ERRLEN];
+  if (ps_model_spec_parse(AVG_CNN_JSON, &spec, err) != 0) {
+    CHECK_MSG(0, "spec: %s", err);
+    return;
+  }
+  float *params = host_alloc(spec.n_params * sizeof(float));
+  ps_model_init_params(&spec, 5, 0, spec.n_params, params);
+  cnn_step_both("avgpool CNN", &spec, params);
+  free(params);
 }
 
 /* A CNN with batch normalization after convolutions and a dense layer
@@ -1405,9 +1419,8 @@ static void test_bn_cnn_step(void) {
     CHECK_MSG(0, "spec: %s", err);
     return;
   }
-  const size_t P = spec.n_params, in = (size_t)28 * 28;
-  float *params = host_alloc(P * sizeof(float));
-  ps_model_init_params(&spec, 9, 0, P, params);
+  float *params = host_alloc(spec.n_params * sizeof(float));
+  ps_model_init_params(&spec, 9, 0, spec.n_params, params);
   /* gamma and beta away from their initial 1 and 0, so that a mix-up of
    * the two (or of channels) shows. */
   for (int i = 0; i < spec.n_layers; i++) {
@@ -1416,34 +1429,8 @@ static void test_bn_cnn_step(void) {
     for (size_t j = 0; j < L->w_count; j++) params[L->w_off + j] = 0.5f + (float)rand_unit();
     for (size_t j = 0; j < L->b_count; j++) params[L->b_off + j] = (float)rand_unit() - 0.5f;
   }
-  float *x = host_alloc((size_t)CNN_BATCH * in * sizeof(float));
-  uint8_t *y = host_alloc(CNN_BATCH);
-  cnn_data(x, y, CNN_BATCH);
-  const side *sides[2] = {&ref, &dut};
-  float loss[2], *grads[2];
-  for (int s = 0; s < 2; s++) {
-    net m;
-    net_init(&m, sides[s], &spec, CNN_BATCH);
-    grads[s] = host_alloc(P * sizeof(float));
-    loss[s] = net_step(&m, params, x, y, 3, 0, grads[s]);
-    net_free(&m);
-  }
-  const double rel = fabs((double)loss[1] - loss[0]) / fabs((double)loss[0]);
-  CHECK_MSG(isfinite(loss[1]) && rel <= 1e-5, "batchnorm CNN: loss %.9g vs %.9g", (double)loss[1],
-            (double)loss[0]);
-  for (int i = 0; i < spec.n_layers; i++) {
-    const ps_layer *L = &spec.layers[i];
-    if (!L->w_count) continue;
-    const double ew = rel_l2(grads[1] + L->w_off, grads[0] + L->w_off, L->w_count);
-    const double eb = rel_l2(grads[1] + L->b_off, grads[0] + L->b_off, L->b_count);
-    CHECK_MSG(ew <= 1e-3 && eb <= 1e-3, "batchnorm CNN %s: gradients differ: w %.3g, b %.3g",
-              L->name, ew, eb);
-    if (L->type == PS_LAYER_BATCHNORM) {
-      const double es = rel_l2(grads[1] + L->s_off, grads[0] + L->s_off, L->s_count);
-      CHECK_MSG(es <= 1e-4, "batchnorm CNN %s: batch statistics differ: %.3g", L->name, es);
-    }
-  }
-  free(params), free(x), free(y), free(grads[0]), free(grads[1]);
+  cnn_step_both("batchnorm CNN", &spec, params);
+  free(params);
 }
 
 int main(void) {
