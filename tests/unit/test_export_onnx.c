@@ -103,6 +103,20 @@ static int dim_is(const Onnx__ValueInfoProto *v, size_t i, int64_t value, const 
          d->dim_value == value;
 }
 
+/* g's nodes are of the types ops[0..n) in that order. */
+static void check_op_types(const Onnx__GraphProto *g, const char *const *ops, size_t n) {
+  CHECK_MSG(g->n_node == n, "%zu nodes", g->n_node);
+  for (size_t i = 0; i < g->n_node && i < n; i++)
+    CHECK_MSG(!strcmp(g->node[i]->op_type, ops[i]), "node %zu is %s, not %s", i,
+              g->node[i]->op_type, ops[i]);
+}
+
+/* Each node (but the first) reads first what the one before wrote. */
+static void check_chain(const Onnx__GraphProto *g) {
+  for (size_t i = 1; i < g->n_node; i++)
+    CHECK_MSG(!strcmp(g->node[i]->input[0], g->node[i - 1]->output[0]), "node %zu's input", i);
+}
+
 /* Nothing but the names in keep[] is in g_dir. */
 static int dir_holds_only(const char *const *keep, int n_keep) {
   DIR *d = opendir(g_dir);
@@ -164,14 +178,10 @@ static void test_graph(void) {
   static const char *const ops[] = {"Conv",      "Relu", "MaxPool", "Flatten", "Gemm",
                                     "Unsqueeze", "Conv", "Flatten", "Gemm",    "Softmax"};
   const size_t n_ops = sizeof ops / sizeof ops[0];
-  CHECK_MSG(g->n_node == n_ops, "%zu nodes", g->n_node);
-  for (size_t i = 0; i < g->n_node && i < n_ops; i++)
-    CHECK_MSG(!strcmp(g->node[i]->op_type, ops[i]), "node %zu is %s, not %s", i,
-              g->node[i]->op_type, ops[i]);
+  check_op_types(g, ops, n_ops);
   /* Each node reads what the one before wrote. */
   CHECK(!strcmp(g->node[0]->input[0], "input"));
-  for (size_t i = 1; i < g->n_node; i++)
-    CHECK_MSG(!strcmp(g->node[i]->input[0], g->node[i - 1]->output[0]), "node %zu's input", i);
+  check_chain(g);
   if (g->n_node == n_ops) {
     const int64_t k5[2] = {5, 5}, s2[2] = {2, 2}, p2[4] = {2, 2, 2, 2};
     CHECK(ints_are(g->node[0], "kernel_shape", k5, 2) && ints_are(g->node[0], "strides", s2, 2) &&
@@ -254,12 +264,8 @@ static void test_pooling_graph(void) {
                                     "Gemm", "Unsqueeze",   "GlobalAveragePool", "Flatten",
                                     "Gemm", "Softmax"};
   const size_t n_ops = sizeof ops / sizeof ops[0];
-  CHECK_MSG(g->n_node == n_ops, "%zu nodes", g->n_node);
-  for (size_t i = 0; i < g->n_node && i < n_ops; i++)
-    CHECK_MSG(!strcmp(g->node[i]->op_type, ops[i]), "node %zu is %s, not %s", i,
-              g->node[i]->op_type, ops[i]);
-  for (size_t i = 1; i < g->n_node; i++)
-    CHECK_MSG(!strcmp(g->node[i]->input[0], g->node[i - 1]->output[0]), "node %zu's input", i);
+  check_op_types(g, ops, n_ops);
+  check_chain(g);
   if (g->n_node == n_ops) {
     const int64_t k3[2] = {3, 3}, s2[2] = {2, 2};
     CHECK(!strcmp(g->node[1]->name, "avgpool_0"));
@@ -309,10 +315,7 @@ static void test_residual_graph(void) {
       "Gemm", "Unsqueeze", "Add",  "Unsqueeze", "Unsqueeze",         "Add",
       "Add",  "Flatten",   "Gemm", "Softmax"};
   const size_t n_ops = sizeof ops / sizeof ops[0];
-  CHECK_MSG(g->n_node == n_ops, "%zu nodes", g->n_node);
-  for (size_t i = 0; i < g->n_node && i < n_ops; i++)
-    CHECK_MSG(!strcmp(g->node[i]->op_type, ops[i]), "node %zu is %s, not %s", i,
-              g->node[i]->op_type, ops[i]);
+  check_op_types(g, ops, n_ops);
   /* (node, input) -> the tensor it must read. */
   static const struct {
     int node, input;
@@ -379,12 +382,8 @@ static void test_batchnorm_graph(void) {
       "BatchNormalization", "Gemm",      "BatchNormalization", "Unsqueeze",
       "Conv",      "GlobalAveragePool",  "BatchNormalization", "Flatten", "Gemm", "Softmax"};
   const size_t n_ops = sizeof ops / sizeof ops[0];
-  CHECK_MSG(g->n_node == n_ops, "%zu nodes", g->n_node);
-  for (size_t i = 0; i < g->n_node && i < n_ops; i++)
-    CHECK_MSG(!strcmp(g->node[i]->op_type, ops[i]), "node %zu is %s, not %s", i,
-              g->node[i]->op_type, ops[i]);
-  for (size_t i = 1; i < g->n_node; i++)
-    CHECK_MSG(!strcmp(g->node[i]->input[0], g->node[i - 1]->output[0]), "node %zu's input", i);
+  check_op_types(g, ops, n_ops);
+  check_chain(g);
   const ps_layer *L = spec.layers;
   if (g->n_node == n_ops) {
     /* Bias-less Conv and Gemm: no B, no C; the others keep theirs. */
