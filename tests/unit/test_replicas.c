@@ -286,6 +286,51 @@ static void test_odd_batches(void) {
   free_problem(&p);
 }
 
+/* The replicas' step rebuilt by hand: slice i (count[i] examples from
+ * first[i]) through its own ps_model_train_step with stream step*R + i,
+ * its gradient in g[i] (P floats, malloc'd), and the slices' gradients
+ * weighted by count[i]/n in the returned array (malloc'd); *loss the
+ * example-weighted sum of the slices' losses, *correct their count. */
+static float *by_hand_slices(const ps_model_spec *spec, const problem *p, int R, const int *first,
+                             const int *count, int n, uint64_t seed, uint64_t step, float **g,
+                             double *loss, int *correct) {
+  char err[PS_ERRLEN];
+  int most = 1;
+  for (int i = 0; i < R; i++) most = count[i] > most ? count[i] : most;
+  ps_ops *ops = ps_ops_cpu_create(1);
+  ps_model *m = ps_model_create(spec, ops, most, err);
+  CHECK_MSG(m != NULL, "%s", err);
+  *loss = 0.0;
+  *correct = 0;
+  for (int i = 0; i < R; i++) {
+    g[i] = calloc(p->P, sizeof(float));
+    int c = 0;
+    if (m)
+      *loss += (double)ps_model_train_step(m, p->params, p->x + (size_t)first[i] * p->in_size,
+                                           p->y + first[i], count[i], seed,
+                                           step * (uint64_t)R + (uint64_t)i, g[i], &c) *
+               count[i];
+    *correct += c;
+  }
+  float *want = malloc(p->P * sizeof(float));
+  for (size_t k = 0; k < p->P; k++) {
+    want[k] = ((float)count[0] / (float)n) * g[0][k];
+    for (int i = 1; i < R; i++) want[k] += ((float)count[i] / (float)n) * g[i][k];
+  }
+  ps_model_destroy(m);
+  ops->destroy(ops);
+  return want;
+}
+
+/* How many of got[0..P) differ from want beyond float rounding of the same
+ * products and sums (one FMA or two roundings). */
+static size_t count_off(const float *got, const float *want, size_t P) {
+  size_t bad = 0;
+  for (size_t k = 0; k < P; k++)
+    if (!(fabsf(got[k] - want[k]) <= 1e-7f + 1e-6f * fabsf(want[k]))) bad++;
+  return bad;
+}
+
 /* With dropout, replica i runs ps_model_train_step on its slice with
  * stream step*R + i, and the gradient is w_0 g_0 + w_1 g_1 + ...: rebuilt
  * here by hand from separate models. */
@@ -304,25 +349,10 @@ static void test_dropout_streams(void) {
     p.y[i] = p.y[i % 7];
   }
   char err[PS_ERRLEN];
-  ps_ops *ops = ps_ops_cpu_create(1);
-  ps_model *m = ps_model_create(&spec, ops, 7, err);
   float *g[3];
-  double loss = 0.0;
-  int correct = 0;
-  for (int i = 0; i < R; i++) {
-    g[i] = malloc(p.P * sizeof(float));
-    int c = 0;
-    loss +=
-        (double)ps_model_train_step(m, p.params, p.x + (size_t)first[i] * p.in_size, p.y + first[i],
-                                    count[i], seed, step * R + (uint64_t)i, g[i], &c) *
-        count[i];
-    correct += c;
-  }
-  float *want = malloc(p.P * sizeof(float));
-  for (size_t k = 0; k < p.P; k++) {
-    want[k] = ((float)count[0] / (float)n) * g[0][k];
-    for (int i = 1; i < R; i++) want[k] += ((float)count[i] / (float)n) * g[i][k];
-  }
+  double loss;
+  int correct;
+  float *want = by_hand_slices(&spec, &p, R, first, count, n, seed, step, g, &loss, &correct);
   /* Replicas 0 and 1 saw the same examples: only their masks differ. */
   CHECK(memcmp(g[0], g[1], p.P * sizeof(float)) != 0);
 
@@ -334,9 +364,7 @@ static void test_dropout_streams(void) {
     CHECK(got.correct == correct);
     /* The same products and sums in the same order: equal up to how the
      * compiler rounds a*b+c (one FMA or two roundings). */
-    size_t bad = 0;
-    for (size_t k = 0; k < p.P; k++)
-      if (!(fabsf(got.grads[k] - want[k]) <= 1e-7f + 1e-6f * fabsf(want[k]))) bad++;
+    const size_t bad = count_off(got.grads, want, p.P);
     CHECK_MSG(bad == 0, "%zu of %zu gradient values differ from the by-hand sum", bad, p.P);
     /* Deterministic: the same step again gives the same bits; another
      * step draws other masks. */
@@ -351,8 +379,6 @@ static void test_dropout_streams(void) {
   }
   for (int i = 0; i < R; i++) free(g[i]);
   free(want);
-  ps_model_destroy(m);
-  ops->destroy(ops);
   free_problem(&p);
 }
 
@@ -367,24 +393,15 @@ static void test_batchnorm_slices(void) {
   const int first[2] = {0, 10}, count[2] = {10, 10};
   problem p = make_problem(&spec, n, 31);
   char err[PS_ERRLEN];
-  ps_ops *ops = ps_ops_cpu_create(1);
-  ps_model *m = ps_model_create(&spec, ops, 10, err);
-  CHECK_MSG(m != NULL, "%s", err);
-  float *g[2], *want = malloc(p.P * sizeof(float));
-  for (int i = 0; i < R; i++) {
-    g[i] = malloc(p.P * sizeof(float));
-    if (m)
-      ps_model_train_step(m, p.params, p.x + (size_t)first[i] * p.in_size, p.y + first[i],
-                          count[i], 3, 5 * R + (uint64_t)i, g[i], NULL);
-  }
-  for (size_t k = 0; k < p.P; k++) want[k] = 0.5f * g[0][k] + 0.5f * g[1][k];
-  ps_replicas *r = m ? ps_replicas_create(&spec, R, 32, err) : NULL;
+  float *g[2];
+  double loss;
+  int correct;
+  float *want = by_hand_slices(&spec, &p, R, first, count, n, 3, 5, g, &loss, &correct);
+  ps_replicas *r = ps_replicas_create(&spec, R, 32, err);
   CHECK_MSG(r != NULL, "%s", err);
   if (r) {
     step_result got = replicas_step(r, &p, n, 3, 5);
-    size_t bad = 0;
-    for (size_t k = 0; k < p.P; k++)
-      if (!(fabsf(got.grads[k] - want[k]) <= 1e-7f + 1e-6f * fabsf(want[k]))) bad++;
+    const size_t bad = count_off(got.grads, want, p.P);
     CHECK_MSG(bad == 0, "%zu of %zu values differ from the slices' weighted sum", bad, p.P);
     /* The statistics differ between the slices, and the push carries their mean. */
     const ps_layer *bn = &spec.layers[1];
@@ -397,8 +414,6 @@ static void test_batchnorm_slices(void) {
   }
   for (int i = 0; i < R; i++) free(g[i]);
   free(want);
-  ps_model_destroy(m);
-  ops->destroy(ops);
   free_problem(&p);
 }
 
