@@ -144,6 +144,9 @@ static void set_defaults(ps_job *job) {
   job->eval_interval_s = 30.0;
   job->heartbeat_timeout_ms = 10000;
   job->max_workers = 256;
+  job->replicas_per_shard = 1;
+  job->replica_heartbeat_ms = 100;
+  job->replica_lease_ms = 500;
 }
 
 static int parse_job_id(json_t *root, ps_job *job, char *err) {
@@ -426,13 +429,46 @@ static int parse_mode(json_t *root, ps_job *job, char *err) {
   return 0;
 }
 
+/* Replicated shards: R replicas per shard, how often a primary speaks to
+ * its backups, and how long a silence makes a replica act. */
+static int parse_replication(json_t *root, ps_job *job, char *err) {
+  long long v = job->replicas_per_shard;
+  int rc;
+  if ((rc = get_int(root, "replicas_per_shard", "replicas_per_shard", 1, PS_MAX_REPLICAS, &v,
+                    err)))
+    return rc;
+  job->replicas_per_shard = (int)v;
+  v = job->replica_heartbeat_ms;
+  if ((rc = get_int(root, "replica_heartbeat_ms", "replica_heartbeat_ms", 10, 60000, &v, err)))
+    return rc;
+  job->replica_heartbeat_ms = (int)v;
+  v = job->replica_lease_ms;
+  if ((rc = get_int(root, "replica_lease_ms", "replica_lease_ms", 30, 600000, &v, err)))
+    return rc;
+  job->replica_lease_ms = (int)v;
+  if (job->replica_lease_ms < 3 * job->replica_heartbeat_ms)
+    return ps_seterr(err, PS_EINVAL,
+                     "'replica_lease_ms' (%d) must be at least 3 x 'replica_heartbeat_ms' (%d): "
+                     "a replica must miss several heartbeats before it acts",
+                     job->replica_lease_ms, job->replica_heartbeat_ms);
+  if (job->replicas_per_shard > 1 && job->mode_kind == PS_MODE_SYNC)
+    return ps_seterr(err, PS_EINVAL,
+                     "'replicas_per_shard' > 1 takes mode async or ssp:K; sync steps are not "
+                     "replicated yet");
+  if (job->replicas_per_shard > 1 && job->lease_chunk > 0)
+    return ps_seterr(err, PS_EINVAL,
+                     "'replicas_per_shard' > 1 takes 'lease_chunk' 0; data leases are not "
+                     "replicated yet");
+  return 0;
+}
+
 static int parse_root(json_t *root, ps_job *job, char *err) {
   if (!json_is_object(root)) return ps_seterr(err, PS_EINVAL, "the job must be a JSON object");
   static const char *const known =
       "job_id, model, optimizer, seed, batch_size, epochs, max_steps, mode, backup_workers, "
       "min_workers, max_workers, lease_chunk, "
       "staleness_aware_lr, wait_timeout_ms, shuffle, dataset, eval_interval_s, "
-      "heartbeat_timeout_ms, wire";
+      "heartbeat_timeout_ms, wire, replicas_per_shard, replica_heartbeat_ms, replica_lease_ms";
   int rc;
   if ((rc = check_keys(root, known, "", err))) return rc;
   if ((rc = parse_job_id(root, job, err))) return rc;
@@ -476,6 +512,7 @@ static int parse_root(json_t *root, ps_job *job, char *err) {
   if ((rc = get_int(root, "heartbeat_timeout_ms", "heartbeat_timeout_ms", 1, INT_MAX, &v, err)))
     return rc;
   job->heartbeat_timeout_ms = (int)v;
+  if ((rc = parse_replication(root, job, err))) return rc;
   json_t *wire = json_object_get(root, "wire");
   if (wire) {
     const char *name = json_string_value(wire);

@@ -15,7 +15,8 @@
  *   "shuffle": true, "lease_chunk": 0,
  *   "dataset": {"name": "fashion-mnist", "dir": "/usr/share/datasets/fashion-mnist"},
  *   "eval_interval_s": 20, "heartbeat_timeout_ms": 10000,
- *   "wire": "fp32"                       (or "bf16", "fp16": 16-bit values on the wire)
+ *   "wire": "fp32",                      (or "bf16", "fp16": 16-bit values on the wire)
+ *   "replicas_per_shard": 1, "replica_heartbeat_ms": 100, "replica_lease_ms": 500
  * }
  * dataset.name is "fashion-mnist", "mnist" (IDX files in dir), "cifar10"
  * (CIFAR-10 binary: data_batch_1.bin .. data_batch_5.bin and test_batch.bin
@@ -38,6 +39,8 @@
 #include <stdint.h>
 
 #include "half.h"
+
+#define PS_MAX_REPLICAS 5
 #include "model_spec.h"
 
 typedef struct {
@@ -90,6 +93,12 @@ typedef struct {
   int heartbeat_timeout_ms;
   int max_workers;     /* registered at once on a shard (evaluators included); default 256 */
   ps_wire wire;        /* how pulled parameters and pushed gradients travel; default fp32 */
+  /* Replicated shards (ps/replica.h): replicas per shard (1: none), a
+   * primary's heartbeat to its backups, and the silence after which a
+   * backup runs for primary or a primary drops a backup. */
+  int replicas_per_shard;   /* default 1, at most PS_MAX_REPLICAS */
+  int replica_heartbeat_ms; /* default 100 */
+  int replica_lease_ms;     /* default 500, at least 3 heartbeats */
 } ps_job;
 
 /* Parses a job from JSON text, filling defaults for absent optional fields.

@@ -869,7 +869,7 @@ rpc_channel *rpc_channel_create(const char *target, const rpc_channel_opts *opts
     creds = grpc_ssl_credentials_create(p.ca, p.cert ? &pair : NULL, NULL, NULL);
     tls_pem_free(&p);
   }
-  grpc_arg args[12];
+  grpc_arg args[16];
   size_t n = 0;
   if (opts != NULL && opts->gzip)
     args[n++] = int_arg(GRPC_COMPRESSION_CHANNEL_DEFAULT_ALGORITHM, GRPC_COMPRESS_GZIP);
@@ -882,7 +882,15 @@ rpc_channel *rpc_channel_create(const char *target, const rpc_channel_opts *opts
   args[n++] = int_arg(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, max_msg);
   /* A shard that comes back is found within seconds (gRPC's default
    * reconnect back-off grows to two minutes). */
-  args[n++] = int_arg(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, MAX_RECONNECT_BACKOFF_MS);
+  if (opts != NULL && opts->reconnect_ms > 0) {
+    /* A replica that comes back is to be reached at once (a primary's
+     * backup rejoining, a worker's next primary). */
+    args[n++] = int_arg(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, opts->reconnect_ms);
+    args[n++] = int_arg(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, opts->reconnect_ms);
+    args[n++] = int_arg(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, opts->reconnect_ms);
+  } else {
+    args[n++] = int_arg(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, MAX_RECONNECT_BACKOFF_MS);
+  }
   if (keepalive > 0) {
     args[n++] = int_arg(GRPC_ARG_KEEPALIVE_TIME_MS, keepalive);
     args[n++] =

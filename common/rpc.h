@@ -138,6 +138,8 @@ typedef struct {
   int keepalive_ms;      /* NULL options: RPC_DEFAULT_KEEPALIVE_MS; 0 disables */
   const rpc_tls *tls;    /* NULL: plaintext */
   int gzip;              /* compress requests (servers here refuse them: for tests) */
+  int reconnect_ms;      /* > 0: try to connect again every this many ms after a failure
+                            (default: back-off from 1 s to 3 s) */
 } rpc_channel_opts;
 
 /* A channel to target. NULL with a message when the TLS files cannot be

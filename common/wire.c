@@ -8,6 +8,7 @@
 #include "wire.h"
 
 #include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
 
 #define WIRE_TENSOR_TAG ((WIRE_TENSOR_FIELD << 3) | 2) /* 0x7a: one byte */
@@ -362,4 +363,13 @@ ProtobufCMessage *wire_decode(const ProtobufCMessageDescriptor *desc, const ps_s
   }
   *tensor = tv;
   return m;
+}
+
+int ps_redirect_parse(const char *msg) {
+  const char *tag = msg ? strstr(msg, " [primary=replica ") : NULL;
+  if (!tag) return -2;
+  int n = 0;
+  char close = 0;
+  if (sscanf(tag, " [primary=replica %d%c", &n, &close) != 2 || close != ']') return -2;
+  return n >= 0 && n < 1000 ? n : -1;
 }

@@ -18,6 +18,15 @@
  * encoding is not its job's, naming the job's. */
 #define PS_PROTOCOL_VERSION 2
 
+/* Replicated shards: a replica that is not its shard's primary answers a
+ * worker's call UNAVAILABLE, its message ending with this tag naming the
+ * primary it knows (a replica index within the shard, -1 when it knows
+ * none). */
+#define PS_REDIRECT_FMT " [primary=replica %d]"
+/* The replica a message's tag names (>= 0); -1 when the tag names none;
+ * -2 when the message has no tag (or msg is NULL). */
+int ps_redirect_parse(const char *msg);
+
 /* Builds an outgoing message: `hdr` (whose tensor field must be empty) is
  * packed into a fresh buffer, followed by the tag and length of field 15 and
  * then `tensor` as its own segment, sent without a copy (release(user) is

@@ -9,8 +9,11 @@
 # Every process gets the job's token (PS_TOKEN_FILE, or OUT/token made
 # here). Plaintext on loopback (--insecure) unless --tls DIR: mutual TLS
 # with the CA and certificates deploy/certs.sh makes in DIR.
-# In WORKER-ARGS, %k stands for the worker's index. --checkpoint-dir DIR:
-# every server checkpoints there (a set every --checkpoint-secs, default 30).
+# A job with "replicas_per_shard": R gets R servers per shard (--servers
+# counts shards; the checkpoint directory defaults to OUT/ckpt, where the
+# replicas keep their votes). In WORKER-ARGS, %k stands for the worker's
+# index. --checkpoint-dir DIR: every server checkpoints there (a set every
+# --checkpoint-secs, default 30).
 #
 # Logs go to OUT/server-S.log and OUT/worker-W.log; worker 0 (the chief)
 # is shown on the terminal. Metrics: OUT/worker-W.jsonl, OUT/server-S.jsonl.
@@ -35,7 +38,7 @@ while [ $# -gt 0 ]; do
     --tls) tls=$2; shift 2 ;;
     --checkpoint-dir) ckpt=$2; shift 2 ;;
     --checkpoint-secs) ckpt_secs=$2; shift 2 ;;
-    --help|-h) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --help|-h) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --) shift; extra=("$@"); break ;;
     *) echo "local-cluster: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -68,6 +71,14 @@ if [ -z "$threads" ]; then
   threads=$(( cores / workers )); [ "$threads" -ge 1 ] || threads=1
 fi
 
+# A job with "replicas_per_shard": R runs R servers per shard (--servers
+# counts shards then), each keeping its votes in the checkpoint directory.
+replicas=$(python3 -c 'import json,sys; print(int(json.load(open(sys.argv[1])).get("replicas_per_shard", 1)))' "$job" 2>/dev/null || echo 1)
+if [ "$replicas" -gt 1 ]; then
+  shards=$servers; servers=$((shards * replicas))
+  [ -n "$ckpt" ] || { ckpt=$out/ckpt; mkdir -p "$ckpt"; }
+fi
+
 # Free loopback ports, chosen by the kernel.
 ports=$(python3 - "$servers" <<'PY'
 import socket, sys
@@ -92,6 +103,7 @@ for ((s = 0; s < servers; s++)); do
     ${ckpt:+--checkpoint-dir "$ckpt" --checkpoint-secs "$ckpt_secs"} >"$out/server-$s.log" 2>&1 &
   pids+=($!); server_pids+=($!)
 done
+[ "$replicas" -gt 1 ] && echo "local-cluster: $shards shards x $replicas replicas (votes and checkpoints in $ckpt)"
 echo "local-cluster: $servers servers on $ports ($([ -n "$tls" ] && echo "mutual TLS" || echo plaintext), job token $PS_TOKEN_FILE); $workers workers; logs in $out"
 
 worker_pids=()

@@ -83,7 +83,8 @@ struct ps_cut {
   int coordinating;
   int stopping; /* no new set: the server stops */
   uv_work_t coord_work;
-  rpc_channel *ch[PS_MAX_TASKS];
+  rpc_channel *ch[PS_MAX_TASKS]; /* per server (shard x replica) */
+  int cur[PS_MAX_TASKS];         /* per shard: the replica believed primary */
   uint64_t complete[PS_CUT_MAX_KEEP]; /* the newest complete sets, newest first */
   int n_complete;
   uint64_t next_set;
@@ -672,44 +673,81 @@ void ps_cut_watch(ps_server *sv) {
 
 /* ------------------------------------------------------------ shard 0 */
 
+/* The channel to replica r of shard s (r 0 without replication), made at
+ * the first call; NULL with the error logged. */
+static rpc_channel *shard_channel(ps_server *sv, int s, int r) {
+  ps_cut *c = sv->cut;
+  int R = sv->repl ? sv->job.replicas_per_shard : 1;
+  int v = s * R + r;
+  if (!c->ch[v]) {
+    char err[PS_ERRLEN];
+    rpc_channel_opts co = {.tls = ps_security_tls(&sv->sec)};
+    const char *addr = sv->repl ? sv->replica_addrs[v] : sv->cluster.ps[s];
+    c->ch[v] = rpc_channel_create(addr, &co, err);
+    if (!c->ch[v]) PS_ERROR("checkpoint sets: no channel to shard %d (%s): %s", s, addr, err);
+  }
+  return c->ch[v];
+}
+
 /* One call to every shard at once; answers decoded into resp[s] (NULL on
- * failure, with the status and message in st[s], why[s]). */
+ * failure, with the status and message in st[s], why[s]). With replicated
+ * shards the call goes to each shard's primary: a replica that is not
+ * answers UNAVAILABLE naming the one it knows, and the call goes there (or
+ * to the next replica) again, a few times at most. */
 static void fan_out(ps_server *sv, Ps__CheckpointRequest *req, int timeout_ms,
                     Ps__CheckpointResponse **resp, int *st, char (*why)[PS_ERRLEN]) {
   ps_cut *c = sv->cut;
   int S = sv->cluster.n_ps;
+  int R = sv->repl ? sv->job.replicas_per_shard : 1;
   rpc_queue *q = rpc_queue_create();
-  rpc_request *calls[PS_MAX_TASKS] = {0};
   for (int s = 0; s < S; s++) {
     resp[s] = NULL;
     st[s] = RPC_UNAVAILABLE;
     snprintf(why[s], PS_ERRLEN, "not called");
-    rpc_msg msg;
-    if (!q || wire_encode(&req->base, NULL, 0, NULL, NULL, &msg) != 0) {
-      snprintf(why[s], PS_ERRLEN, "out of memory");
-      continue;
-    }
-    calls[s] = rpc_start(q, c->ch[s], "/ps.ParameterServer/Checkpoint", &msg, timeout_ms, 1,
-                         why[s]);
   }
-  for (int s = 0; s < S; s++) {
-    if (!calls[s]) continue;
-    ps_segview view;
-    st[s] = rpc_wait(calls[s], why[s], &view);
-    if (st[s] == RPC_OK) {
-      ps_seg *segs = malloc((size_t)(view.nsegs > 0 ? view.nsegs : 1) * sizeof *segs);
-      ps_segview tensor;
-      char err[PS_ERRLEN] = "out of memory";
-      resp[s] = segs ? (Ps__CheckpointResponse *)wire_decode(&ps__checkpoint_response__descriptor,
-                                                             &view, segs, view.nsegs > 0 ? view.nsegs : 1, &tensor, err)
-                     : NULL;
-      free(segs);
-      if (!resp[s]) {
-        st[s] = RPC_INTERNAL;
-        snprintf(why[s], PS_ERRLEN, "malformed answer: %.200s", err);
+  for (int round = 0; round <= (R > 1 ? R + 1 : 0); round++) {
+    rpc_request *calls[PS_MAX_TASKS] = {0};
+    int any = 0;
+    for (int s = 0; s < S; s++) {
+      if (round > 0 && st[s] != RPC_UNAVAILABLE) continue;
+      rpc_msg msg;
+      if (!q || wire_encode(&req->base, NULL, 0, NULL, NULL, &msg) != 0) {
+        snprintf(why[s], PS_ERRLEN, "out of memory");
+        continue;
       }
+      rpc_channel *ch = shard_channel(sv, s, c->cur[s]);
+      if (!ch) {
+        rpc_msg_release(&msg);
+        continue;
+      }
+      calls[s] = rpc_start(q, ch, "/ps.ParameterServer/Checkpoint", &msg, timeout_ms, 1, why[s]);
+      any = 1;
     }
-    rpc_request_free(calls[s]);
+    if (!any) break;
+    for (int s = 0; s < S; s++) {
+      if (!calls[s]) continue;
+      ps_segview view;
+      st[s] = rpc_wait(calls[s], why[s], &view);
+      if (st[s] == RPC_OK) {
+        ps_seg *segs = malloc((size_t)(view.nsegs > 0 ? view.nsegs : 1) * sizeof *segs);
+        ps_segview tensor;
+        char err[PS_ERRLEN] = "out of memory";
+        resp[s] = segs ? (Ps__CheckpointResponse *)wire_decode(
+                             &ps__checkpoint_response__descriptor, &view, segs,
+                             view.nsegs > 0 ? view.nsegs : 1, &tensor, err)
+                       : NULL;
+        free(segs);
+        if (!resp[s]) {
+          st[s] = RPC_INTERNAL;
+          snprintf(why[s], PS_ERRLEN, "malformed answer: %.200s", err);
+        }
+      } else if (st[s] == RPC_UNAVAILABLE && R > 1) {
+        int to = ps_redirect_parse(why[s]);
+        c->cur[s] = to >= 0 && to < R && to != c->cur[s] ? to : (c->cur[s] + 1) % R;
+      }
+      rpc_request_free(calls[s]);
+    }
+    if (R <= 1) break;
   }
   if (q) rpc_queue_destroy(q);
 }
@@ -724,16 +762,6 @@ static void coord_run(uv_work_t *w) {
   ps_cut *c = sv->cut;
   int S = sv->cluster.n_ps;
   double t0 = ps_now_s();
-  for (int s = 0; s < S; s++)
-    if (!c->ch[s]) {
-      char err[PS_ERRLEN];
-      rpc_channel_opts co = {.tls = ps_security_tls(&sv->sec)};
-      c->ch[s] = rpc_channel_create(sv->cluster.ps[s], &co, err);
-      if (!c->ch[s]) {
-        PS_ERROR("checkpoint sets: no channel to shard %d (%s): %s", s, sv->cluster.ps[s], err);
-        return;
-      }
-    }
   uint64_t id = (uint64_t)(ps_wall_s() * 1000.0);
   if (id < c->next_set) id = c->next_set;
   c->next_set = id + 1;

@@ -17,7 +17,8 @@
 typedef struct {
   uint64_t id;
   int kind;
-  int state; /* 0 free, 1 pending, 2 answered */
+  int state; /* 0 free, 1 pending, 2 answered, 3 applied and its answer staged (a replicated
+                shard: answered once every replica has it; pending until then) */
   size_t len;
   uint8_t reply[PS_REPLY_MAX];
 } recent_slot;
@@ -340,7 +341,7 @@ int ps_membership_request_begin(ps_membership *m, uint64_t worker, int kind, uin
     for (int i = 0; i < PS_RECENT_REQUESTS && rc == PS_OK; i++) {
       recent_slot *s = &r->slot[i];
       if (s->state == 0 || s->id != request_id || s->kind != kind) continue;
-      if (s->state == 1) {
+      if (s->state == 1 || s->state == 3) {
         rc = PS_REQUEST_PENDING;
       } else {
         *len = s->len <= reply_cap ? s->len : 0;
@@ -367,7 +368,7 @@ void ps_membership_request_end(ps_membership *m, uint64_t worker, int kind, uint
   int at = find(m, worker);
   for (int i = 0; at >= 0 && i < PS_RECENT_REQUESTS; i++) {
     recent_slot *s = &m->members[at].recent->slot[i];
-    if (s->state != 1 || s->id != request_id || s->kind != kind) continue;
+    if ((s->state != 1 && s->state != 3) || s->id != request_id || s->kind != kind) continue;
     if (len == 0 || len > PS_REPLY_MAX) {
       s->state = 0; /* refused (or an answer too large to keep): a retry tries again */
     } else {
@@ -401,4 +402,124 @@ uint64_t ps_membership_dropped_total(ps_membership *m) {
   uint64_t d = m->dropped_total;
   pthread_mutex_unlock(&m->mu);
   return d;
+}
+
+void ps_membership_request_stage(ps_membership *m, uint64_t worker, int kind, uint64_t request_id,
+                                 const void *reply, size_t len) {
+  if (len == 0 || len > PS_REPLY_MAX) return; /* stays pending; end decides */
+  pthread_mutex_lock(&m->mu);
+  int at = find(m, worker);
+  for (int i = 0; at >= 0 && i < PS_RECENT_REQUESTS; i++) {
+    recent_slot *s = &m->members[at].recent->slot[i];
+    if (s->state != 1 || s->id != request_id || s->kind != kind) continue;
+    memcpy(s->reply, reply, len);
+    s->len = len;
+    s->state = 3;
+    break;
+  }
+  pthread_mutex_unlock(&m->mu);
+}
+
+void ps_membership_request_settle(ps_membership *m) {
+  pthread_mutex_lock(&m->mu);
+  for (int w = 0; w < m->n; w++)
+    for (int i = 0; i < PS_RECENT_REQUESTS; i++) {
+      recent_slot *s = &m->members[w].recent->slot[i];
+      if (s->state == 3) s->state = 2;
+      else if (s->state == 1) s->state = 0;
+    }
+  pthread_mutex_unlock(&m->mu);
+}
+
+int ps_membership_install(ps_membership *m, uint64_t id, const char *host, const char *role,
+                          int task_index, int64_t now_ms, const uint8_t *session, int reader,
+                          int *rank_out) {
+  pthread_mutex_lock(&m->mu);
+  int at = find(m, id);
+  pthread_mutex_unlock(&m->mu);
+  /* The same path as the primary's join (a newcomer's clock, its rank),
+   * then the primary's secret and reader flag. */
+  int rank = 0;
+  ps_member_cred cred = {.session = session, .session_len = PS_SESSION_LEN, .reader = reader};
+  int rc = ps_membership_join(m, id, host, role, task_index, now_ms, at >= 0 ? &cred : NULL,
+                              NULL, &rank, NULL);
+  if (rc != PS_OK) return rc;
+  pthread_mutex_lock(&m->mu);
+  at = find(m, id);
+  if (at >= 0) {
+    memcpy(m->members[at].session, session, PS_SESSION_LEN);
+    m->members[at].reader = reader || strcmp(m->members[at].role, "evaluator") == 0;
+  }
+  pthread_mutex_unlock(&m->mu);
+  if (rank_out) *rank_out = rank;
+  return PS_OK;
+}
+
+int ps_membership_export(ps_membership *m, ps_member_state **out, int *n, int *next_rank) {
+  pthread_mutex_lock(&m->mu);
+  ps_member_state *st = calloc((size_t)(m->n > 0 ? m->n : 1), sizeof *st);
+  if (!st) {
+    pthread_mutex_unlock(&m->mu);
+    return PS_ENOMEM;
+  }
+  for (int w = 0; w < m->n; w++) {
+    st[w].member = m->members[w];
+    st[w].member.recent = NULL;
+    /* Oldest first, so that an import refills the ring in the same order. */
+    const struct ps_recent *r = m->members[w].recent;
+    for (int k = 0; k < PS_RECENT_REQUESTS; k++) {
+      const recent_slot *s = &r->slot[(r->next + k) % PS_RECENT_REQUESTS];
+      if (s->state != 2 && s->state != 3) continue;
+      ps_recent_state *o = &st[w].recent[st[w].n_recent++];
+      o->id = s->id;
+      o->kind = s->kind;
+      o->len = s->len;
+      memcpy(o->reply, s->reply, s->len);
+    }
+  }
+  *out = st;
+  *n = m->n;
+  *next_rank = m->next_rank;
+  pthread_mutex_unlock(&m->mu);
+  return PS_OK;
+}
+
+int ps_membership_import(ps_membership *m, const ps_member_state *in, int n, int next_rank) {
+  ps_member *members = calloc((size_t)(n > 0 ? n : 1), sizeof *members);
+  int ok = members != NULL;
+  for (int w = 0; ok && w < n; w++) {
+    members[w] = in[w].member;
+    members[w].recent = calloc(1, sizeof(struct ps_recent));
+    if (!members[w].recent) {
+      ok = 0;
+      break;
+    }
+    int k = in[w].n_recent < PS_RECENT_REQUESTS ? in[w].n_recent : PS_RECENT_REQUESTS;
+    for (int i = 0; i < k; i++) {
+      recent_slot *s = &members[w].recent->slot[i];
+      s->id = in[w].recent[i].id;
+      s->kind = in[w].recent[i].kind;
+      s->len = in[w].recent[i].len <= PS_REPLY_MAX ? in[w].recent[i].len : 0;
+      memcpy(s->reply, in[w].recent[i].reply, s->len);
+      s->state = 2;
+    }
+    members[w].recent->next = k % PS_RECENT_REQUESTS;
+  }
+  if (!ok) {
+    for (int w = 0; members && w < n; w++) free(members[w].recent);
+    free(members);
+    return PS_ENOMEM;
+  }
+  pthread_mutex_lock(&m->mu);
+  for (int i = 0; i < m->n; i++) free(m->members[i].recent);
+  free(m->members);
+  m->members = members;
+  m->n = m->cap = n;
+  if (m->cap == 0) {
+    free(m->members);
+    m->members = NULL;
+  }
+  m->next_rank = next_rank;
+  pthread_mutex_unlock(&m->mu);
+  return PS_OK;
 }

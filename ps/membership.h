@@ -124,6 +124,38 @@ int ps_membership_request_begin(ps_membership *m, uint64_t worker, int kind, uin
 void ps_membership_request_end(ps_membership *m, uint64_t worker, int kind, uint64_t request_id,
                                const void *reply, size_t len);
 
+/* Replicated shards (ps/replica.h).
+ *   stage: a pending request was applied and its answer is known, but it
+ *     is not to be given before every replica has the update: begin keeps
+ *     answering PS_REQUEST_PENDING, end (the same answer) settles it, and
+ *     an export counts it as answered (the state exported holds it).
+ *   settle: every staged answer becomes the answer, every pending one is
+ *     forgotten (a primary that steps down keeps its state as it is).
+ *   install: a registration as the primary made it (its id, secret and
+ *     reader flag), through the same path as join (rank, clock).
+ *   export / import: the whole table (members, their recent answers, the
+ *     next rank) for a replica that takes the primary's state whole;
+ *     import replaces the table. PS_ENOMEM (nothing changes). */
+typedef struct {
+  uint64_t id;
+  int kind;
+  size_t len;
+  uint8_t reply[PS_REPLY_MAX];
+} ps_recent_state;
+typedef struct {
+  ps_member member; /* .recent unused */
+  int n_recent;     /* oldest first */
+  ps_recent_state recent[PS_RECENT_REQUESTS];
+} ps_member_state;
+void ps_membership_request_stage(ps_membership *m, uint64_t worker, int kind, uint64_t request_id,
+                                 const void *reply, size_t len);
+void ps_membership_request_settle(ps_membership *m);
+int ps_membership_install(ps_membership *m, uint64_t id, const char *host, const char *role,
+                          int task_index, int64_t now_ms, const uint8_t *session, int reader,
+                          int *rank_out);
+int ps_membership_export(ps_membership *m, ps_member_state **out, int *n, int *next_rank);
+int ps_membership_import(ps_membership *m, const ps_member_state *in, int n, int next_rank);
+
 /* Total workers dropped by time-out since creation. */
 uint64_t ps_membership_dropped_total(ps_membership *m);
 

@@ -13,12 +13,33 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "proto/ps.pb-c.h"
+
 /* ---------------- the loop (main thread) ---------------- */
+
+/* Drops the workers silent for longer than the job allows. A replicated
+ * shard's primary does it and logs each drop for its backups (under the
+ * ordering lock, so that a drop and a registration of the same worker
+ * reach the backups in the order they happened here); a backup leaves it
+ * to the primary. The number dropped (their ids in dropped). */
+static int sweep_workers(ps_server *sv, uint64_t *dropped, int max) {
+  if (ps_replica_lock(sv) != 0) return 0;
+  int n = ps_membership_sweep(sv->members, ps_now_ms(), sv->job.heartbeat_timeout_ms, dropped, max);
+  for (int i = 0; sv->repl && i < n && i < max; i++) {
+    ps_replica_update u = {.kind = PS__REPLICA_ENTRY__KIND__LEAVE, .worker = dropped[i]};
+    if (ps_replica_append(sv, &u, NULL, NULL, 0, 0) != PS_OK)
+      PS_ERROR("replication: out of memory logging the drop of worker %016" PRIx64
+               " (the backups drop it when they take this state)",
+               dropped[i]);
+  }
+  ps_replica_unlock(sv);
+  return n;
+}
 
 static void on_sweep(uv_timer_t *t) {
   ps_server *sv = t->data;
   uint64_t dropped[64];
-  int n = ps_membership_sweep(sv->members, ps_now_ms(), sv->job.heartbeat_timeout_ms, dropped, 64);
+  int n = sweep_workers(sv, dropped, 64);
   for (int i = 0; i < n && i < 64; i++) {
     PS_WARN("worker %016" PRIx64 " silent for more than %d ms: dropped; %d live", dropped[i],
             sv->job.heartbeat_timeout_ms, ps_membership_count(sv->members));
@@ -130,6 +151,42 @@ static int resolve_cluster(ps_server *sv, const ps_server_opts *o) {
   return 0;
 }
 
+/* Replicated shards: the server list holds R servers per shard, shard s's
+ * replicas at s*R .. s*R+R-1; this server is replica index % R of shard
+ * index / R. Keeps the full list and leaves each shard's first replica in
+ * sv->cluster (whose n_ps then counts shards). 0, or 2 with a message. */
+static int replica_layout(ps_server *sv, const ps_server_opts *o) {
+  int R = sv->job.replicas_per_shard, n = sv->cluster.n_ps;
+  sv->server_index = sv->index;
+  if (R <= 1) return 0;
+  if (n % R != 0) {
+    fprintf(stderr,
+            "ps-server: the job has replicas_per_shard %d, so the server list must hold %d "
+            "addresses per shard (shard s's replicas at s*%d .. s*%d+%d); it holds %d\n",
+            R, R, R, R, R - 1, n);
+    return 2;
+  }
+  if (!o->ckpt_dir) {
+    fprintf(stderr, "ps-server: replicas_per_shard %d needs --checkpoint-dir: each server keeps "
+                    "its votes there (fsynced), which replication's safety rests on\n", R);
+    return 2;
+  }
+  sv->replica_addrs = calloc((size_t)n, sizeof *sv->replica_addrs);
+  if (!sv->replica_addrs) {
+    fprintf(stderr, "ps-server: out of memory\n");
+    return 1;
+  }
+  memcpy(sv->replica_addrs, sv->cluster.ps, (size_t)n * sizeof *sv->replica_addrs);
+  sv->replica = sv->index % R;
+  sv->index = sv->index / R;
+  sv->cluster.n_ps = n / R;
+  for (int s = 0; s < n / R; s++) memcpy(sv->cluster.ps[s], sv->replica_addrs[s * R], PS_ADDR_LEN);
+  char prog[32];
+  snprintf(prog, sizeof prog, "ps-server[%d.%d]", sv->index, sv->replica);
+  ps_log_init(prog, o->log_level);
+  return 0;
+}
+
 /* Loads the job and builds the shard, the membership table and the metrics
  * file, then restores the checkpoints. Returns 0, or the exit code (2: job
  * or metrics file, 1: shard or checkpoints) with a message on stderr. */
@@ -143,6 +200,8 @@ static int build_shard(ps_server *sv, const ps_server_opts *o) {
     fprintf(stderr, "ps-server: %s\n", err);
     return 2;
   }
+  int rc = replica_layout(sv, o);
+  if (rc != 0) return rc;
   sv->shard = ps_shard_create(&sv->job, sv->index, sv->cluster.n_ps, err);
   if (!sv->shard) {
     fprintf(stderr, "ps-server: %s\n", err);
@@ -175,6 +234,10 @@ static int build_shard(ps_server *sv, const ps_server_opts *o) {
       fprintf(stderr, "ps-server: %s\n", err);
       return 1;
     }
+  }
+  if (sv->job.replicas_per_shard > 1 && ps_replica_init(sv, o->ckpt_dir, err) != 0) {
+    fprintf(stderr, "ps-server: %s\n", err);
+    return 1;
   }
   PS_INFO("shard %d of %d holds [%zu, %zu) (%zu values, %.1f MB), optimizer %s lr %g, mode %s",
           sv->index, sv->cluster.n_ps, ps_shard_begin(sv->shard), ps_shard_end(sv->shard),
@@ -226,7 +289,9 @@ static int start_rpc(ps_server *sv, const ps_server_opts *o) {
     return 1;
   }
   rpc_global_init();
-  const char *addr = o->listen_addr ? o->listen_addr : sv->cluster.ps[sv->index];
+  const char *addr = o->listen_addr    ? o->listen_addr
+                     : sv->replica_addrs ? sv->replica_addrs[sv->server_index]
+                                         : sv->cluster.ps[sv->index];
   if (ps_security_resolve(&o->sec, PS_SECURITY_SERVER, &sv->sec, err) != 0) {
     fprintf(stderr, "ps-server: %s\n", err);
     return 2;
@@ -238,6 +303,7 @@ static int start_rpc(ps_server *sv, const ps_server_opts *o) {
   /* No request can need more than this shard's range and a small header. */
   size_t range_bytes = (ps_shard_end(sv->shard) - ps_shard_begin(sv->shard)) * sizeof(float);
   size_t max_request = range_bytes + 64 * 1024;
+  if (sv->repl && ps_replica_max_request(sv) > max_request) max_request = ps_replica_max_request(sv);
   if (max_request > RPC_DEFAULT_MAX_MESSAGE) max_request = RPC_DEFAULT_MAX_MESSAGE;
   /* Memory for every registered worker's push at once (a sync step), and
    * no more than half of the machine's: a flood of large messages has its
@@ -297,6 +363,10 @@ static void start_timers(ps_server *sv, const ps_server_opts *o) {
  * Returns the exit code: 1 when the final checkpoint failed, else 0. */
 static int shut_down(ps_server *sv) {
   on_report(&sv->report_timer);
+  /* A replica that is not the primary writes no checkpoint: the primary's
+   * files are the shard's. */
+  int writes_ckpt = sv->ckpt_dir && ps_replica_is_primary(sv);
+  ps_replica_stop(sv); /* waiting pushes are sent elsewhere */
   ps_cut_drain(sv, 60); /* a checkpoint set under way ends (its writes need the loop) */
   rpc_server_shutdown(sv->rpc); /* answers the waiting pulls CANCELLED */
   ps_cut_close(sv); /* its held calls were cancelled with the server's */
@@ -311,7 +381,9 @@ static int shut_down(ps_server *sv) {
   uv_run(&sv->loop, UV_RUN_DEFAULT); /* also finishes a checkpoint under way */
   /* No more updates can come: the final checkpoint holds everything applied. */
   int exit_code = 0;
-  if (sv->ckpt_dir && ps_server_ckpt_write_now(sv) != 0) exit_code = 1;
+  if (writes_ckpt && ps_server_ckpt_write_now(sv) != 0) exit_code = 1;
+  ps_replica_free(sv);
+  free(sv->replica_addrs);
   ps_cut_free(sv);
   uv_loop_close(&sv->loop);
   ps_shard_destroy(sv->shard);
@@ -329,6 +401,13 @@ int ps_server_run(const ps_server_opts *o) {
   int rc = resolve_cluster(&sv, o);
   if (rc == 0) rc = build_shard(&sv, o);
   if (rc == 0) rc = start_rpc(&sv, o);
+  if (rc == 0 && sv.repl) {
+    char err[PS_ERRLEN];
+    if (ps_replica_start(&sv, err) != 0) {
+      fprintf(stderr, "ps-server: %s\n", err);
+      rc = 1;
+    }
+  }
   if (rc != 0) return rc;
   start_timers(&sv, o);
   uv_run(&sv.loop, UV_RUN_DEFAULT);

@@ -34,6 +34,7 @@
 #include "checkpoint.h"
 #include "leases.h"
 #include "membership.h"
+#include "replica.h"
 #include "shard.h"
 
 /* The parsed command line of a server (the strings are borrowed: they must
@@ -85,7 +86,10 @@ typedef struct {
 /* service.c's methods, each bound to its server (the user pointer of the
  * method's RPC handler). */
 typedef struct ps_method ps_method;
-enum { PS_SERVICE_METHODS = 8 };
+enum { PS_SERVICE_METHODS = 10 };
+/* The Push method's index among them: its request ids' kind in the
+ * membership table (a backup records a replicated push's answer so). */
+enum { PS_METHOD_PUSH = 4 };
 typedef struct {
   struct ps_server *sv;
   const ps_method *method;
@@ -94,8 +98,13 @@ typedef struct {
 typedef struct ps_server {
   ps_job job;
   char *job_text;
-  ps_cluster cluster;
-  int index;
+  ps_cluster cluster; /* with replicas: each shard's first replica in ps[] */
+  int index;          /* the shard */
+  /* Replicated shards (job replicas_per_shard R > 1): this server's place
+   * in the full list (R per shard), and that list. */
+  int replica, server_index;
+  char (*replica_addrs)[PS_ADDR_LEN];
+  ps_replica *repl; /* NULL when R is 1 */
   ps_shard *shard;
   ps_membership *members;
   rpc_server *rpc;

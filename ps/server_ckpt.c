@@ -71,7 +71,7 @@ int ps_server_ckpt_write_now(ps_server *sv) {
  * asks them. */
 void ps_server_ckpt_on_timer(uv_timer_t *t) {
   ps_server *sv = t->data;
-  if (sv->index != 0) return;
+  if (sv->index != 0 || !ps_replica_is_primary(sv)) return; /* shard 0's primary coordinates */
   ps_shard_stats st;
   ps_shard_stats_get(sv->shard, &st);
   double now = ps_now_s();

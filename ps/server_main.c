@@ -19,9 +19,10 @@ static const ps_option server_flags[] = {
      .help = "the job file, required: JSON with the model, optimizer, data set, ..."},
     {"ps", "LIST", PS_OPT_STR, O(ps_list), .help =
      "addresses of all shards, comma-separated, in shard order (without `--ps`: `TF_CONFIG` "
-     "with task type `ps`)"},
+     "with task type `ps`); a job with `replicas_per_shard` R lists R servers per shard, "
+     "shard s's replicas at entries s*R .. s*R+R-1"},
     {"index", "N", PS_OPT_INT, O(index), 0, PS_MAX_TASKS - 1, .def_doc = "`TF_CONFIG`'s task",
-     .help = "which shard this process is, from 0"},
+     .help = "which shard this process is, from 0 (with replicas: which entry of the list)"},
     {"listen", "ADDR", PS_OPT_STR, O(listen_addr), .def_doc = "this shard's entry of the list",
      .help = "address to bind; `0.0.0.0:PORT` accepts connections on every interface"},
     {"resolve-s", "SEC", PS_OPT_SECS, O(resolve_s), 0, .def = "120", .help =

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "../common/auth.h"
+#include "../common/crc32c.h"
 #include "../common/half.h"
 #include "../common/wire.h"
 #include "proto/ps.pb-c.h"
@@ -147,9 +148,17 @@ static int answer_repeat(const request *q, uint64_t worker, uint64_t rid, const 
     return 1;
   }
   if (rc == PS_REQUEST_PENDING) {
-    rpc_call_fail(q->call, RPC_UNAVAILABLE,
-                  "%s %" PRIu64 " of this worker is still being applied by shard %d: ask again",
-                  method, rid, q->sv->index);
+    /* A replicated shard's primary names itself: the worker asks it
+     * again rather than another replica. */
+    if (q->sv->repl)
+      rpc_call_fail(q->call, RPC_UNAVAILABLE,
+                    "%s %" PRIu64 " of this worker is still being applied by shard %d: ask "
+                    "again" PS_REDIRECT_FMT,
+                    method, rid, q->sv->index, q->sv->replica);
+    else
+      rpc_call_fail(q->call, RPC_UNAVAILABLE,
+                    "%s %" PRIu64 " of this worker is still being applied by shard %d: ask again",
+                    method, rid, q->sv->index);
     return 1;
   }
   return 0; /* new (or the worker is gone: the handler finds out) */
@@ -199,6 +208,35 @@ static void note_redone(ps_server *sv, uint64_t worker, const uint64_t *done, si
             worker, counted, examples);
 }
 
+/* The replicas of every shard, for a Register answer (R > 1). */
+static void fill_replicas(ps_server *sv, Ps__RegisterResponse *resp, char **all) {
+  if (!sv->repl) return;
+  int n = sv->cluster.n_ps * sv->job.replicas_per_shard;
+  for (int i = 0; i < n; i++) all[i] = sv->replica_addrs[i];
+  resp->n_replicas = (size_t)n;
+  resp->replicas = all;
+  resp->replicas_per_shard = (uint32_t)sv->job.replicas_per_shard;
+}
+
+/* A worker's first Register reached a replica that is not the primary:
+ * it is sent on as a shard other than 0 sends it, to shard 0's primary
+ * when this replica knows it (else to shard 0's first replica, and the
+ * worker tries the replicas in turn). */
+static void first_contact_elsewhere(ps_server *sv, rpc_call *call) {
+  Ps__RegisterResponse resp = PS__REGISTER_RESPONSE__INIT;
+  char *shards[PS_MAX_TASKS], *all[PS_MAX_TASKS];
+  for (int i = 0; i < sv->cluster.n_ps; i++) shards[i] = sv->cluster.ps[i];
+  int p = ps_replica_known_primary(sv);
+  if (sv->index == 0 && p >= 0) shards[0] = (char *)ps_replica_addr(sv, p);
+  resp.n_shards = (size_t)sv->cluster.n_ps;
+  resp.shards = shards;
+  resp.shard_index = (uint32_t)sv->index;
+  resp.param_count = sv->job.model.n_params;
+  resp.job_id = sv->job.job_id;
+  fill_replicas(sv, &resp, all);
+  ps_service_reply(call, &resp.base);
+}
+
 static void handle_register(const request *q) {
   ps_server *sv = q->sv;
   rpc_call *call = q->call;
@@ -218,8 +256,9 @@ static void handle_register(const request *q) {
     return;
   }
   Ps__RegisterResponse resp = PS__REGISTER_RESPONSE__INIT;
-  char *shards[PS_MAX_TASKS];
+  char *shards[PS_MAX_TASKS], *all[PS_MAX_TASKS];
   for (int i = 0; i < sv->cluster.n_ps; i++) shards[i] = sv->cluster.ps[i];
+  fill_replicas(sv, &resp, all);
   resp.n_shards = (size_t)sv->cluster.n_ps;
   resp.shards = shards;
   resp.shard_index = (uint32_t)sv->index;
@@ -239,8 +278,15 @@ static void handle_register(const request *q) {
   ps_member_cred cred = {.session = r->header->session.data,
                          .session_len = r->header->session.len,
                          .reader = q->reader};
+  /* A replicated shard's primary holds its ordering lock from the join to
+   * the log entry (answered when every replica has it). */
+  if (ps_replica_lock(sv) != 0) {
+    ps_replica_redirect(sv, call, "Register");
+    return;
+  }
   int rc = ps_membership_join(sv->members, id, r->host ? r->host : "", role, r->task_index,
                               ps_now_ms(), &cred, &new_id, &rank, session);
+  if (rc != 0) ps_replica_unlock(sv);
   if (rc == PS_ESTATE) {
     /* A worker of that id is registered here and the caller cannot show
      * its session: another client, or a reply that was lost (the record
@@ -271,8 +317,35 @@ static void handle_register(const request *q) {
   resp.worker_rank = (uint32_t)rank;
   resp.session = (ProtobufCBinaryData){.len = PS_SESSION_LEN, .data = session};
   resp.job_json = sv->job_text;
+  if (sv->repl) {
+    int reader = 0;
+    ps_membership_authorize(sv->members, new_id, session, PS_SESSION_LEN, &reader);
+    ps_replica_update u = {.kind = PS__REPLICA_ENTRY__KIND__REGISTER,
+                           .worker = new_id,
+                           .host = r->host,
+                           .role = role,
+                           .task_index = r->task_index,
+                           .session = session,
+                           .reader = reader};
+    if (ps_replica_append(sv, &u, call, &resp.base, 0, 0) != PS_OK)
+      rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "shard %d: out of memory", sv->index);
+    ps_replica_unlock(sv);
+    return;
+  }
   ps_service_reply(call, &resp.base);
   if (sv->job.mode_kind == PS_MODE_SYNC) ps_sync_try_step(sv);
+}
+
+/* The worker's idle flag, logged for the backups when it changed. */
+static int set_idle(ps_server *sv, uint64_t wid, int idle) {
+  if (ps_replica_lock(sv) != 0) return 0;
+  int rc = ps_membership_set_idle(sv->members, wid, idle);
+  if (rc == 1 && sv->repl) {
+    ps_replica_update u = {.kind = PS__REPLICA_ENTRY__KIND__IDLE, .worker = wid, .idle = idle};
+    ps_replica_append(sv, &u, NULL, NULL, 0, 0); /* no memory: a snapshot carries it */
+  }
+  ps_replica_unlock(sv);
+  return rc;
 }
 
 static void handle_heartbeat(const request *q) {
@@ -286,7 +359,7 @@ static void handle_heartbeat(const request *q) {
   else if (sv->leases)
     ps_leases_renew(sv->leases, wid, ps_now_ms());
   pthread_mutex_unlock(&sv->lease_mu);
-  if (ps_membership_set_idle(sv->members, wid, r->idle) == 1) {
+  if (set_idle(sv, wid, r->idle) == 1) {
     PS_INFO("worker %016" PRIx64 " %s; %d training", wid,
             r->idle ? "waits for data: the others go on without it" : "has data again",
             ps_membership_count(sv->members));
@@ -306,6 +379,22 @@ static void handle_leave(const request *q) {
   ps_server *sv = q->sv;
   rpc_call *call = q->call;
   const Ps__LeaveRequest *r = (const Ps__LeaveRequest *)q->msg;
+  if (sv->repl) {
+    if (ps_replica_lock(sv) != 0) {
+      ps_replica_redirect(sv, call, "Leave");
+      return;
+    }
+    ps_membership_remove(sv->members, r->header->worker_id);
+    ps_replica_update u = {.kind = PS__REPLICA_ENTRY__KIND__LEAVE, .worker = r->header->worker_id};
+    Ps__LeaveResponse resp = PS__LEAVE_RESPONSE__INIT;
+    PS_INFO("worker %016" PRIx64 " left; %d live", r->header->worker_id,
+            ps_membership_count(sv->members));
+    if (ps_replica_append(sv, &u, call, &resp.base, 0, 0) != PS_OK)
+      rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "shard %d: out of memory", sv->index);
+    ps_replica_unlock(sv);
+    ps_waits_recheck(sv);
+    return;
+  }
   ps_membership_remove(sv->members, r->header->worker_id);
   ps_service_release_leases(sv, r->header->worker_id);
   PS_INFO("worker %016" PRIx64 " left; %d live", r->header->worker_id,
@@ -401,7 +490,54 @@ static void handle_pull(const request *q) {
     rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
 }
 
+/* A replicated shard's push (async, ssp): applied under the ordering lock,
+ * logged, answered once every replica has it. */
+static void apply_push_replicated(ps_server *sv, const ps_push_args *a) {
+  const request q = {.sv = sv, .call = a->call, .kind = a->kind};
+  const uint64_t wid = a->worker;
+  char err[PS_ERRLEN];
+  if (ps_replica_lock(sv) != 0) {
+    forget_request(&q, wid, a->request_id);
+    ps_replica_redirect(sv, a->call, "Push");
+    return;
+  }
+  uint64_t version = 0, staleness = 0;
+  int rc = ps_shard_push(sv->shard, a->base_version, a->offset, a->count, a->tensor, &version,
+                         &staleness, err);
+  if (rc != 0) {
+    ps_replica_unlock(sv);
+    PS_WARN("push from worker %016" PRIx64 " refused: %s", wid, err);
+    forget_request(&q, wid, a->request_id);
+    rpc_call_fail(a->call, rc == PS_ERANGE ? RPC_OUT_OF_RANGE : RPC_INVALID_ARGUMENT, "%s", err);
+    return;
+  }
+  ps_membership_note_round(sv->members, wid, a->request_id);
+  ps_membership_note_push(sv->members, wid, a->step, ps_now_ms());
+  Ps__PushResponse resp = PS__PUSH_RESPONSE__INIT;
+  resp.version = version;
+  resp.staleness = staleness;
+  ps_replica_update u = {.kind = PS__REPLICA_ENTRY__KIND__PUSH,
+                         .worker = wid,
+                         .request_id = a->request_id,
+                         .base_version = a->base_version,
+                         .offset = a->offset,
+                         .count = a->count,
+                         .step = a->step,
+                         .gradient = a->tensor};
+  if (ps_replica_append(sv, &u, a->call, &resp.base, a->kind, a->request_id) != PS_OK) {
+    forget_request(&q, wid, a->request_id);
+    rpc_call_fail(a->call, RPC_RESOURCE_EXHAUSTED,
+                  "shard %d: out of memory logging a push for the backups", sv->index);
+  }
+  ps_replica_unlock(sv);
+  if (sv->job.mode_kind == PS_MODE_SSP) ps_waits_recheck(sv); /* a clock moved */
+}
+
 void ps_service_apply_push(ps_server *sv, const ps_push_args *a) {
+  if (sv->repl) {
+    apply_push_replicated(sv, a);
+    return;
+  }
   const request q = {.sv = sv, .call = a->call, .kind = a->kind};
   const uint64_t wid = a->worker;
   char err[PS_ERRLEN];
@@ -506,6 +642,44 @@ static void handle_checkpoint(const request *q) {
   ps_cut_handle(q->sv, q->call, r);
 }
 
+/* Server to server: the caller must be in this job (the job token, which
+ * the dispatch checked, and the job id). */
+static int same_job(const request *q, const Ps__RequestHeader *h, const char *method) {
+  const char *jid = h->job_id ? h->job_id : "";
+  if (strcmp(jid, q->sv->job.job_id) == 0) return 1;
+  rpc_call_fail(q->call, RPC_FAILED_PRECONDITION,
+                "%s: job id mismatch: caller is in job '%s', shard %d serves job '%s'", method, jid,
+                q->sv->index, q->sv->job.job_id);
+  return 0;
+}
+
+static void handle_replicate(const request *q) {
+  const Ps__ReplicateRequest *r = (const Ps__ReplicateRequest *)q->msg;
+  if (same_job(q, r->header, "Replicate")) ps_replica_handle_replicate(q->sv, q->call, r);
+}
+
+static void handle_vote(const request *q) {
+  const Ps__VoteRequest *r = (const Ps__VoteRequest *)q->msg;
+  if (same_job(q, r->header, "Vote")) ps_replica_handle_vote(q->sv, q->call, r);
+}
+
+/* A CRC of the shard's state (parameters, slots, version): replicas at one
+ * position share it. 0 when out of memory. */
+static uint32_t state_crc(ps_server *sv) {
+  size_t n = ps_shard_end(sv->shard) - ps_shard_begin(sv->shard);
+  int ns = ps_shard_n_slots(sv->shard);
+  float *buf = malloc((n ? n : 1) * sizeof(float) * (size_t)(1 + ns));
+  if (!buf) return 0;
+  float *slots[8];
+  for (int k = 0; k < ns && k < 8; k++) slots[k] = buf + n * (size_t)(1 + k);
+  uint64_t version = 0;
+  ps_shard_export_state(sv->shard, buf, slots, &version);
+  uint32_t crc = ps_crc32c(0, buf, n * sizeof(float) * (size_t)(1 + ns));
+  crc = ps_crc32c(crc, &version, sizeof version);
+  free(buf);
+  return crc;
+}
+
 static void handle_status(const request *q) {
   ps_server *sv = q->sv;
   rpc_call *call = q->call;
@@ -572,6 +746,22 @@ static void handle_status(const request *q) {
   resp.wire = (char *)ps_wire_name(sv->job.wire);
   resp.push_bytes = atomic_load(&sv->push_bytes);
   resp.pull_bytes = atomic_load(&sv->pull_bytes);
+  ps_replica_view rv;
+  ps_replica_view_get(sv, &rv);
+  if (sv->repl) {
+    resp.replica = (uint32_t)rv.replica;
+    resp.replica_role = (char *)rv.role;
+    resp.replica_term = rv.term;
+    resp.replica_primary = rv.primary;
+    resp.replica_seq = rv.seq;
+    resp.replica_seq_term = rv.seq_term;
+    resp.replica_fresh = rv.fresh;
+    resp.n_replica_in_sync = (size_t)rv.n_in_sync;
+    resp.replica_in_sync = rv.in_sync;
+    resp.n_replica_members = (size_t)rv.n_members;
+    resp.replica_members = rv.members;
+  }
+  resp.state_crc = state_crc(sv);
   const int MAXW = sv->job.max_workers;
   ps_member *mem = calloc(MAXW, sizeof *mem);
   Ps__WorkerInfo *wi = calloc(MAXW, sizeof *wi);
@@ -774,6 +964,9 @@ static const ps_method methods[PS_SERVICE_METHODS] = {
      handle_lease},
     {"/ps.ParameterServer/Checkpoint", &ps__checkpoint_request__descriptor, "Checkpoint", 0, 0, 1,
      0, handle_checkpoint},
+    {"/ps.ParameterServer/Replicate", &ps__replicate_request__descriptor, "Replicate", 0, 0, 1, 0,
+     handle_replicate},
+    {"/ps.ParameterServer/Vote", &ps__vote_request__descriptor, "Vote", 0, 0, 1, 0, handle_vote},
 };
 
 /* Every call: decode the request, check its header (and the worker, where
@@ -792,7 +985,16 @@ static void dispatch(rpc_call *call, const ps_segview *req, void *user) {
   uint64_t step = m->heartbeat ? ((const Ps__HeartbeatRequest *)msg)->step
                   : m->need_worker ? UINT64_MAX : 0;
   int reader = 0;
-  if (check_header(b->sv, call, h, m->name, m->need_worker, step, &reader) != 0) {
+  if (b->sv->repl && (m->need_worker || m->handle == handle_register ||
+                      m->handle == handle_checkpoint) &&
+      !ps_replica_is_primary(b->sv)) {
+    /* Workers (and checkpoint sets) talk to the primary alone. A worker's
+     * first Register learns where it is. */
+    if (m->handle == handle_register && h && h->worker_id == 0)
+      first_contact_elsewhere(b->sv, call);
+    else
+      ps_replica_redirect(b->sv, call, m->name);
+  } else if (check_header(b->sv, call, h, m->name, m->need_worker, step, &reader) != 0) {
     /* answered */
   } else if (m->writes && reader) {
     rpc_call_fail(call, RPC_PERMISSION_DENIED,

@@ -184,6 +184,21 @@ static json_t *status_json(const Ps__StatusResponse *r) {
   json_object_set_new(o, "rejected", json_integer((json_int_t)r->rejected));
   json_object_set_new(o, "push_bytes", json_integer((json_int_t)r->push_bytes));
   json_object_set_new(o, "pull_bytes", json_integer((json_int_t)r->pull_bytes));
+  json_object_set_new(o, "state_crc", json_integer((json_int_t)r->state_crc));
+  if (r->replica_role && *r->replica_role) {
+    json_t *members = json_array(), *in_sync = json_array();
+    for (size_t i = 0; i < r->n_replica_members; i++)
+      json_array_append_new(members, json_integer(r->replica_members[i]));
+    for (size_t i = 0; i < r->n_replica_in_sync; i++)
+      json_array_append_new(in_sync, json_integer(r->replica_in_sync[i]));
+    json_object_set_new(o, "replica",
+                        json_pack("{s:i,s:s,s:I,s:i,s:I,s:I,s:o,s:o,s:b}", "index",
+                                  (int)r->replica, "role", r->replica_role, "term",
+                                  (json_int_t)r->replica_term, "primary", (int)r->replica_primary,
+                                  "seq", (json_int_t)r->replica_seq, "seq_term",
+                                  (json_int_t)r->replica_seq_term, "members", members, "in_sync",
+                                  in_sync, "fresh", (int)r->replica_fresh));
+  }
   json_object_set_new(o, "staleness_mean", json_real(r->staleness_mean));
   json_object_set_new(o, "staleness_max", json_integer((json_int_t)r->staleness_max));
   json_t *hist = json_array();

@@ -11,6 +11,7 @@
 
 #include "../common/cluster.h"
 #include "../common/half.h"
+#include "../common/job.h"
 #include "../common/rpc.h"
 #include "../common/util.h"
 #include "../common/wire.h"
@@ -32,10 +33,23 @@
  * last checkpoint, and a Register request must stay well within what a
  * shard takes (its range and 64 KiB): at most 10 bytes each. */
 #define DONE_KEPT 4096
+/* The pause between tries on a shard's replicas while its primary moves:
+ * from the first, doubling to the last (an election takes a few of the
+ * replicas' heartbeats). */
+#define FAILOVER_PAUSE_FIRST_MS 20
+#define FAILOVER_PAUSE_MAX_MS 100
+#define DEFAULT_FAILOVER_MS 15000
 
 typedef struct {
-  char addr[128];
-  rpc_channel *ch;
+  /* The shard's servers: its replicas in replica order (one without
+   * replication), with a channel to each, made at connect and never
+   * changed after, so that any thread may use them. cur is the replica
+   * believed primary; any thread moves it (after a failure, or a replica
+   * naming another), so it is read once per call. */
+  char addr[PS_MAX_REPLICAS][128];
+  rpc_channel *ch[PS_MAX_REPLICAS];
+  atomic_int cur;
+  atomic_int answered; /* the replica that answered last (-1: none yet): for the log */
   size_t off, cnt; /* the shard's range of the flat vector */
   uint8_t session[PS_SESSION_LEN]; /* from its Register answer, under sess_mu */
   size_t session_len;
@@ -52,6 +66,7 @@ struct ps_client {
   int hb_timeout_ms;
   int wait_ms; /* extra deadline for pulls the shards may hold back */
   int nshards;
+  int nrep; /* replicas per shard (1: not replicated) */
   shard_conn *shards;
   rpc_queue *q;    /* training thread */
   rpc_queue *hb_q; /* heartbeat thread */
@@ -98,6 +113,7 @@ struct ps_client {
     char *encoded;      /* per shard (16-bit wire): its slice is in wire_grads: ENC_FINITE,
                            ENC_NONFINITE (it holds Inf or NaN), or 0: not yet */
     rpc_request **reqs; /* per shard, while in flight */
+    int *rep;           /* per shard, while in flight: the replica its call went to */
     ps_push_result res;
   } push;
 };
@@ -164,6 +180,68 @@ static int small_call(rpc_queue *q, rpc_channel *ch, const char *method,
   return RPC_OK;
 }
 
+/* The replica of shard s believed primary now (0 without replication). */
+static int replica_of(ps_client *c, int s) {
+  return c->nrep > 1 ? atomic_load(&c->shards[s].cur) : 0;
+}
+
+/* wait_for_ready for a call to a shard: as the caller asks without
+ * replication; with it, never, so that a call to a replica that is down
+ * fails at once and the next replica is tried (gRPC connects again to one
+ * that comes back within its reconnect back-off, a few seconds). */
+static int ready_wait(const ps_client *c, int wait_ready) { return c->nrep > 1 ? 0 : wait_ready; }
+
+/* Replica rep of shard s answered a call: a replica other than the one
+ * that answered before is the shard's new primary (said once, by the
+ * thread that sees it first). */
+static void answered(ps_client *c, int s, int rep) {
+  if (c->nrep <= 1) return;
+  int before = atomic_exchange(&c->shards[s].answered, rep);
+  if (before != rep && before != -1)
+    PS_INFO("shard %d: primary is now replica %d (%s)", s, rep, c->shards[s].addr[rep]);
+}
+
+/* A call's tries on the replicas of one shard: when its first failure was
+ * (0: none yet), and the pause before its next try. */
+typedef struct {
+  double since;
+  int pause_ms;
+} failover_clock;
+
+/* Replica rep of shard s ended a call with status st and message detail:
+ * whether to send the call again, to the replica now believed primary
+ * (the caller reads it again). Yes when the shard is replicated, the call
+ * found no server (UNAVAILABLE, DEADLINE_EXCEEDED) or the replica named
+ * its primary, and this call's first such failure (fc) is less than
+ * window_ms ago. The shard then moves to the replica named (the primary
+ * naming itself, as it does for a request it is still applying, keeps
+ * it), else to the next one (unless another thread moved it already: both
+ * calls then go to where it moved), and the call pauses first, as nobody
+ * may be primary yet (an election takes a few of the replicas'
+ * heartbeats). Without replication: no, at once. */
+static int failover(ps_client *c, int s, int rep, int st, const char *detail, failover_clock *fc,
+                    int window_ms) {
+  if (c->nrep <= 1 || st == RPC_OK) return 0;
+  int named = ps_redirect_parse(detail);
+  if (st != RPC_UNAVAILABLE && st != RPC_DEADLINE_EXCEEDED && named == -2) return 0;
+  double now = ps_now_s();
+  if (fc->since == 0) {
+    fc->since = now;
+    fc->pause_ms = FAILOVER_PAUSE_FIRST_MS;
+  } else if ((now - fc->since) * 1000 >= window_ms) {
+    return 0;
+  }
+  int next = named >= 0 && named < c->nrep ? named : (rep + 1) % c->nrep;
+  PS_DEBUG("shard %d replica %d: %s: %s; trying replica %d in %d ms", s, rep, rpc_status_name(st),
+           detail, next, fc->pause_ms);
+  int expected = rep;
+  atomic_compare_exchange_strong(&c->shards[s].cur, &expected, next);
+  ps_sleep_ms(fc->pause_ms);
+  fc->pause_ms *= 2;
+  if (fc->pause_ms > FAILOVER_PAUSE_MAX_MS) fc->pause_ms = FAILOVER_PAUSE_MAX_MS;
+  return 1;
+}
+
 /* A copy of the acknowledged completions, oldest first, in a malloc'd
  * array (NULL when there are none, or out of memory: they are a record's,
  * not training's). */
@@ -179,9 +257,10 @@ static uint64_t *done_copy(ps_client *c, size_t *n) {
 /* Registers with shard s using the known worker id; fills its range.
  * again: shard s had forgotten this worker; shard 0 then hears which
  * chunks of the epoch it acknowledged as done (a restart from a
- * checkpoint may have lost them). */
+ * checkpoint may have lost them). window_ms: how long its replicas are
+ * tried (replicated shards). */
 static int register_with(ps_client *c, rpc_queue *q, int s, int timeout_ms, int wait_ready,
-                         int again, char *err) {
+                         int again, int window_ms, char *err) {
   Ps__RequestHeader h;
   uint8_t sess[PS_SESSION_LEN];
   fill_header(c, s, &h, sess);
@@ -197,8 +276,15 @@ static int register_with(ps_client *c, rpc_queue *q, int s, int timeout_ms, int 
   }
   ProtobufCMessage *resp_m = NULL;
   char detail[PS_ERRLEN] = "";
-  int st = small_call(q, c->shards[s].ch, M_REGISTER, &req.base, &ps__register_response__descriptor,
-                      &resp_m, timeout_ms, wait_ready, detail);
+  failover_clock fc = {0};
+  int rep, st;
+  do {
+    rep = replica_of(c, s);
+    detail[0] = 0;
+    st = small_call(q, c->shards[s].ch[rep], M_REGISTER, &req.base,
+                    &ps__register_response__descriptor, &resp_m, timeout_ms,
+                    ready_wait(c, wait_ready), detail);
+  } while (failover(c, s, rep, st, detail, &fc, window_ms));
   free(done);
   if (st != RPC_OK)
     /* ALREADY_EXISTS: the shard still holds a registration of this id
@@ -207,15 +293,16 @@ static int register_with(ps_client *c, rpc_queue *q, int s, int timeout_ms, int 
                      st == RPC_UNAVAILABLE || st == RPC_DEADLINE_EXCEEDED || st == RPC_ALREADY_EXISTS
                          ? PS_EUNAVAIL
                          : PS_EPROTO,
-                     "Register with shard %d (%s): %s: %s", s, c->shards[s].addr,
+                     "Register with shard %d (%s): %s: %s", s, c->shards[s].addr[rep],
                      rpc_status_name(st), detail);
+  answered(c, s, rep);
   Ps__RegisterResponse *r = (Ps__RegisterResponse *)resp_m;
   int rc = PS_OK;
   if ((int)r->shard_index != s || r->param_count != c->P) {
     rc = ps_seterr(err, PS_EPROTO,
                    "shard at %s says it is shard %u of a model of %" PRIu64
                    " values; expected shard %d of %zu",
-                   c->shards[s].addr, r->shard_index, r->param_count, s, c->P);
+                   c->shards[s].addr[rep], r->shard_index, r->param_count, s, c->P);
   } else {
     c->shards[s].off = r->range_offset;
     c->shards[s].cnt = r->range_count;
@@ -234,6 +321,7 @@ ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char 
   c->opts = *opts;
   if (c->opts.timeout_ms <= 0) c->opts.timeout_ms = 30000;
   if (c->opts.connect_timeout_ms <= 0) c->opts.connect_timeout_ms = 60000;
+  if (c->opts.failover_ms <= 0) c->opts.failover_ms = DEFAULT_FAILOVER_MS;
   snprintf(c->host, sizeof c->host, "%s", opts->host ? opts->host : "");
   snprintf(c->role, sizeof c->role, "%s", opts->role ? opts->role : "worker");
   pthread_mutex_init(&c->reg_mu, NULL);
@@ -252,11 +340,29 @@ ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char 
   }
 
   rpc_channel_opts chan_opts = {.keepalive_ms = RPC_DEFAULT_KEEPALIVE_MS, .tls = opts->tls};
-  /* First contact: any shard; one that is not shard 0 names shard 0. */
+  /* First contact: any shard; one that is not shard 0 names shard 0.
+   * With replicated shards a replica of shard 0 that is not its primary
+   * answers the same way, naming the primary when it knows it and listing
+   * every replica: the worker follows the names (up to R + 2 hops in a
+   * row), and when none is named, a replica fails, or the names go round
+   * (replicas that disagree during an election), tries shard 0's replicas
+   * in turn after a pause, for at most connect_timeout_ms in all. Without
+   * replication: at most two calls, as the first answer names shard 0. */
   char target[128];
   snprintf(target, sizeof target, "%s", addr);
   Ps__RegisterResponse *r = NULL;
-  for (int hop = 0; hop < 2; hop++) {
+  char zero[PS_MAX_REPLICAS][sizeof target]; /* shard 0's replicas, once an answer listed them */
+  int nzero = 0;
+  int hops = 0; /* names followed in a row */
+  failover_clock fc = {0};
+  double t0 = ps_now_s();
+  for (int calls = 0;; calls++) {
+    /* Replicated: each try within what is left of connect_timeout_ms. */
+    int call_ms = c->opts.connect_timeout_ms;
+    if (nzero > 1) {
+      call_ms -= (int)((ps_now_s() - t0) * 1000);
+      if (call_ms < 1) call_ms = 1;
+    }
     rpc_channel *ch = rpc_channel_create(target, &chan_opts, err);
     if (!ch) goto fail;
     Ps__RequestHeader h;
@@ -272,9 +378,13 @@ ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char 
     ProtobufCMessage *m = NULL;
     char detail[PS_ERRLEN] = "";
     int st = small_call(c->q, ch, M_REGISTER, &req.base, &ps__register_response__descriptor, &m,
-                        c->opts.connect_timeout_ms, 1, detail);
+                        call_ms, nzero > 1 ? 0 : 1, detail);
     rpc_channel_destroy(ch);
-    if (st != RPC_OK) {
+    int in_time = (ps_now_s() - t0) * 1000 < c->opts.connect_timeout_ms;
+    const char *next = NULL; /* the server named to ask next; NULL: shard 0's next replica */
+    if (st != RPC_OK && nzero > 1 && in_time) {
+      next = NULL; /* a replica of shard 0 that is down, or not primary: the next one */
+    } else if (st != RPC_OK) {
       char dns[PS_ERRLEN] = "", why[PS_ERRLEN + 8] = "";
       if (st == RPC_DEADLINE_EXCEEDED && ps_addr_resolve(target, dns) == PS_EUNAVAIL)
         snprintf(why, sizeof why, " (%.200s)", dns);
@@ -284,12 +394,45 @@ ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char 
       ps_seterr(err, st == RPC_DEADLINE_EXCEEDED ? PS_EUNAVAIL : PS_EPROTO,
                 "Register with %s: %s: %s%s", target, rpc_status_name(st), detail, why);
       goto fail;
+    } else {
+      r = (Ps__RegisterResponse *)m;
+      if (r->worker_id != 0 || r->n_shards == 0) break;
+      /* Not shard 0, or not its primary: go there. */
+      uint32_t R = r->replicas_per_shard;
+      if (R > 1 && R <= PS_MAX_REPLICAS && r->n_replicas >= R) {
+        nzero = (int)R;
+        for (int k = 0; k < nzero; k++)
+          snprintf(zero[k], sizeof zero[k], "%s", r->replicas[k] ? r->replicas[k] : "");
+      }
+      if (nzero <= 1) {
+        if (calls >= 1) break; /* shard 0 did not register it: refused below */
+        next = r->shards[0] ? r->shards[0] : "";
+      } else if (!in_time) {
+        break;
+      } else if (r->shards[0] && r->shards[0][0] && strcmp(r->shards[0], target) != 0 &&
+                 hops < nzero + 1) {
+        next = r->shards[0];
+        hops++;
+      } else {
+        next = NULL; /* nobody is primary yet (as far as it knows) */
+      }
     }
-    r = (Ps__RegisterResponse *)m;
-    if (r->worker_id != 0 || r->n_shards == 0) break;
-    /* Not shard 0: go there. */
-    snprintf(target, sizeof target, "%s", r->shards[0]);
-    protobuf_c_message_free_unpacked(m, NULL);
+    if (!next) {
+      /* The replica of shard 0 after the one just asked (the first when
+       * that was none of them), after a pause: an election may be under
+       * way. */
+      int k = 0;
+      while (k < nzero && strcmp(zero[k], target) != 0) k++;
+      memcpy(target, zero[k < nzero ? (k + 1) % nzero : 0], sizeof target);
+      hops = 0;
+      if (!fc.pause_ms) fc.pause_ms = FAILOVER_PAUSE_FIRST_MS;
+      ps_sleep_ms(fc.pause_ms);
+      fc.pause_ms =
+          fc.pause_ms * 2 < FAILOVER_PAUSE_MAX_MS ? fc.pause_ms * 2 : FAILOVER_PAUSE_MAX_MS;
+    } else {
+      snprintf(target, sizeof target, "%s", next);
+    }
+    if (r) protobuf_c_message_free_unpacked(&r->base, NULL);
     r = NULL;
   }
   if (!r || r->worker_id == 0 || r->n_shards == 0 || !r->job_json) {
@@ -297,6 +440,16 @@ ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char 
     if (r) protobuf_c_message_free_unpacked(&r->base, NULL);
     goto fail;
   }
+  /* Replicated shards: R addresses per shard, in shard order. */
+  int nrep = r->replicas_per_shard > 1 ? (int)r->replicas_per_shard : 1;
+  if (nrep > PS_MAX_REPLICAS || (nrep > 1 && r->n_replicas != r->n_shards * (size_t)nrep)) {
+    ps_seterr(err, PS_EPROTO,
+              "server at %s lists %zu replicas for %zu shards of %d replicas each (at most %d)",
+              target, r->n_replicas, r->n_shards, nrep, PS_MAX_REPLICAS);
+    protobuf_c_message_free_unpacked(&r->base, NULL);
+    goto fail;
+  }
+  c->nrep = nrep;
   c->worker_id = r->worker_id;
   c->rank = (int)r->worker_rank;
   c->P = r->param_count;
@@ -310,32 +463,64 @@ ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char 
   c->push.state = calloc((size_t)c->nshards, 1);
   c->push.encoded = calloc((size_t)c->nshards, 1);
   c->push.reqs = calloc((size_t)c->nshards, sizeof *c->push.reqs);
+  c->push.rep = calloc((size_t)c->nshards, sizeof *c->push.rep);
   if (!c->job_json || !c->shards || !c->reqs || !c->push.versions || !c->push.state ||
-      !c->push.encoded || !c->push.reqs) {
+      !c->push.encoded || !c->push.reqs || !c->push.rep) {
     protobuf_c_message_free_unpacked(&r->base, NULL);
     ps_seterr(err, PS_ENOMEM, "out of memory");
     goto fail;
   }
-  for (int s = 0; s < c->nshards; s++)
-    snprintf(c->shards[s].addr, sizeof c->shards[s].addr, "%s", r->shards[s]);
+  for (int s = 0; s < c->nshards; s++) {
+    shard_conn *sc = &c->shards[s];
+    int cur = 0;
+    if (nrep == 1) {
+      snprintf(sc->addr[0], sizeof sc->addr[0], "%s", r->shards[s]);
+    } else {
+      /* The replica believed primary: for shard 0 the one that registered
+       * this worker, else the one the shard list names (its first replica
+       * when the servers know no better; a wrong guess is redirected). */
+      for (int k = 0; k < nrep; k++) {
+        const char *a = r->replicas[(size_t)s * nrep + k];
+        snprintf(sc->addr[k], sizeof sc->addr[k], "%s", a ? a : "");
+      }
+      int found = -1;
+      for (int k = 0; s == 0 && k < nrep && found < 0; k++)
+        if (strcmp(sc->addr[k], target) == 0) found = k;
+      for (int k = 0; r->shards[s] && k < nrep && found < 0; k++)
+        if (strcmp(sc->addr[k], r->shards[s]) == 0) found = k;
+      if (found >= 0) cur = found;
+    }
+    atomic_init(&sc->cur, cur);
+    atomic_init(&sc->answered, s == 0 ? cur : -1);
+  }
+  if (nrep > 1)
+    PS_INFO("shards have %d replicas each; shard 0's primary is replica %d (%s)", nrep,
+            atomic_load(&c->shards[0].cur), c->shards[0].addr[atomic_load(&c->shards[0].cur)]);
   c->shards[0].off = r->range_offset;
   c->shards[0].cnt = r->range_count;
   int kept = keep_session(c, 0, r, err);
   protobuf_c_message_free_unpacked(&r->base, NULL);
   if (kept != 0) goto fail;
 
-  for (int s = 0; s < c->nshards; s++) {
-    c->shards[s].ch = rpc_channel_create(c->shards[s].addr, &chan_opts, err);
-    if (!c->shards[s].ch) goto fail;
-  }
+  /* A replica that comes back (and may be the next primary) is reached
+   * within a failover pause, not after gRPC's reconnect back-off. */
+  if (nrep > 1) chan_opts.reconnect_ms = FAILOVER_PAUSE_MAX_MS;
+  for (int s = 0; s < c->nshards; s++)
+    for (int k = 0; k < nrep; k++) {
+      c->shards[s].ch[k] = rpc_channel_create(c->shards[s].addr[k], &chan_opts, err);
+      if (!c->shards[s].ch[k]) goto fail;
+    }
   for (int s = 1; s < c->nshards; s++)
-    if (register_with(c, c->q, s, c->opts.connect_timeout_ms, 1, 0, err) != 0) goto fail;
+    if (register_with(c, c->q, s, c->opts.connect_timeout_ms, 1, 0, c->opts.connect_timeout_ms,
+                      err) != 0)
+      goto fail;
   /* The ranges must tile [0, P) in shard order. */
   size_t next = 0;
   for (int s = 0; s < c->nshards; s++) {
     if (c->shards[s].off != next) {
       ps_seterr(err, PS_EPROTO, "shard %d (%s) holds [%zu, %zu), expected it to start at %zu", s,
-                c->shards[s].addr, c->shards[s].off, c->shards[s].off + c->shards[s].cnt, next);
+                c->shards[s].addr[replica_of(c, s)], c->shards[s].off,
+                c->shards[s].off + c->shards[s].cnt, next);
       goto fail;
     }
     next += c->shards[s].cnt;
@@ -352,12 +537,14 @@ fail:
 
 void ps_client_destroy(ps_client *c) {
   if (!c) return;
-  for (int s = 0; s < c->nshards && c->shards; s++) rpc_channel_destroy(c->shards[s].ch);
+  for (int s = 0; s < c->nshards && c->shards; s++)
+    for (int k = 0; k < PS_MAX_REPLICAS; k++) rpc_channel_destroy(c->shards[s].ch[k]);
   free(c->shards);
   free(c->reqs);
   for (int s = 0; s < c->nshards && c->push.reqs; s++)
     if (c->push.reqs[s]) rpc_request_free(c->push.reqs[s]); /* cancels it */
   free(c->push.reqs);
+  free(c->push.rep);
   free(c->push.versions);
   free(c->push.state);
   free(c->push.encoded);
@@ -387,10 +574,10 @@ int ps_client_heartbeat_timeout_ms(const ps_client *c) { return c->hb_timeout_ms
  * worker out, or restarted): register again and let the caller retry. */
 static int reregister(ps_client *c, rpc_queue *q, int s, char *err) {
   pthread_mutex_lock(&c->reg_mu);
-  int rc = register_with(c, q, s, c->opts.timeout_ms, 1, 1, err);
+  int rc = register_with(c, q, s, c->opts.timeout_ms, 1, 1, c->opts.failover_ms, err);
   pthread_mutex_unlock(&c->reg_mu);
   if (rc == 0) PS_WARN("shard %d (%s) had forgotten this worker; registered again", s,
-                       c->shards[s].addr);
+                       c->shards[s].addr[replica_of(c, s)]);
   return rc;
 }
 
@@ -465,7 +652,7 @@ static int read_values(ps_client *c, int s, const ps_segview *tensor, float *out
                    "beyond %s's range (a shard sends such a value as Inf), so the job's "
                    "parameters cannot travel as %s; refused (use \"wire\": \"bf16\" or "
                    "\"fp32\")",
-                   s, c->shards[s].addr, c->shards[s].off + bad,
+                   s, c->shards[s].addr[replica_of(c, s)], c->shards[s].off + bad,
                    isnan(out[bad]) ? "NaN" : out[bad] > 0 ? "+Inf" : "-Inf",
                    ps_wire_name(c->wire), ps_wire_name(c->wire));
 }
@@ -475,11 +662,31 @@ int ps_client_pull(ps_client *c, float *params, uint64_t *versions,
   return ps_client_pull_ex(c, params, versions, min_versions, NULL, NULL, err);
 }
 
+/* Starts shard s's pull on the replica believed primary, which *rep
+ * receives. NULL (with a message) when it cannot start. */
+static rpc_request *pull_start(ps_client *c, int s, const uint64_t *min_versions, int *rep,
+                               char *err) {
+  Ps__RequestHeader h;
+  uint8_t sess[PS_SESSION_LEN];
+  fill_header(c, s, &h, sess);
+  Ps__PullRequest req = PS__PULL_REQUEST__INIT;
+  req.header = &h;
+  req.offset = c->shards[s].off;
+  req.count = c->shards[s].cnt;
+  req.min_version = min_versions ? min_versions[s] : 0;
+  rpc_msg msg;
+  *rep = replica_of(c, s);
+  if (pack_small(&req.base, &msg) != 0) return NULL;
+  return rpc_start(c->q, c->shards[s].ch[*rep], M_PULL, &msg, c->opts.timeout_ms + c->wait_ms,
+                   ready_wait(c, 1), err);
+}
+
 int ps_client_pull_ex(ps_client *c, float *params, uint64_t *versions,
                       const uint64_t *min_versions, ps_pull_ready_fn ready, void *user,
                       char *err) {
   int rc = PS_OK;
   char forgot[c->nshards];
+  int rep[c->nshards]; /* the replica each shard's call went to */
   /* Each attempt after the first follows registering again with the
    * shards that had forgotten this worker; shards restarted one after the
    * other each take one. */
@@ -489,38 +696,35 @@ int ps_client_pull_ex(ps_client *c, float *params, uint64_t *versions,
     memset(forgot, 0, sizeof forgot);
     /* Starting over: said before anything of this attempt is written. */
     if (ready && attempt > 0) ready(user, attempt, -1, 0);
-    for (int s = 0; s < c->nshards; s++) {
-      Ps__RequestHeader h;
-      uint8_t sess[PS_SESSION_LEN];
-      fill_header(c, s, &h, sess);
-      Ps__PullRequest req = PS__PULL_REQUEST__INIT;
-      req.header = &h;
-      req.offset = c->shards[s].off;
-      req.count = c->shards[s].cnt;
-      req.min_version = min_versions ? min_versions[s] : 0;
-      rpc_msg msg;
-      c->reqs[s] = NULL;
-      if (pack_small(&req.base, &msg) == 0)
-        c->reqs[s] = rpc_start(c->q, c->shards[s].ch, M_PULL, &msg,
-                               c->opts.timeout_ms + c->wait_ms, 1, err);
-    }
+    for (int s = 0; s < c->nshards; s++) c->reqs[s] = pull_start(c, s, min_versions, &rep[s], err);
     rc = PS_OK;
     for (int s = 0; s < c->nshards; s++) {
+      char detail[PS_ERRLEN] = "";
+      ps_segview view;
+      int st = RPC_OK;
+      /* A shard whose primary failed or moved is asked again (in shard
+       * order still, while the other shards' calls go on). */
+      failover_clock fc = {0};
+      while (c->reqs[s]) {
+        detail[0] = 0;
+        st = rpc_wait(c->reqs[s], detail, &view);
+        if (!failover(c, s, rep[s], st, detail, &fc, c->opts.failover_ms)) break;
+        rpc_request_free(c->reqs[s]);
+        c->reqs[s] = pull_start(c, s, min_versions, &rep[s], err);
+      }
       if (!c->reqs[s]) {
         if (rc == PS_OK) rc = ps_seterr(err, PS_EUNAVAIL, "cannot start Pull on shard %d", s);
         continue;
       }
-      char detail[PS_ERRLEN] = "";
-      ps_segview view;
-      int st = rpc_wait(c->reqs[s], detail, &view);
       if (st != RPC_OK) {
         if (must_register(st)) forgot[s] = any_forgot = 1;
         if (rc == PS_OK)
           rc = ps_seterr(err, status_code(st), "Pull from shard %d (%s): %s: %s", s,
-                         c->shards[s].addr, rpc_status_name(st), detail);
+                         c->shards[s].addr[rep[s]], rpc_status_name(st), detail);
         rpc_request_free(c->reqs[s]);
         continue;
       }
+      answered(c, s, rep[s]);
       /* A large reply arrives in many slices; the tensor view needs one
        * entry per slice at most. */
       int max_tsegs = view.nsegs > 0 ? view.nsegs : 1;
@@ -662,29 +866,50 @@ int ps_client_push_shard(ps_client *c, int s, const float *grads, char *err) {
   /* The gradient goes out without a copy; tensor_released counts it
    * back, and the caller's buffer (or wire_grads) is not reused before
    * that. */
+  int rep = replica_of(c, s);
   if (wire_encode(&req.base, tensor, bytes, tensor_released, c, &msg) == 0)
-    r = rpc_start(c->q, c->shards[s].ch, M_PUSH, &msg, c->opts.timeout_ms, 1, err);
+    r = rpc_start(c->q, c->shards[s].ch[rep], M_PUSH, &msg, c->opts.timeout_ms, ready_wait(c, 1),
+                  err);
   else
     atomic_fetch_sub(&c->tensors_in_flight, 1);
   if (!r) return ps_seterr(err, PS_EUNAVAIL, "cannot start Push on shard %d", s);
   c->push.reqs[s] = r;
+  c->push.rep[s] = rep;
   c->push.state[s] = PUSH_IN_FLIGHT;
   return PS_OK;
 }
 
 /* Waits for every push in flight. A shard that answered NOT_FOUND (it
  * applied nothing) goes back to pending and *again is set; other failures
- * go back to pending too and the first one is returned. */
-static int push_wait_all(ps_client *c, int *again, char *err) {
+ * go back to pending too and the first one is returned. A replicated
+ * shard whose primary failed or moved is pushed again, the same request
+ * (its id and bytes: grads, or the round's encoding) to the replica now
+ * believed primary, which applies it at most once. */
+static int push_wait_all(ps_client *c, const float *grads, int *again, char *err) {
   int rc = PS_OK;
   *again = 0;
   for (int s = 0; s < c->nshards; s++) {
     if (c->push.state[s] != PUSH_IN_FLIGHT) continue;
     char detail[PS_ERRLEN] = "";
     ps_segview view;
-    int st = rpc_wait(c->push.reqs[s], detail, &view);
-    c->push.state[s] = PUSH_PENDING;
+    failover_clock fc = {0};
+    int st, restarted = PS_OK;
+    for (;;) {
+      detail[0] = 0;
+      st = rpc_wait(c->push.reqs[s], detail, &view);
+      c->push.state[s] = PUSH_PENDING;
+      if (!failover(c, s, c->push.rep[s], st, detail, &fc, c->opts.failover_ms)) break;
+      rpc_request_free(c->push.reqs[s]);
+      c->push.reqs[s] = NULL;
+      restarted = ps_client_push_shard(c, s, grads, detail);
+      if (restarted != PS_OK) break;
+    }
+    if (restarted != PS_OK) { /* pending, not in flight */
+      if (rc == PS_OK) rc = ps_seterr(err, restarted, "%s", detail);
+      continue;
+    }
     if (st == RPC_OK) {
+      answered(c, s, c->push.rep[s]);
       c->push.state[s] = PUSH_DONE;
       uint8_t small[256];
       if (view.total <= sizeof small && ps_segview_copy(&view, 0, small, view.total) == 0) {
@@ -699,8 +924,8 @@ static int push_wait_all(ps_client *c, int *again, char *err) {
     } else if (must_register(st)) {
       *again = 1;
     } else if (rc == PS_OK) {
-      rc = ps_seterr(err, status_code(st), "Push to shard %d (%s): %s: %s", s, c->shards[s].addr,
-                     rpc_status_name(st), detail);
+      rc = ps_seterr(err, status_code(st), "Push to shard %d (%s): %s: %s", s,
+                     c->shards[s].addr[c->push.rep[s]], rpc_status_name(st), detail);
     }
     rpc_request_free(c->push.reqs[s]);
     c->push.reqs[s] = NULL;
@@ -734,7 +959,7 @@ static int push_start_pending(ps_client *c, const float *grads, char *err) {
 static int push_round(ps_client *c, const float *grads, int *again, char *err) {
   int rc = push_start_pending(c, grads, err);
   char werr[PS_ERRLEN] = "";
-  int wrc = push_wait_all(c, again, werr);
+  int wrc = push_wait_all(c, grads, again, werr);
   if (rc == PS_OK && wrc != PS_OK) {
     rc = wrc;
     snprintf(err, PS_ERRLEN, "%s", werr);
@@ -784,6 +1009,11 @@ void ps_client_shard_range(const ps_client *c, int s, size_t *off, size_t *cnt) 
 
 int ps_client_heartbeat(ps_client *c, uint64_t step, const ps_client_hb_state *state, char *err) {
   int rc = PS_OK;
+  /* A replicated shard's replicas are tried for half a heartbeat timeout
+   * at most, so that the shards after it still hear from this worker in
+   * time. */
+  int window_ms = c->hb_timeout_ms / 2 < c->opts.failover_ms ? c->hb_timeout_ms / 2
+                                                              : c->opts.failover_ms;
   for (int s = 0; s < c->nshards; s++) {
     Ps__RequestHeader h;
     uint8_t sess[PS_SESSION_LEN];
@@ -801,15 +1031,22 @@ int ps_client_heartbeat(ps_client *c, uint64_t step, const ps_client_hb_state *s
     }
     ProtobufCMessage *m = NULL;
     char detail[PS_ERRLEN] = "";
-    int st = small_call(c->hb_q, c->shards[s].ch, M_HEARTBEAT, &req.base,
-                        &ps__heartbeat_response__descriptor, &m, c->hb_timeout_ms / 2 + 1, 0,
-                        detail);
+    failover_clock fc = {0};
+    int rep, st;
+    do {
+      rep = replica_of(c, s);
+      detail[0] = 0;
+      st = small_call(c->hb_q, c->shards[s].ch[rep], M_HEARTBEAT, &req.base,
+                      &ps__heartbeat_response__descriptor, &m, c->hb_timeout_ms / 2 + 1, 0,
+                      detail);
+    } while (failover(c, s, rep, st, detail, &fc, window_ms));
+    if (st == RPC_OK) answered(c, s, rep);
     if (m) protobuf_c_message_free_unpacked(m, NULL);
     if (must_register(st)) {
       if (reregister(c, c->hb_q, s, err) != 0 && rc == PS_OK) rc = PS_ENOTFOUND;
     } else if (st != RPC_OK && rc == PS_OK) {
-      rc = ps_seterr(err, PS_EUNAVAIL, "Heartbeat to shard %d (%s): %s: %s", s, c->shards[s].addr,
-                     rpc_status_name(st), detail);
+      rc = ps_seterr(err, PS_EUNAVAIL, "Heartbeat to shard %d (%s): %s: %s", s,
+                     c->shards[s].addr[rep], rpc_status_name(st), detail);
     }
   }
   return rc;
@@ -867,7 +1104,12 @@ int ps_client_lease_call(ps_client *c, uint64_t complete_id, int want_next,
   memset(out, 0, sizeof *out);
   pthread_mutex_lock(&c->lease_mu);
   int rc = PS_OK;
-  for (int attempt = 0; attempt < 2; attempt++) {
+  /* resend: the call goes again, with its id, to the replica of shard 0
+   * now believed primary (replicated shards), which answers a request it
+   * has seen with its recorded answer. */
+  int resend = 0;
+  failover_clock fc = {0};
+  for (int attempt = 0; attempt < 2;) {
     Ps__RequestHeader h;
     uint8_t sess[PS_SESSION_LEN];
     fill_header(c, 0, &h, sess);
@@ -879,17 +1121,20 @@ int ps_client_lease_call(ps_client *c, uint64_t complete_id, int want_next,
     /* The same request again after no answer (a retry of what the shard
      * may have granted already), else a new one. */
     int same = c->lease_args[0] == complete_id && c->lease_args[1] == (uint64_t)(want_next != 0);
-    if (!c->lease_unanswered || !same || attempt > 0) c->lease_request++;
+    if (!resend && (!c->lease_unanswered || !same || attempt > 0)) c->lease_request++;
     c->lease_args[0] = complete_id;
     c->lease_args[1] = want_next != 0;
     req.request_id = c->lease_request;
     ProtobufCMessage *m = NULL;
     char detail[PS_ERRLEN] = "";
-    int st = small_call(c->lease_q, c->shards[0].ch, M_LEASE, &req.base,
-                        &ps__lease_response__descriptor, &m, c->opts.timeout_ms, 1, detail);
+    int rep = replica_of(c, 0);
+    int st = small_call(c->lease_q, c->shards[0].ch[rep], M_LEASE, &req.base,
+                        &ps__lease_response__descriptor, &m, c->opts.timeout_ms,
+                        ready_wait(c, 1), detail);
     /* No answer: shard 0 may have granted it; the next call asks again. */
     c->lease_unanswered = st == RPC_DEADLINE_EXCEEDED || st == RPC_UNAVAILABLE;
     if (st == RPC_OK) {
+      answered(c, 0, rep);
       Ps__LeaseResponse *r = (Ps__LeaseResponse *)m;
       out->status = (int)r->status;
       out->lease_id = r->lease_id;
@@ -904,9 +1149,12 @@ int ps_client_lease_call(ps_client *c, uint64_t complete_id, int want_next,
       rc = PS_OK;
       break;
     }
-    rc = ps_seterr(err, status_code(st), "Lease from shard 0 (%s): %s: %s", c->shards[0].addr,
+    rc = ps_seterr(err, status_code(st), "Lease from shard 0 (%s): %s: %s", c->shards[0].addr[rep],
                    rpc_status_name(st), detail);
+    resend = failover(c, 0, rep, st, detail, &fc, c->opts.failover_ms);
+    if (resend) continue;
     if (!must_register(st) || attempt == 1 || reregister(c, c->lease_q, 0, err) != 0) break;
+    attempt++;
   }
   pthread_mutex_unlock(&c->lease_mu);
   return rc;
@@ -921,8 +1169,16 @@ void ps_client_leave(ps_client *c) {
     req.header = &h;
     ProtobufCMessage *m = NULL;
     char detail[PS_ERRLEN] = "";
-    small_call(c->q, c->shards[s].ch, M_LEAVE, &req.base, &ps__leave_response__descriptor, &m,
-               2000, 0, detail);
+    /* Best effort: a replicated shard's replicas are tried for at most
+     * one call's deadline. */
+    failover_clock fc = {0};
+    int rep, st;
+    do {
+      rep = replica_of(c, s);
+      detail[0] = 0;
+      st = small_call(c->q, c->shards[s].ch[rep], M_LEAVE, &req.base,
+                      &ps__leave_response__descriptor, &m, 2000, 0, detail);
+    } while (failover(c, s, rep, st, detail, &fc, 2000));
     if (m) protobuf_c_message_free_unpacked(m, NULL);
   }
 }

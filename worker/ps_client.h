@@ -25,13 +25,25 @@ typedef struct {
   int connect_timeout_ms; /* how long to wait for the first server; default 60000 */
   const ps_token *token;  /* the job's token, carried by every request (NULL: none) */
   const rpc_tls *tls;     /* NULL: plaintext */
+  /* Replicated shards: how long a call to a shard keeps trying the shard's
+   * other replicas (its primary failed or moved) after its first failure
+   * before it fails as without replicas; default 15000. */
+  int failover_ms;
 } ps_client_opts;
 
 /* Registers with the server at addr (any shard: one that is not shard 0
  * sends the worker on to shard 0), receives the job and the shard list,
  * then registers with every shard; each shard's answer holds the session
  * secret that this worker's later requests to it carry. NULL with a
- * message on failure. */
+ * message on failure.
+ *
+ * Replicated shards (the job's replicas_per_shard R > 1): each shard has R
+ * servers, of which only the primary answers workers. The client keeps a
+ * channel to every replica and the one it believes primary; a call that a
+ * replica refuses (naming the primary it knows) or that finds no server
+ * goes to the named replica, else the next, and is sent again (a Push or a
+ * Lease with the same request id) for up to failover_ms. With R = 1
+ * nothing of this happens. */
 ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char *err);
 void ps_client_destroy(ps_client *c);
 

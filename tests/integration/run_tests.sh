@@ -1875,6 +1875,64 @@ JSON
     || { tail -5 "$out/nchw.log"; fail "layout nchw: the message does not name both shapes"; }
   echo "data_formats: layout nchw refused: $(grep -o 'examples are.*' "$out/nchw.log")"
   ;;
+replication)
+  # Replicated shards under SIGKILL (tools/replication.py says what is
+  # checked: every acknowledged push in the state once, replicas bit for
+  # bit alike, no hang, a clean stop). 2 shards x 2 replicas with their
+  # primaries killed at random moments (each once the shard is whole
+  # again: one failure at a time); then 1 shard x 3 replicas with any
+  # replica killed as soon as 2 of them are in sync (so also while the
+  # third catches up). Each fail-over, from the kill to the first push the
+  # new primary acknowledges, within PS_FAILOVER_LIMIT_S (default 1 s; the
+  # lease is 0.5 s).
+  limit=${PS_FAILOVER_LIMIT_S:-1.0}
+  python3 "$here/tools/replication.py" "$build" "$out/r2" "$here/jobs/synthetic.json" \
+    --shards 2 --replicas 2 --kills 6 --workers 2 --steps 400 --straggle-ms 15 \
+    --max-failover-s "$limit" || fail "R=2: see $out/r2"
+  python3 "$here/tools/replication.py" "$build" "$out/r3" "$here/jobs/synthetic.json" \
+    --shards 1 --replicas 3 --kills 6 --workers 2 --steps 400 --straggle-ms 15 --what any \
+    --min-in-sync 2 --max-failover-s "$limit" || fail "R=3: see $out/r3"
+  ;;
+replica_input)
+  # Replication messages a backup must refuse (replica_check.c), on 1 shard
+  # x 3 replicas whose first primary was killed (so a stale term exists).
+  python3 - "$here/jobs/synthetic.json" "$out/job.json" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1])); j["replicas_per_shard"] = 3
+json.dump(j, open(sys.argv[2], "w"))
+PY
+  list=$(free_ports 3); addrs=(${list//,/ }); mkdir -p "$out/ck"
+  start_replica() {
+    "$build/ps-server" --insecure --job "$out/job.json" --ps "$list" --index "$1" \
+      --checkpoint-dir "$out/ck" >>"$out/server-$1.log" 2>&1 &
+    spids[$1]=$!; pids+=($!)
+  }
+  spids=()
+  for i in 0 1 2; do start_replica "$i"; done
+  # agreed MIN_TERM: prints the primary's index once there is one primary
+  # of at least that term and every replica holds its position and state.
+  agreed() {
+    "$build/ps-server" --insecure --status "$list" 2>/dev/null | python3 -c '
+import json, sys
+st = json.load(sys.stdin); p = [i for i, e in enumerate(st) if e.get("replica", {}).get("role") == "primary"]
+assert len(p) == 1 and st[p[0]]["replica"]["term"] >= int(sys.argv[1])
+assert all(e["replica"]["seq"] == st[p[0]]["replica"]["seq"] and e["state_crc"] == st[p[0]]["state_crc"] for e in st)
+print(p[0])' "$1" 2>/dev/null
+  }
+  wait_agreed() {
+    for _ in $(seq 1 100); do agreed "$1" && return 0; sleep 0.2; done
+    "$build/ps-server" --insecure --status "$list" >"$out/status.json" 2>&1 || true
+    fail "no agreement of term >= $1 within 20 s (see $out)"
+  }
+  p=$(wait_agreed 1)
+  kill -9 "${spids[$p]}"; wait "${spids[$p]}" 2>/dev/null || true
+  start_replica "$p"
+  p=$(wait_agreed 2)
+  backup=$(( (p + 1) % 3 ))
+  "$build/replica_check" "${addrs[$backup]}" || fail "replica_check"
+  wait_agreed 2 >/dev/null
+  echo "replica_input: the replicas agree again after the control update"
+  ;;
 *)
   fail "unknown test '$name'"
   ;;

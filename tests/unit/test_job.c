@@ -63,6 +63,8 @@ static void test_defaults(void) {
   CHECK(strcmp(job.data_dir, "/usr/share/datasets/fashion-mnist") == 0);
   CHECK(job.synthetic_train == 2048 && job.synthetic_test == 512);
   CHECK(job.eval_interval_s == 30.0 && job.heartbeat_timeout_ms == 10000);
+  CHECK(job.replicas_per_shard == 1 && job.replica_heartbeat_ms == 100 &&
+        job.replica_lease_ms == 500);
 
   /* A partial optimizer keeps the other defaults; each data set has its
    * own default directory. */
@@ -119,6 +121,14 @@ static void test_invalid(void) {
   expect_error_text("{\"job_id\": \"j\", ", "JSON syntax error at line 1, column");
 
   expect_error(", \"learning_rate\": 0.1", "unknown field 'learning_rate'");
+  /* Replicated shards. */
+  expect_error(", \"replicas_per_shard\": 0", "'replicas_per_shard'");
+  expect_error(", \"replicas_per_shard\": 6", "'replicas_per_shard'");
+  expect_error(", \"replicas_per_shard\": 2.5", "'replicas_per_shard'");
+  expect_error(", \"replica_heartbeat_ms\": 200, \"replica_lease_ms\": 500",
+               "at least 3 x 'replica_heartbeat_ms'");
+  expect_error(", \"replicas_per_shard\": 2, \"mode\": \"sync\"", "sync steps are not replicated");
+  expect_error(", \"replicas_per_shard\": 2, \"lease_chunk\": 64", "data leases are not replicated");
   expect_error(", \"optimizer\": {\"name\": \"rmsprop\"}",
                "'optimizer.name' 'rmsprop' is not known");
   expect_error(", \"optimizer\": {\"name\": 3}", "'optimizer.name'");

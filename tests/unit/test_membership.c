@@ -1,5 +1,6 @@
 /* The table of workers (ps/membership.c): add, touch, push counts, remove,
  * time-outs, listing, and the ids it hands out. */
+#include <stdlib.h>
 #include <string.h>
 
 #include "check.h"
@@ -304,7 +305,68 @@ static void test_rounds_seeded(void) {
   ps_membership_destroy(m);
 }
 
+/* Replicated shards: a staged answer stays pending until settled; an
+ * export carries it as answered; an import rebuilds the table (ids,
+ * secrets, rounds, answers, ranks); install registers with a given secret. */
+static void test_replication_table(void) {
+  ps_membership *m = ps_membership_create();
+  uint64_t a = 0, b = 0;
+  uint8_t sa[PS_SESSION_LEN];
+  int rank = -1;
+  CHECK(ps_membership_join(m, 0, "ha", "worker", 0, 0, NULL, &a, &rank, sa) == PS_OK && rank == 0);
+  CHECK(ps_membership_add(m, 0, "hb", "worker", 1, 0, &b, NULL) == PS_OK);
+  uint8_t reply[PS_REPLY_MAX];
+  size_t len = 0;
+  const uint8_t answer[3] = {1, 2, 3};
+  CHECK(ps_membership_request_begin(m, a, 4, 10, reply, sizeof reply, &len) == PS_OK);
+  ps_membership_request_stage(m, a, 4, 10, answer, sizeof answer);
+  CHECK(ps_membership_request_begin(m, a, 4, 10, reply, sizeof reply, &len) == PS_REQUEST_PENDING);
+  CHECK(ps_membership_note_round(m, a, 10) == PS_OK);
+  CHECK(ps_membership_note_push(m, a, 5, 0) == PS_OK);
+  /* Another request pending (not staged): not exported. */
+  CHECK(ps_membership_request_begin(m, b, 4, 3, reply, sizeof reply, &len) == PS_OK);
+
+  ps_member_state *st = NULL;
+  int n = 0, next_rank = 0;
+  CHECK(ps_membership_export(m, &st, &n, &next_rank) == PS_OK && n == 2 && next_rank == 2);
+  CHECK(st[0].member.id == a && st[0].n_recent == 1 && st[0].recent[0].id == 10 &&
+        st[0].recent[0].len == 3 && st[0].member.round == 10 && st[0].member.pushes == 1);
+  CHECK(st[1].member.id == b && st[1].n_recent == 0);
+
+  ps_membership *copy = ps_membership_create();
+  uint64_t other = 0;
+  CHECK(ps_membership_add(copy, 0, "x", "worker", 0, 0, &other, NULL) == PS_OK);
+  CHECK(ps_membership_import(copy, st, n, next_rank) == PS_OK);
+  free(st);
+  int reader = 1;
+  CHECK(ps_membership_authorize(copy, a, sa, PS_SESSION_LEN, &reader) == PS_OK && reader == 0);
+  CHECK(ps_membership_authorize(copy, other, sa, PS_SESSION_LEN, NULL) == PS_ENOTFOUND);
+  CHECK(ps_membership_request_begin(copy, a, 4, 10, reply, sizeof reply, &len) ==
+            PS_REQUEST_ANSWERED &&
+        len == 3 && memcmp(reply, answer, 3) == 0);
+  uint64_t r = 0;
+  CHECK(ps_membership_round(copy, a, &r) == PS_OK && r == 10);
+  /* A newcomer on the copy gets the next rank, as on the original. */
+  uint64_t c1 = 0, c2 = 0;
+  int r1 = -1, r2 = -2;
+  CHECK(ps_membership_join(m, 0, "hc", "worker", 2, 0, NULL, &c1, &r1, NULL) == PS_OK);
+  uint8_t sc[PS_SESSION_LEN] = {9, 9, 9};
+  CHECK(ps_membership_install(copy, c1, "hc", "worker", 2, 0, sc, 0, &r2) == PS_OK);
+  CHECK(r1 == 2 && r2 == 2);
+  CHECK(ps_membership_authorize(copy, c1, sc, PS_SESSION_LEN, NULL) == PS_OK);
+  (void)c2;
+
+  /* Settled: the staged answer is the answer; the pending one is gone. */
+  ps_membership_request_settle(m);
+  CHECK(ps_membership_request_begin(m, a, 4, 10, reply, sizeof reply, &len) ==
+        PS_REQUEST_ANSWERED);
+  CHECK(ps_membership_request_begin(m, b, 4, 3, reply, sizeof reply, &len) == PS_OK);
+  ps_membership_destroy(copy);
+  ps_membership_destroy(m);
+}
+
 int main(void) {
+  RUN(test_replication_table);
   RUN(test_idle);
   RUN(test_request_window);
   RUN(test_clocks);

@@ -1,0 +1,288 @@
+#!/usr/bin/env python3
+"""Replicated shards under SIGKILL: no acknowledged update lost.
+
+  replication.py BUILD_DIR OUT_DIR JOB --shards S --replicas R --kills K
+                 [--workers W] [--steps N] [--epochs E] [--straggle-ms MS] [--what primary|any]
+
+Starts S x R ps-server processes (the job file gets replicas_per_shard R),
+W ps-worker processes of N steps each, then K times: picks a shard at
+random, kills (SIGKILL) its primary (or, with --what any, a random replica)
+at a random moment, restarts it after a random pause. Then checks:
+  - every worker finished (no hang) and says how many steps it trained;
+  - on every shard the primary's version (updates applied: one per push in
+    async) equals the steps all workers trained: every acknowledged push
+    is in the state, none twice;
+  - every replica of a shard ends at the primary's position with the same
+    state (the CRC of parameters, slots and version) bit for bit;
+  - the fail-over times (kill to the first push acknowledged by the new
+    primary, from the servers' logs) are printed, the largest checked
+    against --max-failover-s.
+Every wait is bounded; every process started here is killed on exit.
+"""
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+
+def free_ports(n):
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("build")
+    ap.add_argument("out")
+    ap.add_argument("job")
+    ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--kills", type=int, default=4)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--epochs", type=int, default=30)
+    ap.add_argument("--straggle-ms", type=int, default=20)
+    ap.add_argument("--what", default="primary")
+    ap.add_argument("--seed", type=int, default=int(time.time()))
+    ap.add_argument("--max-failover-s", type=float, default=0)
+    ap.add_argument("--time-limit", type=float, default=300)
+    ap.add_argument("--log-level", default="info")
+    ap.add_argument("--min-in-sync", type=int, default=0)
+    a = ap.parse_args()
+    rnd = random.Random(a.seed)
+    print(f"replication: seed {a.seed}: {a.shards} shard(s) x {a.replicas} replicas, "
+          f"{a.workers} workers x {a.steps} steps, {a.kills} kills of {a.what}", flush=True)
+    os.makedirs(a.out, exist_ok=True)
+    job = json.load(open(a.job))
+    job["replicas_per_shard"] = a.replicas
+    job["epochs"] = a.epochs
+    job_path = os.path.join(a.out, "job.json")
+    json.dump(job, open(job_path, "w"))
+    ckpt = os.path.join(a.out, "ckpt")
+    os.makedirs(ckpt, exist_ok=True)
+    n = a.shards * a.replicas
+    addrs = ["127.0.0.1:%d" % p for p in free_ports(n)]
+    ps = ",".join(addrs)
+    server = os.path.join(a.build, "ps-server")
+    worker = os.path.join(a.build, "ps-worker")
+    procs = {}
+    lives = [0] * n
+    all_procs = []
+
+    def start(i):
+        log = open(os.path.join(a.out, f"server-{i}.{lives[i]}.log"), "w")
+        lives[i] += 1
+        p = subprocess.Popen([server, "--insecure", "--job", job_path, "--ps", ps, "--index",
+                              str(i), "--checkpoint-dir", ckpt, "--log-interval", "1"],
+                             stdout=log, stderr=subprocess.STDOUT)
+        procs[i] = p
+        all_procs.append(p)
+
+    def status():
+        r = subprocess.run([server, "--insecure", "--status", ps],
+                           capture_output=True, text=True, timeout=30)
+        try:
+            return json.loads(r.stdout)
+        except ValueError:
+            return []
+
+    def healthy(st, shard):
+        """At least --min-in-sync replicas of the shard (all by default) are
+        members of its primary's configuration streaming from it, none of them
+        restarted without taking its state since: a kill then leaves one that
+        holds every acknowledged update."""
+        idx = [shard * a.replicas + r for r in range(a.replicas)]
+        es = [st[i] for i in idx if i < len(st)]
+        if len(es) != a.replicas or not all(isinstance(e, dict) and e.get("replica") for e in es):
+            return False
+        p = [e for e in es if e["replica"]["role"] == "primary"]
+        if len(p) != 1:
+            return False
+        sync = [r for r in p[0]["replica"]["in_sync"] if not es[r]["replica"]["fresh"]]
+        return len(sync) >= (a.min_in_sync or a.replicas)
+
+    def primaries(st):
+        out = {}
+        for i, e in enumerate(st):
+            rep = e.get("replica") if isinstance(e, dict) else None
+            if rep and rep["role"] == "primary":
+                out.setdefault(i // a.replicas, []).append(i)
+        return out
+
+    try:
+        for i in range(n):
+            start(i)
+        # Every shard has a primary before the workers start (bounded).
+        t0 = time.time()
+        while time.time() - t0 < 30:
+            if len(primaries(status())) == a.shards:
+                break
+            time.sleep(0.2)
+        else:
+            sys.exit("FAIL: not every shard elected a primary within 30 s")
+        workers = []
+        for k in range(a.workers):
+            log = open(os.path.join(a.out, f"worker-{k}.log"), "w")
+            p = subprocess.Popen([worker, "--insecure", "--ps", ps, "--index", str(k),
+                                  "--num-workers", str(a.workers), "--threads", "1",
+                                  "--max-steps", str(a.steps), "--straggle-ms",
+                                  str(a.straggle_ms), "--log-interval", "1",
+                                  "--log-level", a.log_level],
+                                 stdout=log, stderr=subprocess.STDOUT)
+            workers.append(p)
+            all_procs.append(p)
+        kills = []
+        deadline = time.time() + a.time_limit
+        for kno in range(a.kills):
+            time.sleep(rnd.uniform(0.8, 2.0))
+            if all(w.poll() is not None for w in workers):
+                print(f"replication: the workers finished after {kno} kill(s)")
+                break
+            s = rnd.randrange(a.shards)
+            # Fewer than R failures at once: the replicas the last kills
+            # restarted must have caught up and joined first (all of them, or
+            # --min-in-sync; bounded: a shard that does not get there within
+            # 15 s fails the test).
+            t_h = time.time()
+            while not healthy(status(), s):
+                if time.time() - t_h > 15:
+                    sys.exit(f"FAIL: shard {s}'s replicas did not all rejoin within 15 s")
+                time.sleep(0.1)
+            rejoin = time.time() - t_h
+            st = status()
+            prim = primaries(st)
+            if a.what == "primary":
+                if s not in prim:
+                    continue
+                victim = prim[s][0]
+            else:
+                victim = s * a.replicas + rnd.randrange(a.replicas)
+            role = st[victim]["replica"]["role"] if isinstance(st[victim], dict) and \
+                st[victim].get("replica") else "?"
+            procs[victim].send_signal(signal.SIGKILL)
+            procs[victim].wait()
+            kills.append((time.time(), victim, role))
+            print(f"replication: kill {kno + 1}: server {victim} (shard {s}, {role}; waited "
+                  f"{rejoin:.1f} s for the replicas to catch up)", flush=True)
+            time.sleep(rnd.uniform(0.2, 1.5))
+            start(victim)
+        for k, w in enumerate(workers):
+            left = max(1.0, deadline - time.time())
+            try:
+                rc = w.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                sys.exit(f"FAIL: worker {k} hung (still running after the time limit)")
+            if rc != 0:
+                tail = open(os.path.join(a.out, f"worker-{k}.log")).read()[-2000:]
+                sys.exit(f"FAIL: worker {k} exited {rc}:\n{tail}")
+        trained = 0
+        for k in range(a.workers):
+            text = open(os.path.join(a.out, f"worker-{k}.log")).read()
+            m = re.findall(r"^trained (\d+) steps", text, re.M)
+            if not m:
+                sys.exit(f"FAIL: worker {k} does not say how many steps it trained")
+            trained += int(m[-1])
+        # Every replica settles at its primary's position (bounded wait).
+        t0 = time.time()
+        ok = False
+        while time.time() - t0 < 30:
+            st = status()
+            prim = primaries(st)
+            if len(st) == n and all(isinstance(e, dict) and "replica" in e for e in st) and \
+                    len(prim) == a.shards and all(len(v) == 1 for v in prim.values()):
+                same = True
+                for s in range(a.shards):
+                    p = st[prim[s][0]]
+                    for r in range(a.replicas):
+                        e = st[s * a.replicas + r]
+                        if e["replica"]["seq"] != p["replica"]["seq"] or \
+                                e["state_crc"] != p["state_crc"] or e["version"] != p["version"]:
+                            same = False
+                if same:
+                    ok = True
+                    break
+            time.sleep(0.3)
+        json.dump(st, open(os.path.join(a.out, "status.json"), "w"), indent=1)
+        if not ok:
+            sys.exit("FAIL: the replicas of a shard do not hold the same state after 30 s "
+                     f"(see {a.out}/status.json)")
+        for s in range(a.shards):
+            p = st[prim[s][0]]
+            print(f"replication: shard {s}: primary replica {p['replica']['index']} term "
+                  f"{p['replica']['term']}, version {p['version']}; the workers trained "
+                  f"{trained} steps; {a.replicas} replicas with state CRC {p['state_crc']:08x}")
+            if p["version"] != trained:
+                sys.exit(f"FAIL: shard {s} applied {p['version']} pushes, the workers saw "
+                         f"{trained} acknowledged")
+        # Fail-over times: from each kill of a primary to the first update a
+        # replica of that shard acknowledged as the new primary (its log's
+        # "first acknowledged update as the primary").
+        worst, measured, primary_kills = 0.0, 0, 0
+        for (t, victim, role) in kills:
+            if role != "primary":
+                continue
+            primary_kills += 1
+            s = victim // a.replicas
+            best = None
+            for r in range(a.replicas):
+                i = s * a.replicas + r
+                for life in range(lives[i]):
+                    for line in open(os.path.join(a.out, f"server-{i}.{life}.log")):
+                        m = re.match(r"(\d\d):(\d\d):(\d\d\.\d+) .*first acknowledged update as the primary", line)
+                        if not m:
+                            continue
+                        lt = time.localtime(t)
+                        day = time.mktime(time.struct_time((lt.tm_year, lt.tm_mon, lt.tm_mday,
+                                                            0, 0, 0, 0, 0, lt.tm_isdst)))
+                        ts = day + int(m.group(1)) * 3600 + int(m.group(2)) * 60 + \
+                            float(m.group(3))
+                        if ts >= t and (best is None or ts < best):
+                            best = ts
+            if best is not None:
+                measured += 1
+                worst = max(worst, best - t)
+                print(f"replication: server {victim} killed: the first push acknowledged by a new "
+                      f"primary {best - t:.2f} s later")
+        if primary_kills and not measured:
+            sys.exit("FAIL: primaries were killed, but no new primary acknowledged a push after")
+        if a.max_failover_s and worst > a.max_failover_s:
+            sys.exit(f"FAIL: a fail-over took {worst:.2f} s (limit {a.max_failover_s} s)")
+        # The servers stop cleanly (SIGTERM: exit 0, and under the sanitizers
+        # no report in any log of any life).
+        for i, p in procs.items():
+            p.send_signal(signal.SIGTERM)
+        for i, p in procs.items():
+            try:
+                rc = p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                sys.exit(f"FAIL: server {i} did not stop within 60 s of SIGTERM")
+            if rc != 0:
+                sys.exit(f"FAIL: server {i} exited {rc} on SIGTERM")
+        for f in os.listdir(a.out):
+            if f.endswith(".log"):
+                text = open(os.path.join(a.out, f), errors="replace").read()
+                if "Sanitizer" in text or "runtime error:" in text:
+                    sys.exit(f"FAIL: a sanitizer report in {a.out}/{f}")
+        print(f"replication: PASS ({len(kills)} kills; slowest fail-over {worst:.2f} s)")
+    finally:
+        for p in all_procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+if __name__ == "__main__":
+    main()
