@@ -98,6 +98,7 @@ struct ps_replica {
   int64_t next_election_ms;
   int64_t became_ms;  /* when it last became the primary */
   int said_first_ack; /* the first answer of that term was logged */
+  uint64_t acked;     /* updates answered as the primary, since the start */
   /* votes: this server's, for every shard */
   pthread_mutex_t vote_mu;
   char vote_path[PATH_MAX];
@@ -346,6 +347,7 @@ static void advance_commit(ps_replica *rp) {
               ps_now_ms() - rp->became_ms);
     }
     if (e->call) {
+      rp->acked++;
       rpc_msg out = {.nseg = 1};
       out.seg[0] = (rpc_seg){.ptr = e->reply, .len = e->reply_len}; /* copied */
       rpc_call_reply(e->call, &out);
@@ -517,6 +519,7 @@ void ps_replica_view_get(ps_server *sv, ps_replica_view *v) {
   v->seq = rp->pos.seq;
   v->seq_term = rp->pos.term;
   v->fresh = rp->fresh;
+  v->acked = rp->acked;
   v->primary = rp->role == PRIMARY ? rp->me : rp->cfg.term ? rp->cfg.primary : -1;
   for (int r = 0; r < rp->R && v->n_members < 8; r++)
     if (is_member(&rp->cfg, r)) v->members[v->n_members++] = (uint32_t)r;

@@ -115,6 +115,7 @@ typedef struct {
   int n_members;
   uint32_t in_sync[8]; /* the primary: members streaming from it, itself included */
   int n_in_sync;
+  uint64_t acked; /* updates it answered as a primary, since it started */
 } ps_replica_view;
 void ps_replica_view_get(struct ps_server *sv, ps_replica_view *v);
 

@@ -756,6 +756,7 @@ static void handle_status(const request *q) {
     resp.replica_seq = rv.seq;
     resp.replica_seq_term = rv.seq_term;
     resp.replica_fresh = rv.fresh;
+    resp.replica_acked = rv.acked;
     resp.n_replica_in_sync = (size_t)rv.n_in_sync;
     resp.replica_in_sync = rv.in_sync;
     resp.n_replica_members = (size_t)rv.n_members;

@@ -192,12 +192,13 @@ static json_t *status_json(const Ps__StatusResponse *r) {
     for (size_t i = 0; i < r->n_replica_in_sync; i++)
       json_array_append_new(in_sync, json_integer(r->replica_in_sync[i]));
     json_object_set_new(o, "replica",
-                        json_pack("{s:i,s:s,s:I,s:i,s:I,s:I,s:o,s:o,s:b}", "index",
+                        json_pack("{s:i,s:s,s:I,s:i,s:I,s:I,s:o,s:o,s:b,s:I}", "index",
                                   (int)r->replica, "role", r->replica_role, "term",
                                   (json_int_t)r->replica_term, "primary", (int)r->replica_primary,
                                   "seq", (json_int_t)r->replica_seq, "seq_term",
                                   (json_int_t)r->replica_seq_term, "members", members, "in_sync",
-                                  in_sync, "fresh", (int)r->replica_fresh));
+                                  in_sync, "fresh", (int)r->replica_fresh, "acked",
+                                  (json_int_t)r->replica_acked));
   }
   json_object_set_new(o, "staleness_mean", json_real(r->staleness_mean));
   json_object_set_new(o, "staleness_max", json_integer((json_int_t)r->staleness_max));
