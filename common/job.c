@@ -455,10 +455,6 @@ static int parse_replication(json_t *root, ps_job *job, char *err) {
     return ps_seterr(err, PS_EINVAL,
                      "'replicas_per_shard' > 1 takes mode async or ssp:K; sync steps are not "
                      "replicated yet");
-  if (job->replicas_per_shard > 1 && job->lease_chunk > 0)
-    return ps_seterr(err, PS_EINVAL,
-                     "'replicas_per_shard' > 1 takes 'lease_chunk' 0; data leases are not "
-                     "replicated yet");
   return 0;
 }
 

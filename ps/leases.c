@@ -23,6 +23,7 @@
 #include "leases.h"
 
 #include <pthread.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -196,6 +197,22 @@ void ps_leases_destroy(ps_leases *t) {
   free(t->leases);
   free(t->block);
   free(t);
+}
+
+int ps_leases_replace(ps_leases *t, const void *buf, size_t len, char *err) {
+  ps_leases *n = ps_leases_load(buf, len, err);
+  if (!n) return PS_EINVAL;
+  /* Everything but the lock changes hands: callers holding t keep a valid
+   * table, now the blob's. */
+  const size_t off = offsetof(ps_leases, cfg);
+  unsigned char tmp[sizeof(ps_leases)];
+  pthread_mutex_lock(&t->mu);
+  memcpy(tmp, (unsigned char *)t + off, sizeof(ps_leases) - off);
+  memcpy((unsigned char *)t + off, (unsigned char *)n + off, sizeof(ps_leases) - off);
+  memcpy((unsigned char *)n + off, tmp, sizeof(ps_leases) - off);
+  pthread_mutex_unlock(&t->mu);
+  ps_leases_destroy(n);
+  return PS_OK;
 }
 
 static void remember_ended(ps_leases *t, const lease *l, int kind) {

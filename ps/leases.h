@@ -193,4 +193,9 @@ int ps_leases_save(const ps_leases *t, void **buf, size_t *len);
  * examples_redone) loads too, with no examples redone. */
 ps_leases *ps_leases_load(const void *buf, size_t len, char *err);
 
+/* Replaces t's whole state by a blob's (as ps_leases_load reads it), in
+ * place: a replica of shard 0 taking its primary's table. PS_EINVAL with a
+ * message (t unchanged) for a bad blob, or no memory. */
+int ps_leases_replace(ps_leases *t, const void *buf, size_t len, char *err);
+
 #endif

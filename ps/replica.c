@@ -47,6 +47,11 @@ typedef struct rentry {
   int reader, idle;
   uint8_t *grad;
   size_t grad_len;
+  int64_t now_ms, timeout_ms;
+  uint64_t complete_lease, dataset_size;
+  int want_next, names_leases;
+  uint64_t *ids; /* LEASE_RENEW: the leases named; REGISTER: the chunks named done */
+  size_t n_ids;
   /* answered at commit */
   rpc_call *call;
   uint8_t *reply;
@@ -66,6 +71,7 @@ typedef struct {
   uint64_t acked;   /* applied, in this primary's history */
   int64_t last_ok_ms;
   uint64_t hold; /* a snapshot at this seq is on its way: keep the log after it (0: none) */
+  int answering;  /* its last call was answered: a snapshot is worth sending */
   rpc_channel *ch;
 } peer_t;
 
@@ -296,6 +302,7 @@ void ps_replica_handle_vote(ps_server *sv, rpc_call *call, const void *request) 
 
 static void entry_unref(rentry *e) {
   if (!e || --e->refs > 0) return;
+  free(e->ids);
   free(e->grad);
   free(e->reply);
   free(e);
@@ -424,10 +431,14 @@ int ps_replica_append(ps_server *sv, const ps_replica_update *u, rpc_call *call,
   rentry *e = calloc(1, sizeof *e);
   uint8_t *rb = malloc(rlen ? rlen : 1);
   uint8_t *g = u->gradient && u->gradient->total ? malloc(u->gradient->total) : NULL;
-  if (!e || !rb || (u->gradient && u->gradient->total && !g)) {
+  size_t n_ids = u->n_leases ? u->n_leases : u->n_done;
+  const uint64_t *ids_in = u->n_leases ? u->leases : u->done_chunks;
+  uint64_t *ids = n_ids ? malloc(n_ids * sizeof *ids) : NULL;
+  if (!e || !rb || (u->gradient && u->gradient->total && !g) || (n_ids && !ids)) {
     free(e);
     free(rb);
     free(g);
+    free(ids);
     /* The update is applied here but in no entry: every backup takes the
      * whole state instead (its position would match a state it lacks). */
     for (int r = 0; r < rp->R; r++) {
@@ -454,6 +465,15 @@ int ps_replica_append(ps_server *sv, const ps_replica_update *u, rpc_call *call,
   e->idle = u->idle;
   e->grad = g;
   e->grad_len = g ? u->gradient->total : 0;
+  if (n_ids) memcpy(ids, ids_in, n_ids * sizeof *ids);
+  e->ids = ids;
+  e->n_ids = n_ids;
+  e->now_ms = u->now_ms;
+  e->timeout_ms = u->timeout_ms;
+  e->complete_lease = u->complete_lease;
+  e->dataset_size = u->dataset_size;
+  e->want_next = u->want_next;
+  e->names_leases = u->names_leases;
   e->call = call;
   e->reply = rb;
   e->reply_len = rlen;
@@ -472,6 +492,15 @@ int ps_replica_append(ps_server *sv, const ps_replica_update *u, rpc_call *call,
   advance_commit(rp); /* a primary alone answers at once */
   pthread_cond_broadcast(&rp->cv);
   return PS_OK;
+}
+
+void ps_replica_diverged(ps_server *sv) {
+  ps_replica *rp = sv->repl;
+  if (!rp) return;
+  for (int r = 0; r < rp->R; r++) {
+    rp->peer[r].need_snapshot = 1;
+    rp->peer[r].matched = 0;
+  }
 }
 
 int ps_replica_known_primary(ps_server *sv) {
@@ -531,6 +560,28 @@ void ps_replica_view_get(ps_server *sv, ps_replica_view *v) {
 
 /* ------------------------------------------------------------ applying */
 
+/* A replayed call's answer: the same as the primary's, or this state has
+ * diverged (PS_ESTATE); kept under the request id, as the primary keeps
+ * it, for a retry after a fail-over. */
+static int record_answer(ps_server *sv, const Ps__ReplicaEntry *e, int kind,
+                         const ProtobufCMessage *resp) {
+  uint8_t buf[PS_REPLY_MAX];
+  size_t len = protobuf_c_message_get_packed_size(resp);
+  if (len > sizeof buf) return PS_ESTATE;
+  protobuf_c_message_pack(resp, buf);
+  if (e->reply.len && (e->reply.len != len || memcmp(e->reply.data, buf, len) != 0)) {
+    PS_WARN("replication: entry %" PRIu64 " answers differently here than on the primary", e->seq);
+    return PS_ESTATE;
+  }
+  if (!e->request_id) return PS_OK;
+  uint8_t dummy[PS_REPLY_MAX];
+  size_t dl = 0;
+  ps_membership_request_begin(sv->members, e->worker_id, kind, e->request_id, dummy,
+                              sizeof dummy, &dl);
+  ps_membership_request_end(sv->members, e->worker_id, kind, e->request_id, buf, len);
+  return PS_OK;
+}
+
 /* Applies one entry on a backup, as the primary did. 0, or PS_ESTATE when
  * this state cannot take it (it has diverged: a snapshot mends it). */
 static int apply_entry(ps_server *sv, const Ps__ReplicaEntry *e) {
@@ -552,31 +603,44 @@ static int apply_entry(ps_server *sv, const Ps__ReplicaEntry *e) {
         return PS_ESTATE;
       }
       ps_membership_note_push(sv->members, e->worker_id, e->step, now);
-      if (e->request_id) {
-        Ps__PushResponse resp = PS__PUSH_RESPONSE__INIT;
-        resp.version = version;
-        resp.staleness = staleness;
-        uint8_t buf[PS_REPLY_MAX];
-        size_t len = protobuf_c_message_get_packed_size(&resp.base);
-        if (len <= sizeof buf) protobuf_c_message_pack(&resp.base, buf);
-        uint8_t dummy[PS_REPLY_MAX];
-        size_t dl = 0;
-        ps_membership_request_begin(sv->members, e->worker_id, PS_METHOD_PUSH, e->request_id,
-                                    dummy, sizeof dummy, &dl);
-        ps_membership_request_end(sv->members, e->worker_id, PS_METHOD_PUSH, e->request_id, buf,
-                                  len <= sizeof buf ? len : 0);
+      Ps__PushResponse resp = PS__PUSH_RESPONSE__INIT;
+      resp.version = version;
+      resp.staleness = staleness;
+      return record_answer(sv, e, PS_METHOD_PUSH, &resp.base);
+    }
+    case PS__REPLICA_ENTRY__KIND__LEASE: {
+      Ps__LeaseResponse resp = PS__LEASE_RESPONSE__INIT;
+      if (ps_service_lease_step(sv, e->worker_id, e->dataset_size, e->complete_lease,
+                                e->want_next, e->now_ms, &resp, 1, err) != RPC_OK) {
+        PS_WARN("replication: entry %" PRIu64 " (a Lease) failed here: %s", e->seq, err);
+        return PS_ESTATE;
       }
+      return record_answer(sv, e, PS_METHOD_LEASE, &resp.base);
+    }
+    case PS__REPLICA_ENTRY__KIND__LEASE_RENEW:
+    case PS__REPLICA_ENTRY__KIND__LEASE_EXPIRE: {
+      pthread_mutex_lock(&sv->lease_mu);
+      ps_leases *t = sv->leases;
+      if (t && e->kind == PS__REPLICA_ENTRY__KIND__LEASE_EXPIRE)
+        ps_leases_expire(t, e->now_ms, e->timeout_ms);
+      else if (t && e->names_leases)
+        ps_leases_renew_named(t, e->worker_id, e->leases, e->n_leases, e->now_ms);
+      else if (t)
+        ps_leases_renew(t, e->worker_id, e->now_ms);
+      pthread_mutex_unlock(&sv->lease_mu);
       return PS_OK;
     }
     case PS__REPLICA_ENTRY__KIND__REGISTER:
       if (e->session.len != PS_SESSION_LEN) return PS_ESTATE;
-      return ps_membership_install(sv->members, e->worker_id, e->host ? e->host : "",
-                                   e->role ? e->role : "", e->task_index, now, e->session.data,
-                                   e->reader, NULL) == PS_OK
-                 ? PS_OK
-                 : PS_ESTATE;
+      if (ps_membership_install(sv->members, e->worker_id, e->host ? e->host : "",
+                                e->role ? e->role : "", e->task_index, now, e->session.data,
+                                e->reader, NULL) != PS_OK)
+        return PS_ESTATE;
+      if (e->n_done_chunks) ps_service_note_redone(sv, e->worker_id, e->done_chunks, e->n_done_chunks);
+      return PS_OK;
     case PS__REPLICA_ENTRY__KIND__LEAVE:
       ps_membership_remove(sv->members, e->worker_id);
+      ps_service_release_leases(sv, e->worker_id);
       return PS_OK;
     case PS__REPLICA_ENTRY__KIND__IDLE:
       ps_membership_set_idle(sv->members, e->worker_id, e->idle);
@@ -600,6 +664,8 @@ typedef struct {
   Ps__ReplicaWorker **wp;
   Ps__ReplicaRecent *rec;
   Ps__ReplicaRecent **recp;
+  void *leases;
+  size_t leases_len;
 } snap_buf;
 
 static void snap_free(snap_buf *b) {
@@ -610,6 +676,7 @@ static void snap_free(snap_buf *b) {
   free(b->wp);
   free(b->rec);
   free(b->recp);
+  free(b->leases);
 }
 
 /* The state now, as a snapshot message (pointing into b). mu held (no
@@ -683,6 +750,21 @@ static int snap_take(ps_replica *rp, snap_buf *b) {
   b->snap.n_workers = (size_t)b->n_ms;
   b->snap.workers = b->wp;
   b->snap.next_rank = next_rank;
+  /* Shard 0's lease table, as a checkpoint keeps it (leases held go back
+   * to the pool): this table takes that form too, so both are the same. */
+  pthread_mutex_lock(&sv->lease_mu);
+  ps_leases *t = sv->leases;
+  pthread_mutex_unlock(&sv->lease_mu);
+  if (t) {
+    char err[PS_ERRLEN];
+    if (ps_leases_save(t, &b->leases, &b->leases_len) != PS_OK ||
+        ps_leases_replace(t, b->leases, b->leases_len, err) != PS_OK) {
+      snap_free(b);
+      return PS_ENOMEM;
+    }
+    b->snap.has_leases = 1;
+    b->snap.leases = (ProtobufCBinaryData){.len = b->leases_len, .data = b->leases};
+  }
   return PS_OK;
 }
 
@@ -740,7 +822,21 @@ static int snap_install(ps_replica *rp, const Ps__ReplicaSnapshot *s, char *err)
     }
   }
   int rc = PS_OK;
+  ps_leases *fresh_table = NULL;
+  if (ok == 1 && s->has_leases) {
+    pthread_mutex_lock(&sv->lease_mu);
+    ps_leases *t = sv->leases;
+    pthread_mutex_unlock(&sv->lease_mu);
+    if (t ? ps_leases_replace(t, s->leases.data, s->leases.len, err) != PS_OK
+          : (fresh_table = ps_leases_load(s->leases.data, s->leases.len, err)) == NULL)
+      ok = -2;
+  }
   if (ok == 1) {
+    if (fresh_table) {
+      pthread_mutex_lock(&sv->lease_mu);
+      sv->leases = fresh_table;
+      pthread_mutex_unlock(&sv->lease_mu);
+    }
     memcpy(params, s->params.data, n * sizeof(float));
     for (int k = 0; k < ns; k++) memcpy(slots[k], s->slots[k].data, n * sizeof(float));
     rc = ps_membership_import(sv->members, ms, (int)s->n_workers, s->next_rank);
@@ -751,6 +847,8 @@ static int snap_install(ps_replica *rp, const Ps__ReplicaSnapshot *s, char *err)
     } else {
       ps_seterr(err, rc, "out of memory");
     }
+  } else if (ok == -2) {
+    rc = PS_EINVAL; /* err says what is wrong with the lease table */
   } else {
     rc = ps_seterr(err, ok < 0 ? PS_EINVAL : PS_ENOMEM,
                    ok < 0 ? "a snapshot's worker table is malformed" : "out of memory");
@@ -907,7 +1005,13 @@ static void *sender_main(void *arg) {
     snap_buf sb;
     int snapshot = 0;
     if (!p->need_snapshot && !log_pos(rp, p->next - 1, &prev)) p->need_snapshot = 1;
-    if (p->need_snapshot) {
+    int probe = p->need_snapshot && !p->answering;
+    if (probe) {
+      /* A replica that does not answer gets no snapshot (taking one costs
+       * a copy of the state, and reclaims shard 0's leases): a probe at
+       * this position first, whose answer says whether it needs one. */
+      prev = rp->pos;
+    } else if (p->need_snapshot) {
       if (snap_take(rp, &sb) != PS_OK) {
         struct timespec ts = ps_deadline_in_ms(hb);
         pthread_cond_timedwait(&rp->cv, &rp->mu, &ts);
@@ -970,6 +1074,21 @@ static void *sender_main(void *arg) {
       em[i].reader = e->reader;
       em[i].idle = e->idle;
       em[i].gradient = (ProtobufCBinaryData){.len = e->grad_len, .data = e->grad};
+      em[i].now_ms = e->now_ms;
+      em[i].timeout_ms = e->timeout_ms;
+      em[i].complete_lease = e->complete_lease;
+      em[i].dataset_size = e->dataset_size;
+      em[i].want_next = e->want_next;
+      em[i].names_leases = e->names_leases;
+      if (e->kind == PS__REPLICA_ENTRY__KIND__LEASE_RENEW) {
+        em[i].n_leases = e->n_ids;
+        em[i].leases = e->ids;
+      } else if (e->kind == PS__REPLICA_ENTRY__KIND__REGISTER) {
+        em[i].n_done_chunks = e->n_ids;
+        em[i].done_chunks = e->ids;
+      }
+      if (e->kind == PS__REPLICA_ENTRY__KIND__PUSH || e->kind == PS__REPLICA_ENTRY__KIND__LEASE)
+        em[i].reply = (ProtobufCBinaryData){.len = e->reply_len, .data = e->reply};
       ep[i] = &em[i];
     }
     req.n_entries = (size_t)nb;
@@ -992,6 +1111,7 @@ static void *sender_main(void *arg) {
     pthread_mutex_lock(&rp->mu);
     p->hold = 0;
     for (int i = 0; i < nb; i++) entry_unref(batch[i]);
+    p->answering = resp != NULL;
     if (!resp) {
       if (!quiet++)
         PS_WARN("replication: replica %d (%s) did not take updates: %s: %s", p->r,
@@ -1016,7 +1136,7 @@ static void *sender_main(void *arg) {
         p->need_snapshot = 1;
         p->matched = 0;
       } else {
-        if (snapshot) p->need_snapshot = 0;
+        if (snapshot || probe) p->need_snapshot = 0;
         p->matched = !p->need_snapshot; /* an append that ran out of memory wants one */
         p->acked = last;
         p->next = last + 1;
@@ -1214,7 +1334,19 @@ static int run_term(ps_replica *rp, uint32_t members, const char *why) {
       int n = ps_membership_count(sv->members) + 64;
       ps_member *list = calloc((size_t)n, sizeof *list);
       int k = list ? ps_membership_list(sv->members, list, n) : 0;
-      for (int i = 0; i < k; i++) ps_membership_touch(sv->members, list[i].id, UINT64_MAX, now);
+      pthread_mutex_lock(&sv->lease_mu);
+      ps_leases *lt = sv->leases;
+      pthread_mutex_unlock(&sv->lease_mu);
+      for (int i = 0; i < k; i++) {
+        ps_membership_touch(sv->members, list[i].id, UINT64_MAX, now);
+        if (!lt) continue;
+        /* Their leases too, logged, so that the backups expire the same. */
+        ps_leases_renew(lt, list[i].id, now);
+        ps_replica_update u = {.kind = PS__REPLICA_ENTRY__KIND__LEASE_RENEW,
+                               .worker = list[i].id,
+                               .now_ms = now};
+        if (ps_replica_append(sv, &u, NULL, NULL, 0, 0) != PS_OK) ps_replica_diverged(sv);
+      }
       free(list);
     }
     rp->pending_add &= ~c.members;

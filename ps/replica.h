@@ -54,6 +54,14 @@ typedef struct {
   const uint8_t *session; /* PS_SESSION_LEN bytes (REGISTER) */
   int reader, idle;
   const ps_segview *gradient; /* PUSH: the pushed bytes (copied) */
+  /* shard 0's data leases */
+  int64_t now_ms, timeout_ms;
+  uint64_t complete_lease, dataset_size;
+  int want_next, names_leases;
+  const uint64_t *leases; /* LEASE_RENEW: the named ones (copied) */
+  size_t n_leases;
+  const uint64_t *done_chunks; /* REGISTER: a returning worker's (copied) */
+  size_t n_done;
 } ps_replica_update;
 
 /* Sets up replication for a server whose job has replicas_per_shard R > 1
@@ -84,6 +92,9 @@ void ps_replica_unlock(struct ps_server *sv);
  * applied here, which a backup's snapshot then carries). */
 int ps_replica_append(struct ps_server *sv, const ps_replica_update *u, rpc_call *call,
                       const struct ProtobufCMessage *reply, int rec_kind, uint64_t rid);
+/* The primary changed its state without logging it (out of memory, a
+ * call that failed halfway): every backup takes the whole state next. */
+void ps_replica_diverged(struct ps_server *sv);
 /* Answers a worker's call UNAVAILABLE naming the primary this replica
  * knows. */
 void ps_replica_redirect(struct ps_server *sv, rpc_call *call, const char *method);

@@ -24,13 +24,28 @@
  * to the primary. The number dropped (their ids in dropped). */
 static int sweep_workers(ps_server *sv, uint64_t *dropped, int max) {
   if (ps_replica_lock(sv) != 0) return 0;
-  int n = ps_membership_sweep(sv->members, ps_now_ms(), sv->job.heartbeat_timeout_ms, dropped, max);
-  for (int i = 0; sv->repl && i < n && i < max; i++) {
+  int64_t now = ps_now_ms();
+  int n = ps_membership_sweep(sv->members, now, sv->job.heartbeat_timeout_ms, dropped, max);
+  for (int i = 0; i < n && i < max; i++) {
+    PS_WARN("worker %016" PRIx64 " silent for more than %d ms: dropped; %d live", dropped[i],
+            sv->job.heartbeat_timeout_ms, ps_membership_count(sv->members));
+    ps_service_release_leases(sv, dropped[i]);
     ps_replica_update u = {.kind = PS__REPLICA_ENTRY__KIND__LEAVE, .worker = dropped[i]};
-    if (ps_replica_append(sv, &u, NULL, NULL, 0, 0) != PS_OK)
-      PS_ERROR("replication: out of memory logging the drop of worker %016" PRIx64
-               " (the backups drop it when they take this state)",
-               dropped[i]);
+    if (sv->repl && ps_replica_append(sv, &u, NULL, NULL, 0, 0) != PS_OK)
+      ps_replica_diverged(sv);
+  }
+  pthread_mutex_lock(&sv->lease_mu);
+  ps_leases *t = sv->leases;
+  pthread_mutex_unlock(&sv->lease_mu);
+  if (t) {
+    const int64_t timeout = 2 * (int64_t)sv->job.heartbeat_timeout_ms;
+    int e = ps_leases_expire(t, now, timeout);
+    if (e > 0) PS_WARN("leases: %d chunk(s) not renewed in time: back in the pool", e);
+    ps_replica_update u = {.kind = PS__REPLICA_ENTRY__KIND__LEASE_EXPIRE,
+                           .now_ms = now,
+                           .timeout_ms = timeout};
+    if (e > 0 && sv->repl && ps_replica_append(sv, &u, NULL, NULL, 0, 0) != PS_OK)
+      ps_replica_diverged(sv);
   }
   ps_replica_unlock(sv);
   return n;
@@ -40,17 +55,6 @@ static void on_sweep(uv_timer_t *t) {
   ps_server *sv = t->data;
   uint64_t dropped[64];
   int n = sweep_workers(sv, dropped, 64);
-  for (int i = 0; i < n && i < 64; i++) {
-    PS_WARN("worker %016" PRIx64 " silent for more than %d ms: dropped; %d live", dropped[i],
-            sv->job.heartbeat_timeout_ms, ps_membership_count(sv->members));
-    ps_service_release_leases(sv, dropped[i]);
-  }
-  pthread_mutex_lock(&sv->lease_mu);
-  if (sv->leases) {
-    int e = ps_leases_expire(sv->leases, ps_now_ms(), 2 * (int64_t)sv->job.heartbeat_timeout_ms);
-    if (e > 0) PS_WARN("leases: %d chunk(s) not renewed in time: back in the pool", e);
-  }
-  pthread_mutex_unlock(&sv->lease_mu);
   if (n > 0 && sv->job.mode_kind == PS_MODE_SYNC) ps_sync_try_step(sv);
   ps_waits_recheck(sv); /* deadlines, and pulls the dropped workers held back */
   ps_sync_watch(sv);    /* a shard that makes no progress says what it waits for */

@@ -89,7 +89,7 @@ typedef struct ps_method ps_method;
 enum { PS_SERVICE_METHODS = 10 };
 /* The Push method's index among them: its request ids' kind in the
  * membership table (a backup records a replicated push's answer so). */
-enum { PS_METHOD_PUSH = 4 };
+enum { PS_METHOD_PUSH = 4, PS_METHOD_LEASE = 6 };
 typedef struct {
   struct ps_server *sv;
   const ps_method *method;
@@ -195,6 +195,19 @@ void ps_service_apply_push(ps_server *sv, const ps_push_args *a);
 /* Answers a call with a small message (RESOURCE_EXHAUSTED when it cannot
  * be encoded). */
 void ps_service_reply(rpc_call *call, const ProtobufCMessage *m);
+
+/* Shard 0's Lease call on its table, at time now (a replicated shard 0's
+ * backups replay it with the primary's): makes the table at the first call
+ * (dataset_size), counts a completed lease, grants the next; resp gets the
+ * answer. RPC_OK, or the status to fail the call with and a message in
+ * err (PS_ERRLEN). quiet: no log lines or metrics (a backup's replay). */
+struct Ps__LeaseResponse;
+int ps_service_lease_step(ps_server *sv, uint64_t wid, uint64_t dataset_size,
+                          uint64_t complete_lease, int want_next, int64_t now,
+                          struct Ps__LeaseResponse *resp, int quiet, char *err);
+/* A worker registering again names chunks shard 0 acknowledged as done:
+ * those the table lacks are counted as redone. */
+void ps_service_note_redone(ps_server *sv, uint64_t worker, const uint64_t *done, size_t n);
 
 /* Gives the data leases a departed worker held back to the pool (logs how
  * many). Nothing happens when the shard has no lease table or the worker

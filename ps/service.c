@@ -186,7 +186,7 @@ static void forget_request(const request *q, uint64_t worker, uint64_t rid) {
  * acknowledged to it: those the lease table does not hold as done were
  * lost with a restart and will be trained again, which the epoch's record
  * counts. */
-static void note_redone(ps_server *sv, uint64_t worker, const uint64_t *done, size_t n) {
+void ps_service_note_redone(ps_server *sv, uint64_t worker, const uint64_t *done, size_t n) {
   pthread_mutex_lock(&sv->lease_mu);
   ps_leases *t = sv->index == 0 ? sv->leases : NULL;
   int counted = 0;
@@ -312,7 +312,7 @@ static void handle_register(const request *q) {
           new_id, r->host ? r->host : "?", r->role ? r->role : "?", r->task_index, rank,
           ps_membership_count(sv->members));
   if (id != 0 && !q->reader && r->n_done_chunks > 0)
-    note_redone(sv, new_id, r->done_chunks, r->n_done_chunks);
+    ps_service_note_redone(sv, new_id, r->done_chunks, r->n_done_chunks);
   resp.worker_id = new_id;
   resp.worker_rank = (uint32_t)rank;
   resp.session = (ProtobufCBinaryData){.len = PS_SESSION_LEN, .data = session};
@@ -326,7 +326,9 @@ static void handle_register(const request *q) {
                            .role = role,
                            .task_index = r->task_index,
                            .session = session,
-                           .reader = reader};
+                           .reader = reader,
+                           .done_chunks = id != 0 && !q->reader ? r->done_chunks : NULL,
+                           .n_done = id != 0 && !q->reader ? r->n_done_chunks : 0};
     if (ps_replica_append(sv, &u, call, &resp.base, 0, 0) != PS_OK)
       rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "shard %d: out of memory", sv->index);
     ps_replica_unlock(sv);
@@ -353,12 +355,26 @@ static void handle_heartbeat(const request *q) {
   rpc_call *call = q->call;
   const Ps__HeartbeatRequest *r = (const Ps__HeartbeatRequest *)q->msg;
   const uint64_t wid = r->header->worker_id;
-  pthread_mutex_lock(&sv->lease_mu);
-  if (sv->leases && r->names_leases)
-    ps_leases_renew_named(sv->leases, wid, r->leases, r->n_leases, ps_now_ms());
-  else if (sv->leases)
-    ps_leases_renew(sv->leases, wid, ps_now_ms());
-  pthread_mutex_unlock(&sv->lease_mu);
+  if (ps_replica_lock(sv) == 0) { /* a replicated shard 0 logs the renewal */
+    int64_t now = ps_now_ms();
+    pthread_mutex_lock(&sv->lease_mu);
+    ps_leases *t = sv->leases;
+    if (t && r->names_leases)
+      ps_leases_renew_named(t, wid, r->leases, r->n_leases, now);
+    else if (t)
+      ps_leases_renew(t, wid, now);
+    pthread_mutex_unlock(&sv->lease_mu);
+    if (t && sv->repl) {
+      ps_replica_update u = {.kind = PS__REPLICA_ENTRY__KIND__LEASE_RENEW,
+                             .worker = wid,
+                             .now_ms = now,
+                             .leases = r->leases,
+                             .n_leases = r->n_leases,
+                             .names_leases = r->names_leases};
+      ps_replica_append(sv, &u, NULL, NULL, 0, 0); /* no memory: it diverged, a snapshot mends */
+    }
+    ps_replica_unlock(sv);
+  }
   if (set_idle(sv, wid, r->idle) == 1) {
     PS_INFO("worker %016" PRIx64 " %s; %d training", wid,
             r->idle ? "waits for data: the others go on without it" : "has data again",
@@ -385,6 +401,7 @@ static void handle_leave(const request *q) {
       return;
     }
     ps_membership_remove(sv->members, r->header->worker_id);
+    ps_service_release_leases(sv, r->header->worker_id);
     ps_replica_update u = {.kind = PS__REPLICA_ENTRY__KIND__LEAVE, .worker = r->header->worker_id};
     Ps__LeaveResponse resp = PS__LEAVE_RESPONSE__INIT;
     PS_INFO("worker %016" PRIx64 " left; %d live", r->header->worker_id,
@@ -833,6 +850,79 @@ static void record_epoch(ps_server *sv, ps_leases *t, uint32_t epoch) {
   json_decref(rec);
 }
 
+int ps_service_lease_step(ps_server *sv, uint64_t wid, uint64_t dataset_size,
+                          uint64_t complete_lease, int want_next, int64_t now,
+                          Ps__LeaseResponse *resp, int quiet, char *err) {
+  pthread_mutex_lock(&sv->lease_mu);
+  if (!sv->leases && dataset_size > 0) {
+    ps_lease_config cfg = {.n_examples = dataset_size,
+                           .chunk_size = (uint32_t)sv->job.lease_chunk,
+                           .epochs = (uint32_t)sv->job.epochs,
+                           .seed = sv->job.seed,
+                           .max_per_worker = 2};
+    char why[PS_ERRLEN];
+    sv->leases = ps_leases_create(&cfg, why);
+    if (!sv->leases) {
+      pthread_mutex_unlock(&sv->lease_mu);
+      snprintf(err, PS_ERRLEN, "cannot lease %" PRIu64 " examples: %.180s", dataset_size, why);
+      return RPC_INVALID_ARGUMENT;
+    }
+    if (!quiet)
+      PS_INFO("leases: %" PRIu64 " examples in chunks of %d, %d epoch(s)", dataset_size,
+              sv->job.lease_chunk, sv->job.epochs);
+  }
+  ps_leases *t = sv->leases;
+  pthread_mutex_unlock(&sv->lease_mu);
+  if (!t) {
+    snprintf(err, PS_ERRLEN, "the first Lease request must give dataset_size");
+    return RPC_INVALID_ARGUMENT;
+  }
+  ps_lease_stats st;
+  ps_leases_stats(t, &st);
+  if (dataset_size && dataset_size != st.config.n_examples) {
+    snprintf(err, PS_ERRLEN,
+             "this worker's data set has %" PRIu64 " training examples, the lease table %" PRIu64,
+             dataset_size, st.config.n_examples);
+    return RPC_FAILED_PRECONDITION;
+  }
+  if (complete_lease) {
+    /* Under lease_mu, so that the epoch a completion finishes is recorded
+     * once. */
+    pthread_mutex_lock(&sv->lease_mu);
+    ps_lease_stats before;
+    ps_leases_stats(t, &before);
+    int rc = ps_leases_complete(t, wid, complete_lease, now);
+    ps_lease_stats after;
+    ps_leases_stats(t, &after);
+    if (!quiet && (after.epoch != before.epoch || after.finished != before.finished))
+      record_epoch(sv, t, before.epoch);
+    pthread_mutex_unlock(&sv->lease_mu);
+    resp->completed_counted = rc == PS_OK;
+    if (rc != PS_OK && !quiet)
+      PS_INFO("lease %" PRIx64 " of worker %016" PRIx64 " finished but not counted: %s",
+              complete_lease, wid, ps_leases_strerror(rc));
+  }
+  resp->status = 1;
+  if (want_next) {
+    ps_lease l;
+    int rc = ps_leases_acquire(t, wid, now, &l);
+    if (rc == PS_OK) {
+      resp->status = 0;
+      resp->lease_id = l.lease_id;
+      resp->epoch = l.epoch;
+      resp->chunk = l.chunk;
+      resp->begin = l.begin;
+      resp->count = l.count;
+    } else if (rc == PS_LEASE_FINISHED) {
+      resp->status = 2;
+    } else if (rc < 0) {
+      snprintf(err, PS_ERRLEN, "lease: %s", ps_leases_strerror(rc));
+      return RPC_RESOURCE_EXHAUSTED;
+    } /* WAIT and FULL: ask again later */
+  }
+  return RPC_OK;
+}
+
 static void handle_lease(const request *q) {
   ps_server *sv = q->sv;
   rpc_call *call = q->call;
@@ -847,79 +937,43 @@ static void handle_lease(const request *q) {
                   "job '%s' does not lease its data (lease_chunk is 0)", sv->job.job_id);
     return;
   }
-  pthread_mutex_lock(&sv->lease_mu);
-  if (!sv->leases && r->dataset_size > 0) {
-    ps_lease_config cfg = {.n_examples = r->dataset_size,
-                           .chunk_size = (uint32_t)sv->job.lease_chunk,
-                           .epochs = (uint32_t)sv->job.epochs,
-                           .seed = sv->job.seed,
-                           .max_per_worker = 2};
-    char err[PS_ERRLEN];
-    sv->leases = ps_leases_create(&cfg, err);
-    if (!sv->leases) {
-      pthread_mutex_unlock(&sv->lease_mu);
-      rpc_call_fail(call, RPC_INVALID_ARGUMENT, "cannot lease %" PRIu64 " examples: %s",
-                    r->dataset_size, err);
-      return;
-    }
-    PS_INFO("leases: %" PRIu64 " examples in chunks of %d, %d epoch(s)", r->dataset_size,
-            sv->job.lease_chunk, sv->job.epochs);
-  }
-  ps_leases *t = sv->leases;
-  pthread_mutex_unlock(&sv->lease_mu);
-  if (!t) {
-    rpc_call_fail(call, RPC_INVALID_ARGUMENT, "the first Lease request must give dataset_size");
-    return;
-  }
-  ps_lease_stats st;
-  ps_leases_stats(t, &st);
-  if (r->dataset_size && r->dataset_size != st.config.n_examples) {
-    rpc_call_fail(call, RPC_FAILED_PRECONDITION,
-                  "this worker's data set has %" PRIu64 " training examples, the lease table %" PRIu64,
-                  r->dataset_size, st.config.n_examples);
-    return;
-  }
   uint64_t wid = r->header->worker_id;
   /* A retry of a Lease whose answer was lost gets the same chunk, not a
    * second one that nobody would ever work on. */
   if (answer_repeat(q, wid, r->request_id, "Lease")) return;
+  /* A replicated shard 0's primary changes the table and logs the call for
+   * its backups under one lock (they replay it with the same clock). */
+  if (ps_replica_lock(sv) != 0) {
+    forget_request(q, wid, r->request_id);
+    ps_replica_redirect(sv, call, "Lease");
+    return;
+  }
   int64_t now = ps_now_ms();
   Ps__LeaseResponse resp = PS__LEASE_RESPONSE__INIT;
-  if (r->complete_lease) {
-    /* Under lease_mu, so that the epoch a completion finishes is recorded
-     * once. */
-    pthread_mutex_lock(&sv->lease_mu);
-    ps_lease_stats before;
-    ps_leases_stats(t, &before);
-    int rc = ps_leases_complete(t, wid, r->complete_lease, now);
-    ps_lease_stats after;
-    ps_leases_stats(t, &after);
-    if (after.epoch != before.epoch || after.finished != before.finished)
-      record_epoch(sv, t, before.epoch);
-    pthread_mutex_unlock(&sv->lease_mu);
-    resp.completed_counted = rc == PS_OK;
-    if (rc != PS_OK)
-      PS_INFO("lease %" PRIx64 " of worker %016" PRIx64 " finished but not counted: %s",
-              r->complete_lease, wid, ps_leases_strerror(rc));
+  char err[PS_ERRLEN];
+  int st = ps_service_lease_step(sv, wid, r->dataset_size, r->complete_lease, r->want_next, now,
+                                 &resp, 0, err);
+  if (st != RPC_OK) {
+    if (sv->repl) ps_replica_diverged(sv); /* a completion may have counted */
+    ps_replica_unlock(sv);
+    forget_request(q, wid, r->request_id);
+    rpc_call_fail(call, st, "%s", err);
+    return;
   }
-  resp.status = 1;
-  if (r->want_next) {
-    ps_lease l;
-    int rc = ps_leases_acquire(t, wid, now, &l);
-    if (rc == PS_OK) {
-      resp.status = 0;
-      resp.lease_id = l.lease_id;
-      resp.epoch = l.epoch;
-      resp.chunk = l.chunk;
-      resp.begin = l.begin;
-      resp.count = l.count;
-    } else if (rc == PS_LEASE_FINISHED) {
-      resp.status = 2;
-    } else if (rc < 0) {
+  if (sv->repl) {
+    ps_replica_update u = {.kind = PS__REPLICA_ENTRY__KIND__LEASE,
+                           .worker = wid,
+                           .request_id = r->request_id,
+                           .now_ms = now,
+                           .complete_lease = r->complete_lease,
+                           .want_next = r->want_next,
+                           .dataset_size = r->dataset_size};
+    if (ps_replica_append(sv, &u, call, &resp.base, q->kind, r->request_id) != PS_OK) {
       forget_request(q, wid, r->request_id);
-      rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "lease: %s", ps_leases_strerror(rc));
-      return;
-    } /* WAIT and FULL: ask again later */
+      rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "shard 0: out of memory");
+    }
+    ps_replica_unlock(sv);
+    return;
   }
   reply_recorded(q, wid, r->request_id, &resp.base);
 }

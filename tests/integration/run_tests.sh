@@ -1882,7 +1882,8 @@ replication)
   # primaries killed at random moments (each once the shard is whole
   # again: one failure at a time); then 1 shard x 3 replicas with any
   # replica killed as soon as 2 of them are in sync (so also while the
-  # third catches up). Each fail-over, from the kill to the first push the
+  # third catches up); then data leases with shard 0's primaries killed.
+  # Each fail-over, from the kill to the first push the
   # new primary acknowledges, within PS_FAILOVER_LIMIT_S (default 1 s; the
   # lease is 0.5 s).
   limit=${PS_FAILOVER_LIMIT_S:-1.0}
@@ -1892,6 +1893,11 @@ replication)
   python3 "$here/tools/replication.py" "$build" "$out/r3" "$here/jobs/synthetic.json" \
     --shards 1 --replicas 3 --kills 6 --workers 2 --steps 400 --straggle-ms 15 --what any \
     --min-in-sync 2 --max-failover-s "$limit" || fail "R=3: see $out/r3"
+  # Shard 0's coordinator role: data leases (chunks of 64) with shard 0's
+  # primaries killed; every chunk of every finished epoch completed once.
+  python3 "$here/tools/replication.py" "$build" "$out/leases" "$here/jobs/synthetic.json" \
+    --shards 2 --replicas 2 --kills 5 --workers 2 --steps 0 --epochs 10 --lease-chunk 64 \
+    --straggle-ms 15 --kill-shard 0 --max-failover-s "$limit" || fail "leases: see $out/leases"
   ;;
 replica_input)
   # Replication messages a backup must refuse (replica_check.c), on 1 shard

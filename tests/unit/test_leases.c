@@ -1322,7 +1322,52 @@ static void test_churn(void) {
   churn(123456789);
 }
 
+/* A replica of shard 0 takes its primary's table in place: afterwards it
+ * holds what a load of the blob holds (leases outstanding back in the
+ * pool), and a bad blob changes nothing. */
+static void test_replace(void) {
+  ps_leases *a = make(1000, 100, 2, 7, 2);
+  ps_leases *b = make(1000, 100, 2, 9, 2);
+  ps_lease l;
+  CHECK(ps_leases_acquire(a, 1, 0, &l) == PS_OK);
+  CHECK(ps_leases_complete(a, 1, l.lease_id, 1) == PS_OK);
+  CHECK(ps_leases_acquire(a, 2, 2, &l) == PS_OK); /* outstanding */
+  CHECK(ps_leases_acquire(b, 3, 0, &l) == PS_OK);
+  void *blob = NULL, *got = NULL, *want = NULL, *before = NULL, *after = NULL;
+  size_t blob_len = 0, got_len = 0, want_len = 0, before_len = 0, after_len = 0;
+  char err[PS_ERRLEN];
+  CHECK(ps_leases_save(a, &blob, &blob_len) == PS_OK);
+  /* A bad blob: refused, b unchanged. */
+  CHECK(ps_leases_save(b, &before, &before_len) == PS_OK);
+  ((uint8_t *)blob)[blob_len / 2] ^= 1;
+  CHECK(ps_leases_replace(b, blob, blob_len, err) == PS_EINVAL && err[0]);
+  CHECK(ps_leases_save(b, &after, &after_len) == PS_OK);
+  CHECK(after_len == before_len && memcmp(after, before, after_len) == 0);
+  ((uint8_t *)blob)[blob_len / 2] ^= 1;
+  CHECK(ps_leases_replace(b, blob, blob_len, err) == PS_OK);
+  ps_leases *c = ps_leases_load(blob, blob_len, err);
+  CHECK(c != NULL);
+  CHECK(ps_leases_save(b, &got, &got_len) == PS_OK && ps_leases_save(c, &want, &want_len) == PS_OK);
+  CHECK(got_len == want_len && memcmp(got, want, got_len) == 0);
+  ps_lease_stats st;
+  ps_leases_stats(b, &st);
+  CHECK(st.config.seed == 7 && st.current.chunks_completed == 1);
+  /* The replaced table goes on as the loaded one does. */
+  ps_lease lb, lc;
+  CHECK(ps_leases_acquire(b, 4, 5, &lb) == PS_OK && ps_leases_acquire(c, 4, 5, &lc) == PS_OK);
+  CHECK(lb.chunk == lc.chunk && lb.lease_id == lc.lease_id);
+  free(blob);
+  free(got);
+  free(want);
+  free(before);
+  free(after);
+  ps_leases_destroy(a);
+  ps_leases_destroy(b);
+  ps_leases_destroy(c);
+}
+
 int main(void) {
+  RUN(test_replace);
   RUN(test_config);
   RUN(test_single_worker_epochs);
   RUN(test_chunk_bounds);

@@ -61,6 +61,9 @@ def main():
     ap.add_argument("--time-limit", type=float, default=300)
     ap.add_argument("--log-level", default="info")
     ap.add_argument("--min-in-sync", type=int, default=0)
+    ap.add_argument("--checkpoint-secs", type=float, default=1)
+    ap.add_argument("--lease-chunk", type=int, default=0)
+    ap.add_argument("--kill-shard", type=int, default=-1)
     a = ap.parse_args()
     rnd = random.Random(a.seed)
     print(f"replication: seed {a.seed}: {a.shards} shard(s) x {a.replicas} replicas, "
@@ -69,6 +72,8 @@ def main():
     job = json.load(open(a.job))
     job["replicas_per_shard"] = a.replicas
     job["epochs"] = a.epochs
+    if a.lease_chunk:
+        job["lease_chunk"] = a.lease_chunk
     job_path = os.path.join(a.out, "job.json")
     json.dump(job, open(job_path, "w"))
     ckpt = os.path.join(a.out, "ckpt")
@@ -86,7 +91,8 @@ def main():
         log = open(os.path.join(a.out, f"server-{i}.{lives[i]}.log"), "w")
         lives[i] += 1
         p = subprocess.Popen([server, "--insecure", "--job", job_path, "--ps", ps, "--index",
-                              str(i), "--checkpoint-dir", ckpt, "--log-interval", "1"],
+                              str(i), "--checkpoint-dir", ckpt, "--log-interval", "1",
+                              "--checkpoint-secs", str(a.checkpoint_secs)],
                              stdout=log, stderr=subprocess.STDOUT)
         procs[i] = p
         all_procs.append(p)
@@ -151,7 +157,7 @@ def main():
             if all(w.poll() is not None for w in workers):
                 print(f"replication: the workers finished after {kno} kill(s)")
                 break
-            s = rnd.randrange(a.shards)
+            s = rnd.randrange(a.shards) if a.kill_shard < 0 else a.kill_shard
             # Fewer than R failures at once: the replicas the last kills
             # restarted must have caught up and joined first (all of them, or
             # --min-in-sync; bounded: a shard that does not get there within
@@ -227,6 +233,21 @@ def main():
             if p["version"] != trained:
                 sys.exit(f"FAIL: shard {s} applied {p['version']} pushes, the workers saw "
                          f"{trained} acknowledged")
+            if a.lease_chunk and s == 0:
+                # Shard 0's lease records: every chunk of every epoch
+                # completed once, across the fail-overs.
+                for e in p.get("lease_epochs", []):
+                    if not e.get("finished") and a.steps:
+                        continue  # the last epoch, cut short by --steps
+                    if e["chunks_once"] != e["chunks"]:
+                        sys.exit(f"FAIL: lease epoch {e['epoch']}: {e['chunks_once']} of "
+                                 f"{e['chunks']} chunks completed once")
+                done = [e for e in p.get("lease_epochs", []) if e.get("finished")]
+                if not done:
+                    sys.exit("FAIL: no lease epoch finished")
+                print(f"replication: shard 0's lease records: {len(done)} finished epoch(s), "
+                      f"every chunk completed once; "
+                      f"{sum(e['examples_rehanded'] for e in done)} examples handed out again")
         # Fail-over times: from each kill of a primary to the first update a
         # replica of that shard acknowledged as the new primary (its log's
         # "first acknowledged update as the primary").
