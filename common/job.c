@@ -451,10 +451,6 @@ static int parse_replication(json_t *root, ps_job *job, char *err) {
                      "'replica_lease_ms' (%d) must be at least 3 x 'replica_heartbeat_ms' (%d): "
                      "a replica must miss several heartbeats before it acts",
                      job->replica_lease_ms, job->replica_heartbeat_ms);
-  if (job->replicas_per_shard > 1 && job->mode_kind == PS_MODE_SYNC)
-    return ps_seterr(err, PS_EINVAL,
-                     "'replicas_per_shard' > 1 takes mode async or ssp:K; sync steps are not "
-                     "replicated yet");
   return 0;
 }
 

@@ -50,6 +50,7 @@ typedef struct rentry {
   int64_t now_ms, timeout_ms;
   uint64_t complete_lease, dataset_size;
   int want_next, names_leases;
+  int quorum, result; /* SYNC_STEP */
   uint64_t *ids; /* LEASE_RENEW: the leases named; REGISTER: the chunks named done */
   size_t n_ids;
   /* answered at commit */
@@ -474,6 +475,8 @@ int ps_replica_append(ps_server *sv, const ps_replica_update *u, rpc_call *call,
   e->dataset_size = u->dataset_size;
   e->want_next = u->want_next;
   e->names_leases = u->names_leases;
+  e->quorum = u->quorum;
+  e->result = u->result;
   e->call = call;
   e->reply = rb;
   e->reply_len = rlen;
@@ -591,22 +594,29 @@ static int apply_entry(ps_server *sv, const Ps__ReplicaEntry *e) {
     case PS__REPLICA_ENTRY__KIND__PUSH: {
       ps_seg seg = {.ptr = e->gradient.data, .len = e->gradient.len};
       ps_segview view = {.segs = &seg, .nsegs = 1, .total = e->gradient.len};
-      uint64_t version = 0, staleness = 0;
-      if (ps_shard_push(sv->shard, e->base_version, e->offset, e->count, &view, &version,
-                        &staleness, err) != 0) {
-        PS_WARN("replication: entry %" PRIu64 " (a push) refused here: %s", e->seq, err);
-        return PS_ESTATE;
-      }
-      if (ps_membership_note_round(sv->members, e->worker_id, e->request_id) != PS_OK) {
+      Ps__PushResponse resp = PS__PUSH_RESPONSE__INIT;
+      uint64_t round = 0;
+      if (ps_membership_round(sv->members, e->worker_id, &round) != PS_OK) {
         PS_WARN("replication: entry %" PRIu64 " names worker %016" PRIx64 ", unknown here",
                 e->seq, e->worker_id);
         return PS_ESTATE;
       }
-      ps_membership_note_push(sv->members, e->worker_id, e->step, now);
-      Ps__PushResponse resp = PS__PUSH_RESPONSE__INIT;
-      resp.version = version;
-      resp.staleness = staleness;
+      if (ps_service_push_step(sv, e->worker_id, e->request_id, e->base_version, e->offset,
+                               e->count, e->step, &view, &resp, err) != 0) {
+        PS_WARN("replication: entry %" PRIu64 " (a push) refused here: %s", e->seq, err);
+        return PS_ESTATE;
+      }
       return record_answer(sv, e, PS_METHOD_PUSH, &resp.base);
+    }
+    case PS__REPLICA_ENTRY__KIND__SYNC_STEP: {
+      uint64_t v = 0;
+      int rc = ps_shard_sync_try_apply(sv->shard, e->quorum, &v, err);
+      if (rc != e->result) {
+        PS_WARN("replication: entry %" PRIu64 " (a sync step) gives %d here, %d on the primary",
+                e->seq, rc, e->result);
+        return PS_ESTATE;
+      }
+      return PS_OK;
     }
     case PS__REPLICA_ENTRY__KIND__LEASE: {
       Ps__LeaseResponse resp = PS__LEASE_RESPONSE__INIT;
@@ -666,6 +676,8 @@ typedef struct {
   Ps__ReplicaRecent **recp;
   void *leases;
   size_t leases_len;
+  float *sync_sum;
+  uint64_t *sync_ids;
 } snap_buf;
 
 static void snap_free(snap_buf *b) {
@@ -677,6 +689,8 @@ static void snap_free(snap_buf *b) {
   free(b->rec);
   free(b->recp);
   free(b->leases);
+  free(b->sync_sum);
+  free(b->sync_ids);
 }
 
 /* The state now, as a snapshot message (pointing into b). mu held (no
@@ -765,6 +779,19 @@ static int snap_take(ps_replica *rp, snap_buf *b) {
     b->snap.has_leases = 1;
     b->snap.leases = (ProtobufCBinaryData){.len = b->leases_len, .data = b->leases};
   }
+  /* sync: the step's gradients so far. */
+  int sn = 0;
+  double smax = 0;
+  if (ps_shard_sync_export(sv->shard, &b->sync_sum, &b->sync_ids, &sn, &smax) != PS_OK) {
+    snap_free(b);
+    return PS_ENOMEM;
+  }
+  if (sn > 0) {
+    b->snap.sync_sum = (ProtobufCBinaryData){.len = n * sizeof(float), .data = (uint8_t *)b->sync_sum};
+    b->snap.n_sync_ids = (size_t)sn;
+    b->snap.sync_ids = b->sync_ids;
+    b->snap.sync_max = smax;
+  }
   return PS_OK;
 }
 
@@ -783,6 +810,11 @@ static int snap_install(ps_replica *rp, const Ps__ReplicaSnapshot *s, char *err)
     if (s->slots[k].len != n * sizeof(float))
       return ps_seterr(err, PS_EINVAL, "a snapshot's slot array %d has %zu bytes", k,
                        s->slots[k].len);
+  if (s->n_sync_ids > (size_t)sv->job.max_workers ||
+      (s->n_sync_ids > 0 && s->sync_sum.len != n * sizeof(float)) ||
+      !(s->sync_max >= 0 && s->sync_max < 1e300))
+    return ps_seterr(err, PS_EINVAL, "a snapshot's sync step is malformed (%zu gradients, %zu "
+                     "bytes of sum)", s->n_sync_ids, s->sync_sum.len);
   ps_member_state *ms = calloc(s->n_workers + 1, sizeof *ms);
   float *params = malloc((n ? n : 1) * sizeof(float));
   float *slots[8] = {0};
@@ -842,6 +874,13 @@ static int snap_install(ps_replica *rp, const Ps__ReplicaSnapshot *s, char *err)
     rc = ps_membership_import(sv->members, ms, (int)s->n_workers, s->next_rank);
     if (rc == PS_OK) {
       ps_shard_restore_state(sv->shard, params, slots, s->version);
+      float *sum = NULL;
+      if (s->n_sync_ids > 0 && n > 0 && (sum = malloc(n * sizeof(float))) != NULL)
+        memcpy(sum, s->sync_sum.data, n * sizeof(float));
+      if ((s->n_sync_ids > 0 && n > 0 && !sum) ||
+          ps_shard_sync_import(sv->shard, sum, s->sync_ids, (int)s->n_sync_ids, s->sync_max) != PS_OK)
+        PS_ERROR("replication: no memory for the snapshot's sync step: it is left out");
+      free(sum);
       rp->pos.term = s->position->term;
       rp->pos.seq = s->position->seq;
     } else {
@@ -1080,6 +1119,8 @@ static void *sender_main(void *arg) {
       em[i].dataset_size = e->dataset_size;
       em[i].want_next = e->want_next;
       em[i].names_leases = e->names_leases;
+      em[i].quorum = e->quorum;
+      em[i].result = e->result;
       if (e->kind == PS__REPLICA_ENTRY__KIND__LEASE_RENEW) {
         em[i].n_leases = e->n_ids;
         em[i].leases = e->ids;

@@ -62,6 +62,7 @@ typedef struct {
   size_t n_leases;
   const uint64_t *done_chunks; /* REGISTER: a returning worker's (copied) */
   size_t n_done;
+  int quorum, result; /* SYNC_STEP */
 } ps_replica_update;
 
 /* Sets up replication for a server whose job has replicas_per_shard R > 1

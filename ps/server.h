@@ -205,6 +205,14 @@ struct Ps__LeaseResponse;
 int ps_service_lease_step(ps_server *sv, uint64_t wid, uint64_t dataset_size,
                           uint64_t complete_lease, int want_next, int64_t now,
                           struct Ps__LeaseResponse *resp, int quiet, char *err);
+/* A push as the shard takes it: applied (async, ssp) or added to the
+ * current step (sync), the worker's round and push counted; resp gets the
+ * answer. 0, or the shard's error code with a message (nothing changed).
+ * Shared by a replicated shard's primary and its backups' replay. */
+struct Ps__PushResponse;
+int ps_service_push_step(ps_server *sv, uint64_t worker, uint64_t request_id,
+                         uint64_t base_version, uint64_t offset, uint64_t count, uint64_t step,
+                         const ps_segview *tensor, struct Ps__PushResponse *resp, char *err);
 /* A worker registering again names chunks shard 0 acknowledged as done:
  * those the table lacks are counted as redone. */
 void ps_service_note_redone(ps_server *sv, uint64_t worker, const uint64_t *done, size_t n);

@@ -332,6 +332,7 @@ static void handle_register(const request *q) {
     if (ps_replica_append(sv, &u, call, &resp.base, 0, 0) != PS_OK)
       rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "shard %d: out of memory", sv->index);
     ps_replica_unlock(sv);
+    if (sv->job.mode_kind == PS_MODE_SYNC) ps_sync_try_step(sv);
     return;
   }
   ps_service_reply(call, &resp.base);
@@ -409,6 +410,7 @@ static void handle_leave(const request *q) {
     if (ps_replica_append(sv, &u, call, &resp.base, 0, 0) != PS_OK)
       rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "shard %d: out of memory", sv->index);
     ps_replica_unlock(sv);
+    if (sv->job.mode_kind == PS_MODE_SYNC) ps_sync_try_step(sv);
     ps_waits_recheck(sv);
     return;
   }
@@ -509,6 +511,34 @@ static void handle_pull(const request *q) {
 
 /* A replicated shard's push (async, ssp): applied under the ordering lock,
  * logged, answered once every replica has it. */
+int ps_service_push_step(ps_server *sv, uint64_t worker, uint64_t request_id,
+                         uint64_t base_version, uint64_t offset, uint64_t count, uint64_t step,
+                         const ps_segview *tensor, Ps__PushResponse *resp, char *err) {
+  uint64_t version = 0, staleness = 0;
+  int dropped = 0, have = 0, rc;
+  if (sv->job.mode_kind == PS_MODE_SYNC) {
+    rc = ps_shard_sync_add(sv->shard, worker, base_version, offset, count, tensor, &dropped,
+                           &have, err);
+    if (rc == 0) {
+      ps_shard_stats st;
+      ps_shard_stats_get(sv->shard, &st);
+      version = st.version;
+    }
+  } else {
+    rc = ps_shard_push(sv->shard, base_version, offset, count, tensor, &version, &staleness, err);
+  }
+  if (rc != 0) return rc;
+  ps_membership_note_round(sv->members, worker, request_id);
+  ps_membership_note_push(sv->members, worker, step, ps_now_ms());
+  resp->version = version;
+  resp->staleness = staleness;
+  resp->dropped = dropped;
+  return 0;
+}
+
+/* A replicated shard's push: applied (async, ssp) or added to the step
+ * (sync) under the ordering lock, logged, answered once every replica has
+ * it. */
 static void apply_push_replicated(ps_server *sv, const ps_push_args *a) {
   const request q = {.sv = sv, .call = a->call, .kind = a->kind};
   const uint64_t wid = a->worker;
@@ -518,9 +548,9 @@ static void apply_push_replicated(ps_server *sv, const ps_push_args *a) {
     ps_replica_redirect(sv, a->call, "Push");
     return;
   }
-  uint64_t version = 0, staleness = 0;
-  int rc = ps_shard_push(sv->shard, a->base_version, a->offset, a->count, a->tensor, &version,
-                         &staleness, err);
+  Ps__PushResponse resp = PS__PUSH_RESPONSE__INIT;
+  int rc = ps_service_push_step(sv, wid, a->request_id, a->base_version, a->offset, a->count,
+                                a->step, a->tensor, &resp, err);
   if (rc != 0) {
     ps_replica_unlock(sv);
     PS_WARN("push from worker %016" PRIx64 " refused: %s", wid, err);
@@ -528,11 +558,6 @@ static void apply_push_replicated(ps_server *sv, const ps_push_args *a) {
     rpc_call_fail(a->call, rc == PS_ERANGE ? RPC_OUT_OF_RANGE : RPC_INVALID_ARGUMENT, "%s", err);
     return;
   }
-  ps_membership_note_round(sv->members, wid, a->request_id);
-  ps_membership_note_push(sv->members, wid, a->step, ps_now_ms());
-  Ps__PushResponse resp = PS__PUSH_RESPONSE__INIT;
-  resp.version = version;
-  resp.staleness = staleness;
   ps_replica_update u = {.kind = PS__REPLICA_ENTRY__KIND__PUSH,
                          .worker = wid,
                          .request_id = a->request_id,
@@ -547,7 +572,10 @@ static void apply_push_replicated(ps_server *sv, const ps_push_args *a) {
                   "shard %d: out of memory logging a push for the backups", sv->index);
   }
   ps_replica_unlock(sv);
-  if (sv->job.mode_kind == PS_MODE_SSP) ps_waits_recheck(sv); /* a clock moved */
+  if (sv->job.mode_kind == PS_MODE_SYNC)
+    ps_sync_try_step(sv);
+  else if (sv->job.mode_kind == PS_MODE_SSP)
+    ps_waits_recheck(sv); /* a clock moved */
 }
 
 void ps_service_apply_push(ps_server *sv, const ps_push_args *a) {

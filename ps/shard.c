@@ -1145,3 +1145,59 @@ void ps_shard_restore_state(ps_shard *s, const float *params, float *const *slot
   measure_bounds(s);
   pthread_mutex_unlock(&s->apply_mu);
 }
+
+int ps_shard_sync_export(ps_shard *s, float **sum, uint64_t **ids, int *n, double *max) {
+  size_t len = s->end - s->begin;
+  pthread_mutex_lock(&s->apply_mu);
+  *n = s->sync_n;
+  *max = s->sync_max;
+  *sum = NULL;
+  *ids = NULL;
+  int rc = PS_OK;
+  if (s->sync_n > 0) {
+    *sum = malloc((len ? len : 1) * sizeof(float));
+    *ids = malloc((size_t)s->sync_n * sizeof(uint64_t));
+    if (!*sum || !*ids) {
+      free(*sum);
+      free(*ids);
+      *sum = NULL;
+      *ids = NULL;
+      rc = PS_ENOMEM;
+    } else {
+      if (len) memcpy(*sum, s->sync_sum, len * sizeof(float));
+      memcpy(*ids, s->sync_ids, (size_t)s->sync_n * sizeof(uint64_t));
+    }
+  }
+  pthread_mutex_unlock(&s->apply_mu);
+  return rc;
+}
+
+int ps_shard_sync_import(ps_shard *s, const float *sum, const uint64_t *ids, int n, double max) {
+  size_t len = s->end - s->begin;
+  if (n < 0 || (n > 0 && (!ids || (len && !sum)))) return PS_EINVAL;
+  pthread_mutex_lock(&s->apply_mu);
+  if (n > s->sync_cap) {
+    uint64_t *grown = realloc(s->sync_ids, (size_t)n * sizeof *grown);
+    if (!grown) {
+      pthread_mutex_unlock(&s->apply_mu);
+      return PS_ENOMEM;
+    }
+    s->sync_ids = grown;
+    s->sync_cap = n;
+  }
+  if (n > 0 && len && !s->sync_sum) {
+    s->sync_sum = ps_alloc(len * sizeof(float));
+    if (!s->sync_sum) {
+      pthread_mutex_unlock(&s->apply_mu);
+      return PS_ENOMEM;
+    }
+  }
+  if (n > 0) {
+    if (len) memcpy(s->sync_sum, sum, len * sizeof(float));
+    memcpy(s->sync_ids, ids, (size_t)n * sizeof(uint64_t));
+  }
+  s->sync_n = n;
+  s->sync_max = n > 0 ? max : 0.0;
+  pthread_mutex_unlock(&s->apply_mu);
+  return PS_OK;
+}

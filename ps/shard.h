@@ -133,4 +133,12 @@ void ps_shard_export_state(ps_shard *s, float *params, float **slots, uint64_t *
 void ps_shard_restore_state(ps_shard *s, const float *params, float *const *slots,
                             uint64_t version);
 
+/* sync mode: the current step's gradients as they stand (the sum of the
+ * n in, the workers who sent them, the bound on the sum), for a replica
+ * that takes the whole state; export allocates sum (end-begin values) and
+ * ids (n), NULL when n is 0. import replaces them (call it after
+ * ps_shard_restore_state, which empties the step). PS_ENOMEM, PS_EINVAL. */
+int ps_shard_sync_export(ps_shard *s, float **sum, uint64_t **ids, int *n, double *max);
+int ps_shard_sync_import(ps_shard *s, const float *sum, const uint64_t *ids, int n, double max);
+
 #endif

@@ -6,6 +6,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 
+#include "proto/ps.pb-c.h"
 #include "server.h"
 
 /* A pull that waits on the server (ssp: for the slowest worker to catch
@@ -268,7 +269,19 @@ void ps_sync_try_step(ps_server *sv) {
   uint64_t v = 0;
   /* A checkpoint cut holds steps past its version (cut.c tries again). */
   if (ps_cut_step_enter(sv)) return;
-  int rc = ps_shard_sync_try_apply(sv->shard, quorum < 1 ? 1 : quorum, &v, err);
+  /* A replicated shard's primary applies the step under its ordering lock
+   * and logs it with its quorum; a backup waits for that. */
+  if (ps_replica_lock(sv) != 0) {
+    ps_cut_leave(sv);
+    return;
+  }
+  if (quorum < 1) quorum = 1;
+  int rc = ps_shard_sync_try_apply(sv->shard, quorum, &v, err);
+  if (sv->repl && (rc == 1 || rc == PS_EINVAL)) {
+    ps_replica_update u = {.kind = PS__REPLICA_ENTRY__KIND__SYNC_STEP, .quorum = quorum, .result = rc};
+    if (ps_replica_append(sv, &u, NULL, NULL, 0, 0) != PS_OK) ps_replica_diverged(sv);
+  }
+  ps_replica_unlock(sv);
   ps_cut_leave(sv);
   if (rc < 0) PS_ERROR("cannot apply the step: %s", err);
   /* A step that can never be applied (it would make the model non-finite)

@@ -1882,7 +1882,8 @@ replication)
   # primaries killed at random moments (each once the shard is whole
   # again: one failure at a time); then 1 shard x 3 replicas with any
   # replica killed as soon as 2 of them are in sync (so also while the
-  # third catches up); then data leases with shard 0's primaries killed.
+  # third catches up); then data leases with shard 0's primaries killed;
+  # then sync, against an undisturbed run.
   # Each fail-over, from the kill to the first push the
   # new primary acknowledges, within PS_FAILOVER_LIMIT_S (default 1 s; the
   # lease is 0.5 s).
@@ -1898,6 +1899,23 @@ replication)
   python3 "$here/tools/replication.py" "$build" "$out/leases" "$here/jobs/synthetic.json" \
     --shards 2 --replicas 2 --kills 5 --workers 2 --steps 0 --epochs 10 --lease-chunk 64 \
     --straggle-ms 15 --kill-shard 0 --max-failover-s "$limit" || fail "leases: see $out/leases"
+  # sync: the shards' final state is a function of the steps alone (2
+  # workers: a sum of two does not depend on their order), so a run whose
+  # primaries are killed 5 times must end bit for bit where an undisturbed
+  # run ends: nothing acknowledged lost or doubled, nothing reordered.
+  for run in calm killed; do
+    kills=0; [ "$run" = killed ] && kills=5
+    python3 "$here/tools/replication.py" "$build" "$out/sync-$run" "$here/jobs/synthetic.json" \
+      --shards 2 --replicas 2 --kills "$kills" --workers 2 --steps 250 --straggle-ms 15 \
+      --mode sync --max-failover-s "$limit" >"$out/sync-$run.txt" 2>&1 \
+      || { cat "$out/sync-$run.txt"; fail "sync ($run): see $out/sync-$run"; }
+    grep -E "kill [0-9]|shard [01]:" "$out/sync-$run.txt"
+  done
+  crc() { sed -n 's/.*replicas with state CRC \([0-9a-f]*\).*/\1/p' "$1" | tr '\n' ' '; }
+  [ -n "$(crc "$out/sync-calm.txt")" ] || fail "sync: no state CRC printed"
+  [ "$(crc "$out/sync-calm.txt")" = "$(crc "$out/sync-killed.txt")" ] \
+    || fail "sync: the killed run ends at $(crc "$out/sync-killed.txt"), the undisturbed one at $(crc "$out/sync-calm.txt")"
+  echo "replication: sync with kills ends bit for bit where the undisturbed run does: $(crc "$out/sync-calm.txt")"
   ;;
 replica_input)
   # Replication messages a backup must refuse (replica_check.c), on 1 shard

@@ -127,7 +127,6 @@ static void test_invalid(void) {
   expect_error(", \"replicas_per_shard\": 2.5", "'replicas_per_shard'");
   expect_error(", \"replica_heartbeat_ms\": 200, \"replica_lease_ms\": 500",
                "at least 3 x 'replica_heartbeat_ms'");
-  expect_error(", \"replicas_per_shard\": 2, \"mode\": \"sync\"", "sync steps are not replicated");
   expect_error(", \"optimizer\": {\"name\": \"rmsprop\"}",
                "'optimizer.name' 'rmsprop' is not known");
   expect_error(", \"optimizer\": {\"name\": 3}", "'optimizer.name'");

@@ -64,6 +64,7 @@ def main():
     ap.add_argument("--checkpoint-secs", type=float, default=1)
     ap.add_argument("--lease-chunk", type=int, default=0)
     ap.add_argument("--kill-shard", type=int, default=-1)
+    ap.add_argument("--mode", default="")
     a = ap.parse_args()
     rnd = random.Random(a.seed)
     print(f"replication: seed {a.seed}: {a.shards} shard(s) x {a.replicas} replicas, "
@@ -74,6 +75,8 @@ def main():
     job["epochs"] = a.epochs
     if a.lease_chunk:
         job["lease_chunk"] = a.lease_chunk
+    if a.mode:
+        job["mode"] = a.mode
     job_path = os.path.join(a.out, "job.json")
     json.dump(job, open(job_path, "w"))
     ckpt = os.path.join(a.out, "ckpt")
@@ -229,10 +232,14 @@ def main():
             p = st[prim[s][0]]
             print(f"replication: shard {s}: primary replica {p['replica']['index']} term "
                   f"{p['replica']['term']}, version {p['version']}; the workers trained "
-                  f"{trained} steps; {a.replicas} replicas with state CRC {p['state_crc']:08x}")
-            if p["version"] != trained:
-                sys.exit(f"FAIL: shard {s} applied {p['version']} pushes, the workers saw "
-                         f"{trained} acknowledged")
+                  f"{trained} steps; {a.replicas} replicas with state CRC {p['state_crc']:08x}"
+                  f"{'; ' + str(p.get('dropped', 0)) + ' late gradients dropped' if job.get('mode') == 'sync' else ''}")
+            # async, ssp: one update per push; sync: one per step, which
+            # every worker's push of that step is in (no backup workers).
+            want = trained // a.workers if job.get("mode") == "sync" else trained
+            if p["version"] != want:
+                sys.exit(f"FAIL: shard {s} applied {p['version']} updates, the workers saw "
+                         f"{trained} pushes acknowledged (expected {want} updates)")
             if a.lease_chunk and s == 0:
                 # Shard 0's lease records: every chunk of every epoch
                 # completed once, across the fail-overs.
