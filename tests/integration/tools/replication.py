@@ -9,6 +9,7 @@ W ps-worker processes of N steps each, then K times: picks a shard at
 random, kills (SIGKILL) its primary (or, with --what any, a random replica)
 at a random moment, restarts it after a random pause. Then checks:
   - every worker finished (no hang) and says how many steps it trained;
+  - the chief's final test accuracy is at least --min-accuracy;
   - on every shard the primary's version (updates applied: one per push in
     async) equals the steps all workers trained: every acknowledged push
     is in the state, none twice;
@@ -65,6 +66,7 @@ def main():
     ap.add_argument("--lease-chunk", type=int, default=0)
     ap.add_argument("--kill-shard", type=int, default=-1)
     ap.add_argument("--mode", default="")
+    ap.add_argument("--min-accuracy", type=float, default=0.9)
     a = ap.parse_args()
     rnd = random.Random(a.seed)
     print(f"replication: seed {a.seed}: {a.shards} shard(s) x {a.replicas} replicas, "
@@ -204,6 +206,15 @@ def main():
             if not m:
                 sys.exit(f"FAIL: worker {k} does not say how many steps it trained")
             trained += int(m[-1])
+        # The chief's final evaluation: as an undisturbed run of the job
+        # scores (the synthetic job is learned to about 1.0).
+        text = open(os.path.join(a.out, "worker-0.log")).read()
+        m = re.findall(r"^final test accuracy ([0-9.]+)", text, re.M)
+        if not m:
+            sys.exit("FAIL: the chief printed no final test accuracy")
+        if float(m[-1]) < a.min_accuracy:
+            sys.exit(f"FAIL: final test accuracy {m[-1]} < {a.min_accuracy}")
+        print(f"replication: final test accuracy {m[-1]}")
         # Every replica settles at its primary's position (bounded wait).
         t0 = time.time()
         ok = False
