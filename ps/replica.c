@@ -106,6 +106,7 @@ struct ps_replica {
   int64_t became_ms;  /* when it last became the primary */
   int said_first_ack; /* the first answer of that term was logged */
   uint64_t acked;     /* updates answered as the primary, since the start */
+  int deferrals;      /* elections given up for a member further ahead, since a primary was heard */
   /* votes: this server's, for every shard */
   pthread_mutex_t vote_mu;
   char vote_path[PATH_MAX];
@@ -442,10 +443,7 @@ int ps_replica_append(ps_server *sv, const ps_replica_update *u, rpc_call *call,
     free(ids);
     /* The update is applied here but in no entry: every backup takes the
      * whole state instead (its position would match a state it lacks). */
-    for (int r = 0; r < rp->R; r++) {
-      rp->peer[r].need_snapshot = 1;
-      rp->peer[r].matched = 0;
-    }
+    ps_replica_diverged(sv);
     return PS_ENOMEM;
   }
   if (reply) protobuf_c_message_pack(reply, rb);
@@ -938,6 +936,7 @@ void ps_replica_handle_replicate(ps_server *sv, rpc_call *call, const void *requ
               rp->me, c.primary, c.term);
     rp->cfg = c;
     rp->heard_ms = ps_now_ms();
+    rp->deferrals = 0;
     if (r->snapshot) {
       if (snap_install(rp, r->snapshot, err) == PS_OK) {
         PS_INFO("replication: took the primary's state at update %" PRIu64 " (term %" PRIu64 ")",
@@ -1260,17 +1259,28 @@ static int ballot(ps_replica *rp, uint64_t term, int phase, const cfg_t *c, cfg_
   return granted;
 }
 
-/* Whether every other member of c answers that it restarted and took no
- * state since (then nobody holds the updates acknowledged since the last
- * checkpoint, and a restarted replica may lead from its checkpoint). A
- * member that does not answer may hold them: not all fresh. */
-static int members_all_fresh(ps_replica *rp, const cfg_t *c) {
+/* What the other members of c say of themselves (their Status), for a
+ * candidate at position mine:
+ *   *all_fresh: every one answered that it restarted and took no state
+ *     since (then nobody holds the updates acknowledged since the last
+ *     checkpoint, and a restarted replica may lead from its checkpoint; a
+ *     member that does not answer may hold them);
+ *   *ahead: the replica index of one that holds more updates (a later
+ *     position) and did not restart, or -1: the most up-to-date leads,
+ *     so that fewer updates not yet acknowledged are lost.
+ * Replica skip (-1: none) is not asked. */
+static void survey_members(ps_replica *rp, const cfg_t *c, pos_t mine, int skip, int *all_fresh,
+                           int *ahead) {
   ps_server *sv = rp->sv;
+  *all_fresh = 1;
+  *ahead = -1;
   rpc_queue *q = rpc_queue_create();
-  if (!q) return 0;
-  int all = 1;
-  for (int r = 0; r < rp->R && all; r++) {
-    if (r == rp->me || !is_member(c, r)) continue;
+  if (!q) {
+    *all_fresh = 0;
+    return;
+  }
+  for (int r = 0; r < rp->R; r++) {
+    if (r == rp->me || r == skip || !is_member(c, r)) continue;
     int v = sv->index * rp->R + r;
     if (!rp->vote_ch[v]) rp->vote_ch[v] = channel_to(rp, rp->addrs[v]);
     Ps__RequestHeader h;
@@ -1285,12 +1295,15 @@ static int members_all_fresh(ps_replica *rp, const cfg_t *c) {
                                                          &ps__status_response__descriptor,
                                                          sv->job.replica_lease_ms / 2, &st, why)
                        : NULL;
-    all = resp && resp->shard_index == (uint32_t)sv->index && resp->replica == (uint32_t)r &&
-          resp->replica_fresh;
+    int ok = resp && resp->shard_index == (uint32_t)sv->index && resp->replica == (uint32_t)r;
+    if (!ok || !resp->replica_fresh) *all_fresh = 0;
+    if (ok && !resp->replica_fresh &&
+        (resp->replica_seq_term > mine.term ||
+         (resp->replica_seq_term == mine.term && resp->replica_seq > mine.seq)))
+      *ahead = r;
     if (resp) protobuf_c_message_free_unpacked(&resp->base, NULL);
   }
   rpc_queue_destroy(q);
-  return all;
 }
 
 /* Runs for (or renews, as the primary) a configuration: members is what
@@ -1324,12 +1337,27 @@ static int run_term(ps_replica *rp, uint32_t members, const char *why) {
     fail = "this replica is not a member of the newest configuration (it may lack updates)";
   }
   pthread_mutex_lock(&rp->mu);
-  int fresh = rp->fresh;
+  int fresh = rp->fresh, deferrals = rp->deferrals;
+  pos_t mine = rp->pos;
   pthread_mutex_unlock(&rp->mu);
-  if (ok && !was_primary && fresh && newest.term && !members_all_fresh(rp, &newest)) {
-    ok = 0;
-    fail = "this replica restarted and holds no acknowledged update, and a member that may "
-           "hold them did not say it restarted too";
+  if (ok && !was_primary && newest.term) {
+    int all_fresh = 0, ahead = -1;
+    /* A candidate that holds the state need not ask the silent primary
+     * (behind a partition the question would only cost its time-out). */
+    survey_members(rp, &newest, mine, fresh ? -1 : newest.primary, &all_fresh, &ahead);
+    if (fresh && !all_fresh) {
+      ok = 0;
+      fail = "this replica restarted and holds no acknowledged update, and a member that may "
+             "hold them did not say it restarted too";
+    } else if (!fresh && ahead >= 0 && deferrals < 3) {
+      /* A few times only: one that cannot win (cut off from the voters)
+       * must not keep the shard without a primary. */
+      pthread_mutex_lock(&rp->mu);
+      rp->deferrals++;
+      pthread_mutex_unlock(&rp->mu);
+      ok = 0;
+      fail = "another member holds more updates: it runs first";
+    }
   }
   if (ok) {
     if (members) {
@@ -1356,6 +1384,7 @@ static int run_term(ps_replica *rp, uint32_t members, const char *why) {
     rp->term = term;
     rp->cfg = c;
     rp->fresh = 0;
+    rp->deferrals = 0;
     if (!was_primary) {
       rp->role = PRIMARY;
       rp->became_ms = ps_now_ms();
@@ -1432,6 +1461,12 @@ static void *manager_main(void *arg) {
       if (rp->cfg.term && !is_member(&rp->cfg, rp->me)) continue;
       pthread_mutex_unlock(&rp->mu);
       int won = run_term(rp, 0, rp->cfg.term ? "the primary fell silent" : "start");
+      if (won) {
+        /* The step may be complete already (every gradient came in before
+         * the old primary fell): nothing else would try it. */
+        if (sv->job.mode_kind == PS_MODE_SYNC) ps_sync_try_step(sv);
+        ps_waits_recheck(sv);
+      }
       pthread_mutex_lock(&rp->mu);
       if (!won) {
         /* Back off by a random part of a lease, staggered by replica, so

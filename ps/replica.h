@@ -23,7 +23,11 @@
  *   sequence number) is its own; any other position, and a replica that
  *   has just started, takes a snapshot of the primary's whole state
  *   (parameters, slots, version, the workers and their recent answers).
- * - A backup that hears nothing for the lease runs for primary; a primary
+ * - A backup that hears nothing for the lease runs for primary (the
+ *   replicas after the silent one in turn, a heartbeat apart; one that a
+ *   member further ahead can replace lets it run first, a few times at
+ *   most; one that restarted since it last took the state runs only when
+ *   every member says it restarted too); a primary
  *   that hears nothing from a member for the lease replaces its
  *   configuration by one without it (a vote), and adds a replica that
  *   caught up (counted for acknowledgements from the moment it is
