@@ -12,26 +12,31 @@
  *   promise and what it accepted before it answers: Paxos's two phases,
  *   one instance per term. A candidate must be a member of the newest
  *   configuration a majority reports, so it holds every acknowledged
- *   update; it refuses the old term's updates from the moment it runs.
- * - The primary applies an update (a push, a registration, a leave, an
- *   idle flag) to its state and to its log, under one lock so that the log
- *   has the order of application, and answers the worker only when every
- *   member of its configuration applied it. A deposed primary cannot
- *   acknowledge: a member that ran for its place refuses its term.
+ *   update; it refuses the old term's updates from the moment it wins (it
+ *   acknowledged nothing it does not hold until then).
+ * - The primary applies an update (a push, a sync step, a registration, a
+ *   leave, an idle flag, shard 0's Lease calls and lease renewals and
+ *   expiries, with its clock) to its state and to its log, under one lock
+ *   so that the log has the order of application, and answers the worker
+ *   only when every member of its configuration applied it. A deposed
+ *   primary cannot acknowledge: a member that took its place refuses its
+ *   term.
  * - A backup applies the entries in order after checking that the
  *   position before them (the term that made the last update, its
  *   sequence number) is its own; any other position, and a replica that
  *   has just started, takes a snapshot of the primary's whole state
- *   (parameters, slots, version, the workers and their recent answers).
+ *   (parameters, slots, version, the workers and their recent answers,
+ *   shard 0's lease table, a sync step's sum so far). A replayed call
+ *   whose answer differs from the primary's means the states diverged: a
+ *   snapshot mends it.
  * - A backup that hears nothing for the lease runs for primary (the
  *   replicas after the silent one in turn, a heartbeat apart; one that a
  *   member further ahead can replace lets it run first, a few times at
  *   most; one that restarted since it last took the state runs only when
- *   every member says it restarted too); a primary
- *   that hears nothing from a member for the lease replaces its
- *   configuration by one without it (a vote), and adds a replica that
- *   caught up (counted for acknowledgements from the moment it is
- *   proposed, so that it holds every update acknowledged before it joins).
+ *   every member says it restarted too); a primary that hears nothing from
+ *   a member for the lease replaces its configuration by one without it (a
+ *   vote), and adds a replica that caught up (counted for acknowledgements
+ *   first, voted in once it holds every update acknowledged).
  * - A replica that is not the primary answers workers UNAVAILABLE naming
  *   the primary it knows (PS_REDIRECT_FMT); the workers move there and
  *   resend unacknowledged pushes with their request ids.
