@@ -184,7 +184,12 @@ static int finish(ps_worker *w, int64_t steps, int64_t examples, double t0) {
   ps_source_log_summary(w->source);
   printf("trained %" PRId64 " steps, %" PRId64 " examples in %.1f s: %.0f examples/s\n", steps,
          examples, elapsed, examples / (elapsed > 0 ? elapsed : 1e-9));
-  if ((w->o.chief || w->o.save_path) && w->client && ps_worker_pull(w, err) != 0) {
+  /* Under sync every worker waits (this pull) for the step its last
+   * gradient went to before it leaves: leaving first would shrink that
+   * step's quorum, and a slower worker's gradient for it would be dropped
+   * as late. */
+  if ((w->o.chief || w->o.save_path || w->job.mode_kind == PS_MODE_SYNC) && w->client &&
+      ps_worker_pull(w, err) != 0) {
     PS_ERROR("final pull: %s", err);
     return PS_WORKER_EXIT_ERROR;
   }
