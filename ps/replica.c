@@ -107,6 +107,10 @@ struct ps_replica {
   int said_first_ack; /* the first answer of that term was logged */
   uint64_t acked;     /* updates answered as the primary, since the start */
   int deferrals;      /* elections given up for a member further ahead, since a primary was heard */
+  /* The last election was lost only for want of answers (voters slow or
+   * down, none promised a later term to another candidate): the next try
+   * comes after a heartbeat rather than the randomized back-off. */
+  int lost_to_silence;
   /* votes: this server's, for every shard */
   pthread_mutex_t vote_mu;
   char vote_path[PATH_MAX];
@@ -1193,10 +1197,10 @@ static void *sender_main(void *arg) {
 /* ------------------------------------------------------------ elections */
 
 /* Asks every server (this one directly) for its vote; returns the number
- * granted, the newest accepted configuration among the grants and the
- * highest promise among the refusals. */
+ * granted, the newest accepted configuration among the grants, the
+ * highest promise among the refusals and how many gave no answer. */
 static int ballot(ps_replica *rp, uint64_t term, int phase, const cfg_t *c, cfg_t *newest,
-                  uint64_t *max_promised) {
+                  uint64_t *max_promised, int *silent) {
   ps_server *sv = rp->sv;
   int shard = sv->index;
   uint64_t pr;
@@ -1205,6 +1209,7 @@ static int ballot(ps_replica *rp, uint64_t term, int phase, const cfg_t *c, cfg_
   memset(newest, 0, sizeof *newest);
   newest->primary = -1;
   *max_promised = pr;
+  *silent = rp->N - 1;
   if (granted && acc.term > newest->term) *newest = acc;
   rpc_queue *q = rpc_queue_create();
   if (!q) return granted;
@@ -1242,6 +1247,7 @@ static int ballot(ps_replica *rp, uint64_t term, int phase, const cfg_t *c, cfg_
         r = ps__vote_response__unpack(NULL, view.total, flat);
       free(flat);
       if (r) {
+        (*silent)--;
         if (r->promised > *max_promised) *max_promised = r->promised;
         cfg_t a;
         if (r->granted) {
@@ -1328,7 +1334,8 @@ static int run_term(ps_replica *rp, uint32_t members, const char *why) {
 
   cfg_t newest;
   uint64_t maxp = 0;
-  int got = ballot(rp, term, PS__VOTE_REQUEST__PHASE__PREPARE, NULL, &newest, &maxp);
+  int silent = 0;
+  int got = ballot(rp, term, PS__VOTE_REQUEST__PHASE__PREPARE, NULL, &newest, &maxp, &silent);
   int ok = got >= majority;
   const char *fail = "no majority of the job's servers promised the term";
   cfg_t c = {.term = term, .primary = rp->me};
@@ -1369,7 +1376,7 @@ static int run_term(ps_replica *rp, uint32_t members, const char *why) {
       c.members = (uint32_t)((1u << (unsigned)rp->R) - 1);
     }
     cfg_t n2;
-    got = ballot(rp, term, PS__VOTE_REQUEST__PHASE__ACCEPT, &c, &n2, &maxp);
+    got = ballot(rp, term, PS__VOTE_REQUEST__PHASE__ACCEPT, &c, &n2, &maxp, &silent);
     ok = got >= majority;
     if (!ok) fail = "no majority accepted the configuration";
   }
@@ -1379,6 +1386,7 @@ static int run_term(ps_replica *rp, uint32_t members, const char *why) {
   }
   pthread_mutex_lock(&rp->mu);
   int won = 0;
+  rp->lost_to_silence = !ok && got < majority && got + silent >= majority && maxp <= term;
   if (maxp > rp->seen_term) rp->seen_term = maxp;
   if (ok && rp->term <= term && (!was_primary || (rp->role == PRIMARY && rp->term == base_term))) {
     rp->term = term;
@@ -1473,7 +1481,13 @@ static void *manager_main(void *arg) {
          * that candidates do not keep splitting the vote. */
         uint32_t rnd = 0;
         ps_random_bytes(&rnd, sizeof rnd);
-        rp->next_election_ms = ps_now_ms() + lease / 2 + rp->me * hb + (int64_t)(rnd % (uint32_t)lease);
+        if (rp->lost_to_silence)
+          /* Nobody runs against it: the voters were only slow (a loaded
+           * host, a vote file's fsync) or down. A heartbeat later. */
+          rp->next_election_ms = ps_now_ms() + hb + (int64_t)(rnd % (uint32_t)(hb > 0 ? hb : 1));
+        else
+          rp->next_election_ms =
+              ps_now_ms() + lease / 2 + rp->me * hb + (int64_t)(rnd % (uint32_t)lease);
         rp->heard_ms = ps_now_ms() - lease; /* due again at next_election_ms */
       }
       continue;
