@@ -206,6 +206,96 @@ static int parse_optimizer(json_t *root, ps_optim_config *o, char *err) {
   return 0;
 }
 
+/* "embeddings": the job's tables (emb.h). */
+static int parse_tables(json_t *root, ps_job *job, char *err) {
+  json_t *arr = json_object_get(root, "embeddings");
+  if (!arr) return 0;
+  if (!json_is_array(arr))
+    return ps_seterr(err, PS_EINVAL,
+                     "'embeddings' must be a list of tables such as [{\"name\": \"cat\", "
+                     "\"rows\": 1000000, \"dim\": 16}]");
+  if (json_array_size(arr) > PS_MAX_TABLES)
+    return ps_seterr(err, PS_EINVAL, "'embeddings' lists %zu tables (at most %d)",
+                     json_array_size(arr), PS_MAX_TABLES);
+  static const char *const known = "name, rows, dim, init, optimizer, max_rows_per_shard";
+  size_t i;
+  json_t *obj;
+  json_array_foreach(arr, i, obj) {
+    ps_table_spec *t = &job->tables[i];
+    char where[48];
+    snprintf(where, sizeof where, "embeddings[%zu]", i);
+    if (!json_is_object(obj))
+      return ps_seterr(err, PS_EINVAL, "'%s' must be an object such as {\"name\": \"cat\", "
+                       "\"rows\": 1000000, \"dim\": 16}", where);
+    int rc;
+    if ((rc = check_keys(obj, known, where, err))) return rc;
+    json_t *nv = json_object_get(obj, "name");
+    const char *name = nv ? json_string_value(nv) : NULL;
+    if (!name || !ps_table_name_ok(name))
+      return ps_seterr(err, PS_EINVAL,
+                       "'%s.name' is required: 1 to 31 characters of [A-Za-z0-9_.-]", where);
+    for (size_t k = 0; k < i; k++)
+      if (strcmp(job->tables[k].name, name) == 0)
+        return ps_seterr(err, PS_EINVAL, "'%s.name': table '%s' is declared twice", where, name);
+    snprintf(t->name, sizeof t->name, "%s", name);
+    char f[96];
+    json_t *rv = json_object_get(obj, "rows");
+    if (!rv || !json_is_integer(rv) || json_integer_value(rv) < 0)
+      return ps_seterr(err, PS_EINVAL,
+                       "'%s.rows' is required: the number of ids (an integer >= 1), or 0 for "
+                       "unbounded ids (rows made on first touch)", where);
+    t->rows = (uint64_t)json_integer_value(rv);
+    long long v = 0;
+    snprintf(f, sizeof f, "%s.dim", where);
+    if (!json_object_get(obj, "dim"))
+      return ps_seterr(err, PS_EINVAL, "'%s' is required (values per row, 1..%d)", f,
+                       PS_TABLE_MAX_DIM);
+    if ((rc = get_int(obj, "dim", f, 1, PS_TABLE_MAX_DIM, &v, err))) return rc;
+    t->dim = (int)v;
+    v = 1LL << 26;
+    snprintf(f, sizeof f, "%s.max_rows_per_shard", where);
+    if ((rc = get_int(obj, "max_rows_per_shard", f, 1, 1LL << 40, &v, err))) return rc;
+    t->max_rows_per_shard = (uint64_t)v;
+    t->init = PS_TABLE_INIT_UNIFORM;
+    t->init_scale = 0.05f;
+    json_t *iv = json_object_get(obj, "init");
+    if (iv) {
+      const char *is = json_string_value(iv);
+      char *end = NULL;
+      double sc = 0;
+      int ok = is != NULL;
+      if (ok && strcmp(is, "zeros") == 0) {
+        t->init = PS_TABLE_INIT_ZEROS;
+        t->init_scale = 0;
+      } else if (ok && (strncmp(is, "uniform:", 8) == 0 || strncmp(is, "normal:", 7) == 0)) {
+        int normal = is[0] == 'n';
+        sc = strtod(is + (normal ? 7 : 8), &end);
+        ok = end && *end == 0 && end != is + (normal ? 7 : 8) && isfinite(sc) && sc > 0 &&
+             sc <= 1e6;
+        t->init = normal ? PS_TABLE_INIT_NORMAL : PS_TABLE_INIT_UNIFORM;
+        t->init_scale = (float)sc;
+      } else {
+        ok = 0;
+      }
+      if (!ok)
+        return ps_seterr(err, PS_EINVAL,
+                         "'%s.init' must be \"uniform:SCALE\" (values in [-SCALE, SCALE]), "
+                         "\"normal:STD\" or \"zeros\", with 0 < SCALE <= 1e6", where);
+    }
+    t->key = ps_table_key(t->name);
+    /* The table's optimizer starts as the job's; its own object overrides
+     * fields (parsed as the job's, the message then prefixed). */
+    job->table_optim[i] = job->optim;
+    if ((rc = parse_optimizer(obj, &job->table_optim[i], err))) {
+      char inner[PS_ERRLEN];
+      snprintf(inner, sizeof inner, "%s", err);
+      return ps_seterr(err, rc, "%s (table '%s'): %s", where, t->name, inner);
+    }
+    job->n_tables = (int)i + 1;
+  }
+  return 0;
+}
+
 /* The table row of a data set name; -1 if unknown. */
 static int dataset_kind(const char *name) {
   for (size_t k = 0; k < N_DATASET_KINDS; k++)
@@ -460,7 +550,8 @@ static int parse_root(json_t *root, ps_job *job, char *err) {
       "job_id, model, optimizer, seed, batch_size, epochs, max_steps, mode, backup_workers, "
       "min_workers, max_workers, lease_chunk, "
       "staleness_aware_lr, wait_timeout_ms, shuffle, dataset, eval_interval_s, "
-      "heartbeat_timeout_ms, wire, replicas_per_shard, replica_heartbeat_ms, replica_lease_ms";
+      "heartbeat_timeout_ms, wire, replicas_per_shard, replica_heartbeat_ms, replica_lease_ms, "
+      "embeddings";
   int rc;
   if ((rc = check_keys(root, known, "", err))) return rc;
   if ((rc = parse_job_id(root, job, err))) return rc;
@@ -505,6 +596,8 @@ static int parse_root(json_t *root, ps_job *job, char *err) {
     return rc;
   job->heartbeat_timeout_ms = (int)v;
   if ((rc = parse_replication(root, job, err))) return rc;
+  /* After the job's optimizer: a table's starts as a copy of it. */
+  if ((rc = parse_tables(root, job, err))) return rc;
   json_t *wire = json_object_get(root, "wire");
   if (wire) {
     const char *name = json_string_value(wire);

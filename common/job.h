@@ -16,7 +16,8 @@
  *   "dataset": {"name": "fashion-mnist", "dir": "/usr/share/datasets/fashion-mnist"},
  *   "eval_interval_s": 20, "heartbeat_timeout_ms": 10000,
  *   "wire": "fp32",                      (or "bf16", "fp16": 16-bit values on the wire)
- *   "replicas_per_shard": 1, "replica_heartbeat_ms": 100, "replica_lease_ms": 500
+ *   "replicas_per_shard": 1, "replica_heartbeat_ms": 100, "replica_lease_ms": 500,
+ *   "embeddings": [{"name": "cat", "rows": 1000000, "dim": 16}]   (see emb.h)
  * }
  * dataset.name is "fashion-mnist", "mnist" (IDX files in dir), "cifar10"
  * (CIFAR-10 binary: data_batch_1.bin .. data_batch_5.bin and test_batch.bin
@@ -38,6 +39,7 @@
 
 #include <stdint.h>
 
+#include "emb.h"
 #include "half.h"
 
 #define PS_MAX_REPLICAS 5
@@ -99,6 +101,11 @@ typedef struct {
   int replicas_per_shard;   /* default 1, at most PS_MAX_REPLICAS */
   int replica_heartbeat_ms; /* default 100 */
   int replica_lease_ms;     /* default 500, at least 3 heartbeats */
+  /* Embedding tables (common/emb.h): sparse rows on the shards, each with
+   * its own optimizer (default: the job's). */
+  int n_tables;
+  ps_table_spec tables[PS_MAX_TABLES];
+  ps_optim_config table_optim[PS_MAX_TABLES];
 } ps_job;
 
 /* Parses a job from JSON text, filling defaults for absent optional fields.

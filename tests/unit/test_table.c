@@ -1,0 +1,358 @@
+/* Embedding tables: placement (common/emb.c), the job's "embeddings", and
+ * a shard's part of a table (ps/table.c): pulls, lazy per-row optimizer
+ * updates, refused input leaving every row as it was, checkpoint walks. */
+#include <inttypes.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../../common/emb.h"
+#include "../../common/job.h"
+#include "../../common/optim.h"
+#include "../../common/util.h"
+#include "../../ps/table.h"
+#include "check.h"
+
+static ps_table_spec spec_of(const char *name, uint64_t rows, int dim) {
+  ps_table_spec t;
+  memset(&t, 0, sizeof t);
+  snprintf(t.name, sizeof t.name, "%s", name);
+  t.rows = rows;
+  t.dim = dim;
+  t.init = PS_TABLE_INIT_UNIFORM;
+  t.init_scale = 0.05f;
+  t.max_rows_per_shard = 1000;
+  t.key = ps_table_key(name);
+  return t;
+}
+
+static void test_permutation(void) {
+  /* A permutation of [0, n) for awkward n, and its inverse. */
+  uint64_t ns[] = {1, 2, 3, 5, 16, 17, 1000, 4097};
+  for (size_t k = 0; k < sizeof ns / sizeof ns[0]; k++) {
+    uint64_t n = ns[k];
+    uint8_t *seen = calloc(n, 1);
+    int ok = 1, inv = 1;
+    for (uint64_t x = 0; x < n; x++) {
+      uint64_t y = ps_perm_forward(77, n, x);
+      if (y >= n || seen[y]) ok = 0;
+      else seen[y] = 1;
+      if (ps_perm_inverse(77, n, y) != x) inv = 0;
+    }
+    CHECK_MSG(ok, "not a permutation of [0, %" PRIu64 ")", n);
+    CHECK_MSG(inv, "inverse wrong for n %" PRIu64, n);
+    free(seen);
+  }
+  /* Not the identity, and different keys differ. */
+  int same = 0, moved = 0;
+  for (uint64_t x = 0; x < 1000; x++) {
+    same += ps_perm_forward(1, 1000, x) == ps_perm_forward(2, 1000, x);
+    moved += ps_perm_forward(1, 1000, x) != x;
+  }
+  CHECK(same < 50);
+  CHECK(moved > 950);
+}
+
+static void test_placement(void) {
+  /* Bounded: every id on exactly one shard at a distinct local row,
+   * counts as ps_table_shard_rows says, and local_id inverts it. */
+  ps_table_spec t = spec_of("cat", 10007, 4);
+  const int S = 3;
+  uint64_t count[3] = {0};
+  uint8_t *seen[3];
+  for (int s = 0; s < S; s++) seen[s] = calloc(ps_table_shard_rows(&t, S, s), 1);
+  int ok = 1;
+  for (uint64_t id = 0; id < t.rows; id++) {
+    uint64_t local;
+    int s = ps_table_place(&t, S, id, &local);
+    if (s < 0 || s >= S || local >= ps_table_shard_rows(&t, S, s) || seen[s][local]) {
+      ok = 0;
+      continue;
+    }
+    seen[s][local] = 1;
+    count[s]++;
+    if (ps_table_local_id(&t, S, s, local) != id) ok = 0;
+  }
+  CHECK(ok);
+  for (int s = 0; s < S; s++) {
+    CHECK(count[s] == ps_table_shard_rows(&t, S, s));
+    free(seen[s]);
+  }
+  CHECK(ps_table_shard_rows(&t, S, 0) + ps_table_shard_rows(&t, S, 1) +
+            ps_table_shard_rows(&t, S, 2) == t.rows);
+  /* Balanced whatever the ids: multiples of S (which id % S would put on
+   * one shard) spread over all of them. */
+  uint64_t mult[3] = {0};
+  for (uint64_t id = 0; id < t.rows; id += S) {
+    uint64_t local;
+    mult[ps_table_place(&t, S, id, &local)]++;
+  }
+  for (int s = 0; s < S; s++) CHECK_MSG(mult[s] > 900 && mult[s] < 1330, "shard %d: %" PRIu64, s, mult[s]);
+  /* Unbounded: hashed, balanced over arbitrary 64-bit ids. */
+  ps_table_spec u = spec_of("hashed", 0, 4);
+  uint64_t ucount[3] = {0};
+  for (uint64_t i = 0; i < 30000; i++) {
+    uint64_t local;
+    ucount[ps_table_place(&u, S, i << 20, &local)]++;
+    CHECK(local == (i << 20));
+  }
+  for (int s = 0; s < S; s++) CHECK(ucount[s] > 9500 && ucount[s] < 10500);
+  /* Initial values: a function of (seed, table, id) only, within scale. */
+  float a[4], b[4], c[4];
+  ps_table_init_row(&t, 5, 42, a);
+  ps_table_init_row(&t, 5, 42, b);
+  ps_table_init_row(&t, 5, 43, c);
+  CHECK(memcmp(a, b, sizeof a) == 0);
+  CHECK(memcmp(a, c, sizeof a) != 0);
+  for (int j = 0; j < 4; j++) CHECK(fabsf(a[j]) <= 0.05f);
+}
+
+static void test_job(void) {
+  char err[PS_ERRLEN];
+  ps_job job;
+#define BASE \
+      "{\"job_id\": \"t\", \"model\": {\"input\": [1, 1, 4], \"classes\": 2, \"layers\": " \
+      "[{\"type\": \"flatten\"}, {\"type\": \"dense\", \"units\": 2}, {\"type\": " \
+      "\"softmax_xent\"}]}, \"optimizer\": {\"name\": \"sgd\", \"lr\": 0.5}, %s}"
+  char text[2048];
+  snprintf(text, sizeof text, BASE,
+           "\"embeddings\": [{\"name\": \"a\", \"rows\": 100, \"dim\": 8}, {\"name\": \"b\", "
+           "\"rows\": 0, \"dim\": 4, \"init\": \"normal:0.01\", \"optimizer\": {\"name\": "
+           "\"adagrad\", \"lr\": 0.1}, \"max_rows_per_shard\": 5000}]");
+  int rc = ps_job_parse(text, &job, err);
+  CHECK_MSG(rc == 0, "%s", err);
+  CHECK(job.n_tables == 2);
+  CHECK(strcmp(job.tables[0].name, "a") == 0 && job.tables[0].rows == 100 &&
+        job.tables[0].dim == 8 && job.tables[0].init == PS_TABLE_INIT_UNIFORM);
+  CHECK(strcmp(job.table_optim[0].name, "sgd") == 0 && job.table_optim[0].lr == 0.5f);
+  CHECK(job.tables[1].rows == 0 && job.tables[1].init == PS_TABLE_INIT_NORMAL &&
+        job.tables[1].init_scale == 0.01f && job.tables[1].max_rows_per_shard == 5000);
+  CHECK(strcmp(job.table_optim[1].name, "adagrad") == 0 && job.table_optim[1].lr == 0.1f);
+  CHECK(job.tables[0].key == ps_table_key("a"));
+  /* Bad tables: each refused with a message naming the field. */
+  const struct {
+    const char *tables, *want;
+  } bad[] = {
+      {"\"embeddings\": {}", "'embeddings' must be a list"},
+      {"\"embeddings\": [{\"rows\": 1, \"dim\": 1}]", "embeddings[0].name"},
+      {"\"embeddings\": [{\"name\": \"a b\", \"rows\": 1, \"dim\": 1}]", "embeddings[0].name"},
+      {"\"embeddings\": [{\"name\": \"a\", \"dim\": 1}]", "embeddings[0].rows"},
+      {"\"embeddings\": [{\"name\": \"a\", \"rows\": -1, \"dim\": 1}]", "embeddings[0].rows"},
+      {"\"embeddings\": [{\"name\": \"a\", \"rows\": 1}]", "embeddings[0].dim"},
+      {"\"embeddings\": [{\"name\": \"a\", \"rows\": 1, \"dim\": 0}]", "embeddings[0].dim"},
+      {"\"embeddings\": [{\"name\": \"a\", \"rows\": 1, \"dim\": 1, \"init\": \"uniform:-1\"}]",
+       "embeddings[0].init"},
+      {"\"embeddings\": [{\"name\": \"a\", \"rows\": 1, \"dim\": 1, \"init\": \"ones\"}]",
+       "embeddings[0].init"},
+      {"\"embeddings\": [{\"name\": \"a\", \"rows\": 1, \"dim\": 1, \"size\": 3}]",
+       "embeddings[0].size"},
+      {"\"embeddings\": [{\"name\": \"a\", \"rows\": 1, \"dim\": 1}, {\"name\": \"a\", "
+       "\"rows\": 1, \"dim\": 1}]",
+       "declared twice"},
+      {"\"embeddings\": [{\"name\": \"a\", \"rows\": 1, \"dim\": 1, \"optimizer\": {\"name\": "
+       "\"lbfgs\"}}]",
+       "(table 'a'): 'optimizer.name'"},
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    snprintf(text, sizeof text, BASE, bad[i].tables);
+    err[0] = 0;
+    rc = ps_job_parse(text, &job, err);
+    CHECK_MSG(rc == PS_EINVAL && strstr(err, bad[i].want), "case %zu: rc %d, '%s'", i, rc, err);
+  }
+}
+
+static int count_row(void *user, uint64_t id, uint32_t t, const float *rec) {
+  (void)id;
+  (void)rec;
+  (*(uint64_t *)user) += t;
+  return 0;
+}
+
+static void test_table_rows(uint64_t rows) {
+  char err[PS_ERRLEN];
+  ps_table_spec sp = spec_of(rows ? "bounded" : "unbounded", rows, 3);
+  ps_optim_config adam = {.name = "adam", .lr = 0.1f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f};
+  const int S = 2;
+  ps_table *tb[2];
+  for (int s = 0; s < S; s++) {
+    tb[s] = ps_table_create(&sp, &adam, 9, s, S, err);
+    CHECK_MSG(tb[s] != NULL, "%s", err);
+  }
+  /* Ids of shard 0. */
+  uint64_t ids[8];
+  int n = 0;
+  for (uint64_t id = 0; n < 8; id++) {
+    uint64_t local;
+    if (ps_table_place(&sp, S, id * 7 + 3, &local) == 0) ids[n++] = id * 7 + 3;
+  }
+  ps_table *t = tb[0];
+  float out[8 * 3], init[3];
+  ps_table_read_lock(t);
+  CHECK(ps_table_check_ids(t, ids, 8, err) == 0);
+  ps_table_read_rows(t, ids, 8, out);
+  ps_table_unlock(t);
+  ps_table_init_row(&sp, 9, ids[5], init);
+  CHECK(memcmp(out + 15, init, sizeof init) == 0);
+  /* Not this shard's, out of range, twice: refused. */
+  uint64_t other = 0, local;
+  while (ps_table_place(&sp, S, other, &local) != 1) other++;
+  uint64_t badids[3] = {ids[0], other, ids[1]};
+  CHECK(ps_table_check_ids(t, badids, 3, err) == PS_EINVAL && strstr(err, "lives on shard 1"));
+  uint64_t dup[3] = {ids[0], ids[1], ids[0]};
+  CHECK(ps_table_check_ids(t, dup, 3, err) == PS_EINVAL && strstr(err, "named twice"));
+  if (rows) {
+    uint64_t far[1] = {rows};
+    CHECK(ps_table_check_ids(t, far, 1, err) == PS_ERANGE && strstr(err, "is not a row"));
+  }
+  /* One push of rows 0..3: lazy Adam with the row's own count. */
+  float g[4 * 3];
+  for (int i = 0; i < 12; i++) g[i] = 0.01f * (float)(i + 1);
+  ps_table_write_lock(t);
+  CHECK(ps_table_stage(t, ids, 4, g, 1.0f, err) == 0);
+  ps_table_commit(t);
+  ps_table_unlock(t);
+  float after[8 * 3];
+  ps_table_read_lock(t);
+  ps_table_read_rows(t, ids, 8, after);
+  ps_table_unlock(t);
+  /* Adam's first step moves each value by lr (sign of g) * ~1. */
+  for (int i = 0; i < 12; i++) CHECK_NEAR(after[i], out[i] - 0.1f, 1e-4, 0);
+  CHECK(memcmp(after + 12, out + 12, 4 * 3 * sizeof(float)) == 0); /* untouched rows */
+  /* Row 0 again (its second update: t = 2), row 4 for the first time (t = 1). */
+  uint64_t two[2] = {ids[0], ids[4]};
+  float g2[6] = {0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f};
+  ps_table_write_lock(t);
+  CHECK(ps_table_stage(t, two, 2, g2, 1.0f, err) == 0);
+  ps_table_commit(t);
+  ps_table_unlock(t);
+  /* The reference: the optimizer itself, on a row's record. */
+  {
+    const ps_optimizer *opt = ps_optimizer_find("adam");
+    float rec[9];
+    memcpy(rec, out, 3 * sizeof(float));
+    memset(rec + 3, 0, 6 * sizeof(float));
+    float *sl[2] = {rec + 3, rec + 6};
+    opt->apply(&adam, 1, 0.1f, rec, sl, g, 3);
+    opt->apply(&adam, 2, 0.1f, rec, sl, g2, 3);
+    float r0[3];
+    ps_table_read_lock(t);
+    ps_table_read_rows(t, ids, 1, r0);
+    ps_table_unlock(t);
+    CHECK(memcmp(r0, rec, sizeof r0) == 0);
+  }
+  /* A NaN gradient, and an update that would overflow: refused, nothing
+   * changed (a checksum of every row). */
+  ps_table_read_lock(t);
+  uint32_t crc = ps_table_crc(t);
+  ps_table_unlock(t);
+  float gn[6] = {0, 0, 0, 0, NAN, 0};
+  ps_table_write_lock(t);
+  CHECK(ps_table_stage(t, two, 2, gn, 1.0f, err) == PS_EINVAL && strstr(err, "is NaN"));
+  ps_table_unstage(t);
+  ps_table_unlock(t);
+  ps_optim_config sgd = {.name = "sgd", .lr = 1.0f};
+  ps_table *big = ps_table_create(&sp, &sgd, 9, 0, S, err);
+  float gbig[3] = {3e38f, 0, 0};
+  ps_table_write_lock(big);
+  CHECK(ps_table_stage(big, ids, 1, gbig, 1.0f, err) == 0);
+  ps_table_commit(big);
+  CHECK(ps_table_stage(big, ids, 1, gbig, 1.0f, err) == PS_EINVAL && strstr(err, "Inf"));
+  ps_table_unstage(big);
+  ps_table_unlock(big);
+  ps_table_destroy(big);
+  ps_table_read_lock(t);
+  CHECK(ps_table_crc(t) == crc);
+  ps_table_unlock(t);
+  /* The walk: 5 rows pushed, counts 2 + 1 + 1 + 1 + 1. */
+  ps_table_stats st;
+  ps_table_stats_get(t, &st);
+  CHECK(st.rows_held == 5 && st.rows_pushed == 6 && st.rejected == 1);
+  uint64_t total = 0;
+  ps_table_read_lock(t);
+  ps_table_each_row(t, count_row, &total);
+  ps_table_unlock(t);
+  CHECK(total == 6);
+  ps_table_destroy(tb[0]);
+  ps_table_destroy(tb[1]);
+}
+
+static void test_unbounded_cap(void) {
+  char err[PS_ERRLEN];
+  ps_table_spec sp = spec_of("cap", 0, 2);
+  sp.max_rows_per_shard = 10;
+  ps_optim_config sgd = {.name = "sgd", .lr = 0.1f};
+  ps_table *t = ps_table_create(&sp, &sgd, 1, 0, 1, err);
+  uint64_t ids[12];
+  float g[24];
+  for (int i = 0; i < 12; i++) ids[i] = (uint64_t)i * 0x9e3779b97f4a7c15ULL;
+  for (int i = 0; i < 24; i++) g[i] = 1.0f;
+  ps_table_write_lock(t);
+  CHECK(ps_table_stage(t, ids, 8, g, 1.0f, err) == 0);
+  ps_table_commit(t);
+  /* 4 more would make 12 rows: refused whole, the 8 stay as they are. */
+  CHECK(ps_table_stage(t, ids + 6, 6, g, 1.0f, err) == PS_ERANGE &&
+        strstr(err, "max_rows_per_shard"));
+  ps_table_unstage(t);
+  ps_table_unlock(t);
+  ps_table_stats st;
+  ps_table_stats_get(t, &st);
+  CHECK(st.rows_held == 8);
+  /* Many rows: the map grows, every row found again. */
+  sp.max_rows_per_shard = 100000;
+  ps_table *m = ps_table_create(&sp, &sgd, 1, 0, 1, err);
+  uint64_t *many = malloc(20000 * sizeof *many);
+  float *gm = malloc(20000 * 2 * sizeof *gm);
+  for (int i = 0; i < 20000; i++) many[i] = (uint64_t)i * 1000003ULL + 17;
+  for (int i = 0; i < 40000; i++) gm[i] = (float)(i % 7);
+  ps_table_write_lock(m);
+  for (int k = 0; k < 4; k++) {
+    CHECK(ps_table_stage(m, many + k * 5000, 5000, gm + k * 10000, 1.0f, err) == 0);
+    ps_table_commit(m);
+  }
+  ps_table_unlock(m);
+  float *back = malloc(20000 * 2 * sizeof *back);
+  ps_table_read_lock(m);
+  ps_table_read_rows(m, many, 20000, back);
+  ps_table_unlock(m);
+  int ok = 1;
+  for (int i = 0; i < 20000 && ok; i++) {
+    float init[2];
+    ps_table_init_row(&sp, 1, many[i], init);
+    for (int j = 0; j < 2; j++)
+      if (back[i * 2 + j] != init[j] - 0.1f * gm[i * 2 + j]) ok = 0;
+  }
+  CHECK(ok);
+  /* put_row / clear round trip. */
+  float rec[2] = {3, 4};
+  ps_table_write_lock(m);
+  CHECK(ps_table_put_row(m, 5, 7, rec, err) == 0);
+  float nanrec[2] = {NAN, 0};
+  CHECK(ps_table_put_row(m, 6, 1, nanrec, err) == PS_EINVAL);
+  ps_table_unlock(m);
+  uint64_t five = 5;
+  float got[2];
+  ps_table_read_lock(m);
+  ps_table_read_rows(m, &five, 1, got);
+  ps_table_unlock(m);
+  CHECK(got[0] == 3 && got[1] == 4);
+  ps_table_write_lock(m);
+  ps_table_clear(m);
+  ps_table_unlock(m);
+  ps_table_stats_get(m, &st);
+  CHECK(st.rows_held == 0);
+  free(many);
+  free(gm);
+  free(back);
+  ps_table_destroy(m);
+  ps_table_destroy(t);
+}
+
+int main(void) {
+  test_permutation();
+  test_placement();
+  test_job();
+  test_table_rows(1000);
+  test_table_rows(0);
+  test_unbounded_cap();
+  return check_summary();
+}
