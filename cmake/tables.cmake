@@ -1,3 +1,11 @@
 # Embedding tables on the shards (ps/table.c) and their tests.
 target_sources(ps_shardlib PRIVATE ${CMAKE_SOURCE_DIR}/ps/table.c)
 ps_unit_test(test_table ps_shardlib)
+if(EXISTS ${CMAKE_SOURCE_DIR}/tests/integration/table_check.c)
+  add_executable(table_check tests/integration/table_check.c)
+  target_link_libraries(table_check ps_workerlib)
+endif()
+if(EXISTS ${CMAKE_SOURCE_DIR}/tests/bench/bench_rows.c)
+  add_executable(bench_rows tests/bench/bench_rows.c)
+  target_link_libraries(bench_rows ps_workerlib)
+endif()

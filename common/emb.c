@@ -4,15 +4,9 @@
 #include <string.h>
 
 #include "rng.h"
+#include "util.h"
 
-static uint64_t mix64(uint64_t z) {
-  z ^= z >> 30;
-  z *= 0xbf58476d1ce4e5b9ULL;
-  z ^= z >> 27;
-  z *= 0x94d049bb133111ebULL;
-  z ^= z >> 31;
-  return z;
-}
+static uint64_t mix64(uint64_t z) { return ps_splitmix64(z); }
 
 int ps_table_name_ok(const char *name) {
   size_t n = strlen(name);

@@ -145,6 +145,7 @@ static void set_defaults(ps_job *job) {
   job->heartbeat_timeout_ms = 10000;
   job->max_workers = 256;
   job->replicas_per_shard = 1;
+  job->max_rows_per_request = 131072;
   job->replica_heartbeat_ms = 100;
   job->replica_lease_ms = 500;
 }
@@ -551,7 +552,7 @@ static int parse_root(json_t *root, ps_job *job, char *err) {
       "min_workers, max_workers, lease_chunk, "
       "staleness_aware_lr, wait_timeout_ms, shuffle, dataset, eval_interval_s, "
       "heartbeat_timeout_ms, wire, replicas_per_shard, replica_heartbeat_ms, replica_lease_ms, "
-      "embeddings";
+      "embeddings, max_rows_per_request";
   int rc;
   if ((rc = check_keys(root, known, "", err))) return rc;
   if ((rc = parse_job_id(root, job, err))) return rc;
@@ -598,6 +599,20 @@ static int parse_root(json_t *root, ps_job *job, char *err) {
   if ((rc = parse_replication(root, job, err))) return rc;
   /* After the job's optimizer: a table's starts as a copy of it. */
   if ((rc = parse_tables(root, job, err))) return rc;
+  v = job->max_rows_per_request;
+  if ((rc = get_int(root, "max_rows_per_request", "max_rows_per_request", 1,
+                    PS_MAX_ROWS_PER_REQUEST, &v, err)))
+    return rc;
+  job->max_rows_per_request = (int)v;
+  if (job->n_tables && job->mode_kind == PS_MODE_SYNC)
+    return ps_seterr(err, PS_EINVAL,
+                     "'embeddings' with mode 'sync': not supported yet (embedding tables train "
+                     "under 'async' and 'ssp:K')");
+  if (job->n_tables && job->replicas_per_shard > 1)
+    return ps_seterr(err, PS_EINVAL,
+                     "'embeddings' with replicas_per_shard %d: not supported yet (embedding "
+                     "tables live on unreplicated shards)",
+                     job->replicas_per_shard);
   json_t *wire = json_object_get(root, "wire");
   if (wire) {
     const char *name = json_string_value(wire);

@@ -17,7 +17,8 @@
  *   "eval_interval_s": 20, "heartbeat_timeout_ms": 10000,
  *   "wire": "fp32",                      (or "bf16", "fp16": 16-bit values on the wire)
  *   "replicas_per_shard": 1, "replica_heartbeat_ms": 100, "replica_lease_ms": 500,
- *   "embeddings": [{"name": "cat", "rows": 1000000, "dim": 16}]   (see emb.h)
+ *   "embeddings": [{"name": "cat", "rows": 1000000, "dim": 16}],  (see emb.h)
+ *   "max_rows_per_request": 131072      (rows one Pull or Push names, over its tables)
  * }
  * dataset.name is "fashion-mnist", "mnist" (IDX files in dir), "cifar10"
  * (CIFAR-10 binary: data_batch_1.bin .. data_batch_5.bin and test_batch.bin
@@ -104,6 +105,7 @@ typedef struct {
   /* Embedding tables (common/emb.h): sparse rows on the shards, each with
    * its own optimizer (default: the job's). */
   int n_tables;
+  int max_rows_per_request; /* rows one Pull or Push may name over its tables (default 131072) */
   ps_table_spec tables[PS_MAX_TABLES];
   ps_optim_config table_optim[PS_MAX_TABLES];
 } ps_job;

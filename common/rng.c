@@ -2,15 +2,13 @@
 
 #include <math.h>
 
+#include "util.h"
+
 /* A counter-based generator: a strong 64-bit mixer (the splitmix64
  * finalizer, applied twice with different keys) over (seed, stream,
  * counter). Statistically good enough for initialization, dropout and
  * synthetic data, and stateless: any index is computed in O(1). */
-static inline uint64_t mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
+static inline uint64_t mix64(uint64_t z) { return ps_splitmix64(z); }
 
 uint64_t ps_rng_u64(uint64_t seed, uint64_t stream, uint64_t counter) {
   uint64_t k = mix64(seed + 0x9e3779b97f4a7c15ULL * (stream + 1));

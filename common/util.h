@@ -100,6 +100,23 @@ typedef struct {
   size_t total; /* sum of segs[i].len */
 } ps_segview;
 
+/* 64-bit mixers (bijective: xor-shifts and odd multipliers). splitmix64's
+ * finalizer drives the counter-based random numbers and the tables'
+ * placement; MurmurHash3's fmix64 spreads keys over hash-table slots (ids
+ * that differ only in their high bits, multiples of a power of two). */
+static inline uint64_t ps_splitmix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+static inline uint64_t ps_fmix64(uint64_t z) {
+  z ^= z >> 33;
+  z *= 0xff51afd7ed558ccdULL;
+  z ^= z >> 33;
+  z *= 0xc4ceb9fe1a85ec53ULL;
+  return z ^ (z >> 33);
+}
+
 /* Little-endian integers in byte buffers: the files' and blobs' layouts
  * (checkpoints, lease tables, cut records). */
 static inline void ps_put_le32(uint8_t *p, uint32_t v) {

@@ -89,6 +89,51 @@ int wire_encode(const ProtobufCMessage *hdr, const void *tensor, size_t tensor_b
   return PS_OK;
 }
 
+int wire_encode_parts(const ProtobufCMessage *hdr, const wire_part *parts, int nparts,
+                      rpc_msg *out) {
+  size_t total = 0;
+  int ok = hdr && out && nparts >= 0 && nparts < RPC_MAX_SEGS;
+  for (int i = 0; ok && i < nparts; i++) {
+    if (!parts[i].release || (!parts[i].ptr && parts[i].len)) ok = 0;
+    total += parts[i].len;
+  }
+  int is_tensor = 0;
+  if (ok) {
+    const ProtobufCFieldDescriptor *fd = tensor_field(hdr->descriptor, &is_tensor);
+    if ((!is_tensor && total) ||
+        (is_tensor && fd && ((const ProtobufCBinaryData *)(const void *)((const char *)hdr +
+                                                                          fd->offset))->len))
+      ok = 0;
+  }
+  uint8_t *buf = NULL;
+  size_t hlen = ok ? protobuf_c_message_get_packed_size(hdr) : 0;
+  if (ok) buf = malloc(hlen + 1 + VARINT_MAX_BYTES);
+  if (!ok || !buf || protobuf_c_message_pack(hdr, buf) != hlen) {
+    free(buf);
+    for (int i = 0; i < nparts; i++)
+      if (parts[i].release) parts[i].release(parts[i].user);
+    return ok && !buf ? PS_ENOMEM : PS_EINVAL;
+  }
+  size_t n = hlen;
+  if (total > 0) {
+    buf[n++] = WIRE_TENSOR_TAG;
+    n += varint_put(buf + n, (uint64_t)total);
+  }
+  memset(out, 0, sizeof(*out));
+  out->seg[0] = (rpc_seg){.ptr = buf, .len = n, .release = free, .user = buf};
+  out->nseg = 1;
+  for (int i = 0; i < nparts; i++) {
+    if (parts[i].len == 0) {
+      parts[i].release(parts[i].user);
+      continue;
+    }
+    out->seg[out->nseg++] =
+        (rpc_seg){.ptr = parts[i].ptr, .len = parts[i].len, .release = parts[i].release,
+                  .user = parts[i].user};
+  }
+  return PS_OK;
+}
+
 /* ---- reading scattered bytes ---- */
 
 /* A position in a segment view. Empty segments are skipped lazily. */

@@ -39,6 +39,19 @@ int ps_redirect_parse(const char *msg);
 int wire_encode(const ProtobufCMessage *hdr, const void *tensor, size_t tensor_bytes,
                 void (*release)(void *user), void *user, rpc_msg *out);
 
+/* wire_encode with field 15 made of several parts (at most
+ * RPC_MAX_SEGS - 1), each its own segment sent without a copy
+ * (release(user) of each part when gRPC is done with it; an empty part's
+ * at once). On error every part's release has been called. */
+typedef struct {
+  const void *ptr;
+  size_t len;
+  void (*release)(void *user);
+  void *user;
+} wire_part;
+int wire_encode_parts(const ProtobufCMessage *hdr, const wire_part *parts, int nparts,
+                      rpc_msg *out);
+
 /* Decodes `msg`: every field but 15 is unpacked by protobuf-c with `desc`
  * (the returned message, free with protobuf_c_message_free_unpacked(m, NULL));
  * the bytes of field 15 (the last occurrence, as protobuf specifies) are

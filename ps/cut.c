@@ -81,6 +81,7 @@ struct ps_cut {
   uint64_t last_set, last_set_version; /* the newest set this shard wrote */
   /* Shard 0: the coordination. */
   int coordinating;
+  atomic_int kick; /* a set is due at once (ps_cut_kick) */
   int stopping; /* no new set: the server stops */
   uv_work_t coord_work;
   rpc_channel *ch[PS_MAX_TASKS]; /* per server (shard x replica) */
@@ -207,6 +208,7 @@ static int cut_round_of(const ps_cut *c, uint64_t worker, uint64_t *round) {
 static void held_free(held_push *h) {
   if (!h) return;
   ps_free(h->grad);
+  ps_rows_free((ps_rows_req *)(uintptr_t)h->a.rows);
   free(h);
 }
 
@@ -229,6 +231,11 @@ static int hold(ps_cut *c, const ps_push_args *a) {
   h->seg = (ps_seg){.ptr = (const uint8_t *)h->grad, .len = bytes};
   h->view = (ps_segview){.segs = &h->seg, .nsegs = 1, .total = bytes};
   h->a.tensor = &h->view;
+  if (a->rows && !(h->a.rows = ps_rows_dup(a->rows))) {
+    ps_free(h->grad);
+    free(h);
+    return PS_ENOMEM;
+  }
   if (c->held_last)
     c->held_last->next = h;
   else
@@ -480,6 +487,22 @@ static void on_wake(uv_async_t *a) {
 static void answer_prepare(ps_server *sv, rpc_call *call, uint64_t set_id) {
   ps_cut *c = sv->cut;
   pthread_mutex_lock(&c->mu);
+  if (c->phase != CUT_NONE && !c->ready && !c->writing && c->set_id < set_id) {
+    /* A newer set while an older one is held or being taken here: shard
+     * 0's primary moved, and the one that began the older set is gone (or
+     * deposed: its CUT is refused from now on). Held, that set would stall
+     * the shard until PS_CUT_HOLD_S; it is given up at once. */
+    uint64_t old = c->set_id;
+    rpc_call *pending = c->call;
+    c->call = NULL;
+    held_push *list = end_phase_locked(c);
+    pthread_mutex_unlock(&c->mu);
+    PS_INFO("checkpoint set %" PRIu64 " given up for the newer set %" PRIu64, old, set_id);
+    if (pending) rpc_call_fail(pending, RPC_ABORTED, "set %" PRIu64 " given up for set %" PRIu64,
+                               old, set_id);
+    release(sv, list);
+    pthread_mutex_lock(&c->mu);
+  }
   if (c->phase != CUT_NONE || c->ready || c->writing) {
     uint64_t busy = c->set_id;
     pthread_mutex_unlock(&c->mu);
@@ -708,6 +731,17 @@ static void fan_out(ps_server *sv, Ps__CheckpointRequest *req, int timeout_ms,
   for (int round = 0; round <= (R > 1 ? R + 1 : 0); round++) {
     rpc_request *calls[PS_MAX_TASKS] = {0};
     int any = 0;
+    /* Replicated shards: a call to a replica that is down fails at once
+     * (not waiting for it to come back, which may be never: at a stop,
+     * for the CUT's long deadline), and the next round, after half a
+     * lease (an election's time), asks the replica named, or the next. */
+    if (round > 0) {
+      pthread_mutex_lock(&c->mu);
+      int stopping = c->stopping;
+      pthread_mutex_unlock(&c->mu);
+      if (stopping) break;
+      ps_sleep_ms(sv->job.replica_lease_ms / 2);
+    }
     for (int s = 0; s < S; s++) {
       if (round > 0 && st[s] != RPC_UNAVAILABLE) continue;
       rpc_msg msg;
@@ -720,7 +754,8 @@ static void fan_out(ps_server *sv, Ps__CheckpointRequest *req, int timeout_ms,
         rpc_msg_release(&msg);
         continue;
       }
-      calls[s] = rpc_start(q, ch, "/ps.ParameterServer/Checkpoint", &msg, timeout_ms, 1, why[s]);
+      calls[s] = rpc_start(q, ch, "/ps.ParameterServer/Checkpoint", &msg, timeout_ms, R <= 1,
+                           why[s]);
       any = 1;
     }
     if (!any) break;
@@ -871,6 +906,12 @@ static void coord_done(uv_work_t *w, int status) {
   sv->cut->coordinating = 0;
 }
 
+void ps_cut_kick(ps_server *sv) {
+  if (sv->cut) atomic_store(&sv->cut->kick, 1);
+}
+
+int ps_cut_kicked(ps_server *sv) { return sv->cut && atomic_exchange(&sv->cut->kick, 0); }
+
 int ps_cut_coordinate(ps_server *sv) {
   ps_cut *c = sv->cut;
   if (!c || sv->index != 0 || c->coordinating || c->stopping) return 0;
@@ -911,7 +952,9 @@ void ps_cut_set_info(ps_server *sv, uint64_t *set, uint64_t *version) {
 void ps_cut_drain(ps_server *sv, double max_s) {
   ps_cut *c = sv->cut;
   if (!c) return;
+  pthread_mutex_lock(&c->mu);
   c->stopping = 1;
+  pthread_mutex_unlock(&c->mu);
   double t0 = ps_now_s();
   for (;;) {
     pthread_mutex_lock(&c->mu);

@@ -1474,6 +1474,9 @@ static void *manager_main(void *arg) {
          * the old primary fell): nothing else would try it. */
         if (sv->job.mode_kind == PS_MODE_SYNC) ps_sync_try_step(sv);
         ps_waits_recheck(sv);
+        /* Shard 0's new primary coordinates the checkpoint sets: one at
+         * once gives up a set the old one left held on the shards. */
+        if (sv->index == 0) ps_cut_kick(sv);
       }
       pthread_mutex_lock(&rp->mu);
       if (!won) {

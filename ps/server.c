@@ -204,12 +204,39 @@ static int build_shard(ps_server *sv, const ps_server_opts *o) {
     fprintf(stderr, "ps-server: %s\n", err);
     return 2;
   }
+  if (sv->job.n_tables && o->ckpt_dir) {
+    fprintf(stderr,
+            "ps-server: --checkpoint-dir with embedding tables: checkpoints do not hold tables "
+            "yet, so a restart would lose their rows; run without --checkpoint-dir\n");
+    return 2;
+  }
   int rc = replica_layout(sv, o);
   if (rc != 0) return rc;
   sv->shard = ps_shard_create(&sv->job, sv->index, sv->cluster.n_ps, err);
   if (!sv->shard) {
     fprintf(stderr, "ps-server: %s\n", err);
     return 1;
+  }
+  for (int t = 0; t < sv->job.n_tables; t++) {
+    sv->tables[t] = ps_table_create(&sv->job.tables[t], &sv->job.table_optim[t], sv->job.seed,
+                                    sv->index, sv->cluster.n_ps, err);
+    if (!sv->tables[t]) {
+      fprintf(stderr, "ps-server: %s\n", err);
+      return 1;
+    }
+    sv->n_tables = t + 1;
+    const ps_table_spec *ts = &sv->job.tables[t];
+    if (ts->rows)
+      PS_INFO("table '%s': rows of %d values placed on shard %d of %d: %" PRIu64 " of %" PRIu64
+              ", optimizer %s lr %g",
+              ts->name, ts->dim, sv->index, sv->cluster.n_ps,
+              ps_table_shard_rows(ts, sv->cluster.n_ps, sv->index), ts->rows,
+              sv->job.table_optim[t].name, (double)sv->job.table_optim[t].lr);
+    else
+      PS_INFO("table '%s': rows of %d values made on first push (at most %" PRIu64
+              " on this shard), optimizer %s lr %g",
+              ts->name, ts->dim, ts->max_rows_per_shard, sv->job.table_optim[t].name,
+              (double)sv->job.table_optim[t].lr);
   }
   sv->members = ps_membership_create();
   if (!sv->members) {
@@ -307,6 +334,15 @@ static int start_rpc(ps_server *sv, const ps_server_opts *o) {
   /* No request can need more than this shard's range and a small header. */
   size_t range_bytes = (ps_shard_end(sv->shard) - ps_shard_begin(sv->shard)) * sizeof(float);
   size_t max_request = range_bytes + 64 * 1024;
+  /* Embedding rows: each an id and its values (fp32 at most), up to the
+   * job's max_rows_per_request, and a few bytes per table's section. */
+  if (sv->job.n_tables) {
+    int dmax = 0;
+    for (int t = 0; t < sv->job.n_tables; t++)
+      if (sv->job.tables[t].dim > dmax) dmax = sv->job.tables[t].dim;
+    max_request += (size_t)sv->job.max_rows_per_request * (8 + 4 * (size_t)dmax) +
+                   16 * (size_t)sv->job.n_tables;
+  }
   if (sv->repl && ps_replica_max_request(sv) > max_request) max_request = ps_replica_max_request(sv);
   if (max_request > RPC_DEFAULT_MAX_MESSAGE) max_request = RPC_DEFAULT_MAX_MESSAGE;
   /* Memory for every registered worker's push at once (a sync step), and
@@ -352,7 +388,7 @@ static void start_timers(ps_server *sv, const ps_server_opts *o) {
     uv_timer_init(&sv->loop, &sv->ckpt_timer);
     sv->ckpt_timer.data = sv;
     sv->ckpt_last_s = ps_now_s();
-    uv_timer_start(&sv->ckpt_timer, ps_server_ckpt_on_timer, 1000, 1000);
+    uv_timer_start(&sv->ckpt_timer, ps_server_ckpt_on_timer, 200, 200);
   }
   uv_signal_init(&sv->loop, &sv->sigint);
   sv->sigint.data = sv;
@@ -391,6 +427,7 @@ static int shut_down(ps_server *sv) {
   ps_cut_free(sv);
   uv_loop_close(&sv->loop);
   ps_shard_destroy(sv->shard);
+  for (int t = 0; t < sv->n_tables; t++) ps_table_destroy(sv->tables[t]);
   ps_leases_destroy(sv->leases);
   ps_membership_destroy(sv->members);
   ps_metrics_close(sv->metrics);

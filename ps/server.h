@@ -36,6 +36,8 @@
 #include "membership.h"
 #include "replica.h"
 #include "shard.h"
+#include "table.h"
+#include "proto/ps.pb-c.h"
 
 /* The parsed command line of a server (the strings are borrowed: they must
  * outlive ps_server_run). */
@@ -75,12 +77,16 @@ typedef struct ps_waiter ps_waiter;
 /* Checkpoint sets (cut.c). */
 typedef struct ps_cut ps_cut;
 
+struct ps_rows_req;
+typedef struct ps_rows_req ps_rows_req;
+
 /* A push as the handler applies it (service.c), or as a cut holds it. */
 typedef struct {
   rpc_call *call;
   int kind; /* the Push method's request-id kind */
   uint64_t worker, request_id, base_version, offset, count, step;
   const ps_segview *tensor;
+  const ps_rows_req *rows; /* embedding rows (their gradients follow the dense ones), or NULL */
 } ps_push_args;
 
 /* service.c's methods, each bound to its server (the user pointer of the
@@ -106,6 +112,9 @@ typedef struct ps_server {
   char (*replica_addrs)[PS_ADDR_LEN];
   ps_replica *repl; /* NULL when R is 1 */
   ps_shard *shard;
+  /* this shard's part of each of the job's embedding tables */
+  ps_table *tables[PS_MAX_TABLES];
+  int n_tables;
   ps_membership *members;
   rpc_server *rpc;
   ps_security sec; /* TLS and the job's tokens */
@@ -166,6 +175,43 @@ typedef struct ps_server {
  * without freeing what was built: the process is meant to exit. Call it
  * once per process. */
 int ps_server_run(const ps_server_opts *o);
+
+/* ---------------- rows.c ---------------- */
+
+/* The embedding rows a Pull or Push names, copied out of the request
+ * (aligned) and checked: tables of the job, each once; ids of the table,
+ * living on this shard, each once; at most PS_MAX_ROWS_PER_REQUEST. */
+struct ps_rows_req {
+  int n_sec;
+  struct {
+    int table;
+    size_t n;
+    uint64_t *ids;
+    uint64_t *locals; /* each id's placement on this shard (ps_table_check_ids) */
+  } sec[PS_MAX_TABLES];
+  size_t total;  /* ids over the sections */
+  size_t values; /* floats over the sections (n * dim each) */
+  uint64_t buf[]; /* the ids, then their placements */
+};
+
+/* *out NULL when n is 0; PS_EINVAL / PS_ERANGE / PS_ENOMEM with a message. */
+int ps_rows_from_msg(ps_server *sv, Ps__TableRows *const *secs, size_t n, ps_rows_req **out,
+                     char *err);
+ps_rows_req *ps_rows_dup(const ps_rows_req *r);
+void ps_rows_free(ps_rows_req *r);
+/* Answers a pull of the rows and (count > 0) the dense range at one
+ * version; takes rows (freed). */
+void ps_rows_serve_pull(ps_server *sv, rpc_call *call, size_t offset, size_t count,
+                        ps_rows_req *rows);
+/* Applies a push's dense range (count values, may be 0) and its rows as
+ * one update (ps_shard_push_ex); tensor holds the dense values then the
+ * rows'. Nothing changes on error. */
+int ps_rows_push(ps_server *sv, const ps_rows_req *rows, uint64_t base_version, size_t offset,
+                 size_t count, const ps_segview *tensor, uint64_t *version, uint64_t *staleness,
+                 char *err);
+/* Status: every table's figures (store and ptrs: room for n_tables). */
+void ps_rows_status(ps_server *sv, Ps__StatusResponse *resp, Ps__TableStatus *store,
+                    Ps__TableStatus **ptrs);
 
 /* ---------------- service.c ---------------- */
 
@@ -237,9 +283,11 @@ enum {
  * wait_timeout_ms). Returns PS_PULL_NOW or PS_PULL_WAITS; PS_ENOTFOUND when
  * the worker is not registered, PS_ERANGE when twice the job's max_workers
  * pulls wait already, PS_ENOMEM when the waiter cannot be allocated: in
- * those cases nothing is queued and the caller answers the call. */
+ * those cases nothing is queued and the caller answers the call. rows (may
+ * be NULL): the pull's embedding rows, which the waiter owns once it
+ * returns PS_PULL_WAITS (the caller keeps them otherwise). */
 int ps_waits_add(ps_server *sv, rpc_call *call, uint64_t worker, uint64_t min_version,
-                 size_t offset, size_t count);
+                 size_t offset, size_t count, ps_rows_req *rows);
 
 /* Answers the waiting pulls that may go now, fails those past their
  * deadline (ABORTED) or whose worker is gone (NOT_FOUND). Called after
@@ -328,6 +376,12 @@ void ps_cut_watch(ps_server *sv);
 /* Shard 0, on the checkpoint timer: starts a set on the work queue unless
  * one is under way. 1 when started. */
 int ps_cut_coordinate(ps_server *sv);
+/* Shard 0's replica that became the primary: a set at once (any thread),
+ * whose PREPARE gives up a set the old primary left held on the shards
+ * (ps_server_ckpt_on_timer starts it at its next tick); kicked says
+ * whether one is due, and clears it. */
+void ps_cut_kick(ps_server *sv);
+int ps_cut_kicked(ps_server *sv);
 /* After a restore: the workers' push rounds in the restored cut record
  * (async, ssp) go to the membership table, so that a worker that registers
  * again and resends a round the checkpoint holds is answered without it

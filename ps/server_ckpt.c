@@ -66,7 +66,7 @@ int ps_server_ckpt_write_now(ps_server *sv) {
   return rc;
 }
 
-/* Every second, on shard 0: is a set due (by time or by updates)? Shard 0
+/* Every 200 ms, on shard 0: is a set due (by time or by updates)? Shard 0
  * then takes one across all shards (cut.c); the other shards write when it
  * asks them. */
 void ps_server_ckpt_on_timer(uv_timer_t *t) {
@@ -77,6 +77,13 @@ void ps_server_ckpt_on_timer(uv_timer_t *t) {
   double now = ps_now_s();
   int due = (sv->ckpt_secs > 0 && now - sv->ckpt_last_s >= sv->ckpt_secs) ||
             (sv->ckpt_updates > 0 && st.version - sv->ckpt_last_version >= sv->ckpt_updates);
+  if (ps_cut_kicked(sv)) {
+    /* A new primary: at once, so that a set the old one left held on the
+     * shards is given up (the newer set's PREPARE does it). */
+    if (ps_cut_coordinate(sv)) sv->ckpt_last_s = now;
+    else ps_cut_kick(sv); /* a set of this process under way: the next tick */
+    return;
+  }
   if (!due || st.version == sv->ckpt_last_version) return;
   if (ps_cut_coordinate(sv)) sv->ckpt_last_s = now;
 }

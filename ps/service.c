@@ -484,19 +484,34 @@ static void handle_pull(const request *q) {
   const Ps__PullRequest *r = (const Ps__PullRequest *)q->msg;
   /* A range that can never be served is refused before it could wait. */
   size_t begin = ps_shard_begin(sv->shard), end = ps_shard_end(sv->shard);
-  if (r->count == 0 && end > begin) {
+  ps_rows_req *rows = NULL;
+  char err[PS_ERRLEN];
+  int rrc = ps_rows_from_msg(sv, r->rows, r->n_rows, &rows, err);
+  if (rrc != 0) {
+    rpc_call_fail(call, rrc == PS_ENOMEM   ? RPC_RESOURCE_EXHAUSTED
+                        : rrc == PS_ERANGE ? RPC_OUT_OF_RANGE
+                                           : RPC_INVALID_ARGUMENT,
+                  "Pull: %s", err);
+    return;
+  }
+  if (r->count == 0 && end > begin && !rows) {
     rpc_call_fail(call, RPC_INVALID_ARGUMENT, "Pull of 0 values (shard %d holds [%zu, %zu))",
                   sv->index, begin, end);
     return;
   }
   if (r->offset < begin || r->offset > end || r->count > end - r->offset) {
+    ps_rows_free(rows);
     rpc_call_fail(call, RPC_OUT_OF_RANGE,
                   "Pull of [%" PRIu64 ", +%" PRIu64 ") is outside shard %d's range [%zu, %zu)",
                   r->offset, r->count, sv->index, begin, end);
     return;
   }
-  int rc = ps_waits_add(sv, call, r->header->worker_id, r->min_version, r->offset, r->count);
-  if (rc == PS_PULL_NOW)
+  int rc = ps_waits_add(sv, call, r->header->worker_id, r->min_version, r->offset, r->count,
+                        rows);
+  if (rc != PS_PULL_NOW && rc != PS_PULL_WAITS) ps_rows_free(rows);
+  if (rc == PS_PULL_NOW && rows)
+    ps_rows_serve_pull(sv, call, r->offset, r->count, rows);
+  else if (rc == PS_PULL_NOW)
     ps_service_serve_pull(sv, call, r->offset, r->count);
   else if (rc == PS_ENOTFOUND)
     rpc_call_fail(call, RPC_NOT_FOUND, "worker %016" PRIx64 " is not registered with shard %d",
@@ -601,6 +616,9 @@ void ps_service_apply_push(ps_server *sv, const ps_push_args *a) {
                  " (step %" PRIu64 " is under way)",
                  a->base_version, wid, version);
     }
+  } else if (a->rows) {
+    rc = ps_rows_push(sv, a->rows, a->base_version, a->offset, a->count, a->tensor, &version,
+                      &staleness, err);
   } else {
     rc = ps_shard_push(sv->shard, a->base_version, a->offset, a->count, a->tensor, &version,
                        &staleness, err);
@@ -648,6 +666,18 @@ static void handle_push(const request *q) {
     reply_recorded(q, wid, r->request_id, &resp.base);
     return;
   }
+  ps_rows_req *rows = NULL;
+  char err[PS_ERRLEN];
+  int rrc = ps_rows_from_msg(q->sv, r->rows, r->n_rows, &rows, err);
+  if (rrc != 0) {
+    PS_WARN("push from worker %016" PRIx64 " refused: %s", wid, err);
+    forget_request(q, wid, r->request_id);
+    rpc_call_fail(q->call, rrc == PS_ENOMEM   ? RPC_RESOURCE_EXHAUSTED
+                           : rrc == PS_ERANGE ? RPC_OUT_OF_RANGE
+                                              : RPC_INVALID_ARGUMENT,
+                  "%s", err);
+    return;
+  }
   ps_push_args a = {.call = q->call,
                     .kind = q->kind,
                     .worker = wid,
@@ -656,22 +686,29 @@ static void handle_push(const request *q) {
                     .offset = r->offset,
                     .count = r->count,
                     .step = r->step,
-                    .tensor = q->tensor};
+                    .tensor = q->tensor,
+                    .rows = rows};
   /* Under sync only steps wait for a checkpoint cut; async and ssp
    * pushes pass its gate (or wait there, answered later). */
   if (q->sv->job.mode_kind == PS_MODE_SYNC) {
     ps_service_apply_push(q->sv, &a);
+    ps_rows_free(rows);
     return;
   }
   int gate = ps_cut_push_enter(q->sv, &a);
-  if (gate == 1) return; /* held: answered when the cut is taken */
+  if (gate == 1) { /* held (with copies of the bytes and rows): answered when the cut is taken */
+    ps_rows_free(rows);
+    return;
+  }
   if (gate < 0) {
+    ps_rows_free(rows);
     forget_request(q, wid, r->request_id);
     rpc_call_fail(q->call, RPC_RESOURCE_EXHAUSTED,
                   "shard %d: out of memory holding a push during a checkpoint", q->sv->index);
     return;
   }
   ps_service_apply_push(q->sv, &a);
+  ps_rows_free(rows);
   ps_cut_leave(q->sv);
 }
 
@@ -808,6 +845,9 @@ static void handle_status(const request *q) {
     resp.replica_members = rv.members;
   }
   resp.state_crc = state_crc(sv);
+  Ps__TableStatus tstore[PS_MAX_TABLES];
+  Ps__TableStatus *tptrs[PS_MAX_TABLES];
+  ps_rows_status(sv, &resp, tstore, tptrs);
   const int MAXW = sv->job.max_workers;
   ps_member *mem = calloc(MAXW, sizeof *mem);
   Ps__WorkerInfo *wi = calloc(MAXW, sizeof *wi);

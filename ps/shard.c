@@ -880,8 +880,18 @@ static uint64_t current_version(ps_shard *s) {
 
 int ps_shard_push(ps_shard *s, uint64_t base_version, size_t offset, size_t count,
                   const ps_segview *grad, uint64_t *new_version, uint64_t *staleness, char *err) {
-  double gmax;
-  int rc = check_gradient(s, offset, count, grad, &gmax, err);
+  return ps_shard_push_ex(s, base_version, offset, count, grad, NULL, new_version, staleness, err);
+}
+
+int ps_shard_push_ex(ps_shard *s, uint64_t base_version, size_t offset, size_t count,
+                     const ps_segview *grad, const ps_shard_extra *extra, uint64_t *new_version,
+                     uint64_t *staleness, char *err) {
+  double gmax = 0.0;
+  int rc;
+  if (extra && count == 0)
+    rc = check_range(s, "push", offset, 0, err);
+  else
+    rc = check_gradient(s, offset, count, grad, &gmax, err);
   if (rc) return reject_push(s, rc);
 
   pthread_mutex_lock(&s->apply_mu);
@@ -889,13 +899,22 @@ int ps_shard_push(ps_shard *s, uint64_t base_version, size_t offset, size_t coun
   uint64_t stale = base_version < before ? before - base_version : 0;
   /* Staleness-aware learning rate: a gradient computed k versions ago
    * moves the parameters k times less. */
-  float lr = s->cfg.lr;
-  if (s->staleness_aware && stale > 1) lr = (float)((double)lr / (double)stale);
-  rc = apply_update(s, offset, count, grad, s->wire, gmax, lr, before, err);
-  if (rc) {
+  float lr = s->cfg.lr, lr_scale = 1.0f;
+  if (s->staleness_aware && stale > 1) {
+    lr = (float)((double)lr / (double)stale);
+    lr_scale = (float)(1.0 / (double)stale);
+  }
+  if (extra && (rc = extra->prepare(extra->user, lr_scale, err)) != 0) {
     pthread_mutex_unlock(&s->apply_mu);
     return reject_push(s, rc);
   }
+  rc = apply_update(s, offset, count, grad, s->wire, gmax, lr, before, err);
+  if (rc) {
+    if (extra) extra->abort(extra->user);
+    pthread_mutex_unlock(&s->apply_mu);
+    return reject_push(s, rc);
+  }
+  if (extra) extra->commit(extra->user);
   pthread_mutex_lock(&s->mu);
   ps_shard_stats *st = &s->stats;
   st->pushes++;

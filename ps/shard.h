@@ -71,6 +71,25 @@ int ps_shard_index(const ps_shard *s);
 int ps_shard_push(ps_shard *s, uint64_t base_version, size_t offset, size_t count,
                   const ps_segview *grad, uint64_t *new_version, uint64_t *staleness, char *err);
 
+/* What a push updates besides the dense range (a Push's embedding rows):
+ * prepare runs under the shard's update lock after the dense gradient was
+ * checked and before it is applied (lr_scale: the staleness-aware factor
+ * of this push, else 1); non-zero refuses the push, nothing applied. After
+ * prepare succeeded, commit runs once the dense values are applied, or
+ * abort when applying them failed: the push is all or nothing. */
+typedef struct {
+  int (*prepare)(void *user, float lr_scale, char *err);
+  void (*commit)(void *user);
+  void (*abort)(void *user);
+  void *user;
+} ps_shard_extra;
+
+/* ps_shard_push with extra (may be NULL) updated under the same version;
+ * with extra, count may be 0 (rows alone: the version still moves). */
+int ps_shard_push_ex(ps_shard *s, uint64_t base_version, size_t offset, size_t count,
+                     const ps_segview *grad, const ps_shard_extra *extra, uint64_t *new_version,
+                     uint64_t *staleness, char *err);
+
 /* sync mode. Adds a gradient for the whole range (encoded as for
  * ps_shard_push), computed from version base_version, to the current
  * step's sum. Checked as ps_shard_push, and

@@ -200,6 +200,21 @@ static json_t *status_json(const Ps__StatusResponse *r) {
                                   in_sync, "fresh", (int)r->replica_fresh, "acked",
                                   (json_int_t)r->replica_acked));
   }
+  if (r->n_tables) {
+    json_t *tables = json_array();
+    for (size_t i = 0; i < r->n_tables; i++) {
+      const Ps__TableStatus *t = r->tables[i];
+      json_array_append_new(
+          tables, json_pack("{s:s,s:I,s:i,s:s,s:I,s:I,s:I,s:I,s:I,s:I}", "name",
+                            t->name ? t->name : "", "rows", (json_int_t)t->rows, "dim", (int)t->dim,
+                            "optimizer", t->optimizer ? t->optimizer : "", "rows_held",
+                            (json_int_t)t->rows_held, "rows_pulled", (json_int_t)t->rows_pulled,
+                            "rows_pushed", (json_int_t)t->rows_pushed, "rejected",
+                            (json_int_t)t->rejected, "bytes", (json_int_t)t->bytes, "crc",
+                            (json_int_t)t->crc));
+    }
+    json_object_set_new(o, "tables", tables);
+  }
   json_object_set_new(o, "staleness_mean", json_real(r->staleness_mean));
   json_object_set_new(o, "staleness_max", json_integer((json_int_t)r->staleness_max));
   json_t *hist = json_array();

@@ -15,6 +15,7 @@ struct ps_waiter {
   rpc_call *call;
   uint64_t worker, min_version;
   size_t offset, count;
+  ps_rows_req *rows; /* the embedding rows asked for (owned), or NULL */
   int64_t since_ms, deadline_ms;
   struct ps_waiter *next;
 };
@@ -119,7 +120,10 @@ void ps_waits_recheck(ps_server *sv) {
   while (go) {
     ps_waiter *w = go;
     go = w->next;
-    ps_service_serve_pull(sv, w->call, w->offset, w->count);
+    if (w->rows)
+      ps_rows_serve_pull(sv, w->call, w->offset, w->count, w->rows);
+    else
+      ps_service_serve_pull(sv, w->call, w->offset, w->count);
     free(w);
   }
   while (gone) {
@@ -129,6 +133,7 @@ void ps_waits_recheck(ps_server *sv) {
                   "worker %016" PRIx64 " was dropped by shard %d while its pull waited: register "
                   "again",
                   w->worker, sv->index);
+    ps_rows_free(w->rows);
     free(w);
   }
   while (fail) {
@@ -148,12 +153,13 @@ void ps_waits_recheck(ps_server *sv) {
                     "shard %d: waited %" PRId64 " ms for the slowest worker to come within %d "
                     "steps of worker %016" PRIx64,
                     sv->index, now - w->since_ms, sv->job.ssp_k, w->worker);
+    ps_rows_free(w->rows);
     free(w);
   }
 }
 
 int ps_waits_add(ps_server *sv, rpc_call *call, uint64_t worker, uint64_t min_version,
-                 size_t offset, size_t count) {
+                 size_t offset, size_t count, ps_rows_req *rows) {
   int known = 1, ready;
   ps_waiter *w = NULL;
   pthread_mutex_lock(&sv->wait_mu);
@@ -169,6 +175,7 @@ int ps_waits_add(ps_server *sv, rpc_call *call, uint64_t worker, uint64_t min_ve
       w->min_version = min_version;
       w->offset = offset;
       w->count = count;
+      w->rows = rows;
       w->since_ms = ps_now_ms();
       w->deadline_ms = w->since_ms + sv->job.wait_timeout_ms;
       w->next = sv->waiters;
@@ -196,6 +203,7 @@ void ps_waits_fail_all(ps_server *sv, int status, const char *why) {
     ps_waiter *w = all;
     all = w->next;
     rpc_call_fail(w->call, status, "shard %d: %s", sv->index, why);
+    ps_rows_free(w->rows);
     free(w);
   }
 }
@@ -244,6 +252,7 @@ void ps_waits_free(ps_server *sv) {
   while (sv->waiters) {
     ps_waiter *w = sv->waiters;
     sv->waiters = w->next;
+    ps_rows_free(w->rows);
     free(w);
   }
 }

@@ -1,12 +1,23 @@
-/* A shard's part of an embedding table (see table.h). */
+/* A shard's part of an embedding table (see table.h).
+ *
+ * Speed. A request names thousands of rows scattered over a table of
+ * hundreds of megabytes: each row costs a cache miss and, with 4 KiB
+ * pages, a TLB miss, which one at a time would dominate everything. So a
+ * stored row keeps its update count beside its values (one miss, not two),
+ * the row arrays ask for transparent huge pages, and every pass over a
+ * request's rows goes in blocks: first it locates the block's rows and
+ * prefetches them, then it works on them while the memory system has them
+ * in flight together. */
 #include "table.h"
 
 #include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "../common/crc32c.h"
 #include "../common/optim.h"
@@ -14,7 +25,27 @@
 
 /* Unbounded tables: rows in chunks of this many (rows never move, so a
  * chunk's address stays valid while the map grows). */
-#define CHUNK_ROWS 4096
+#define CHUNK_ROWS 16384
+/* Rows located and prefetched together (a block ahead of the work). */
+#define BLK 32
+#define HUGE_PAGE ((size_t)2 << 20)
+
+/* A stored row: its update count (a uint32 in the first float's place; 0:
+ * never pushed) and its CRC (ps_table_crc's term, in the second), then the
+ * record: values, then each slot, dim floats each. */
+#define HEAD 2
+static inline uint32_t row_count(const float *row) {
+  uint32_t c;
+  memcpy(&c, row, sizeof c);
+  return c;
+}
+static inline void set_count(float *row, uint32_t c) { memcpy(row, &c, sizeof c); }
+static inline uint32_t row_crc_kept(const float *row) {
+  uint32_t c;
+  memcpy(&c, row + 1, sizeof c);
+  return c;
+}
+static inline void set_crc(float *row, uint32_t c) { memcpy(row + 1, &c, sizeof c); }
 
 struct ps_table {
   ps_table_spec spec;
@@ -24,28 +55,30 @@ struct ps_table {
   int shard, S;
   int n_slots;
   size_t rec_floats; /* dim * (1 + n_slots) */
+  size_t stride;     /* floats per stored row: HEAD + rec_floats */
   pthread_rwlock_t lock;
 
-  /* bounded: local rows, their counts and records */
+  /* bounded: local rows, and which were pushed (a bit each, for walks) */
   uint64_t local_rows;
-  uint32_t *counts; /* local_rows */
-  float *recs;      /* local_rows * rec_floats */
+  float *arena; /* local_rows * stride, mapped zeroed */
+  size_t arena_bytes;
+  uint64_t *touched;
 
   /* unbounded: map id -> row number + 1 (0: empty slot) */
   uint64_t *keys;
   uint32_t *vals;
   size_t map_cap; /* power of 2 */
   size_t n_rows;  /* rows made */
-  float **chunks; /* records, CHUNK_ROWS per chunk */
-  uint64_t *chunk_ids;  /* the id of every row made (for walks) */
-  uint32_t *chunk_counts;
+  float **chunks; /* CHUNK_ROWS rows each */
+  uint64_t *row_ids; /* the id of every row made (for walks) */
   size_t n_chunks, chunks_cap;
 
-  /* the staged push: positions, their new records and counts */
+  /* the staged push: for each position its new stored row (count
+   * included), where it goes, and the CRCs of its old and new row */
   size_t st_n, st_cap;
-  float *st_recs;
-  uint32_t *st_counts;
-  int64_t *st_rows; /* bounded: local row; unbounded: row number, or -1 - k for new row k */
+  float *st_rows;
+  int64_t *st_where; /* bounded: local row; unbounded: row number, or -1 - k for new row k */
+  uint32_t *st_crc;  /* new row's CRC minus old row's (0 when there was none) */
   const uint64_t *st_ids;
   size_t st_new;
   int staged;
@@ -56,18 +89,26 @@ struct ps_table {
   size_t set_cap;
   pthread_mutex_t set_mu;
 
+  /* the sum of the pushed rows' CRCs (ps_table_crc), kept as rows change */
+  uint32_t crc_sum;
   /* statistics (under lock, or atomics for the pulled count) */
   uint64_t rows_held, rows_pushed, rejected;
   _Atomic uint64_t rows_pulled;
 };
 
-static uint64_t mix(uint64_t z) {
-  z ^= z >> 33;
-  z *= 0xff51afd7ed558ccdULL;
-  z ^= z >> 33;
-  z *= 0xc4ceb9fe1a85ec53ULL;
-  z ^= z >> 33;
-  return z;
+static uint64_t mix(uint64_t z) { return ps_fmix64(z); }
+
+/* Zeroed memory for rows, in huge pages where the kernel gives them. */
+static void *rows_alloc(size_t bytes) {
+  void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return NULL;
+#ifdef MADV_HUGEPAGE
+  if (bytes >= HUGE_PAGE) madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+  return p;
+}
+static void rows_free(void *p, size_t bytes) {
+  if (p) munmap(p, bytes);
 }
 
 ps_table *ps_table_create(const ps_table_spec *spec, const ps_optim_config *optim, uint64_t seed,
@@ -90,18 +131,25 @@ ps_table *ps_table_create(const ps_table_spec *spec, const ps_optim_config *opti
   t->S = S;
   t->n_slots = opt->n_slots;
   t->rec_floats = (size_t)spec->dim * (size_t)(1 + opt->n_slots);
+  t->stride = HEAD + t->rec_floats;
   pthread_rwlock_init(&t->lock, NULL);
   pthread_mutex_init(&t->set_mu, NULL);
   if (spec->rows > 0) {
     t->local_rows = ps_table_shard_rows(spec, S, shard);
     size_t n = (size_t)t->local_rows;
-    /* calloc: the kernel hands out zero pages as rows are first written. */
-    if (t->local_rows > SIZE_MAX / sizeof(float) / t->rec_floats ||
-        !(t->counts = calloc(n ? n : 1, sizeof *t->counts)) ||
-        !(t->recs = calloc(n ? n * t->rec_floats : 1, sizeof(float)))) {
+    int ok = t->local_rows <= SIZE_MAX / sizeof(float) / t->stride / 2;
+    if (ok) {
+      t->arena_bytes = (n ? n : 1) * t->stride * sizeof(float);
+      /* Untouched pages cost no memory: the kernel maps them as rows are
+       * first written. */
+      t->arena = rows_alloc(t->arena_bytes);
+      t->touched = calloc((n + 63) / 64 + 1, sizeof *t->touched);
+      ok = t->arena && t->touched;
+    }
+    if (!ok) {
       ps_seterr(err, PS_ENOMEM,
-                "table '%s': out of memory for %" PRIu64 " rows of %d values and %d slot(s)",
-                spec->name, t->local_rows, spec->dim, t->n_slots);
+                "table '%s': cannot map %" PRIu64 " rows of %d values and %d slot(s)", spec->name,
+                t->local_rows, spec->dim, t->n_slots);
       ps_table_destroy(t);
       return NULL;
     }
@@ -109,19 +157,20 @@ ps_table *ps_table_create(const ps_table_spec *spec, const ps_optim_config *opti
   return t;
 }
 
+static size_t chunk_bytes(const ps_table *t) { return CHUNK_ROWS * t->stride * sizeof(float); }
+
 void ps_table_destroy(ps_table *t) {
   if (!t) return;
-  free(t->counts);
-  free(t->recs);
+  rows_free(t->arena, t->arena_bytes);
+  free(t->touched);
   free(t->keys);
   free(t->vals);
-  for (size_t i = 0; i < t->n_chunks; i++) free(t->chunks[i]);
+  for (size_t i = 0; i < t->n_chunks; i++) rows_free(t->chunks[i], chunk_bytes(t));
   free(t->chunks);
-  free(t->chunk_ids);
-  free(t->chunk_counts);
-  free(t->st_recs);
-  free(t->st_counts);
+  free(t->row_ids);
   free(t->st_rows);
+  free(t->st_where);
+  free(t->st_crc);
   free(t->set_keys);
   free(t->set_used);
   pthread_rwlock_destroy(&t->lock);
@@ -137,14 +186,18 @@ void ps_table_unlock(ps_table *t) { pthread_rwlock_unlock(&t->lock); }
 
 /* ---- unbounded tables' map ---- */
 
-/* The row number of id, or -1. */
-static int64_t map_find(const ps_table *t, uint64_t id) {
-  if (!t->map_cap) return -1;
+static int64_t map_find_from(const ps_table *t, uint64_t id, size_t i) {
   size_t m = t->map_cap - 1;
-  for (size_t i = (size_t)mix(id) & m;; i = (i + 1) & m) {
+  for (;; i = (i + 1) & m) {
     if (!t->vals[i]) return -1;
     if (t->keys[i] == id) return (int64_t)t->vals[i] - 1;
   }
+}
+
+/* The row number of id, or -1. */
+static int64_t map_find(const ps_table *t, uint64_t id) {
+  if (!t->map_cap) return -1;
+  return map_find_from(t, id, (size_t)mix(id) & (t->map_cap - 1));
 }
 
 static void map_insert(ps_table *t, uint64_t id, uint32_t row) {
@@ -156,7 +209,7 @@ static void map_insert(ps_table *t, uint64_t id, uint32_t row) {
 }
 
 /* Room for `more` rows beyond those made: the map at most half full, the
- * chunks allocated. Changes no row. */
+ * chunks mapped. Changes no row. */
 static int reserve_rows(ps_table *t, size_t more, char *err) {
   size_t want = t->n_rows + more;
   if (want > t->spec.max_rows_per_shard || want >= UINT32_MAX)
@@ -193,24 +246,70 @@ static int reserve_rows(ps_table *t, size_t more, char *err) {
     float **c = realloc(t->chunks, cap * sizeof *c);
     if (!c) return ps_seterr(err, PS_ENOMEM, "table '%s': out of memory", t->spec.name);
     t->chunks = c;
-    uint64_t *ids = realloc(t->chunk_ids, cap * CHUNK_ROWS * sizeof *ids);
+    uint64_t *ids = realloc(t->row_ids, cap * CHUNK_ROWS * sizeof *ids);
     if (!ids) return ps_seterr(err, PS_ENOMEM, "table '%s': out of memory", t->spec.name);
-    t->chunk_ids = ids;
-    uint32_t *cnt = realloc(t->chunk_counts, cap * CHUNK_ROWS * sizeof *cnt);
-    if (!cnt) return ps_seterr(err, PS_ENOMEM, "table '%s': out of memory", t->spec.name);
-    t->chunk_counts = cnt;
+    t->row_ids = ids;
     t->chunks_cap = cap;
   }
   while (t->n_chunks < chunks) {
-    float *c = malloc(CHUNK_ROWS * t->rec_floats * sizeof(float));
+    float *c = rows_alloc(chunk_bytes(t));
     if (!c) return ps_seterr(err, PS_ENOMEM, "table '%s': out of memory", t->spec.name);
     t->chunks[t->n_chunks++] = c;
   }
   return PS_OK;
 }
 
-static float *urow(ps_table *t, size_t row) {
-  return t->chunks[row / CHUNK_ROWS] + (row % CHUNK_ROWS) * t->rec_floats;
+static float *urow(const ps_table *t, size_t row) {
+  return t->chunks[row / CHUNK_ROWS] + (row % CHUNK_ROWS) * t->stride;
+}
+
+static void prefetch_row(const ps_table *t, const float *row) {
+  const char *p = (const char *)row;
+  size_t bytes = t->stride * sizeof(float);
+  for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 1, 3);
+}
+
+/* Rows are located a block ahead of the work on them: aim() computes
+ * where each row of a block lives and prefetches it (bounded: the row;
+ * unbounded: the map's slot), find() then gives the stored row (NULL:
+ * never pushed) and where it goes (bounded: the local row; unbounded: the
+ * row number, -1 when none). */
+typedef struct {
+  int64_t where[BLK];
+  size_t slot[BLK];
+  size_t m;
+} block;
+
+static void aim(const ps_table *t, const uint64_t *ids, const uint64_t *locals, size_t m,
+                block *b) {
+  b->m = m;
+  if (t->spec.rows) {
+    for (size_t j = 0; j < m; j++) {
+      uint64_t local;
+      if (locals)
+        local = locals[j];
+      else
+        ps_table_place(&t->spec, t->S, ids[j], &local);
+      b->where[j] = (int64_t)local;
+      prefetch_row(t, t->arena + local * t->stride);
+    }
+    return;
+  }
+  if (!t->map_cap) return;
+  for (size_t j = 0; j < m; j++) {
+    b->slot[j] = (size_t)mix(ids[j]) & (t->map_cap - 1);
+    __builtin_prefetch(&t->vals[b->slot[j]], 0, 3);
+    __builtin_prefetch(&t->keys[b->slot[j]], 0, 3);
+  }
+}
+
+static float *find(const ps_table *t, const uint64_t *ids, block *b, size_t j) {
+  if (t->spec.rows) {
+    float *row = t->arena + (size_t)b->where[j] * t->stride;
+    return row_count(row) ? row : NULL;
+  }
+  b->where[j] = t->map_cap ? map_find_from(t, ids[j], b->slot[j]) : -1;
+  return b->where[j] >= 0 ? urow(t, (size_t)b->where[j]) : NULL;
 }
 
 /* The record of a never-pushed row: initial values, initial slots. */
@@ -223,9 +322,19 @@ static void init_rec(const ps_table *t, uint64_t id, float *rec) {
   }
 }
 
+/* CRC-32C of (id, count, record) of a stored row. */
+static uint32_t row_crc(const ps_table *t, uint64_t id, const float *row) {
+  uint8_t head[12];
+  ps_put_le64(head, id);
+  ps_put_le32(head + 8, row_count(row));
+  uint32_t c = ps_crc32c(0, head, sizeof head);
+  return ps_crc32c(c, row + HEAD, t->rec_floats * sizeof(float));
+}
+
 /* ---- checks ---- */
 
-int ps_table_check_ids(ps_table *t, const uint64_t *ids, size_t n, char *err) {
+int ps_table_check_ids(ps_table *t, const uint64_t *ids, size_t n, uint64_t *locals,
+                       char *err) {
   for (size_t i = 0; i < n; i++) {
     uint64_t local;
     if (!ps_table_id_ok(&t->spec, ids[i]))
@@ -239,6 +348,7 @@ int ps_table_check_ids(ps_table *t, const uint64_t *ids, size_t n, char *err) {
                        "table '%s': id %" PRIu64 " (position %zu) lives on shard %d, not on "
                        "shard %d",
                        t->spec.name, ids[i], i, s, t->shard);
+    if (locals) locals[i] = local;
   }
   if (n < 2) return PS_OK;
   /* Duplicates: an open-addressing set of the request's ids. */
@@ -286,109 +396,220 @@ int ps_table_check_ids(ps_table *t, const uint64_t *ids, size_t n, char *err) {
 
 /* ---- pulls ---- */
 
-void ps_table_read_rows(ps_table *t, const uint64_t *ids, size_t n, float *out) {
-  const size_t d = (size_t)t->spec.dim;
-  for (size_t i = 0; i < n; i++) {
-    float *o = out + i * d;
-    const float *src = NULL;
-    if (t->spec.rows) {
-      uint64_t local;
-      ps_table_place(&t->spec, t->S, ids[i], &local);
-      if (t->counts[local]) src = t->recs + local * t->rec_floats;
-    } else {
-      int64_t r = map_find(t, ids[i]);
-      if (r >= 0) src = urow(t, (size_t)r);
+typedef struct {
+  ps_table *t;
+  const uint64_t *ids, *locals;
+  size_t n;
+  float *out;
+} read_part;
+
+static void *read_range(void *arg) {
+  read_part *p = arg;
+  ps_table *t = p->t;
+  const size_t d = (size_t)t->spec.dim, n = p->n;
+  const uint64_t *ids = p->ids, *locals = p->locals;
+  block cur, next;
+  if (n) aim(t, ids, locals, n < BLK ? n : BLK, &next);
+  for (size_t b = 0; b < n; b += BLK) {
+    cur = next;
+    size_t nb = b + BLK;
+    if (nb < n) aim(t, ids + nb, locals ? locals + nb : NULL, n - nb < BLK ? n - nb : BLK, &next);
+    for (size_t j = 0; j < cur.m; j++) {
+      float *o = p->out + (b + j) * d;
+      const float *row = find(t, ids + b, &cur, j);
+      if (row)
+        memcpy(o, row + HEAD, d * sizeof(float));
+      else
+        ps_table_init_row(&t->spec, t->seed, ids[b + j], o);
     }
-    if (src)
-      memcpy(o, src, d * sizeof(float));
-    else
-      ps_table_init_row(&t->spec, t->seed, ids[i], o);
   }
+  return NULL;
+}
+
+/* Requests of at least this many rows are read, and staged, in two halves
+ * on two threads (rows are distinct, so the halves touch different rows). */
+#define SPLIT_ROWS 2048
+
+void ps_table_read_rows(ps_table *t, const uint64_t *ids, const uint64_t *locals, size_t n,
+                        float *out) {
+  const size_t h = n >= SPLIT_ROWS ? n / 2 : n;
+  read_part a = {t, ids, locals, h, out};
+  read_part b = {t, ids + h, locals ? locals + h : NULL, n - h, out + h * (size_t)t->spec.dim};
+  pthread_t helper;
+  int threaded = h < n && pthread_create(&helper, NULL, read_range, &b) == 0;
+  read_range(&a);
+  if (threaded)
+    pthread_join(helper, NULL);
+  else if (h < n)
+    read_range(&b);
   atomic_fetch_add(&t->rows_pulled, (uint64_t)n);
 }
 
 /* ---- pushes ---- */
 
-int ps_table_stage(ps_table *t, const uint64_t *ids, size_t n, const ps_ufloat *grad,
-                   float lr_scale, char *err) {
-  const size_t d = (size_t)t->spec.dim, rf = t->rec_floats;
-  t->staged = 0;
-  for (size_t i = 0; i < n * d; i++)
-    if (!isfinite(grad[i])) {
-      t->rejected++;
-      return ps_seterr(err, PS_EINVAL,
-                       "table '%s': gradient value %zu of row %" PRIu64 " (position %zu) is %s; "
-                       "nothing applied",
-                       t->spec.name, i % d, ids[i / d], i / d, isnan(grad[i]) ? "NaN" : "Inf");
-    }
-  if (n > t->st_cap) {
-    size_t cap = n < 1024 ? 1024 : n;
-    float *r = malloc(cap * rf * sizeof(float));
-    uint32_t *c = malloc(cap * sizeof *c);
-    int64_t *w = malloc(cap * sizeof *w);
-    if (!r || !c || !w) {
-      free(r);
-      free(c);
-      free(w);
-      t->rejected++;
-      return ps_seterr(err, PS_ENOMEM, "table '%s': out of memory staging %zu rows",
-                       t->spec.name, n);
-    }
-    free(t->st_recs);
-    free(t->st_counts);
-    free(t->st_rows);
-    t->st_recs = r;
-    t->st_counts = c;
-    t->st_rows = w;
-    t->st_cap = cap;
+/* Grows the staging arrays to n positions. */
+static int stage_room(ps_table *t, size_t n, char *err) {
+  if (n <= t->st_cap) return PS_OK;
+  size_t cap = n < 1024 ? 1024 : n;
+  float *r = malloc(cap * t->stride * sizeof(float));
+  int64_t *w = malloc(cap * sizeof *w);
+  uint32_t *c = malloc(cap * sizeof *c);
+  if (!r || !w || !c) {
+    free(r);
+    free(w);
+    free(c);
+    return ps_seterr(err, PS_ENOMEM, "table '%s': out of memory staging %zu rows", t->spec.name,
+                     n);
   }
-  size_t fresh = 0;
-  const float lr = t->cfg.lr * lr_scale;
+  free(t->st_rows);
+  free(t->st_where);
+  free(t->st_crc);
+  t->st_rows = r;
+  t->st_where = w;
+  t->st_crc = c;
+  t->st_cap = cap;
+  return PS_OK;
+}
+
+/* Puts back the rows [lo, hi) of the staged push changed in place, from
+ * their copies. */
+static void undo(ps_table *t, size_t lo, size_t hi) {
+  const size_t st = t->stride;
+  for (size_t i = lo; i < hi; i++) {
+    int64_t r = t->st_where[i];
+    if (t->spec.rows)
+      memcpy(t->arena + (size_t)r * st, t->st_rows + i * st, st * sizeof(float));
+    else if (r >= 0)
+      memcpy(urow(t, (size_t)r), t->st_rows + i * st, st * sizeof(float));
+  }
+}
+
+/* One part of a staged push: positions [lo, hi). */
+typedef struct {
+  ps_table *t;
+  const uint64_t *ids, *locals;
+  const ps_ufloat *grad;
+  float lr;
+  size_t lo, hi;
+  size_t done;  /* positions [lo, done) changed (to undo on failure) */
+  size_t fresh; /* rows an unbounded table does not have yet */
+  int rc;
+  char err[PS_ERRLEN];
+} stage_part;
+
+static void *stage_range(void *arg) {
+  stage_part *p = arg;
+  ps_table *t = p->t;
+  const uint64_t *ids = p->ids;
+  const size_t d = (size_t)t->spec.dim, st = t->stride;
   float *slots[PS_OPTIM_MAX_SLOTS];
-  for (size_t i = 0; i < n; i++) {
-    float *rec = t->st_recs + i * rf;
-    const float *cur = NULL;
-    uint32_t cnt = 0;
-    if (t->spec.rows) {
-      uint64_t local;
-      ps_table_place(&t->spec, t->S, ids[i], &local);
-      t->st_rows[i] = (int64_t)local;
-      cnt = t->counts[local];
-      if (cnt) cur = t->recs + local * rf;
-    } else {
-      int64_t r = map_find(t, ids[i]);
-      if (r >= 0) {
-        t->st_rows[i] = r;
-        cur = urow(t, (size_t)r);
-        cnt = t->chunk_counts[r];
+  block cur, next;
+  const size_t lo = p->lo, hi = p->hi;
+  p->done = lo;
+  p->rc = PS_OK;
+  if (lo < hi)
+    aim(t, ids + lo, p->locals ? p->locals + lo : NULL, hi - lo < BLK ? hi - lo : BLK, &next);
+  for (size_t b = lo; b < hi; b += BLK) {
+    cur = next;
+    size_t nb = b + BLK;
+    if (nb < hi)
+      aim(t, ids + nb, p->locals ? p->locals + nb : NULL, hi - nb < BLK ? hi - nb : BLK, &next);
+    for (size_t j = 0; j < cur.m; j++) {
+      const size_t i = b + j;
+      const ps_ufloat *g = p->grad + i * d;
+      for (size_t v = 0; v < d; v++)
+        if (!isfinite(g[v])) {
+          p->rc = ps_seterr(p->err, PS_EINVAL,
+                            "table '%s': gradient value %zu of row %" PRIu64 " (position %zu) is "
+                            "%s; nothing applied",
+                            t->spec.name, v, ids[i], i, isnan(g[v]) ? "NaN" : "Inf");
+          return NULL;
+        }
+      float *row = find(t, ids + b, &cur, j);
+      float *aside = t->st_rows + i * st;
+      uint32_t cnt = 0, old_crc = 0;
+      if (t->spec.rows) {
+        row = t->arena + (size_t)cur.where[j] * st;
+        memcpy(aside, row, st * sizeof(float));
+        cnt = row_count(row);
+        if (cnt)
+          old_crc = row_crc_kept(row);
+        else
+          init_rec(t, ids[i], row + HEAD);
+        t->st_where[i] = cur.where[j];
+      } else if (row) {
+        memcpy(aside, row, st * sizeof(float));
+        cnt = row_count(row);
+        old_crc = row_crc_kept(row);
+        t->st_where[i] = cur.where[j];
       } else {
-        t->st_rows[i] = -1 - (int64_t)fresh++;
+        /* made at the commit, from here */
+        row = aside;
+        init_rec(t, ids[i], row + HEAD);
+        t->st_where[i] = -1;
+        p->fresh++;
       }
+      p->done = i + 1;
+      if (cnt < UINT32_MAX) cnt++; /* the count saturates */
+      set_count(row, cnt);
+      float *rec = row + HEAD;
+      for (int k = 0; k < t->n_slots; k++) slots[k] = rec + (size_t)(k + 1) * d;
+      t->opt->apply(&t->cfg, cnt, p->lr, rec, slots, g, d);
+      for (size_t v = 0; v < t->rec_floats; v++)
+        if (!isfinite(rec[v])) {
+          p->rc = ps_seterr(p->err, PS_EINVAL,
+                            "table '%s': the update would make %s %zu of row %" PRIu64
+                            " %s; nothing applied",
+                            t->spec.name, v < d ? "value" : "optimizer slot value", v % d, ids[i],
+                            isnan(rec[v]) ? "NaN" : "Inf");
+          return NULL;
+        }
+      uint32_t c = row_crc(t, ids[i], row);
+      set_crc(row, c);
+      t->st_crc[i] = c - old_crc;
     }
-    if (cur)
-      memcpy(rec, cur, rf * sizeof(float));
-    else
-      init_rec(t, ids[i], rec);
-    if (cnt == UINT32_MAX) cnt = UINT32_MAX - 1; /* the count saturates */
-    t->st_counts[i] = cnt + 1;
-    for (int k = 0; k < t->n_slots; k++) slots[k] = rec + (size_t)(k + 1) * d;
-    t->opt->apply(&t->cfg, cnt + 1, lr, rec, slots, grad + i * d, d);
-    for (size_t j = 0; j < rf; j++)
-      if (!isfinite(rec[j])) {
-        t->rejected++;
-        return ps_seterr(err, PS_EINVAL,
-                         "table '%s': the update would make %s %zu of row %" PRIu64
-                         " %s; nothing applied",
-                         t->spec.name, j < d ? "value" : "optimizer slot value", j % d, ids[i],
-                         isnan(rec[j]) ? "NaN" : "Inf");
-      }
   }
-  if (fresh) {
-    int rc = reserve_rows(t, fresh, err);
-    if (rc) {
+  return NULL;
+}
+
+/* The update is made in place, each row's old bytes copied aside first (one
+ * copy per row, and the row is in cache for the update after it); a refusal
+ * puts them back. A row an unbounded table does not have yet is built in
+ * the staging area and made at the commit. Pulls cannot see the rows
+ * meanwhile: the write lock is held from here to the commit. */
+int ps_table_stage(ps_table *t, const uint64_t *ids, const uint64_t *locals, size_t n,
+                   const ps_ufloat *grad, float lr_scale, char *err) {
+  t->staged = 0;
+  int rc = stage_room(t, n, err);
+  if (rc) {
+    t->rejected++;
+    return rc;
+  }
+  stage_part part[2];
+  int parts = n >= SPLIT_ROWS ? 2 : 1;
+  for (int k = 0; k < parts; k++)
+    part[k] = (stage_part){.t = t, .ids = ids, .locals = locals, .grad = grad,
+                           .lr = t->cfg.lr * lr_scale, .lo = k ? n / 2 : 0,
+                           .hi = parts == 2 && k == 0 ? n / 2 : n};
+  pthread_t helper;
+  int threaded = parts == 2 && pthread_create(&helper, NULL, stage_range, &part[1]) == 0;
+  stage_range(&part[0]);
+  if (threaded)
+    pthread_join(helper, NULL);
+  else if (parts == 2)
+    stage_range(&part[1]);
+  size_t fresh = part[0].fresh + (parts == 2 ? part[1].fresh : 0);
+  for (int k = 0; k < parts; k++)
+    if (part[k].rc != PS_OK) {
+      for (int q = 0; q < parts; q++) undo(t, part[q].lo, part[q].done);
       t->rejected++;
-      return rc;
+      snprintf(err, PS_ERRLEN, "%s", part[k].err);
+      return part[k].rc;
     }
+  if (fresh && (rc = reserve_rows(t, fresh, err)) != 0) {
+    undo(t, 0, n);
+    t->rejected++;
+    return rc;
   }
   t->st_n = n;
   t->st_ids = ids;
@@ -399,24 +620,23 @@ int ps_table_stage(ps_table *t, const uint64_t *ids, size_t n, const ps_ufloat *
 
 void ps_table_commit(ps_table *t) {
   if (!t->staged) return;
-  const size_t rf = t->rec_floats;
+  const size_t st = t->stride;
   for (size_t i = 0; i < t->st_n; i++) {
-    const float *rec = t->st_recs + i * rf;
-    int64_t r = t->st_rows[i];
+    int64_t r = t->st_where[i];
     if (t->spec.rows) {
-      if (!t->counts[r]) t->rows_held++;
-      memcpy(t->recs + (size_t)r * rf, rec, rf * sizeof(float));
-      t->counts[r] = t->st_counts[i];
-    } else {
-      if (r < 0) {
-        r = (int64_t)t->n_rows++;
-        map_insert(t, t->st_ids[i], (uint32_t)r);
-        t->chunk_ids[r] = t->st_ids[i];
+      uint64_t bit = 1ULL << (r & 63);
+      if (!(t->touched[r >> 6] & bit)) {
+        t->touched[r >> 6] |= bit;
         t->rows_held++;
       }
-      memcpy(urow(t, (size_t)r), rec, rf * sizeof(float));
-      t->chunk_counts[r] = t->st_counts[i];
+    } else if (r < 0) {
+      r = (int64_t)t->n_rows++;
+      map_insert(t, t->st_ids[i], (uint32_t)r);
+      t->row_ids[r] = t->st_ids[i];
+      t->rows_held++;
+      memcpy(urow(t, (size_t)r), t->st_rows + i * st, st * sizeof(float));
     }
+    t->crc_sum += t->st_crc[i];
   }
   t->rows_pushed += t->st_n;
   t->staged = 0;
@@ -424,6 +644,7 @@ void ps_table_commit(ps_table *t) {
 }
 
 void ps_table_unstage(ps_table *t) {
+  if (t->staged) undo(t, 0, t->st_n);
   t->staged = 0;
   t->st_ids = NULL;
 }
@@ -434,29 +655,34 @@ void ps_table_stats_get(ps_table *t, ps_table_stats *out) {
   out->rows_pushed = t->rows_pushed;
   out->rejected = t->rejected;
   out->rows_pulled = atomic_load(&t->rows_pulled);
+  const uint64_t row_bytes = t->stride * sizeof(float);
   if (t->spec.rows)
-    out->bytes = t->rows_held * (t->rec_floats * sizeof(float) + sizeof(uint32_t));
+    out->bytes = t->rows_held * row_bytes + ((t->local_rows + 63) / 64) * 8;
   else
-    out->bytes = t->n_chunks * CHUNK_ROWS * (t->rec_floats * sizeof(float) + 12) +
-                 t->map_cap * 12;
+    out->bytes = t->n_chunks * CHUNK_ROWS * (row_bytes + 8) + t->map_cap * 12;
   pthread_rwlock_unlock(&t->lock);
 }
 
 /* ---- checkpoints ---- */
 
 int ps_table_each_row(ps_table *t, ps_table_row_fn fn, void *user) {
-  const size_t rf = t->rec_floats;
   if (t->spec.rows) {
-    for (uint64_t l = 0; l < t->local_rows; l++) {
-      if (!t->counts[l]) continue;
-      uint64_t id = ps_table_local_id(&t->spec, t->S, t->shard, l);
-      int rc = fn(user, id, t->counts[l], t->recs + l * rf);
-      if (rc) return rc;
+    for (uint64_t w = 0; w < (t->local_rows + 63) / 64; w++) {
+      uint64_t bits = t->touched[w];
+      while (bits) {
+        uint64_t l = w * 64 + (uint64_t)__builtin_ctzll(bits);
+        bits &= bits - 1;
+        const float *row = t->arena + l * t->stride;
+        uint64_t id = ps_table_local_id(&t->spec, t->S, t->shard, l);
+        int rc = fn(user, id, row_count(row), row + HEAD);
+        if (rc) return rc;
+      }
     }
     return 0;
   }
   for (size_t r = 0; r < t->n_rows; r++) {
-    int rc = fn(user, t->chunk_ids[r], t->chunk_counts[r], urow(t, r));
+    const float *row = urow(t, r);
+    int rc = fn(user, t->row_ids[r], row_count(row), row + HEAD);
     if (rc) return rc;
   }
   return 0;
@@ -467,57 +693,54 @@ int ps_table_put_row(ps_table *t, uint64_t id, uint32_t tcount, const float *rec
   if (!ps_table_id_ok(&t->spec, id) || ps_table_place(&t->spec, t->S, id, &local) != t->shard)
     return ps_seterr(err, PS_EINVAL, "table '%s': row %" PRIu64 " is not shard %d's",
                      t->spec.name, id, t->shard);
-  const size_t rf = t->rec_floats;
-  for (size_t j = 0; j < rf; j++)
+  for (size_t j = 0; j < t->rec_floats; j++)
     if (!isfinite(rec[j]))
       return ps_seterr(err, PS_EINVAL, "table '%s': row %" PRIu64 " holds a NaN or Inf",
                        t->spec.name, id);
   if (tcount == 0) tcount = 1;
+  float *dst;
   if (t->spec.rows) {
-    if (!t->counts[local]) t->rows_held++;
-    memcpy(t->recs + local * rf, rec, rf * sizeof(float));
-    t->counts[local] = tcount;
-    return PS_OK;
+    dst = t->arena + local * t->stride;
+    uint64_t bit = 1ULL << (local & 63);
+    if (t->touched[local >> 6] & bit)
+      t->crc_sum -= row_crc_kept(dst);
+    else
+      t->rows_held++;
+    t->touched[local >> 6] |= bit;
+  } else {
+    int64_t r = map_find(t, id);
+    if (r < 0) {
+      int rc = reserve_rows(t, 1, err);
+      if (rc) return rc;
+      r = (int64_t)t->n_rows++;
+      map_insert(t, id, (uint32_t)r);
+      t->row_ids[r] = id;
+      t->rows_held++;
+      dst = urow(t, (size_t)r);
+    } else {
+      dst = urow(t, (size_t)r);
+      t->crc_sum -= row_crc_kept(dst);
+    }
   }
-  int64_t r = map_find(t, id);
-  if (r < 0) {
-    int rc = reserve_rows(t, 1, err);
-    if (rc) return rc;
-    r = (int64_t)t->n_rows++;
-    map_insert(t, id, (uint32_t)r);
-    t->chunk_ids[r] = id;
-    t->rows_held++;
-  }
-  memcpy(urow(t, (size_t)r), rec, rf * sizeof(float));
-  t->chunk_counts[r] = tcount;
+  set_count(dst, tcount);
+  memcpy(dst + HEAD, rec, t->rec_floats * sizeof(float));
+  uint32_t c = row_crc(t, id, dst);
+  set_crc(dst, c);
+  t->crc_sum += c;
   return PS_OK;
 }
 
 void ps_table_clear(ps_table *t) {
   if (t->spec.rows) {
-    memset(t->counts, 0, (size_t)t->local_rows * sizeof *t->counts);
+    /* Give the pages back; the mapping reads as zeros (never pushed). */
+    madvise(t->arena, t->arena_bytes, MADV_DONTNEED);
+    memset(t->touched, 0, ((t->local_rows + 63) / 64 + 1) * sizeof *t->touched);
   } else {
     if (t->vals) memset(t->vals, 0, t->map_cap * sizeof *t->vals);
     t->n_rows = 0;
   }
   t->rows_held = 0;
+  t->crc_sum = 0;
 }
 
-static int crc_row(void *user, uint64_t id, uint32_t tcount, const float *rec) {
-  uint32_t *acc = ((uint32_t **)user)[0];
-  const ps_table *t = ((const ps_table **)user)[1];
-  uint8_t head[12];
-  ps_put_le64(head, id);
-  ps_put_le32(head + 8, tcount);
-  uint32_t c = ps_crc32c(0, head, sizeof head);
-  c = ps_crc32c(c, rec, t->rec_floats * sizeof(float));
-  *acc += c;
-  return 0;
-}
-
-uint32_t ps_table_crc(ps_table *t) {
-  uint32_t acc = 0;
-  void *u[2] = {&acc, t};
-  ps_table_each_row(t, crc_row, u);
-  return acc;
-}
+uint32_t ps_table_crc(ps_table *t) { return t->crc_sum; }

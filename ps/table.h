@@ -40,22 +40,28 @@ void ps_table_unlock(ps_table *t);
 /* Checks ids[0..n) for a pull or push: each a row of the table (below
  * rows), placed on this shard, none twice. PS_ERANGE / PS_EINVAL with a
  * message naming the table and the position. Any lock or none. */
-int ps_table_check_ids(ps_table *t, const uint64_t *ids, size_t n, char *err);
+int ps_table_check_ids(ps_table *t, const uint64_t *ids, size_t n, uint64_t *locals,
+                       char *err);
+/* (locals, when not NULL, receives each id's placement on this shard, n
+ * values, which the functions below take to skip computing it again.) */
 
-/* The rows of ids (checked) into out (n * dim floats). Read lock held. */
-void ps_table_read_rows(ps_table *t, const uint64_t *ids, size_t n, float *out);
+/* The rows of ids (checked; locals from the check, or NULL) into out (n *
+ * dim floats). Read lock held. */
+void ps_table_read_rows(ps_table *t, const uint64_t *ids, const uint64_t *locals, size_t n,
+                        float *out);
 
-/* Computes, aside, the rows ids (checked) after one update by grad (n *
- * dim float32 values, any alignment) with lr * lr_scale. Refuses (nothing
- * changes) a NaN or Inf gradient value, a new value or slot that would be
- * NaN or Inf, and, for an unbounded table, more rows than
- * max_rows_per_shard or no memory for the new ones (PS_EINVAL, PS_ERANGE,
- * PS_ENOMEM with a message naming the table, the id and the value). On
- * success ps_table_commit makes it current and cannot fail; until then
- * nothing a pull reads has changed. Write lock held from here to the
- * commit or ps_table_unstage. */
-int ps_table_stage(ps_table *t, const uint64_t *ids, size_t n, const ps_ufloat *grad,
-                   float lr_scale, char *err);
+/* Updates the rows ids (checked; locals from the check, or NULL) by one
+ * step of the optimizer with grad (n * dim float32 values, any alignment)
+ * and lr * lr_scale, keeping what ps_table_unstage needs to put them back.
+ * Refuses (nothing changes) a NaN or Inf gradient value, a new value or
+ * slot that would be NaN or Inf, and, for an unbounded table, more rows
+ * than max_rows_per_shard or no memory for the new ones (PS_EINVAL,
+ * PS_ERANGE, PS_ENOMEM with a message naming the table, the id and the
+ * value). On success ps_table_commit completes it and cannot fail;
+ * ps_table_unstage undoes it instead. Write lock held from here to the
+ * commit or ps_table_unstage, so that no pull sees a staged update. */
+int ps_table_stage(ps_table *t, const uint64_t *ids, const uint64_t *locals, size_t n,
+                   const ps_ufloat *grad, float lr_scale, char *err);
 void ps_table_commit(ps_table *t);
 void ps_table_unstage(ps_table *t);
 
@@ -81,8 +87,9 @@ int ps_table_put_row(ps_table *t, uint64_t id, uint32_t tcount, const float *rec
 /* Forgets every row (back to the initial values). Write lock held. */
 void ps_table_clear(ps_table *t);
 /* A checksum of every pushed row (the sum of each row's CRC-32C of id, t
- * and record, so independent of the order rows were made in): equal on
- * shards holding the same rows bit for bit. Read lock held. */
+ * and record, so independent of the order rows were made in; kept up to
+ * date as rows change, so O(1)): equal on shards holding the same rows
+ * bit for bit. Read lock held. */
 uint32_t ps_table_crc(ps_table *t);
 
 #endif

@@ -103,6 +103,30 @@ struct ps_client {
   uint16_t *wire_grads; /* (P), 16-bit wire only: sent without a copy */
   ps_moving_range moving[PS_MAX_MOVING_RANGES]; /* no error feedback there */
   int n_moving;
+  /* Embedding rows of the pulls and pushes (ps_client_set_rows): the
+   * job's tables, the caller's sections, and per shard and section the ids
+   * placed there (as the wire takes them) with their positions in the
+   * caller's section; per shard the rows' gradients as sent (gathered at a
+   * round's first attempt, so a retry sends the same bytes). */
+  struct {
+    int parsed, n_tables;
+    size_t max_per_request; /* the job's max_rows_per_request */
+    ps_table_spec spec[PS_MAX_TABLES];
+    int n_sec;
+    ps_client_rows sec[PS_MAX_TABLES];
+    struct shard_rows {
+      size_t n[PS_MAX_TABLES], cap[PS_MAX_TABLES];
+      uint8_t *ids[PS_MAX_TABLES]; /* 8 n bytes, little-endian */
+      size_t *pos[PS_MAX_TABLES];
+      size_t values; /* floats over the sections */
+      void *grads;   /* the rows' gradients (floats, then their 16-bit encoding) */
+      void *sent;    /* what goes out: grads, or the encoding */
+      size_t grads_cap;
+      int gathered;  /* this round's are in grads */
+    } *shard;
+    void *tmp; /* a pull's rows, before they are scattered */
+    size_t tmp_cap;
+  } rows;
   /* The push round in progress (ps_client_push_begin .. push_end). */
   struct {
     uint64_t *versions; /* per shard */
@@ -548,6 +572,15 @@ void ps_client_destroy(ps_client *c) {
   free(c->push.versions);
   free(c->push.state);
   free(c->push.encoded);
+  for (int s = 0; s < c->nshards && c->rows.shard; s++) {
+    for (int t = 0; t < PS_MAX_TABLES; t++) {
+      free(c->rows.shard[s].ids[t]);
+      free(c->rows.shard[s].pos[t]);
+    }
+    free(c->rows.shard[s].grads);
+  }
+  free(c->rows.shard);
+  free(c->rows.tmp);
   ps_free(c->residual);
   ps_free(c->wire_grads);
   free(c->job_json);
@@ -642,7 +675,7 @@ static int status_code(int st) {
 static int read_values(ps_client *c, int s, const ps_segview *tensor, float *out, char *err) {
   size_t cnt = c->shards[s].cnt, bad = cnt;
   if (c->wire == PS_WIRE_FP32) {
-    ps_segview_copy(tensor, 0, out, tensor->total);
+    ps_segview_copy(tensor, 0, out, cnt * sizeof(float));
     return PS_OK;
   }
   ps_half_decode_view(c->wire, tensor, out, cnt, &bad);
@@ -655,6 +688,180 @@ static int read_values(ps_client *c, int s, const ps_segview *tensor, float *out
                    s, c->shards[s].addr[replica_of(c, s)], c->shards[s].off + bad,
                    isnan(out[bad]) ? "NaN" : out[bad] > 0 ? "+Inf" : "-Inf",
                    ps_wire_name(c->wire), ps_wire_name(c->wire));
+}
+
+/* ---- embedding rows ---- */
+
+static int grow(void **p, size_t *cap, size_t want) {
+  if (want <= *cap) return PS_OK;
+  size_t n = *cap ? *cap : 1024;
+  while (n < want) n *= 2;
+  void *q = realloc(*p, n);
+  if (!q) return PS_ENOMEM;
+  *p = q;
+  *cap = n;
+  return PS_OK;
+}
+
+int ps_client_set_rows(ps_client *c, const ps_client_rows *secs, int n_sec, char *err) {
+  if (!c->rows.parsed) {
+    ps_job *job = malloc(sizeof *job);
+    if (!job) return ps_seterr(err, PS_ENOMEM, "out of memory");
+    char jerr[PS_ERRLEN];
+    int rc = ps_job_parse(c->job_json, job, jerr);
+    if (rc == PS_OK) {
+      c->rows.n_tables = job->n_tables;
+      c->rows.max_per_request = (size_t)job->max_rows_per_request;
+      memcpy(c->rows.spec, job->tables, sizeof c->rows.spec);
+    }
+    free(job);
+    if (rc != PS_OK) return ps_seterr(err, rc, "the job's tables: %s", jerr);
+    c->rows.shard = calloc((size_t)c->nshards, sizeof *c->rows.shard);
+    if (!c->rows.shard) return ps_seterr(err, PS_ENOMEM, "out of memory");
+    c->rows.parsed = 1;
+  }
+  for (int s = 0; s < c->nshards; s++)
+    if (c->push.state[s] == PUSH_IN_FLIGHT)
+      return ps_seterr(err, PS_ESTATE, "rows set while a push is in flight");
+  if (n_sec < 0 || n_sec > c->rows.n_tables)
+    return ps_seterr(err, PS_EINVAL, "%d row sections, but the job has %d embedding table(s)",
+                     n_sec, c->rows.n_tables);
+  uint32_t seen = 0;
+  for (int i = 0; i < n_sec; i++) {
+    int t = secs[i].table;
+    if (t < 0 || t >= c->rows.n_tables || (seen & (1u << t)))
+      return ps_seterr(err, PS_EINVAL, "row section %d: table %d is not one of the job's %d, or "
+                       "is named twice", i, t, c->rows.n_tables);
+    seen |= 1u << t;
+    for (size_t j = 0; j < secs[i].n; j++)
+      if (!ps_table_id_ok(&c->rows.spec[t], secs[i].ids[j]))
+        return ps_seterr(err, PS_ERANGE, "table '%s': id %" PRIu64 " is not a row (it has %" PRIu64
+                         ")", c->rows.spec[t].name, secs[i].ids[j], c->rows.spec[t].rows);
+  }
+  c->rows.n_sec = 0; /* none until the new ones are placed */
+  for (int s = 0; s < c->nshards; s++) {
+    struct shard_rows *sr = &c->rows.shard[s];
+    memset(sr->n, 0, sizeof sr->n);
+    sr->values = 0;
+    sr->gathered = 0;
+  }
+  for (int i = 0; i < n_sec; i++) {
+    const ps_table_spec *ts = &c->rows.spec[secs[i].table];
+    for (size_t j = 0; j < secs[i].n; j++) {
+      uint64_t local;
+      int s = ps_table_place(ts, c->nshards, secs[i].ids[j], &local);
+      struct shard_rows *sr = &c->rows.shard[s];
+      size_t k = sr->n[i];
+      if (k == sr->cap[i]) {
+        size_t cap = k ? 2 * k : 256;
+        uint8_t *ids = realloc(sr->ids[i], cap * 8);
+        if (ids) sr->ids[i] = ids;
+        size_t *pos = realloc(sr->pos[i], cap * sizeof *pos);
+        if (pos) sr->pos[i] = pos;
+        if (!ids || !pos) return ps_seterr(err, PS_ENOMEM, "out of memory placing rows");
+        sr->cap[i] = cap;
+      }
+      ps_put_le64(sr->ids[i] + 8 * k, secs[i].ids[j]);
+      sr->pos[i][k] = j;
+      sr->n[i] = k + 1;
+      sr->values += (size_t)ts->dim;
+    }
+  }
+  for (int s = 0; s < c->nshards; s++) {
+    size_t n = 0;
+    for (int i = 0; i < n_sec; i++) n += c->rows.shard[s].n[i];
+    if (n > c->rows.max_per_request) {
+      for (int k = 0; k < c->nshards; k++) memset(c->rows.shard[k].n, 0, sizeof c->rows.shard[k].n);
+      return ps_seterr(err, PS_ERANGE,
+                       "%zu rows for shard %d in one request, above the job's "
+                       "max_rows_per_request (%zu): split the batch or raise it",
+                       n, s, c->rows.max_per_request);
+    }
+  }
+  memcpy(c->rows.sec, secs, (size_t)n_sec * sizeof *secs);
+  c->rows.n_sec = n_sec;
+  return PS_OK;
+}
+
+/* Shard s's row sections for a request (into msgs and ptrs, PS_MAX_TABLES
+ * each); how many. */
+static size_t rows_msgs(ps_client *c, int s, Ps__TableRows *msgs, Ps__TableRows **ptrs) {
+  size_t k = 0;
+  if (!c->rows.n_sec) return 0;
+  const struct shard_rows *sr = &c->rows.shard[s];
+  for (int i = 0; i < c->rows.n_sec; i++) {
+    if (!sr->n[i]) continue;
+    ps__table_rows__init(&msgs[k]);
+    msgs[k].table = (uint32_t)c->rows.sec[i].table;
+    msgs[k].ids = (ProtobufCBinaryData){.len = 8 * sr->n[i], .data = sr->ids[i]};
+    ptrs[k] = &msgs[k];
+    k++;
+  }
+  return k;
+}
+
+/* Shard s's rows from a pull's tensor (after its dense values) into the
+ * caller's sections. PS_EPROTO for a row value that arrived as Inf or
+ * NaN. */
+static int read_rows(ps_client *c, int s, const ps_segview *tensor, char *err) {
+  const struct shard_rows *sr = &c->rows.shard[s];
+  if (!c->rows.n_sec || !sr->values) return PS_OK;
+  const size_t vb = ps_wire_value_bytes(c->wire);
+  size_t skip = c->shards[s].cnt * vb, nv = sr->values;
+  if (grow(&c->rows.tmp, &c->rows.tmp_cap, nv * (sizeof(float) + vb)) != PS_OK)
+    return ps_seterr(err, PS_ENOMEM, "out of memory for %zu row values", nv);
+  float *vals = c->rows.tmp;
+  if (c->wire == PS_WIRE_FP32) {
+    ps_segview_copy(tensor, skip, vals, nv * sizeof(float));
+  } else {
+    uint16_t *h = (uint16_t *)(vals + nv);
+    ps_segview_copy(tensor, skip, h, nv * vb);
+    ps_half_decode(c->wire, h, vals, nv);
+  }
+  size_t at = 0;
+  for (int i = 0; i < c->rows.n_sec; i++) {
+    const size_t d = (size_t)c->rows.spec[c->rows.sec[i].table].dim;
+    for (size_t k = 0; k < sr->n[i]; k++, at += d) {
+      for (size_t j = 0; j < d; j++)
+        if (!isfinite(vals[at + j]))
+          return ps_seterr(err, PS_EPROTO,
+                           "Pull from shard %d: table '%s' row %" PRIu64 " arrived with a %s",
+                           s, c->rows.spec[c->rows.sec[i].table].name,
+                           ps_get_le64(sr->ids[i] + 8 * k), isnan(vals[at + j]) ? "NaN" : "Inf");
+      memcpy(c->rows.sec[i].values + sr->pos[i][k] * d, vals + at, d * sizeof(float));
+    }
+  }
+  return PS_OK;
+}
+
+/* Shard s's rows' gradients gathered from the caller's sections into the
+ * buffer sent (encoded on a 16-bit wire, rounded without error feedback),
+ * once per round. PS_EINVAL for a value that cannot go out. */
+static int gather_rows(ps_client *c, int s, char *err) {
+  struct shard_rows *sr = &c->rows.shard[s];
+  if (sr->gathered || !sr->values) return PS_OK;
+  const size_t vb = ps_wire_value_bytes(c->wire), nv = sr->values;
+  if (grow(&sr->grads, &sr->grads_cap, nv * (sizeof(float) + vb)) != PS_OK)
+    return ps_seterr(err, PS_ENOMEM, "out of memory for %zu row gradients", nv);
+  float *g = sr->grads;
+  size_t at = 0;
+  for (int i = 0; i < c->rows.n_sec; i++) {
+    const size_t d = (size_t)c->rows.spec[c->rows.sec[i].table].dim;
+    for (size_t k = 0; k < sr->n[i]; k++, at += d)
+      memcpy(g + at, c->rows.sec[i].grads + sr->pos[i][k] * d, d * sizeof(float));
+  }
+  for (size_t j = 0; j < nv; j++)
+    if (!isfinite(g[j]))
+      return ps_seterr(err, PS_EINVAL, "Push to shard %d: a row gradient value is %s; not pushed",
+                       s, isnan(g[j]) ? "NaN" : "Inf");
+  sr->sent = g;
+  if (vb == 2) sr->sent = g + nv;
+  if (vb == 2 && ps_half_encode(c->wire, g, sr->sent, nv) >= ps_half_nonfinite_bits(c->wire))
+    return ps_seterr(err, PS_EINVAL,
+                     "Push to shard %d: a row gradient value is beyond %s's range; not pushed", s,
+                     ps_wire_name(c->wire));
+  sr->gathered = 1;
+  return PS_OK;
 }
 
 int ps_client_pull(ps_client *c, float *params, uint64_t *versions,
@@ -674,6 +881,9 @@ static rpc_request *pull_start(ps_client *c, int s, const uint64_t *min_versions
   req.offset = c->shards[s].off;
   req.count = c->shards[s].cnt;
   req.min_version = min_versions ? min_versions[s] : 0;
+  Ps__TableRows rm[PS_MAX_TABLES], *rp[PS_MAX_TABLES];
+  req.n_rows = rows_msgs(c, s, rm, rp);
+  req.rows = rp;
   rpc_msg msg;
   *rep = replica_of(c, s);
   if (pack_small(&req.base, &msg) != 0) return NULL;
@@ -740,9 +950,10 @@ int ps_client_pull_ex(ps_client *c, float *params, uint64_t *versions,
       } else {
         Ps__PullResponse *r = (Ps__PullResponse *)m;
         int bad = PS_OK;
+        size_t row_values = c->rows.n_sec ? c->rows.shard[s].values : 0;
         if (r->offset != c->shards[s].off || r->count != c->shards[s].cnt ||
             (int)r->encoding != (int)c->wire ||
-            tensor.total != c->shards[s].cnt * ps_wire_value_bytes(c->wire)) {
+            tensor.total != (c->shards[s].cnt + row_values) * ps_wire_value_bytes(c->wire)) {
           bad = ps_seterr(derr, PS_EPROTO,
                           "Pull from shard %d: reply holds [%" PRIu64 ", +%" PRIu64
                           ") as %s in %zu bytes, asked for [%zu, +%zu) as %s",
@@ -750,6 +961,7 @@ int ps_client_pull_ex(ps_client *c, float *params, uint64_t *versions,
                           c->shards[s].off, c->shards[s].cnt, ps_wire_name(c->wire));
         } else {
           bad = read_values(c, s, &tensor, params + c->shards[s].off, derr);
+          if (bad == PS_OK) bad = read_rows(c, s, &tensor, derr);
         }
         if (bad != PS_OK) {
           if (rc == PS_OK) rc = ps_seterr(err, bad, "%s", derr);
@@ -793,6 +1005,7 @@ int ps_client_push_begin(ps_client *c, const uint64_t *versions, uint64_t step,
   memcpy(c->push.versions, versions, (size_t)c->nshards * sizeof *versions);
   memset(c->push.state, PUSH_PENDING, (size_t)c->nshards);
   memset(c->push.encoded, 0, (size_t)c->nshards);
+  for (int s = 0; s < c->nshards && c->rows.shard; s++) c->rows.shard[s].gathered = 0;
   memset(&c->push.res, 0, sizeof c->push.res);
   c->push.step = step;
   c->push.batch_size = batch_size;
@@ -848,6 +1061,7 @@ int ps_client_push_shard(ps_client *c, int s, const float *grads, char *err) {
   const void *tensor = NULL;
   size_t bytes = 0;
   int rc = slice_for(c, s, grads, &tensor, &bytes, err);
+  if (rc == PS_OK && c->rows.n_sec) rc = gather_rows(c, s, err);
   if (rc != PS_OK) return rc;
   Ps__RequestHeader h;
   uint8_t sess[PS_SESSION_LEN];
@@ -860,18 +1074,31 @@ int ps_client_push_shard(ps_client *c, int s, const float *grads, char *err) {
   req.step = c->push.step;
   req.request_id = c->push.request_id;
   req.batch_size = (uint32_t)c->push.batch_size;
+  Ps__TableRows rm[PS_MAX_TABLES], *rp[PS_MAX_TABLES];
+  req.n_rows = rows_msgs(c, s, rm, rp);
+  req.rows = rp;
   rpc_msg msg;
   rpc_request *r = NULL;
-  atomic_fetch_add(&c->tensors_in_flight, 1);
   /* The gradient goes out without a copy; tensor_released counts it
-   * back, and the caller's buffer (or wire_grads) is not reused before
-   * that. */
+   * back, and the caller's buffer (or wire_grads, or the rows' buffer) is
+   * not reused before that. */
   int rep = replica_of(c, s);
-  if (wire_encode(&req.base, tensor, bytes, tensor_released, c, &msg) == 0)
+  int encoded;
+  if (req.n_rows) {
+    atomic_fetch_add(&c->tensors_in_flight, 2);
+    wire_part parts[2] = {
+        {tensor, bytes, tensor_released, c},
+        {c->rows.shard[s].sent, c->rows.shard[s].values * ps_wire_value_bytes(c->wire),
+         tensor_released, c}};
+    encoded = wire_encode_parts(&req.base, parts, 2, &msg) == 0; /* releases both on failure */
+  } else {
+    atomic_fetch_add(&c->tensors_in_flight, 1);
+    encoded = wire_encode(&req.base, tensor, bytes, tensor_released, c, &msg) == 0;
+    if (!encoded) atomic_fetch_sub(&c->tensors_in_flight, 1);
+  }
+  if (encoded)
     r = rpc_start(c->q, c->shards[s].ch[rep], M_PUSH, &msg, c->opts.timeout_ms, ready_wait(c, 1),
                   err);
-  else
-    atomic_fetch_sub(&c->tensors_in_flight, 1);
   if (!r) return ps_seterr(err, PS_EUNAVAIL, "cannot start Push on shard %d", s);
   c->push.reqs[s] = r;
   c->push.rep[s] = rep;

@@ -107,6 +107,31 @@ void ps_client_set_moving(ps_client *c, const ps_moving_range *mr, int n);
 /* The residual (P floats; NULL with fp32), for tests. */
 const float *ps_client_residual(const ps_client *c);
 
+/* Embedding rows (common/emb.h) that the pulls and pushes carry beside
+ * the dense ranges, one section per table: the batch's distinct ids (a
+ * request names each once), where a pull writes their rows (n * dim
+ * floats, in the ids' order) and where a push reads their gradients. The
+ * client places each id on its shard and sends each shard its ids in the
+ * same Pull or Push as its dense range, so that a shard applies a push's
+ * rows and dense values as one update, and a pull's rows and dense values
+ * are of one version. The buffers must outlive the rounds that use them. */
+typedef struct {
+  int table;           /* index in the job's "embeddings" */
+  const uint64_t *ids;
+  size_t n;
+  float *values;       /* pull: written */
+  const float *grads;  /* push: read */
+} ps_client_rows;
+
+/* Sets the rows of the next pulls and pushes (until set again; n_sec 0:
+ * none). PS_EINVAL for a table that is not the job's or named twice,
+ * PS_ERANGE for an id beyond a bounded table's rows or more rows for one
+ * shard than the job's max_rows_per_request, PS_ESTATE while a push is in
+ * flight, PS_ENOMEM; after an error other than PS_ESTATE no rows are set.
+ * On a 16-bit wire the rows' gradients are
+ * rounded without error feedback. */
+int ps_client_set_rows(ps_client *c, const ps_client_rows *secs, int n_sec, char *err);
+
 typedef struct {
   uint64_t staleness_sum; /* over the shards */
   uint64_t staleness_max;

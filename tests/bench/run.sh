@@ -78,6 +78,24 @@ print(f"mutual TLS: pull {s['pull_ms']:.1f} ms = {t['pull_ms']/s['pull_ms']:.3f}
 PY
 }
 
+rows() {
+  # Embedding rows against dense values: 10k distinct ids per request, dim
+  # 16 and 64, rounds alternating with a dense shard of as many values.
+  local pr p16 p64
+  pr=$(port); p16=$(port); p64=$(port)
+  "$build/ps-server" --insecure --job "$root/tests/bench/jobs_rows.json" --ps "127.0.0.1:$pr" \
+    --index 0 >"$out/server-rows.log" 2>&1 &
+  pids+=($!)
+  "$build/ps-server" --insecure --job "$root/tests/bench/jobs_rows_dense16.json" \
+    --ps "127.0.0.1:$p16" --index 0 >"$out/server-dense16.log" 2>&1 &
+  pids+=($!)
+  "$build/ps-server" --insecure --job "$root/tests/bench/jobs_rows_dense64.json" \
+    --ps "127.0.0.1:$p64" --index 0 >"$out/server-dense64.log" 2>&1 &
+  pids+=($!)
+  "$build/bench_rows" "127.0.0.1:$pr" "127.0.0.1:$p16" "127.0.0.1:$p64" "${BENCH_ROUNDS:-20}" \
+    "${BENCH_IDS:-10000}" | tee "$out/rows.txt"
+}
+
 wire() {
   local w=${BENCH_WIRE:-bf16} p32 p16 s32 s16
   python3 - "$root/tests/bench/jobs_transport.json" "$w" >"$out/jobs_transport_$w.json" <<'PY'
@@ -287,11 +305,12 @@ PY
 case "$what" in
   transport) transport ;;
   wire) wire ;;
+  rows) rows ;;
   wire_accuracy) wire_accuracy ;;
   training) training ;;
   pipeline) pipeline ;;
   tls) tls ;;
   checkpoints) checkpoints ;;
   all) transport; wire; training; pipeline; tls; checkpoints ;;
-  *) echo "usage: tests/bench/run.sh [transport|wire|wire_accuracy|training|pipeline|tls|checkpoints|all] [BUILD_DIR]" >&2; exit 2 ;;
+  *) echo "usage: tests/bench/run.sh [transport|rows|wire|wire_accuracy|training|pipeline|tls|checkpoints|all] [BUILD_DIR]" >&2; exit 2 ;;
 esac

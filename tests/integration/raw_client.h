@@ -92,7 +92,7 @@ __attribute__((unused)) static int raw_register(raw_client *c, const ps_token *t
     if (out) {
       out->id = r->worker_id;
       out->session_len = r->session.len <= PS_SESSION_LEN ? r->session.len : 0;
-      memcpy(out->session, r->session.data, out->session_len);
+      if (out->session_len) memcpy(out->session, r->session.data, out->session_len);
     }
     snprintf(c->job_id, sizeof c->job_id, "%s", r->job_id ? r->job_id : "");
     c->range_off = r->range_offset;

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../../common/crc32c.h"
 #include "../../common/emb.h"
 #include "../../common/job.h"
 #include "../../common/optim.h"
@@ -168,6 +169,28 @@ static int count_row(void *user, uint64_t id, uint32_t t, const float *rec) {
   return 0;
 }
 
+/* The table's running checksum, recomputed from its rows. */
+typedef struct {
+  uint32_t sum;
+  size_t rec_bytes;
+} crc_walk;
+static int crc_row(void *user, uint64_t id, uint32_t t, const float *rec) {
+  crc_walk *w = user;
+  uint8_t head[12];
+  ps_put_le64(head, id);
+  ps_put_le32(head + 8, t);
+  w->sum += ps_crc32c(ps_crc32c(0, head, sizeof head), rec, w->rec_bytes);
+  return 0;
+}
+static uint32_t crc_again(ps_table *t) {
+  crc_walk w = {0, (size_t)ps_table_spec_of(t)->dim * (size_t)(1 + ps_table_n_slots(t)) *
+                       sizeof(float)};
+  ps_table_read_lock(t);
+  ps_table_each_row(t, crc_row, &w);
+  ps_table_unlock(t);
+  return w.sum;
+}
+
 static void test_table_rows(uint64_t rows) {
   char err[PS_ERRLEN];
   ps_table_spec sp = spec_of(rows ? "bounded" : "unbounded", rows, 3);
@@ -188,8 +211,8 @@ static void test_table_rows(uint64_t rows) {
   ps_table *t = tb[0];
   float out[8 * 3], init[3];
   ps_table_read_lock(t);
-  CHECK(ps_table_check_ids(t, ids, 8, err) == 0);
-  ps_table_read_rows(t, ids, 8, out);
+  CHECK(ps_table_check_ids(t, ids, 8, NULL, err) == 0);
+  ps_table_read_rows(t, ids, NULL, 8, out);
   ps_table_unlock(t);
   ps_table_init_row(&sp, 9, ids[5], init);
   CHECK(memcmp(out + 15, init, sizeof init) == 0);
@@ -197,23 +220,26 @@ static void test_table_rows(uint64_t rows) {
   uint64_t other = 0, local;
   while (ps_table_place(&sp, S, other, &local) != 1) other++;
   uint64_t badids[3] = {ids[0], other, ids[1]};
-  CHECK(ps_table_check_ids(t, badids, 3, err) == PS_EINVAL && strstr(err, "lives on shard 1"));
+  CHECK(ps_table_check_ids(t, badids, 3, NULL, err) == PS_EINVAL && strstr(err, "lives on shard 1"));
   uint64_t dup[3] = {ids[0], ids[1], ids[0]};
-  CHECK(ps_table_check_ids(t, dup, 3, err) == PS_EINVAL && strstr(err, "named twice"));
+  CHECK(ps_table_check_ids(t, dup, 3, NULL, err) == PS_EINVAL && strstr(err, "named twice"));
   if (rows) {
     uint64_t far[1] = {rows};
-    CHECK(ps_table_check_ids(t, far, 1, err) == PS_ERANGE && strstr(err, "is not a row"));
+    CHECK(ps_table_check_ids(t, far, 1, NULL, err) == PS_ERANGE && strstr(err, "is not a row"));
   }
   /* One push of rows 0..3: lazy Adam with the row's own count. */
   float g[4 * 3];
   for (int i = 0; i < 12; i++) g[i] = 0.01f * (float)(i + 1);
+  /* With the placements the check gives (as the server passes them on). */
+  uint64_t locals[4];
+  CHECK(ps_table_check_ids(t, ids, 4, locals, err) == 0);
   ps_table_write_lock(t);
-  CHECK(ps_table_stage(t, ids, 4, g, 1.0f, err) == 0);
+  CHECK(ps_table_stage(t, ids, locals, 4, g, 1.0f, err) == 0);
   ps_table_commit(t);
   ps_table_unlock(t);
   float after[8 * 3];
   ps_table_read_lock(t);
-  ps_table_read_rows(t, ids, 8, after);
+  ps_table_read_rows(t, ids, NULL, 8, after);
   ps_table_unlock(t);
   /* Adam's first step moves each value by lr (sign of g) * ~1. */
   for (int i = 0; i < 12; i++) CHECK_NEAR(after[i], out[i] - 0.1f, 1e-4, 0);
@@ -222,7 +248,7 @@ static void test_table_rows(uint64_t rows) {
   uint64_t two[2] = {ids[0], ids[4]};
   float g2[6] = {0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f};
   ps_table_write_lock(t);
-  CHECK(ps_table_stage(t, two, 2, g2, 1.0f, err) == 0);
+  CHECK(ps_table_stage(t, two, NULL, 2, g2, 1.0f, err) == 0);
   ps_table_commit(t);
   ps_table_unlock(t);
   /* The reference: the optimizer itself, on a row's record. */
@@ -236,7 +262,7 @@ static void test_table_rows(uint64_t rows) {
     opt->apply(&adam, 2, 0.1f, rec, sl, g2, 3);
     float r0[3];
     ps_table_read_lock(t);
-    ps_table_read_rows(t, ids, 1, r0);
+    ps_table_read_rows(t, ids, NULL, 1, r0);
     ps_table_unlock(t);
     CHECK(memcmp(r0, rec, sizeof r0) == 0);
   }
@@ -247,16 +273,16 @@ static void test_table_rows(uint64_t rows) {
   ps_table_unlock(t);
   float gn[6] = {0, 0, 0, 0, NAN, 0};
   ps_table_write_lock(t);
-  CHECK(ps_table_stage(t, two, 2, gn, 1.0f, err) == PS_EINVAL && strstr(err, "is NaN"));
+  CHECK(ps_table_stage(t, two, NULL, 2, gn, 1.0f, err) == PS_EINVAL && strstr(err, "is NaN"));
   ps_table_unstage(t);
   ps_table_unlock(t);
   ps_optim_config sgd = {.name = "sgd", .lr = 1.0f};
   ps_table *big = ps_table_create(&sp, &sgd, 9, 0, S, err);
   float gbig[3] = {3e38f, 0, 0};
   ps_table_write_lock(big);
-  CHECK(ps_table_stage(big, ids, 1, gbig, 1.0f, err) == 0);
+  CHECK(ps_table_stage(big, ids, NULL, 1, gbig, 1.0f, err) == 0);
   ps_table_commit(big);
-  CHECK(ps_table_stage(big, ids, 1, gbig, 1.0f, err) == PS_EINVAL && strstr(err, "Inf"));
+  CHECK(ps_table_stage(big, ids, NULL, 1, gbig, 1.0f, err) == PS_EINVAL && strstr(err, "Inf"));
   ps_table_unstage(big);
   ps_table_unlock(big);
   ps_table_destroy(big);
@@ -272,6 +298,7 @@ static void test_table_rows(uint64_t rows) {
   ps_table_each_row(t, count_row, &total);
   ps_table_unlock(t);
   CHECK(total == 6);
+  CHECK(crc_again(t) == crc && crc != 0);
   ps_table_destroy(tb[0]);
   ps_table_destroy(tb[1]);
 }
@@ -287,10 +314,10 @@ static void test_unbounded_cap(void) {
   for (int i = 0; i < 12; i++) ids[i] = (uint64_t)i * 0x9e3779b97f4a7c15ULL;
   for (int i = 0; i < 24; i++) g[i] = 1.0f;
   ps_table_write_lock(t);
-  CHECK(ps_table_stage(t, ids, 8, g, 1.0f, err) == 0);
+  CHECK(ps_table_stage(t, ids, NULL, 8, g, 1.0f, err) == 0);
   ps_table_commit(t);
   /* 4 more would make 12 rows: refused whole, the 8 stay as they are. */
-  CHECK(ps_table_stage(t, ids + 6, 6, g, 1.0f, err) == PS_ERANGE &&
+  CHECK(ps_table_stage(t, ids + 6, NULL, 6, g, 1.0f, err) == PS_ERANGE &&
         strstr(err, "max_rows_per_shard"));
   ps_table_unstage(t);
   ps_table_unlock(t);
@@ -306,13 +333,13 @@ static void test_unbounded_cap(void) {
   for (int i = 0; i < 40000; i++) gm[i] = (float)(i % 7);
   ps_table_write_lock(m);
   for (int k = 0; k < 4; k++) {
-    CHECK(ps_table_stage(m, many + k * 5000, 5000, gm + k * 10000, 1.0f, err) == 0);
+    CHECK(ps_table_stage(m, many + k * 5000, NULL, 5000, gm + k * 10000, 1.0f, err) == 0);
     ps_table_commit(m);
   }
   ps_table_unlock(m);
   float *back = malloc(20000 * 2 * sizeof *back);
   ps_table_read_lock(m);
-  ps_table_read_rows(m, many, 20000, back);
+  ps_table_read_rows(m, many, NULL, 20000, back);
   ps_table_unlock(m);
   int ok = 1;
   for (int i = 0; i < 20000 && ok; i++) {
@@ -332,9 +359,13 @@ static void test_unbounded_cap(void) {
   uint64_t five = 5;
   float got[2];
   ps_table_read_lock(m);
-  ps_table_read_rows(m, &five, 1, got);
+  ps_table_read_rows(m, &five, NULL, 1, got);
   ps_table_unlock(m);
   CHECK(got[0] == 3 && got[1] == 4);
+  ps_table_read_lock(m);
+  uint32_t mc = ps_table_crc(m);
+  ps_table_unlock(m);
+  CHECK(crc_again(m) == mc);
   ps_table_write_lock(m);
   ps_table_clear(m);
   ps_table_unlock(m);
@@ -347,6 +378,65 @@ static void test_unbounded_cap(void) {
   ps_table_destroy(t);
 }
 
+/* A large push is staged in two halves on two threads: a refusal in
+ * either half puts every row of both back. */
+static void test_split_refusal(uint64_t rows) {
+  char err[PS_ERRLEN];
+  ps_table_spec sp = spec_of("split", rows, 4);
+  sp.max_rows_per_shard = 100000;
+  ps_optim_config adam = {.name = "adam", .lr = 0.01f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f};
+  ps_table *t = ps_table_create(&sp, &adam, 3, 0, 1, err);
+  const size_t n = 6000;
+  uint64_t *ids = malloc(n * sizeof *ids);
+  float *g = malloc(n * 4 * sizeof *g), *before = malloc(n * 4 * sizeof *before),
+        *after = malloc(n * 4 * sizeof *after);
+  for (size_t i = 0; i < n; i++) ids[i] = rows ? (i * 7919) % rows : i * 0x9e3779b97f4a7c15ULL;
+  for (size_t i = 0; i < n * 4; i++) g[i] = 0.01f * (float)(i % 9);
+  /* Half of them pushed once (so both made and never-pushed rows are in
+   * the refused pushes). */
+  ps_table_write_lock(t);
+  CHECK(ps_table_stage(t, ids, NULL, n / 2, g, 1.0f, err) == 0);
+  ps_table_commit(t);
+  ps_table_unlock(t);
+  ps_table_stats st0;
+  ps_table_stats_get(t, &st0);
+  uint32_t crc0 = ps_table_crc(t);
+  ps_table_read_rows(t, ids, NULL, n, before);
+  size_t bad_at[3] = {100, 4500, n - 1};
+  for (int k = 0; k < 3; k++) {
+    g[bad_at[k] * 4 + 2] = NAN;
+    ps_table_write_lock(t);
+    CHECK_MSG(ps_table_stage(t, ids, NULL, n, g, 1.0f, err) == PS_EINVAL && strstr(err, "NaN"),
+              "NaN at %zu: %s", bad_at[k], err);
+    ps_table_unlock(t);
+    g[bad_at[k] * 4 + 2] = 0.0f;
+    ps_table_read_rows(t, ids, NULL, n, after);
+    CHECK_MSG(memcmp(before, after, n * 4 * sizeof(float)) == 0,
+              "rows changed after a refused push (NaN at %zu)", bad_at[k]);
+    CHECK(ps_table_crc(t) == crc0);
+  }
+  /* Staged whole, then undone (the dense part failed). */
+  ps_table_write_lock(t);
+  CHECK(ps_table_stage(t, ids, NULL, n, g, 1.0f, err) == 0);
+  ps_table_unstage(t);
+  ps_table_unlock(t);
+  ps_table_read_rows(t, ids, NULL, n, after);
+  CHECK(memcmp(before, after, n * 4 * sizeof(float)) == 0);
+  ps_table_stats st1;
+  ps_table_stats_get(t, &st1);
+  CHECK(st1.rows_held == st0.rows_held && ps_table_crc(t) == crc0);
+  /* And applied: every row moved, the checksum as recomputed. */
+  ps_table_write_lock(t);
+  CHECK(ps_table_stage(t, ids, NULL, n, g, 1.0f, err) == 0);
+  ps_table_commit(t);
+  ps_table_unlock(t);
+  ps_table_stats_get(t, &st1);
+  CHECK(st1.rows_held == n);
+  CHECK(crc_again(t) == ps_table_crc(t));
+  free(ids), free(g), free(before), free(after);
+  ps_table_destroy(t);
+}
+
 int main(void) {
   test_permutation();
   test_placement();
@@ -354,5 +444,7 @@ int main(void) {
   test_table_rows(1000);
   test_table_rows(0);
   test_unbounded_cap();
+  test_split_refusal(100000);
+  test_split_refusal(0);
   return check_summary();
 }

@@ -1,0 +1,295 @@
+/* Embedding rows in Pull and Push (see server.h, ps_rows_*): the ids a
+ * request names, read out of it and checked; a pull's rows read beside the
+ * dense snapshot; a push's rows staged, then applied with the dense range
+ * as one update. */
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../common/half.h"
+#include "../common/wire.h"
+#include "server.h"
+#include "table.h"
+
+int ps_rows_from_msg(ps_server *sv, Ps__TableRows *const *secs, size_t n, ps_rows_req **out,
+                     char *err) {
+  *out = NULL;
+  if (n == 0) return PS_OK;
+  if (n > (size_t)sv->n_tables)
+    return ps_seterr(err, PS_EINVAL, "%zu row sections, but the job has %d embedding table(s)",
+                     n, sv->n_tables);
+  size_t total = 0;
+  uint32_t seen = 0;
+  for (size_t i = 0; i < n; i++) {
+    const Ps__TableRows *s = secs[i];
+    if (s->table >= (uint32_t)sv->n_tables)
+      return ps_seterr(err, PS_EINVAL, "row section %zu names table %" PRIu32
+                       ", but the job has %d embedding table(s)",
+                       i, s->table, sv->n_tables);
+    if (seen & (1u << s->table))
+      return ps_seterr(err, PS_EINVAL, "table '%s' has two row sections",
+                       sv->job.tables[s->table].name);
+    seen |= 1u << s->table;
+    if (s->ids.len % 8)
+      return ps_seterr(err, PS_EINVAL,
+                       "table '%s': ids take %zu bytes, not a multiple of 8 (uint64 each)",
+                       sv->job.tables[s->table].name, s->ids.len);
+    total += s->ids.len / 8;
+  }
+  if (total > (size_t)sv->job.max_rows_per_request)
+    return ps_seterr(err, PS_ERANGE,
+                     "%zu rows in one request (the job's max_rows_per_request is %d)", total,
+                     sv->job.max_rows_per_request);
+  ps_rows_req *r = malloc(sizeof *r + (total ? 2 * total : 1) * sizeof(uint64_t));
+  if (!r) return ps_seterr(err, PS_ENOMEM, "out of memory for %zu row ids", total);
+  memset(r, 0, sizeof *r);
+  size_t at = 0;
+  for (size_t i = 0; i < n; i++) {
+    const Ps__TableRows *s = secs[i];
+    size_t k = s->ids.len / 8;
+    r->sec[i].table = (int)s->table;
+    r->sec[i].n = k;
+    r->sec[i].ids = r->buf + at;
+    r->sec[i].locals = r->buf + total + at;
+    for (size_t j = 0; j < k; j++) r->buf[at + j] = ps_get_le64(s->ids.data + 8 * j);
+    at += k;
+    r->values += k * (size_t)sv->job.tables[s->table].dim;
+    int rc = ps_table_check_ids(sv->tables[s->table], r->sec[i].ids, k, r->sec[i].locals, err);
+    if (rc) {
+      free(r);
+      return rc;
+    }
+  }
+  r->n_sec = (int)n;
+  r->total = total;
+  *out = r;
+  return PS_OK;
+}
+
+ps_rows_req *ps_rows_dup(const ps_rows_req *r) {
+  if (!r) return NULL;
+  size_t bytes = sizeof *r + (r->total ? 2 * r->total : 1) * sizeof(uint64_t);
+  ps_rows_req *d = malloc(bytes);
+  if (!d) return NULL;
+  memcpy(d, r, bytes);
+  for (int i = 0; i < r->n_sec; i++) {
+    d->sec[i].ids = d->buf + (r->sec[i].ids - r->buf);
+    d->sec[i].locals = d->buf + (r->sec[i].locals - r->buf);
+  }
+  return d;
+}
+
+void ps_rows_free(ps_rows_req *r) { free(r); }
+
+/* ---- pulls ---- */
+
+static void release_snap(void *user) { ps_snapshot_unref(user); }
+
+void ps_rows_serve_pull(ps_server *sv, rpc_call *call, size_t offset, size_t count,
+                        ps_rows_req *rows) {
+  char err[PS_ERRLEN];
+  const size_t vb = ps_wire_value_bytes(sv->job.wire);
+  float *vals = malloc((rows->values ? rows->values : 1) * sizeof(float));
+  if (!vals) {
+    rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory for %zu row values", rows->values);
+    ps_rows_free(rows);
+    return;
+  }
+  /* The rows and the dense snapshot at one version: no push commits rows
+   * while the read locks are held, and a push's dense values are applied
+   * only with its rows. */
+  uint32_t locked = 0;
+  for (int i = 0; i < rows->n_sec; i++) locked |= 1u << rows->sec[i].table;
+  for (int t = 0; t < sv->n_tables; t++)
+    if (locked & (1u << t)) ps_table_read_lock(sv->tables[t]);
+  size_t at = 0;
+  for (int i = 0; i < rows->n_sec; i++) {
+    ps_table *tb = sv->tables[rows->sec[i].table];
+    ps_table_read_rows(tb, rows->sec[i].ids, rows->sec[i].locals, rows->sec[i].n, vals + at);
+    at += rows->sec[i].n * (size_t)ps_table_spec_of(tb)->dim;
+  }
+  ps_snapshot *snap = NULL;
+  uint64_t version = 0;
+  if (count > 0) {
+    snap = ps_shard_pull(sv->shard, offset, count, err);
+  } else {
+    ps_shard_stats st;
+    ps_shard_stats_get(sv->shard, &st);
+    version = st.version;
+  }
+  for (int t = sv->n_tables - 1; t >= 0; t--)
+    if (locked & (1u << t)) ps_table_unlock(sv->tables[t]);
+  ps_rows_free(rows);
+  if (count > 0 && !snap) {
+    free(vals);
+    rpc_call_fail(call, RPC_OUT_OF_RANGE, "%s", err);
+    return;
+  }
+  Ps__PullResponse resp = PS__PULL_RESPONSE__INIT;
+  resp.version = snap ? snap->version : version;
+  resp.offset = snap ? snap->begin : offset;
+  resp.count = snap ? snap->count : 0;
+  resp.encoding = (Ps__Encoding)sv->job.wire;
+  wire_part parts[2];
+  int np = 0;
+  if (snap) {
+    const void *dense = snap->values;
+    if (sv->job.wire != PS_WIRE_FP32) dense = ps_shard_snapshot_encoded(sv->shard, snap, NULL);
+    if (!dense) {
+      ps_snapshot_unref(snap);
+      free(vals);
+      rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory encoding the reply");
+      return;
+    }
+    parts[np++] = (wire_part){dense, snap->count * vb, release_snap, snap};
+  }
+  void *rbytes = vals;
+  if (sv->job.wire != PS_WIRE_FP32) {
+    /* In place: the 16-bit values take the front half of the buffer. */
+    uint16_t *h = malloc((at ? at : 1) * sizeof(uint16_t));
+    if (!h) {
+      if (snap) ps_snapshot_unref(snap);
+      free(vals);
+      rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory encoding the reply");
+      return;
+    }
+    ps_half_encode(sv->job.wire, vals, h, at);
+    free(vals);
+    rbytes = h;
+  }
+  parts[np++] = (wire_part){rbytes, at * vb, free, rbytes};
+  rpc_msg out;
+  if (wire_encode_parts(&resp.base, parts, np, &out) != 0) {
+    rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory encoding the reply");
+    return;
+  }
+  size_t sent = 0;
+  for (int i = 0; i < out.nseg; i++) sent += out.seg[i].len;
+  atomic_fetch_add(&sv->pull_bytes, sent);
+  rpc_call_reply(call, &out);
+}
+
+/* ---- pushes ---- */
+
+typedef struct {
+  ps_server *sv;
+  const ps_rows_req *rows;
+  const float *grad; /* rows->values floats */
+  int staged;        /* sections staged (their tables write-locked) */
+} push_ctx;
+
+static int rows_prepare(void *user, float lr_scale, char *err) {
+  push_ctx *c = user;
+  ps_server *sv = c->sv;
+  /* Tables in table order (the lock order); sections may come in any. */
+  uint32_t want = 0;
+  for (int i = 0; i < c->rows->n_sec; i++) want |= 1u << c->rows->sec[i].table;
+  for (int t = 0; t < sv->n_tables; t++)
+    if (want & (1u << t)) ps_table_write_lock(sv->tables[t]);
+  size_t at = 0;
+  for (int i = 0; i < c->rows->n_sec; i++) {
+    ps_table *tb = sv->tables[c->rows->sec[i].table];
+    int rc = ps_table_stage(tb, c->rows->sec[i].ids, c->rows->sec[i].locals, c->rows->sec[i].n,
+                            c->grad + at, lr_scale, err);
+    if (rc) {
+      for (int k = 0; k < i; k++) ps_table_unstage(sv->tables[c->rows->sec[k].table]);
+      for (int t = sv->n_tables - 1; t >= 0; t--)
+        if (want & (1u << t)) ps_table_unlock(sv->tables[t]);
+      return rc;
+    }
+    at += c->rows->sec[i].n * (size_t)ps_table_spec_of(tb)->dim;
+  }
+  c->staged = 1;
+  return PS_OK;
+}
+
+static void rows_finish(push_ctx *c, int commit) {
+  ps_server *sv = c->sv;
+  uint32_t want = 0;
+  for (int i = 0; i < c->rows->n_sec; i++) {
+    ps_table *tb = sv->tables[c->rows->sec[i].table];
+    if (commit)
+      ps_table_commit(tb);
+    else
+      ps_table_unstage(tb);
+    want |= 1u << c->rows->sec[i].table;
+  }
+  for (int t = sv->n_tables - 1; t >= 0; t--)
+    if (want & (1u << t)) ps_table_unlock(sv->tables[t]);
+  c->staged = 0;
+}
+static void rows_commit(void *user) { rows_finish(user, 1); }
+static void rows_abort(void *user) { rows_finish(user, 0); }
+
+int ps_rows_push(ps_server *sv, const ps_rows_req *rows, uint64_t base_version, size_t offset,
+                 size_t count, const ps_segview *tensor, uint64_t *version, uint64_t *staleness,
+                 char *err) {
+  const size_t vb = ps_wire_value_bytes(sv->job.wire);
+  size_t dense_bytes = count * vb, row_bytes = rows->values * vb;
+  if (count > SIZE_MAX / vb || tensor->total != dense_bytes + row_bytes)
+    return ps_seterr(err, PS_EINVAL,
+                     "gradient has %zu bytes, expected %zu: %zu dense values and %zu row "
+                     "values of %zu bytes",
+                     tensor->total, dense_bytes + row_bytes, count, rows->values, vb);
+  /* The rows' gradient, decoded out of the request (rows are scattered
+   * anyway; the dense part is read in place as before). */
+  float *g = malloc((rows->values ? rows->values : 1) * sizeof(float));
+  if (!g) return ps_seterr(err, PS_ENOMEM, "out of memory for %zu row values", rows->values);
+  int rc = PS_OK;
+  if (sv->job.wire == PS_WIRE_FP32) {
+    rc = ps_segview_copy(tensor, dense_bytes, g, row_bytes);
+  } else {
+    uint16_t *h = malloc((rows->values ? rows->values : 1) * sizeof(uint16_t));
+    rc = h ? ps_segview_copy(tensor, dense_bytes, h, row_bytes) : PS_ENOMEM;
+    if (rc == PS_OK) ps_half_decode(sv->job.wire, h, g, rows->values);
+    free(h);
+  }
+  if (rc) {
+    free(g);
+    return ps_seterr(err, rc, "could not read the rows' gradient");
+  }
+  /* The dense part: the view's first dense_bytes. */
+  ps_seg segs[RPC_MAX_SEGS * 4];
+  ps_segview dense = {.segs = segs, .nsegs = 0, .total = dense_bytes};
+  size_t left = dense_bytes;
+  for (int i = 0; i < tensor->nsegs && left > 0; i++) {
+    size_t take = tensor->segs[i].len < left ? tensor->segs[i].len : left;
+    if (dense.nsegs == (int)(sizeof segs / sizeof segs[0])) {
+      free(g);
+      return ps_seterr(err, PS_EINVAL, "gradient in too many pieces");
+    }
+    segs[dense.nsegs++] = (ps_seg){.ptr = tensor->segs[i].ptr, .len = take};
+    left -= take;
+  }
+  push_ctx c = {.sv = sv, .rows = rows, .grad = g};
+  ps_shard_extra extra = {rows_prepare, rows_commit, rows_abort, &c};
+  rc = ps_shard_push_ex(sv->shard, base_version, offset, count, &dense, &extra, version, staleness,
+                        err);
+  free(g);
+  return rc;
+}
+
+void ps_rows_status(ps_server *sv, Ps__StatusResponse *resp, Ps__TableStatus *store,
+                    Ps__TableStatus **ptrs) {
+  for (int i = 0; i < sv->n_tables; i++) {
+    ps_table_stats st;
+    ps_table_stats_get(sv->tables[i], &st);
+    Ps__TableStatus *t = &store[i];
+    ps__table_status__init(t);
+    t->name = sv->job.tables[i].name;
+    t->rows = sv->job.tables[i].rows;
+    t->dim = (uint32_t)sv->job.tables[i].dim;
+    t->rows_held = st.rows_held;
+    t->rows_pulled = st.rows_pulled;
+    t->rows_pushed = st.rows_pushed;
+    t->rejected = st.rejected;
+    t->bytes = st.bytes;
+    t->optimizer = sv->job.table_optim[i].name;
+    ps_table_read_lock(sv->tables[i]);
+    t->crc = ps_table_crc(sv->tables[i]);
+    ps_table_unlock(sv->tables[i]);
+    ptrs[i] = t;
+  }
+  resp->n_tables = (size_t)sv->n_tables;
+  resp->tables = ptrs;
+}
