@@ -235,6 +235,55 @@ struct ps_ops {
   int (*graph_begin)(void *ctx);
   int (*graph_end)(void *ctx);
   int (*graph_launch)(void *ctx);
+
+  /* ---- embedding (click-through-rate) models ----
+   * A batch's ids for one field, de-duplicated on the host by
+   * ps_emb_plan_build (kernels/emb_plan.h), give u unique rows, read as
+   * rows (u, dim), and the int32 arrays of the plan: offsets (n+1, the
+   * bags' CSR: bag e is positions [offsets[e], offsets[e+1]), offsets[0]
+   * = 0, non-decreasing), idx (offsets[n]: each position's row, in [0,
+   * u)), and the reverse CSR rev_off (u+1) and rev_ex (rev_off[u]: the
+   * examples of each row's positions, in increasing position order). All
+   * of them backend memory. Sums are float32, from 0.0f, in the order
+   * stated, each product and each sum rounded on its own (no fused
+   * multiply-add) and no atomics: every backend gives the same bits, every
+   * run. Under mean pooling (mean nonzero) a bag of m > 0 positions is
+   * scaled by s = 1.0f / (float)m (one rounded division), its sum times s
+   * forward and each dy times s backward. NULL: the backend has no
+   * embedding ops. */
+
+  /* y (n, dim): row e = the sum over the bag's positions j, in increasing
+   * j, of rows[idx[j]]; times s when mean. An empty bag gives zeros. */
+  void (*embedding_bag_forward)(void *ctx, int n, int dim, const int32_t *offsets,
+                                const int32_t *idx, int mean, const float *rows, float *y);
+  /* drows (u, dim), overwritten: row r = the sum over k in [rev_off[r],
+   * rev_off[r+1]), in increasing k, of dy[rev_ex[k]] (n, dim), each times
+   * the s of example rev_ex[k]'s bag (from offsets) when mean. A row with
+   * no entries gets zeros. */
+  void (*embedding_bag_backward)(void *ctx, int n, int dim, const int32_t *offsets, int u,
+                                 const int32_t *rev_off, const int32_t *rev_ex, int mean,
+                                 const float *dy, float *drows);
+  /* dst[i*dst_stride + c] = src[i*src_stride + c] for i < n, c < width:
+   * columns of one matrix into columns of another (the concatenation of
+   * features, and the split of its gradient). Strides >= width; src and
+   * dst do not overlap. */
+  void (*copy_cols)(void *ctx, int n, int width, const float *src, int src_stride, float *dst,
+                    int dst_stride);
+  /* The logistic loss of n logits x against labels y (0 or 1), without
+   * waiting for the device: probs[i] = sigmoid(x) and the loss max(x, 0) -
+   * x*y + log1p(exp(-|x|)), both computed in double from the float x (no
+   * overflow, no log(0): finite for any finite x), probs rounded to float.
+   * stats (backend memory, 2 doubles) receives [0] the sum of the n losses
+   * (the host backends in example order; others in a fixed order, within
+   * 1e-6 relative of it), so that the mean loss is stats[0] / n, and [1]
+   * how many examples have (probs[i] >= 0.5f) == (y >= 0.5f). n = 0 gives
+   * {0, 0}. A NaN logit gives a NaN loss. */
+  void (*sigmoid_xent_forward)(void *ctx, int n, const float *logits, const float *labels,
+                               float *probs, double *stats);
+  /* dlogits[i] = (probs[i] - labels[i]) * (1.0f / (float)n), in float (two
+   * roundings): the gradient of the mean loss. */
+  void (*sigmoid_xent_backward)(void *ctx, int n, const float *probs, const float *labels,
+                                float *dlogits);
 };
 
 /* The CPU backend. threads > 0: the backend splits every op over that many
@@ -274,6 +323,22 @@ void ps_bn_host_infer(int n, int c, int hw, int blk, int kb0, int kb1, float eps
 void ps_bn_host_backward(int n, int c, int hw, int blk, int kb0, int kb1, const float *x,
                          const float *dy, const float *gamma, const float *mean,
                          const float *invstd, float *dx, float *dgamma, float *dbeta);
+
+/* The embedding and logistic-loss ops on the host (the cpu and dnnl
+ * backends, each splitting them over its threads), with the arithmetic of
+ * the ops above, so that the host backends agree bit for bit.
+ * bag_forward: rows e0 <= e < e1 of embedding_bag_forward's y;
+ * bag_backward: rows r0 <= r < r1 of embedding_bag_backward's drows;
+ * sigmoid_xent_forward: probs, and stats[0], stats[1] as the op's (host
+ * memory); sigmoid_xent_backward: the op's dlogits. */
+void ps_emb_host_bag_forward(int dim, const int32_t *offsets, const int32_t *idx, int mean,
+                             const float *rows, float *y, int e0, int e1);
+void ps_emb_host_bag_backward(int dim, const int32_t *offsets, const int32_t *rev_off,
+                              const int32_t *rev_ex, int mean, const float *dy, float *drows,
+                              int r0, int r1);
+void ps_sigmoid_xent_host_forward(int n, const float *logits, const float *labels, float *probs,
+                                  double *stats);
+void ps_sigmoid_xent_host_backward(int n, const float *probs, const float *labels, float *dlogits);
 
 /* Fills conv output size from the other fields. */
 void ps_conv_shape_finish(ps_conv_shape *s);

@@ -1007,6 +1007,183 @@ static void cpu_softmax_xent_backward(void *ctx, int n, int k, const float *prob
   ps_xent_host_backward(n, k, probs, labels, dlogits);
 }
 
+/* ---- embeddings ----
+ *
+ * The host arithmetic (ps_emb_host_*, shared with the dnnl backend) and the
+ * backend's ops, which split it over the threads by examples (forward) or
+ * by unique rows (backward): every output row is one thread's, summed in
+ * the order ops.h gives, so the result does not depend on the threads. */
+
+/* x[i] *= s */
+static void scale_floats(float *restrict x, size_t n, float s) {
+  const size_t nv = vec_floor(n);
+  for (size_t i = 0; i < nv; i++) x[i] *= s; /* vectorized */
+  for (size_t i = nv; i < n; i++) x[i] *= s;
+}
+
+/* dst[i] += src[i] * s, the product rounded before the sum, as the CUDA
+ * backend's __fmul_rn and __fadd_rn: never a fused multiply-add, which GCC
+ * does not form in the build's ISO C mode (-std=c11 means
+ * -ffp-contract=off) and clang does not form across two statements. The
+ * bit-for-bit tests (test_emb_kernels, test_cuda_parity) would show one. */
+static void add_scaled_into(float *restrict dst, const float *restrict src, size_t n, float s) {
+  const size_t nv = vec_floor(n);
+  for (size_t i = 0; i < nv; i++) { /* vectorized */
+    const float t = src[i] * s;
+    dst[i] += t;
+  }
+  for (size_t i = nv; i < n; i++) {
+    const float t = src[i] * s;
+    dst[i] += t;
+  }
+}
+
+/* Mean pooling's scale of a bag of m > 0 positions (ops.h). */
+static inline float bag_scale(int32_t m) { return 1.0f / (float)m; }
+
+void ps_emb_host_bag_forward(int dim, const int32_t *offsets, const int32_t *idx, int mean,
+                             const float *rows, float *y, int e0, int e1) {
+  const size_t d = (size_t)dim;
+  for (int e = e0; e < e1; e++) {
+    float *ye = y + (size_t)e * d;
+    memset(ye, 0, d * sizeof(float));
+    const int32_t j0 = offsets[e], j1 = offsets[e + 1];
+    for (int32_t j = j0; j < j1; j++) add_into(ye, rows + (size_t)idx[j] * d, d);
+    if (mean && j1 > j0) scale_floats(ye, d, bag_scale(j1 - j0));
+  }
+}
+
+void ps_emb_host_bag_backward(int dim, const int32_t *offsets, const int32_t *rev_off,
+                              const int32_t *rev_ex, int mean, const float *dy, float *drows,
+                              int r0, int r1) {
+  const size_t d = (size_t)dim;
+  for (int r = r0; r < r1; r++) {
+    float *dr = drows + (size_t)r * d;
+    memset(dr, 0, d * sizeof(float));
+    for (int32_t k = rev_off[r]; k < rev_off[r + 1]; k++) {
+      const int32_t e = rev_ex[k];
+      const float *g = dy + (size_t)e * d;
+      if (mean)
+        add_scaled_into(dr, g, d, bag_scale(offsets[e + 1] - offsets[e])); /* m >= 1: it holds k */
+      else
+        add_into(dr, g, d);
+    }
+  }
+}
+
+/* In double from the float logit: z = exp(-|x|) in (0, 1] never overflows,
+ * sigmoid(x) is 1/(1+z) or z/(1+z) by the sign of x (no cancellation), and
+ * log1p(z) is log(1 + exp(-|x|)) without log(0). */
+void ps_sigmoid_xent_host_forward(int n, const float *logits, const float *labels, float *probs,
+                                  double *stats) {
+  double loss = 0.0, right = 0.0;
+  for (int i = 0; i < n; i++) {
+    const double x = logits[i], y = labels[i];
+    const double z = exp(-fabs(x));
+    probs[i] = (float)(x >= 0.0 ? 1.0 / (1.0 + z) : z / (1.0 + z));
+    loss += fmax(x, 0.0) - x * y + log1p(z);
+    right += (probs[i] >= 0.5f) == (labels[i] >= 0.5f);
+  }
+  stats[0] = loss;
+  stats[1] = right;
+}
+
+void ps_sigmoid_xent_host_backward(int n, const float *probs, const float *labels, float *dlogits) {
+  const float inv_n = n > 0 ? 1.0f / (float)n : 0.0f;
+  for (int i = 0; i < n; i++) {
+    const float d = probs[i] - labels[i];
+    dlogits[i] = d * inv_n;
+  }
+}
+
+typedef struct {
+  int n, dim, mean, u;
+  const int32_t *offsets, *idx, *rev_off, *rev_ex;
+  const float *rows, *dy;
+  float *y, *drows;
+} emb_job;
+
+static void emb_forward_part(void *arg, int part, int parts) {
+  const emb_job *j = arg;
+  size_t e0, e1;
+  part_range((size_t)j->n, part, parts, &e0, &e1);
+  ps_emb_host_bag_forward(j->dim, j->offsets, j->idx, j->mean, j->rows, j->y, (int)e0, (int)e1);
+}
+
+static void emb_backward_part(void *arg, int part, int parts) {
+  const emb_job *j = arg;
+  size_t r0, r1;
+  part_range((size_t)j->u, part, parts, &r0, &r1);
+  ps_emb_host_bag_backward(j->dim, j->offsets, j->rev_off, j->rev_ex, j->mean, j->dy, j->drows,
+                           (int)r0, (int)r1);
+}
+
+static void cpu_embedding_bag_forward(void *ctx, int n, int dim, const int32_t *offsets,
+                                      const int32_t *idx, int mean, const float *rows, float *y) {
+  if (n <= 0 || dim <= 0) return;
+  emb_job job = {
+      .n = n, .dim = dim, .mean = mean, .offsets = offsets, .idx = idx, .rows = rows, .y = y};
+  const size_t work = ((size_t)offsets[n] + (size_t)n) * (size_t)dim;
+  run_parts(ctx, work >= PARALLEL_MIN_FLOATS, emb_forward_part, &job);
+}
+
+static void cpu_embedding_bag_backward(void *ctx, int n, int dim, const int32_t *offsets, int u,
+                                       const int32_t *rev_off, const int32_t *rev_ex, int mean,
+                                       const float *dy, float *drows) {
+  if (u <= 0 || dim <= 0) return;
+  emb_job job = {.n = n,
+                 .dim = dim,
+                 .mean = mean,
+                 .u = u,
+                 .offsets = offsets,
+                 .rev_off = rev_off,
+                 .rev_ex = rev_ex,
+                 .dy = dy,
+                 .drows = drows};
+  const size_t work = ((size_t)rev_off[u] + (size_t)u) * (size_t)dim;
+  run_parts(ctx, work >= PARALLEL_MIN_FLOATS, emb_backward_part, &job);
+}
+
+typedef struct {
+  int n, width, src_stride, dst_stride;
+  const float *src;
+  float *dst;
+} cols_job;
+
+static void copy_cols_part(void *arg, int part, int parts) {
+  const cols_job *j = arg;
+  size_t i0, i1;
+  part_range((size_t)j->n, part, parts, &i0, &i1);
+  for (size_t i = i0; i < i1; i++)
+    memcpy(j->dst + i * (size_t)j->dst_stride, j->src + i * (size_t)j->src_stride,
+           (size_t)j->width * sizeof(float));
+}
+
+static void cpu_copy_cols(void *ctx, int n, int width, const float *src, int src_stride, float *dst,
+                          int dst_stride) {
+  if (n <= 0 || width <= 0) return;
+  cols_job job = {.n = n,
+                  .width = width,
+                  .src_stride = src_stride,
+                  .dst_stride = dst_stride,
+                  .src = src,
+                  .dst = dst};
+  run_parts(ctx, (size_t)n * (size_t)width >= PARALLEL_MIN_FLOATS, copy_cols_part, &job);
+}
+
+/* (n) logits: small next to the rest of a step, no parts. */
+static void cpu_sigmoid_xent_forward(void *ctx, int n, const float *logits, const float *labels,
+                                     float *probs, double *stats) {
+  (void)ctx;
+  ps_sigmoid_xent_host_forward(n > 0 ? n : 0, logits, labels, probs, stats);
+}
+
+static void cpu_sigmoid_xent_backward(void *ctx, int n, const float *probs, const float *labels,
+                                      float *dlogits) {
+  (void)ctx;
+  ps_sigmoid_xent_host_backward(n, probs, labels, dlogits);
+}
+
 /* ---- memory ----
  *
  * The backend's memory is host memory and every op is done when it
@@ -1158,6 +1335,11 @@ ps_ops *ps_ops_cpu_create(int threads) {
       .host_free = cpu_mem_free,
       .mark = cpu_mark,
       .marks_read = cpu_marks_read,
+      .embedding_bag_forward = cpu_embedding_bag_forward,
+      .embedding_bag_backward = cpu_embedding_bag_backward,
+      .copy_cols = cpu_copy_cols,
+      .sigmoid_xent_forward = cpu_sigmoid_xent_forward,
+      .sigmoid_xent_backward = cpu_sigmoid_xent_backward,
   };
   return &be->ops;
 

@@ -14,6 +14,9 @@
  *   relu, dropout    kernels here (dropout: the CPU's counter-based RNG)
  *   softmax + xent   cuDNN softmax for the probabilities, kernels for the
  *                    loss (one block, deterministic) and its gradient
+ *   embeddings       kernels here, a thread per (row, column), the CPU's
+ *                    sums in the CPU's order (no atomics); copy_cols a
+ *                    2D copy; the logistic loss in one block, in double
  *
  * Why kernels of our own rather than cuDNN in places: pooling, relu and the
  * softmax gradient then give the CPU's results bit for bit (cuDNN's pooling
@@ -461,6 +464,27 @@ static __global__ void xent_loss_kernel(int n, int k, const float *logits, const
   if (threadIdx.x == 0) *loss = part[0];
 }
 
+/* The end of a one-block statistics kernel: each thread's loss sum and
+ * hit count summed over the block in a fixed tree (the same order on
+ * every run), stats[0] the losses, stats[1] the hits. */
+static __device__ void stats_reduce(double *part, int *hits, double acc, int right,
+                                    double *stats) {
+  part[threadIdx.x] = acc;
+  hits[threadIdx.x] = right;
+  __syncthreads();
+  for (int half = THREADS / 2; half > 0; half /= 2) {
+    if ((int)threadIdx.x < half) {
+      part[threadIdx.x] += part[threadIdx.x + half];
+      hits[threadIdx.x] += hits[threadIdx.x + half];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    stats[0] = part[0];
+    stats[1] = (double)hits[0];
+  }
+}
+
 /* stats[0] = the loss sum as xent_loss_kernel; stats[1] = the examples
  * whose first largest probability is at the label (the CPU's arg-max: strict
  * >, in index order). One block, the same fixed tree. */
@@ -485,20 +509,7 @@ static __global__ void xent_stats_kernel(int n, int k, const float *logits, cons
     acc += label < k ? log(sum) - (double)(l[label] - max) : CUDART_NAN;
     right += best == label;
   }
-  part[threadIdx.x] = acc;
-  hits[threadIdx.x] = right;
-  __syncthreads();
-  for (int half = THREADS / 2; half > 0; half /= 2) {
-    if ((int)threadIdx.x < half) {
-      part[threadIdx.x] += part[threadIdx.x + half];
-      hits[threadIdx.x] += hits[threadIdx.x + half];
-    }
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) {
-    stats[0] = part[0];
-    stats[1] = (double)hits[0];
-  }
+  stats_reduce(part, hits, acc, right, stats);
 }
 
 /* dlogits = probs * inv_n, minus inv_n at the label: the CPU's two
@@ -1224,6 +1235,165 @@ static void cuda_softmax_xent_backward(void *ctx, int n, int k, const float *pro
   CUDA_CHECK_LAUNCH();
 }
 
+/* ---- embeddings and the logistic loss ----
+ *
+ * embedding_bag_forward and _backward: one thread per (example, column)
+ * and per (unique row, column), consecutive threads on consecutive
+ * columns. Each thread sums its column over the bag's positions (or the
+ * row's reverse entries) in the order ops.h fixes, with _rn intrinsics (no
+ * fused multiply-add), so the result is the CPU's bit for bit and there
+ * are no atomics. Why not a warp per row: the embeddings of CTR models
+ * are 8 to 64 wide, and a warp per row would leave 24 of 32 lanes idle at
+ * dim 8; with a thread per column every lane works whatever dim, a warp
+ * covers 32/dim rows at once when dim < 32, and the lanes of one row still
+ * read it as one coalesced access (rows and dy are row-major). The cost is
+ * a hot row (an id in many examples) being one thread's serial loop per
+ * column, but the contract's order makes the sum serial anyway (a split
+ * sum would round differently); four entries' loads are issued before
+ * their four adds, so that the loop waits for a load latency per four
+ * entries rather than per entry.
+ *
+ * copy_cols is a 2D device-to-device copy on the stream. The loss: one
+ * block, examples strided over the threads, in double like the CPU, then a
+ * fixed tree (as xent_stats_kernel): the same sum every run, within ~1e-15
+ * relative of the CPU's in-order sum. */
+
+/* Mean pooling's scale of a bag of m > 0 positions, as the CPU's 1.0f /
+ * (float)m. */
+__device__ static inline float emb_bag_scale(int32_t m) { return __fdiv_rn(1.0f, (float)m); }
+
+static __global__ void emb_bag_forward_kernel(size_t total, int dim,
+                                              const int32_t *__restrict__ offsets,
+                                              const int32_t *__restrict__ idx, int mean,
+                                              const float *__restrict__ rows,
+                                              float *__restrict__ y) {
+  const size_t d = (size_t)dim;
+  GRID_STRIDE(i, total) {
+    const size_t e = i / d, c = i % d;
+    const int32_t j0 = offsets[e], j1 = offsets[e + 1];
+    float sum = 0.0f;
+    int32_t j = j0;
+    for (; j1 - j >= 4; j += 4) {
+      const float v0 = rows[(size_t)idx[j] * d + c], v1 = rows[(size_t)idx[j + 1] * d + c];
+      const float v2 = rows[(size_t)idx[j + 2] * d + c], v3 = rows[(size_t)idx[j + 3] * d + c];
+      sum = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(sum, v0), v1), v2), v3);
+    }
+    for (; j < j1; j++) sum = __fadd_rn(sum, rows[(size_t)idx[j] * d + c]);
+    if (mean && j1 > j0) sum = __fmul_rn(sum, emb_bag_scale(j1 - j0));
+    y[i] = sum;
+  }
+}
+
+/* dy[e][c], times the scale of e's bag under mean pooling (e holds a
+ * position, so its bag is not empty). */
+__device__ static inline float emb_grad_term(const float *__restrict__ dy,
+                                             const int32_t *__restrict__ offsets, int mean,
+                                             size_t d, size_t c, int32_t e) {
+  const float g = dy[(size_t)e * d + c];
+  return mean ? __fmul_rn(g, emb_bag_scale(offsets[e + 1] - offsets[e])) : g;
+}
+
+static __global__ void emb_bag_backward_kernel(size_t total, int dim,
+                                               const int32_t *__restrict__ offsets,
+                                               const int32_t *__restrict__ rev_off,
+                                               const int32_t *__restrict__ rev_ex, int mean,
+                                               const float *__restrict__ dy,
+                                               float *__restrict__ drows) {
+  const size_t d = (size_t)dim;
+  GRID_STRIDE(i, total) {
+    const size_t r = i / d, c = i % d;
+    const int32_t k0 = rev_off[r], k1 = rev_off[r + 1];
+    float sum = 0.0f;
+    int32_t k = k0;
+    for (; k1 - k >= 4; k += 4) {
+      const int32_t e0 = rev_ex[k], e1 = rev_ex[k + 1], e2 = rev_ex[k + 2], e3 = rev_ex[k + 3];
+      const float t0 = emb_grad_term(dy, offsets, mean, d, c, e0);
+      const float t1 = emb_grad_term(dy, offsets, mean, d, c, e1);
+      const float t2 = emb_grad_term(dy, offsets, mean, d, c, e2);
+      const float t3 = emb_grad_term(dy, offsets, mean, d, c, e3);
+      sum = __fadd_rn(__fadd_rn(__fadd_rn(__fadd_rn(sum, t0), t1), t2), t3);
+    }
+    for (; k < k1; k++) sum = __fadd_rn(sum, emb_grad_term(dy, offsets, mean, d, c, rev_ex[k]));
+    drows[i] = sum;
+  }
+}
+
+/* stats[0] = the sum of the losses, stats[1] = the examples whose
+ * prediction (probs >= 0.5f) is their label's (>= 0.5f); probs written on
+ * the way. The CPU's double arithmetic, each operation rounded on its own. */
+static __global__ void sigmoid_xent_kernel(int n, const float *logits, const float *labels,
+                                           float *probs, double *stats) {
+  __shared__ double part[THREADS];
+  __shared__ int hits[THREADS];
+  double acc = 0.0;
+  int right = 0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const double x = logits[i], y = labels[i];
+    const double z = exp(-fabs(x));
+    const float p =
+        (float)(x >= 0.0 ? __ddiv_rn(1.0, __dadd_rn(1.0, z)) : __ddiv_rn(z, __dadd_rn(1.0, z)));
+    probs[i] = p;
+    acc = __dadd_rn(acc, __dadd_rn(__dsub_rn(fmax(x, 0.0), __dmul_rn(x, y)), log1p(z)));
+    right += (p >= 0.5f) == (labels[i] >= 0.5f);
+  }
+  stats_reduce(part, hits, acc, right, stats);
+}
+
+/* (p - y) * inv_n: the CPU's two roundings, unfused. */
+static __global__ void sigmoid_xent_backward_kernel(int n, float inv_n, const float *probs,
+                                                    const float *labels, float *dlogits) {
+  GRID_STRIDE(i, n) dlogits[i] = __fmul_rn(__fsub_rn(probs[i], labels[i]), inv_n);
+}
+
+static void cuda_embedding_bag_forward(void *ctx, int n, int dim, const int32_t *offsets,
+                                       const int32_t *idx, int mean, const float *rows, float *y) {
+  cuda_backend *be = enter(ctx);
+  if (n <= 0 || dim <= 0) return;
+  const size_t total = (size_t)n * dim;
+  emb_bag_forward_kernel<<<blocks_for(total), THREADS, 0, be->stream>>>(total, dim, offsets, idx,
+                                                                        mean, rows, y);
+  CUDA_CHECK_LAUNCH();
+}
+
+static void cuda_embedding_bag_backward(void *ctx, int n, int dim, const int32_t *offsets, int u,
+                                        const int32_t *rev_off, const int32_t *rev_ex, int mean,
+                                        const float *dy, float *drows) {
+  cuda_backend *be = enter(ctx);
+  (void)n; /* the examples' count is only the extent of dy and offsets */
+  if (u <= 0 || dim <= 0) return;
+  const size_t total = (size_t)u * dim;
+  emb_bag_backward_kernel<<<blocks_for(total), THREADS, 0, be->stream>>>(
+      total, dim, offsets, rev_off, rev_ex, mean, dy, drows);
+  CUDA_CHECK_LAUNCH();
+}
+
+static void cuda_copy_cols(void *ctx, int n, int width, const float *src, int src_stride,
+                           float *dst, int dst_stride) {
+  cuda_backend *be = enter(ctx);
+  if (n <= 0 || width <= 0) return;
+  CUDA_CHECK(cudaMemcpy2DAsync(dst, (size_t)dst_stride * sizeof(float), src,
+                               (size_t)src_stride * sizeof(float), (size_t)width * sizeof(float),
+                               (size_t)n, cudaMemcpyDeviceToDevice, be->stream));
+}
+
+/* Queued on the stream; nothing waits. n = 0 writes {0, 0} too. */
+static void cuda_sigmoid_xent_forward(void *ctx, int n, const float *logits, const float *labels,
+                                      float *probs, double *stats) {
+  cuda_backend *be = enter(ctx);
+  sigmoid_xent_kernel<<<1, THREADS, 0, be->stream>>>(n > 0 ? n : 0, logits, labels, probs, stats);
+  CUDA_CHECK_LAUNCH();
+}
+
+static void cuda_sigmoid_xent_backward(void *ctx, int n, const float *probs, const float *labels,
+                                       float *dlogits) {
+  cuda_backend *be = enter(ctx);
+  if (n <= 0) return;
+  const float inv_n = 1.0f / (float)n;
+  sigmoid_xent_backward_kernel<<<blocks_for((size_t)n), THREADS, 0, be->stream>>>(n, inv_n, probs,
+                                                                                  labels, dlogits);
+  CUDA_CHECK_LAUNCH();
+}
+
 /* ---- memory (the table's members) ---- */
 
 /* Zeroed device memory on the backend's device; NULL when it is out of
@@ -1652,6 +1822,11 @@ extern "C" ps_ops *ps_ops_cuda_create(int device, char *err) {
   be->ops.ticket_done = cuda_ticket_done;
   be->ops.ticket_wait = cuda_ticket_wait;
   be->ops.scale = cuda_scale;
+  be->ops.embedding_bag_forward = cuda_embedding_bag_forward;
+  be->ops.embedding_bag_backward = cuda_embedding_bag_backward;
+  be->ops.copy_cols = cuda_copy_cols;
+  be->ops.sigmoid_xent_forward = cuda_sigmoid_xent_forward;
+  be->ops.sigmoid_xent_backward = cuda_sigmoid_xent_backward;
   return &be->ops;
 }
 

@@ -9,7 +9,10 @@
  * results are those of the CPU backend: bit for bit for relu, dropout (the
  * same mask from ps_rng_uniform), max pooling (the same int32 argmax, ties to
  * the first in row-major order), average pooling (the same sums in the same
- * order) and the softmax gradient given the same probabilities; within
+ * order), the embedding ops and copy_cols (the same sums in the same order,
+ * without atomics) and the softmax and logistic gradients given the same
+ * probabilities; the logistic loss's probabilities and sum within 1e-6
+ * (double arithmetic on both, the sum in a fixed tree); within
  * float rounding for the reductions (convolution, dense, softmax, loss),
  * which sum in another order (see the test for the tolerances); batch
  * normalization sums in double like the CPU (in a fixed tree rather than

@@ -1443,6 +1443,85 @@ static void dn_softmax_xent_backward(void *ctx, int n, int k, const float *probs
   ps_xent_host_backward(n, k, probs, labels, dlogits);
 }
 
+/* ---- embeddings and the logistic loss ----
+ *
+ * The reference's arithmetic (ps_emb_host_*, ps_sigmoid_xent_host_*, in
+ * ops_cpu.c), split over the team by examples (forward) or unique rows
+ * (backward): each output row is one thread's, summed in the order ops.h
+ * gives, so the bits are the reference's. Everything is read and written
+ * as plain arrays (made NCHW first where a buffer is held blocked). */
+
+static void dn_embedding_bag_forward(void *ctx, int n, int dim, const int32_t *offsets,
+                                     const int32_t *idx, int mean, const float *rows, float *y) {
+  dnnl_backend *be = enter(ctx);
+  if (n <= 0 || dim <= 0) return;
+  const long total = offsets[n];
+  buf_make_plain(be, buf_find(be, rows)); /* read up to the largest idx, which is not given */
+  write_plain(be, y, (size_t)n * (size_t)dim);
+#pragma omp parallel if ((total + n) * (long)dim >= PARALLEL_MIN_FLOATS)
+  {
+    long e0, e1;
+    thread_span(n, &e0, &e1);
+    ps_emb_host_bag_forward(dim, offsets, idx, mean, rows, y, (int)e0, (int)e1);
+  }
+}
+
+static void dn_embedding_bag_backward(void *ctx, int n, int dim, const int32_t *offsets, int u,
+                                      const int32_t *rev_off, const int32_t *rev_ex, int mean,
+                                      const float *dy, float *drows) {
+  dnnl_backend *be = enter(ctx);
+  if (u <= 0 || dim <= 0) return;
+  read_plain(be, dy, (size_t)(n > 0 ? n : 0) * (size_t)dim);
+  write_plain(be, drows, (size_t)u * (size_t)dim);
+  const long entries = rev_off[u];
+#pragma omp parallel if ((entries + u) * (long)dim >= PARALLEL_MIN_FLOATS)
+  {
+    long r0, r1;
+    thread_span(u, &r0, &r1);
+    ps_emb_host_bag_backward(dim, offsets, rev_off, rev_ex, mean, dy, drows, (int)r0, (int)r1);
+  }
+}
+
+/* A strided write leaves the floats between the rows as they are, so a
+ * blocked dst is made NCHW (read_plain) rather than declared NCHW. */
+static void dn_copy_cols(void *ctx, int n, int width, const float *src, int src_stride, float *dst,
+                         int dst_stride) {
+  dnnl_backend *be = enter(ctx);
+  if (n <= 0 || width <= 0) return;
+  read_plain(be, src, (size_t)(n - 1) * (size_t)src_stride + (size_t)width);
+  const size_t dst_floats = (size_t)(n - 1) * (size_t)dst_stride + (size_t)width;
+  if (dst_stride == width)
+    write_plain(be, dst, dst_floats);
+  else
+    read_plain(be, dst, dst_floats);
+  const long rows = n;
+#pragma omp parallel for schedule(static) if (rows * width >= PARALLEL_MIN_FLOATS)
+  for (long i = 0; i < rows; i++)
+    memcpy(dst + i * dst_stride, src + i * src_stride, (size_t)width * sizeof(float));
+}
+
+/* (n) logits: small next to everything else, no threads. */
+static void dn_sigmoid_xent_forward(void *ctx, int n, const float *logits, const float *labels,
+                                    float *probs, double *stats) {
+  dnnl_backend *be = enter(ctx);
+  if (n > 0) {
+    read_plain(be, logits, (size_t)n);
+    read_plain(be, labels, (size_t)n);
+    write_plain(be, probs, (size_t)n);
+  }
+  ps_sigmoid_xent_host_forward(n > 0 ? n : 0, logits, labels, probs, stats);
+}
+
+static void dn_sigmoid_xent_backward(void *ctx, int n, const float *probs, const float *labels,
+                                     float *dlogits) {
+  dnnl_backend *be = enter(ctx);
+  if (n <= 0) return;
+  read_plain(be, probs, (size_t)n);
+  read_plain(be, labels, (size_t)n);
+  write_plain(be, dlogits, (size_t)n);
+  ps_sigmoid_xent_host_backward(n, probs, labels, dlogits);
+}
+
 /* ---- memory ----
  *
  * Host memory; every op is done when it returns. Copies out deliver NCHW
@@ -1665,6 +1744,11 @@ ps_ops *ps_ops_dnnl_create(int threads) {
       .host_free = dn_host_free,
       .mark = dn_mark,
       .marks_read = dn_marks_read,
+      .embedding_bag_forward = dn_embedding_bag_forward,
+      .embedding_bag_backward = dn_embedding_bag_backward,
+      .copy_cols = dn_copy_cols,
+      .sigmoid_xent_forward = dn_sigmoid_xent_forward,
+      .sigmoid_xent_backward = dn_sigmoid_xent_backward,
   };
   return &be->ops;
 }

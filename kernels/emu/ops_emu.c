@@ -107,7 +107,7 @@ enum {
   OP_CONV_FWD, OP_CONV_BWD, OP_POOL_FWD, OP_POOL_BWD, OP_DENSE_FWD, OP_DENSE_BWD, OP_RELU_FWD,
   OP_RELU_BWD, OP_DROP_FWD, OP_DROP_BWD, OP_XENT_STATS, OP_XENT_BWD, OP_SCALE, OP_COPY, OP_MARK,
   OP_AVGPOOL_FWD, OP_AVGPOOL_BWD, OP_GAP_FWD, OP_GAP_BWD, OP_ADD, OP_BN_TRAIN, OP_BN_INFER,
-  OP_BN_BWD
+  OP_BN_BWD, OP_EMB_FWD, OP_EMB_BWD, OP_COPY_COLS, OP_SIGMOID_FWD, OP_SIGMOID_BWD
 };
 
 enum { CALL_PTRS = 5 }; /* the most pointers an op reads (batchnorm's backward) */
@@ -176,6 +176,18 @@ static void run_call(emu_dev *f, const em_call *c) {
       o->batchnorm_backward(ctx, c->n, c->k, c->in, c->p[0], c->p[1], c->p[2], c->p[3], c->p[4],
                             c->q[0], c->q[1], c->q[2]);
       break;
+    case OP_EMB_FWD:
+      o->embedding_bag_forward(ctx, c->n, c->in, c->p[0], c->p[1], c->k, c->p[2], c->q[0]);
+      break;
+    case OP_EMB_BWD:
+      o->embedding_bag_backward(ctx, c->n, c->in, c->p[0], c->out, c->p[1], c->p[2], c->k, c->p[3],
+                                c->q[0]);
+      break;
+    case OP_COPY_COLS: o->copy_cols(ctx, c->n, c->in, c->p[0], c->out, c->q[0], c->k); break;
+    case OP_SIGMOID_FWD:
+      o->sigmoid_xent_forward(ctx, c->n, c->p[0], c->p[1], c->q[0], c->q[1]);
+      break;
+    case OP_SIGMOID_BWD: o->sigmoid_xent_backward(ctx, c->n, c->p[0], c->p[1], c->q[0]); break;
     case OP_SCALE: o->scale(ctx, c->len, c->alpha, c->q[0]); break;
     case OP_COPY: memcpy(c->q[0], c->p[0], c->len); break;
     case OP_MARK: o->mark(ctx, c->n); break;
@@ -486,6 +498,119 @@ static void em_softmax_xent_backward(void *ctx, int n, int k, const float *probs
   call(f, (em_call){.op = OP_XENT_BWD, .n = n, .k = k, .p = {probs, labels}, .q = {dlogits}});
 }
 
+/* ---- embeddings ----
+ * Besides the pointers, what a GPU would fault on or read out of bounds
+ * through the index arrays: offsets that decrease or do not start at 0, an
+ * idx below 0 or past the rows given, a reverse entry that is not an
+ * example. The index arrays are read here, so only when the op runs now:
+ * while recording a graph their contents are those of before the copies
+ * that precede the launch, and only the fixed-size arrays are checked. */
+
+static void emb_fault(const char *what, long at, long value) {
+  fprintf(stderr, "emu device: %s: entry %ld is %ld\n", what, at, value);
+  abort();
+}
+
+/* offsets (n+1) lies in device memory, starts at 0 and never decreases;
+ * returns offsets[n] (0 while recording). */
+static int32_t need_offsets(emu_dev *f, int n, const int32_t *offsets, const char *what) {
+  need(f, offsets, ((size_t)n + 1) * sizeof(int32_t), 0, what);
+  if (f->recording) return 0;
+  if (offsets[0] != 0) emb_fault(what, 0, offsets[0]);
+  for (int e = 0; e < n; e++)
+    if (offsets[e + 1] < offsets[e]) emb_fault(what, e + 1, offsets[e + 1]);
+  return offsets[n];
+}
+
+/* The entries of a (count of them) lie in [0, limit); returns the largest
+ * plus 1 (0 for none). limit < 0: no upper limit. */
+static long need_indices(const int32_t *a, int32_t count, long limit, const char *what) {
+  long top = 0;
+  for (int32_t k = 0; k < count; k++) {
+    if (a[k] < 0 || (limit >= 0 && a[k] >= limit)) emb_fault(what, k, a[k]);
+    if (a[k] + 1L > top) top = a[k] + 1L;
+  }
+  return top;
+}
+
+static void em_embedding_bag_forward(void *ctx, int n, int dim, const int32_t *offsets,
+                                     const int32_t *idx, int mean, const float *rows, float *y) {
+  emu_dev *f = enter(ctx);
+  const size_t d = (size_t)(dim > 0 ? dim : 0);
+  const int32_t total = need_offsets(f, n, offsets, "embedding_bag_forward offsets");
+  need(f, idx, (size_t)total * sizeof(int32_t), 0, "embedding_bag_forward idx");
+  const long u = f->recording ? 1 : need_indices(idx, total, -1, "embedding_bag_forward idx");
+  need(f, rows, (size_t)u * d * F4, 0, "embedding_bag_forward rows");
+  need(f, y, (size_t)n * d * F4, 0, "embedding_bag_forward y");
+  call(f, (em_call){
+              .op = OP_EMB_FWD, .n = n, .in = dim, .k = mean, .p = {offsets, idx, rows}, .q = {y}});
+}
+
+static void em_embedding_bag_backward(void *ctx, int n, int dim, const int32_t *offsets, int u,
+                                      const int32_t *rev_off, const int32_t *rev_ex, int mean,
+                                      const float *dy, float *drows) {
+  emu_dev *f = enter(ctx);
+  const size_t d = (size_t)(dim > 0 ? dim : 0);
+  need_offsets(f, n, offsets, "embedding_bag_backward offsets");
+  const int32_t entries = need_offsets(f, u, rev_off, "embedding_bag_backward rev_off");
+  need(f, rev_ex, (size_t)entries * sizeof(int32_t), 0, "embedding_bag_backward rev_ex");
+  if (!f->recording) need_indices(rev_ex, entries, n, "embedding_bag_backward rev_ex");
+  need(f, dy, (size_t)n * d * F4, 0, "embedding_bag_backward dy");
+  need(f, drows, (size_t)u * d * F4, 0, "embedding_bag_backward drows");
+  call(f, (em_call){.op = OP_EMB_BWD,
+                    .n = n,
+                    .in = dim,
+                    .out = u,
+                    .k = mean,
+                    .p = {offsets, rev_off, rev_ex, dy},
+                    .q = {drows}});
+}
+
+/* The extent of n rows of width floats, stride apart: the last row's end. */
+static size_t cols_extent(int n, int width, int stride) {
+  return n > 0 && width > 0 ? ((size_t)(n - 1) * (size_t)stride + (size_t)width) * F4 : 0;
+}
+
+static void em_copy_cols(void *ctx, int n, int width, const float *src, int src_stride, float *dst,
+                         int dst_stride) {
+  emu_dev *f = enter(ctx);
+  if (n > 0 && width > 0 && (src_stride < width || dst_stride < width)) {
+    fprintf(stderr, "emu device: copy_cols: width %d over a stride of %d and %d\n", width,
+            src_stride, dst_stride);
+    abort();
+  }
+  need(f, src, cols_extent(n, width, src_stride), 0, "copy_cols src");
+  need(f, dst, cols_extent(n, width, dst_stride), 0, "copy_cols dst");
+  call(f, (em_call){.op = OP_COPY_COLS,
+                    .n = n,
+                    .in = width,
+                    .out = src_stride,
+                    .k = dst_stride,
+                    .p = {src},
+                    .q = {dst}});
+}
+
+static void em_sigmoid_xent_forward(void *ctx, int n, const float *logits, const float *labels,
+                                    float *probs, double *stats) {
+  emu_dev *f = enter(ctx);
+  const size_t bytes = (size_t)(n > 0 ? n : 0) * F4;
+  need(f, logits, bytes, 0, "sigmoid_xent logits");
+  need(f, labels, bytes, 0, "sigmoid_xent labels");
+  need(f, probs, bytes, 0, "sigmoid_xent probs");
+  need(f, stats, 2 * sizeof(double), 0, "sigmoid_xent stats");
+  call(f, (em_call){.op = OP_SIGMOID_FWD, .n = n, .p = {logits, labels}, .q = {probs, stats}});
+}
+
+static void em_sigmoid_xent_backward(void *ctx, int n, const float *probs, const float *labels,
+                                     float *dlogits) {
+  emu_dev *f = enter(ctx);
+  const size_t bytes = (size_t)(n > 0 ? n : 0) * F4;
+  need(f, probs, bytes, 0, "sigmoid_xent probs");
+  need(f, labels, bytes, 0, "sigmoid_xent labels");
+  need(f, dlogits, bytes, 0, "sigmoid_xent dlogits");
+  call(f, (em_call){.op = OP_SIGMOID_BWD, .n = n, .p = {probs, labels}, .q = {dlogits}});
+}
+
 static void *em_alloc(void *ctx, size_t bytes) {
   emu_dev *f = enter(ctx);
   not_recording(f, "alloc");
@@ -728,6 +853,11 @@ static void emu_init(emu_dev *f, ps_ops *cpu) {
       .graph_end = em_graph_end,
       .graph_launch = em_graph_launch,
       .marks_read = em_marks_read,
+      .embedding_bag_forward = em_embedding_bag_forward,
+      .embedding_bag_backward = em_embedding_bag_backward,
+      .copy_cols = em_copy_cols,
+      .sigmoid_xent_forward = em_sigmoid_xent_forward,
+      .sigmoid_xent_backward = em_sigmoid_xent_backward,
   };
 }
 

@@ -31,6 +31,14 @@
  *  - Batch normalization: statistics and their gradient sums rtol 1e-6,
  *    y and dx rtol 1e-5 (see test_batchnorm); a CNN step with it as
  *    test_avg_cnn_step (test_bn_cnn_step).
+ *  - Embeddings (embedding_bag_forward and _backward) and copy_cols: bit
+ *    for bit (the same float sums in the same order, no fused
+ *    multiply-add, no atomics). The logistic loss (sigmoid_xent): the
+ *    probabilities and their gradient rtol 1e-6 (double arithmetic
+ *    rounded to float on both; the last bit of exp may differ), the
+ *    gradient from the same probabilities bit for bit, the loss sum rtol
+ *    1e-6 (a fixed tree of double sums against the CPU's in-order one),
+ *    the count of right predictions exactly. See test_embedding_bag.
  *  - End to end: see test_cnn_trajectory.
  *  - tf32 and bf16 (ps_ops.set_precision, when the device has the tensor
  *    cores): convolutions and dense layers again, with the inputs of each
@@ -50,6 +58,7 @@
 #include "../../common/util.h"
 #include "../../kernels/cuda/cuda_device.h"
 #include "../../kernels/cuda/ops_cuda.h"
+#include "../../kernels/emb_plan.h"
 #include "../../kernels/ops.h"
 #include "check.h"
 
@@ -969,6 +978,171 @@ static void test_softmax_xent(void) {
   s_free(&dut, d_any);
 }
 
+/* ---- embeddings and the logistic loss ----
+ * The batch's ids de-duplicated by ps_emb_plan_build on the host, then the
+ * ops on both sides from the same plan. embedding_bag_forward and
+ * _backward, and copy_cols: bit for bit (the same float sums in the same
+ * order, no fused multiply-add, no atomics; ops.h). The cases cover empty
+ * bags, duplicates, widths below, at and above a warp, and a hot id in
+ * every example (one long serial sum per column on the GPU). */
+
+typedef struct {
+  int n, dim, max_bag, pool;
+  int hot; /* every bag also holds id 0 */
+} emb_case;
+
+static const emb_case emb_cases[] = {
+    {1, 1, 1, 1, 0},      {9, 3, 4, 6, 0},        {64, 16, 0, 10, 0}, /* all bags empty */
+    {257, 33, 7, 400, 0}, {1000, 8, 30, 5000, 1}, {4096, 64, 26, 100000, 1}, {300, 128, 3, 50, 0},
+};
+
+static void emb_one(const emb_case *k, int mean) {
+  char what[128];
+  const int n = k->n, dim = k->dim;
+  int32_t *offsets = host_alloc(((size_t)n + 1) * sizeof(int32_t));
+  offsets[0] = 0;
+  for (int e = 0; e < n; e++)
+    offsets[e + 1] = offsets[e] + (int32_t)(rand_unit() * (k->max_bag + 1)) + (k->hot ? 1 : 0);
+  const int32_t total = offsets[n];
+  uint64_t *ids = host_alloc((size_t)total * sizeof(uint64_t));
+  for (int e = 0; e < n; e++)
+    for (int32_t j = offsets[e]; j < offsets[e + 1]; j++)
+      ids[j] = k->hot && j == offsets[e] ? 0 : 1 + (uint64_t)(rand_unit() * k->pool);
+  ps_emb_plan plan = PS_EMB_PLAN_INIT;
+  char err[PS_ERRLEN] = "";
+  if (ps_emb_plan_build(&plan, ids, offsets, n, err) != 0) die(err);
+  const int u = plan.u;
+  const size_t ny = (size_t)n * dim, nr = (size_t)u * dim;
+  float *rows = uniform_floats(nr, -1, 1), *dy = uniform_floats(ny, -1, 1);
+  float *y_ref = nan_floats(ny), *dr_ref = nan_floats(nr);
+  ref.ops->embedding_bag_forward(ref.ops->ctx, n, dim, offsets, plan.idx, mean, rows, y_ref);
+  ref.ops->embedding_bag_backward(ref.ops->ctx, n, dim, offsets, u, plan.rev_off, plan.rev_ex, mean,
+                                  dy, dr_ref);
+
+  int32_t *d_off = s_upload(&dut, offsets, ((size_t)n + 1) * sizeof(int32_t));
+  int32_t *d_idx = s_upload(&dut, plan.idx, (size_t)total * sizeof(int32_t));
+  int32_t *d_roff = s_upload(&dut, plan.rev_off, ((size_t)u + 1) * sizeof(int32_t));
+  int32_t *d_rex = s_upload(&dut, plan.rev_ex, (size_t)total * sizeof(int32_t));
+  float *d_rows = s_upload(&dut, rows, nr * sizeof(float));
+  float *d_dy = s_upload(&dut, dy, ny * sizeof(float));
+  float *d_y = s_nans(&dut, ny), *d_dr = s_nans(&dut, nr);
+  dut.ops->embedding_bag_forward(dut.ops->ctx, n, dim, d_off, d_idx, mean, d_rows, d_y);
+  dut.ops->embedding_bag_backward(dut.ops->ctx, n, dim, d_off, u, d_roff, d_rex, mean, d_dy, d_dr);
+  float *y = s_fetch(&dut, d_y, ny * sizeof(float)), *dr = s_fetch(&dut, d_dr, nr * sizeof(float));
+
+  snprintf(what, sizeof what, "embedding_bag_forward n%d dim%d u%d %s", n, dim, u,
+           mean ? "mean" : "sum");
+  check_bits(what, y, y_ref, ny);
+  snprintf(what, sizeof what, "embedding_bag_backward n%d dim%d u%d %s", n, dim, u,
+           mean ? "mean" : "sum");
+  check_bits(what, dr, dr_ref, nr);
+
+  free(offsets), free(ids), free(rows), free(dy), free(y_ref), free(dr_ref), free(y), free(dr);
+  s_free(&dut, d_off), s_free(&dut, d_idx), s_free(&dut, d_roff), s_free(&dut, d_rex);
+  s_free(&dut, d_rows), s_free(&dut, d_dy), s_free(&dut, d_y), s_free(&dut, d_dr);
+  ps_emb_plan_free(&plan);
+}
+
+static void test_embedding_bag(void) {
+  for (size_t i = 0; i < sizeof emb_cases / sizeof emb_cases[0]; i++) {
+    emb_one(&emb_cases[i], 0);
+    emb_one(&emb_cases[i], 1);
+  }
+}
+
+/* Columns [at, at + width) of an (n, wide) matrix into the columns [to,
+ * to + width) of an (n, wide2) one prefilled with NaN: the copied columns
+ * bit for bit, the others still NaN on both. */
+static void test_copy_cols(void) {
+  static const int cases[][5] = {
+      /* n, width, wide, at, to */
+      {1, 1, 1, 0, 0},
+      {37, 3, 10, 4, 2},
+      {1000, 16, 80, 64, 0},
+      {4096, 13, 39, 26, 13},
+  };
+  char what[96];
+  for (size_t t = 0; t < sizeof cases / sizeof cases[0]; t++) {
+    const int n = cases[t][0], width = cases[t][1], wide = cases[t][2], at = cases[t][3];
+    const int to = cases[t][4], wide2 = to + width + 3;
+    const size_t ns = (size_t)n * wide, nd = (size_t)n * wide2;
+    float *src = uniform_floats(ns, -1, 1), *want = nan_floats(nd);
+    ref.ops->copy_cols(ref.ops->ctx, n, width, src + at, wide, want + to, wide2);
+    float *d_src = s_upload(&dut, src, ns * sizeof(float)), *d_dst = s_nans(&dut, nd);
+    dut.ops->copy_cols(dut.ops->ctx, n, width, d_src + at, wide, d_dst + to, wide2);
+    float *got = s_fetch(&dut, d_dst, nd * sizeof(float));
+    snprintf(what, sizeof what, "copy_cols n%d width%d", n, width);
+    check_bits(what, got, want, nd);
+    free(src), free(want), free(got);
+    s_free(&dut, d_src), s_free(&dut, d_dst);
+  }
+}
+
+/* The logistic loss. Probabilities: both sides compute them in double and
+ * round to float, so they agree but for the last bit of the double exp
+ * (rtol 1e-6, atol 1e-30 for the tiny ones of x near -100). The loss sum:
+ * each loss in double, summed in a fixed tree rather than in order: rtol
+ * 1e-6 as ops.h promises (1e-15 expected). The count of right predictions
+ * exactly (no logit is within 1e-6 of 0). The gradient from the CPU's
+ * probabilities bit for bit (two roundings each), from its own within the
+ * probabilities' tolerance. */
+static void test_sigmoid_xent(void) {
+  static const int sizes[] = {1, 7, 256, 1000, 65537};
+  char what[96];
+  for (size_t t = 0; t < sizeof sizes / sizeof sizes[0]; t++) {
+    const int n = sizes[t];
+    const size_t bytes = (size_t)n * sizeof(float);
+    float *logits = uniform_floats((size_t)n, -8, 8), *labels = host_alloc(bytes);
+    for (int i = 0; i < n; i++) {
+      labels[i] = rand_unit() < 0.5 ? 0.0f : 1.0f;
+      if (i % 101 == 5) logits[i] = i % 2 ? 100.0f : -100.0f;
+      if (fabsf(logits[i]) < 1e-6f) logits[i] = 0.5f;
+    }
+    float *p_ref = nan_floats((size_t)n), *g_ref = nan_floats((size_t)n);
+    double st_ref[2] = {NAN, NAN};
+    ref.ops->sigmoid_xent_forward(ref.ops->ctx, n, logits, labels, p_ref, st_ref);
+    ref.ops->sigmoid_xent_backward(ref.ops->ctx, n, p_ref, labels, g_ref);
+
+    float *d_x = s_upload(&dut, logits, bytes), *d_y = s_upload(&dut, labels, bytes);
+    float *d_p = s_nans(&dut, (size_t)n), *d_g = s_nans(&dut, (size_t)n);
+    float *d_g2 = s_nans(&dut, (size_t)n), *d_p_ref = s_upload(&dut, p_ref, bytes);
+    const double nan2[2] = {NAN, NAN};
+    double *d_st = s_upload(&dut, nan2, sizeof nan2);
+    dut.ops->sigmoid_xent_forward(dut.ops->ctx, n, d_x, d_y, d_p, d_st);
+    dut.ops->sigmoid_xent_backward(dut.ops->ctx, n, d_p, d_y, d_g);
+    dut.ops->sigmoid_xent_backward(dut.ops->ctx, n, d_p_ref, d_y, d_g2);
+    float *p = s_fetch(&dut, d_p, bytes), *g = s_fetch(&dut, d_g, bytes);
+    float *g2 = s_fetch(&dut, d_g2, bytes);
+    double st[2];
+    s_get(&dut, st, d_st, sizeof st);
+
+    snprintf(what, sizeof what, "sigmoid probs n%d", n);
+    check_close(what, p, p_ref, (size_t)n, 1e-30, 1e-6);
+    snprintf(what, sizeof what, "sigmoid dlogits n%d", n);
+    check_close(what, g, g_ref, (size_t)n, 1e-30, 1e-6);
+    snprintf(what, sizeof what, "sigmoid dlogits from the cpu probs n%d", n);
+    check_bits(what, g2, g_ref, (size_t)n);
+    CHECK_MSG(isfinite(st[0]) && fabs(st[0] - st_ref[0]) <= 1e-6 * fabs(st_ref[0]),
+              "sigmoid loss sum n%d: %.17g, the cpu %.17g", n, st[0], st_ref[0]);
+    CHECK_MSG(st[1] == st_ref[1], "sigmoid right n%d: %g, the cpu %g", n, st[1], st_ref[1]);
+
+    free(logits), free(labels), free(p_ref), free(g_ref), free(p), free(g), free(g2);
+    s_free(&dut, d_x), s_free(&dut, d_y), s_free(&dut, d_p), s_free(&dut, d_g);
+    s_free(&dut, d_g2), s_free(&dut, d_p_ref), s_free(&dut, d_st);
+  }
+  /* An empty batch: {0, 0} on both. */
+  double st[2], st_ref[2] = {NAN, NAN};
+  const double nan2[2] = {NAN, NAN};
+  float any = 0.0f;
+  float *d_any = s_nans(&dut, 1);
+  double *d_st = s_upload(&dut, nan2, sizeof nan2);
+  ref.ops->sigmoid_xent_forward(ref.ops->ctx, 0, &any, &any, &any, st_ref);
+  dut.ops->sigmoid_xent_forward(dut.ops->ctx, 0, d_any, d_any, d_any, d_st);
+  s_get(&dut, st, d_st, sizeof st);
+  CHECK(st_ref[0] == 0.0 && st_ref[1] == 0.0 && st[0] == 0.0 && st[1] == 0.0);
+  s_free(&dut, d_any), s_free(&dut, d_st);
+}
+
 /* ---- the memory helpers (CUDA only) ---- */
 
 static void test_memory_helpers(void) {
@@ -1468,6 +1642,9 @@ int main(void) {
   RUN(test_softmax_xent);
   RUN(test_conv2d);
   RUN(test_conv2d_empty_batch);
+  RUN(test_embedding_bag);
+  RUN(test_copy_cols);
+  RUN(test_sigmoid_xent);
   if (dut.on_device) RUN(test_memory_helpers);
   RUN(test_cnn_trajectory);
   RUN(test_avg_cnn_step);
