@@ -134,7 +134,7 @@ void ps_rows_serve_pull(ps_server *sv, rpc_call *call, size_t offset, size_t cou
   int np = 0;
   if (snap) {
     const void *dense = snap->values;
-    if (sv->job.wire != PS_WIRE_FP32) dense = ps_shard_snapshot_encoded(sv->shard, snap, NULL);
+    if (sv->job.wire != PS_WIRE_FP32) dense = ps_service_encode_snapshot(sv, snap);
     if (!dense) {
       ps_snapshot_unref(snap);
       free(vals);
@@ -145,7 +145,6 @@ void ps_rows_serve_pull(ps_server *sv, rpc_call *call, size_t offset, size_t cou
   }
   void *rbytes = vals;
   if (sv->job.wire != PS_WIRE_FP32) {
-    /* In place: the 16-bit values take the front half of the buffer. */
     uint16_t *h = malloc((at ? at : 1) * sizeof(uint16_t));
     if (!h) {
       if (snap) ps_snapshot_unref(snap);
@@ -163,10 +162,7 @@ void ps_rows_serve_pull(ps_server *sv, rpc_call *call, size_t offset, size_t cou
     rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory encoding the reply");
     return;
   }
-  size_t sent = 0;
-  for (int i = 0; i < out.nseg; i++) sent += out.seg[i].len;
-  atomic_fetch_add(&sv->pull_bytes, sent);
-  rpc_call_reply(call, &out);
+  ps_service_reply_pull(sv, call, &out);
 }
 
 /* ---- pushes ---- */

@@ -231,6 +231,12 @@ void ps_service_register(ps_server *sv, rpc_server *rpc);
  * RESOURCE_EXHAUSTED. The call is answered in every case; the shard's
  * values are unchanged (a granted pull is counted). */
 void ps_service_serve_pull(ps_server *sv, rpc_call *call, size_t offset, size_t count);
+/* The snapshot's values in the job's 16-bit encoding, kept with it (NULL:
+ * out of memory); a parameter beyond the format's range goes out as Inf,
+ * which the shard says once. */
+const uint16_t *ps_service_encode_snapshot(ps_server *sv, ps_snapshot *snap);
+/* Sends a Pull's answer, counting its bytes (Status's pull_bytes). */
+void ps_service_reply_pull(ps_server *sv, rpc_call *call, rpc_msg *out);
 
 /* Applies a push (async, ssp: to the shard; sync: to the step's sum) and
  * answers it, keeping the answer under its request id; a refused push is

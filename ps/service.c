@@ -431,7 +431,7 @@ static void release_snapshot(void *user) { ps_snapshot_unref(user); }
  * snapshot (NULL: out of memory). A parameter beyond fp16's range goes out
  * as Inf, which the worker refuses, saying why; the shard says it once
  * too. */
-static const uint16_t *encode_snapshot(ps_server *sv, ps_snapshot *snap) {
+const uint16_t *ps_service_encode_snapshot(ps_server *sv, ps_snapshot *snap) {
   size_t i = snap->count;
   const uint16_t *h = ps_shard_snapshot_encoded(sv->shard, snap, &i);
   if (h && i < snap->count && atomic_exchange(&sv->wire_range_warned, 1) == 0) {
@@ -463,7 +463,7 @@ void ps_service_serve_pull(ps_server *sv, rpc_call *call, size_t offset, size_t 
   const void *values = snap->values;
   size_t bytes = snap->count * sizeof(float);
   if (sv->job.wire != PS_WIRE_FP32) {
-    values = encode_snapshot(sv, snap);
+    values = ps_service_encode_snapshot(sv, snap);
     bytes = snap->count * sizeof(uint16_t);
   }
   rpc_msg out;
@@ -472,10 +472,14 @@ void ps_service_serve_pull(ps_server *sv, rpc_call *call, size_t offset, size_t 
     rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory encoding the reply");
     return;
   }
+  ps_service_reply_pull(sv, call, &out);
+}
+
+void ps_service_reply_pull(ps_server *sv, rpc_call *call, rpc_msg *out) {
   size_t sent = 0;
-  for (int i = 0; i < out.nseg; i++) sent += out.seg[i].len;
+  for (int i = 0; i < out->nseg; i++) sent += out->seg[i].len;
   atomic_fetch_add(&sv->pull_bytes, sent);
-  rpc_call_reply(call, &out);
+  rpc_call_reply(call, out);
 }
 
 static void handle_pull(const request *q) {

@@ -44,6 +44,18 @@ def free_ports(n):
     return ports
 
 
+def log_lines(path, t):
+    """(time, line) of each timestamped line of a log (HH:MM:SS.mmm on the
+    day of time t), as Unix times."""
+    lt = time.localtime(t)
+    day = time.mktime(time.struct_time((lt.tm_year, lt.tm_mon, lt.tm_mday,
+                                        0, 0, 0, 0, 0, lt.tm_isdst)))
+    for line in open(path):
+        m = re.match(r"(\d\d):(\d\d):(\d\d\.\d+) ", line)
+        if m:
+            yield day + int(m.group(1)) * 3600 + int(m.group(2)) * 60 + float(m.group(3)), line
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("build")
@@ -279,15 +291,9 @@ def main():
             for r in range(a.replicas):
                 i = s * a.replicas + r
                 for life in range(lives[i]):
-                    for line in open(os.path.join(a.out, f"server-{i}.{life}.log")):
-                        m = re.match(r"(\d\d):(\d\d):(\d\d\.\d+) .*first acknowledged update as the primary", line)
-                        if not m:
+                    for ts, line in log_lines(os.path.join(a.out, f"server-{i}.{life}.log"), t):
+                        if "first acknowledged update as the primary" not in line:
                             continue
-                        lt = time.localtime(t)
-                        day = time.mktime(time.struct_time((lt.tm_year, lt.tm_mon, lt.tm_mday,
-                                                            0, 0, 0, 0, 0, lt.tm_isdst)))
-                        ts = day + int(m.group(1)) * 3600 + int(m.group(2)) * 60 + \
-                            float(m.group(3))
                         if ts >= t and (best is None or ts < best):
                             best = ts
             if best is not None:
@@ -303,28 +309,14 @@ def main():
             # acknowledgement (elections lost and why), for the record.
             t, victim, best = worst_kill
             s = victim // a.replicas
-            lt = time.localtime(t)
-            day = time.mktime(time.struct_time((lt.tm_year, lt.tm_mon, lt.tm_mday,
-                                                0, 0, 0, 0, 0, lt.tm_isdst)))
-            for r in range(a.replicas):
-                i = s * a.replicas + r
-                for life in range(lives[i]):
-                    for line in open(os.path.join(a.out, f"server-{i}.{life}.log")):
-                        m = re.match(r"(\d\d):(\d\d):(\d\d\.\d+) ", line)
-                        if not m:
-                            continue
-                        ts = day + int(m.group(1)) * 3600 + int(m.group(2)) * 60 + \
-                            float(m.group(3))
-                        if t - 0.2 <= ts <= best + 0.2:
-                            print(f"  server {i}.{life}: {line.rstrip()}")
-            for k in range(a.workers):
-                for line in open(os.path.join(a.out, f"worker-{k}.log")):
-                    m = re.match(r"(\d\d):(\d\d):(\d\d\.\d+) ", line)
-                    if m:
-                        ts = day + int(m.group(1)) * 3600 + int(m.group(2)) * 60 + \
-                            float(m.group(3))
-                        if t - 0.2 <= ts <= best + 0.2:
-                            print(f"  worker {k}: {line.rstrip()}")
+            logs = [(f"server {s * a.replicas + r}.{life}",
+                     f"server-{s * a.replicas + r}.{life}.log")
+                    for r in range(a.replicas) for life in range(lives[s * a.replicas + r])]
+            logs += [(f"worker {k}", f"worker-{k}.log") for k in range(a.workers)]
+            for who, name in logs:
+                for ts, line in log_lines(os.path.join(a.out, name), t):
+                    if t - 0.2 <= ts <= best + 0.2:
+                        print(f"  {who}: {line.rstrip()}")
             sys.exit(f"FAIL: a fail-over took {worst:.2f} s (limit {a.max_failover_s} s)")
         # The servers stop cleanly (SIGTERM: exit 0, and under the sanitizers
         # no report in any log of any life).
