@@ -728,19 +728,24 @@ static void fan_out(ps_server *sv, Ps__CheckpointRequest *req, int timeout_ms,
     st[s] = RPC_UNAVAILABLE;
     snprintf(why[s], PS_ERRLEN, "not called");
   }
+  /* This server is its own shard's primary (it coordinates). */
+  if (sv->repl) c->cur[sv->index] = sv->replica;
+  int electing = 0;
   for (int round = 0; round <= (R > 1 ? R + 1 : 0); round++) {
     rpc_request *calls[PS_MAX_TASKS] = {0};
     int any = 0;
     /* Replicated shards: a call to a replica that is down fails at once
      * (not waiting for it to come back, which may be never: at a stop,
-     * for the CUT's long deadline), and the next round, after half a
-     * lease (an election's time), asks the replica named, or the next. */
+     * for the CUT's long deadline), and the next round asks the replica
+     * named, or the next, at once; after half a lease (an election's
+     * time) only when a replica said it knows no primary. */
     if (round > 0) {
       pthread_mutex_lock(&c->mu);
       int stopping = c->stopping;
       pthread_mutex_unlock(&c->mu);
       if (stopping) break;
-      ps_sleep_ms(sv->job.replica_lease_ms / 2);
+      if (electing) ps_sleep_ms(sv->job.replica_lease_ms / 2);
+      electing = 0;
     }
     for (int s = 0; s < S; s++) {
       if (round > 0 && st[s] != RPC_UNAVAILABLE) continue;
@@ -778,6 +783,7 @@ static void fan_out(ps_server *sv, Ps__CheckpointRequest *req, int timeout_ms,
         }
       } else if (st[s] == RPC_UNAVAILABLE && R > 1) {
         int to = ps_redirect_parse(why[s]);
+        if (to == -1) electing = 1;
         c->cur[s] = to >= 0 && to < R && to != c->cur[s] ? to : (c->cur[s] + 1) % R;
       }
       rpc_request_free(calls[s]);
