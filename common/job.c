@@ -22,7 +22,8 @@
 
 /* Names the job accepts, in the "a, b, c" form messages quote. */
 static const char OPTIMIZERS[] = "sgd, momentum, adagrad, adam";
-static const char DATASETS[] = "fashion-mnist, mnist, cifar10, npz, npy, synthetic";
+static const char DATASETS[] =
+    "fashion-mnist, mnist, cifar10, npz, npy, synthetic, ctr-synthetic, criteo";
 
 /* Each data set: its default directory and the keys that only it takes
  * (keys that apply to every set are DATASET_COMMON_KEYS). */
@@ -37,6 +38,8 @@ static const struct {
     {"npz", "", "train, test, x, y, layout"},
     {"npy", "", "train_x, train_y, test_x, test_y, layout"},
     {"synthetic", "", "train_size, test_size"},
+    {"ctr-synthetic", "", "train_size, test_size, vocab, zipf, data_seed"},
+    {"criteo", "", "train, test, train_size, test_size"},
 };
 #define N_DATASET_KINDS (sizeof DATASET_KINDS / sizeof DATASET_KINDS[0])
 static const char DATASET_COMMON_KEYS[] = "name, dir, mean, std, crop_pad, flip";
@@ -138,6 +141,9 @@ static void set_defaults(ps_job *job) {
   snprintf(job->data_dir, sizeof job->data_dir, "/usr/share/datasets/fashion-mnist");
   job->synthetic_train = 2048;
   job->synthetic_test = 512;
+  job->ctr_vocab = 100000;
+  job->ctr_zipf = 1.05;
+  job->ctr_seed = 1;
   snprintf(job->data_x, sizeof job->data_x, "x");
   snprintf(job->data_y, sizeof job->data_y, "y");
   job->data_layout = PS_LAYOUT_NHWC;
@@ -410,6 +416,43 @@ static int parse_dataset_files(json_t *obj, ps_job *job, char *err) {
   return 0;
 }
 
+/* ctr-synthetic's generator (vocab, zipf, data_seed) and criteo's files;
+ * both are click logs: a binary model with ids. */
+static int parse_ctr_dataset(json_t *obj, ps_job *job, char *err) {
+  const int synth = strcmp(job->dataset, "ctr-synthetic") == 0;
+  const int criteo = strcmp(job->dataset, "criteo") == 0;
+  if (!synth && !criteo) return 0;
+  int rc;
+  if (criteo) {
+    if ((rc = get_path(obj, "train", 1, "criteo", job->data_train, sizeof job->data_train, err)) ||
+        (rc = get_path(obj, "test", 1, "criteo", job->data_test, sizeof job->data_test, err)))
+      return rc;
+    /* Without sizes, whole files. */
+    if (!json_object_get(obj, "train_size")) job->synthetic_train = 0;
+    if (!json_object_get(obj, "test_size")) job->synthetic_test = 0;
+  }
+  long long v = job->ctr_vocab;
+  if ((rc = get_int(obj, "vocab", "dataset.vocab", 1, (long long)1 << 40, &v, err))) return rc;
+  job->ctr_vocab = (uint64_t)v;
+  json_t *z = json_object_get(obj, "zipf");
+  if (z) {
+    double d = json_is_number(z) ? json_number_value(z) : NAN;
+    if (!(d >= 0.0 && d <= 20.0))
+      return ps_seterr(err, PS_EINVAL, "'dataset.zipf' must be a number in [0, 20]");
+    job->ctr_zipf = d;
+  }
+  v = (long long)job->ctr_seed;
+  if ((rc = get_int(obj, "data_seed", "dataset.data_seed", 1, LLONG_MAX, &v, err))) return rc;
+  job->ctr_seed = (uint64_t)v;
+  if (job->model.classes != 1 || job->model.n_ids < 1)
+    return ps_seterr(err, PS_EINVAL,
+                     "'dataset.name' %s is click logs (labels 0 and 1 with categorical ids): the "
+                     "model needs \"classes\": 1 (ending in sigmoid_xent) and \"ids\" (the "
+                     "categorical fields)",
+                     job->dataset);
+  return 0;
+}
+
 static int parse_dataset(json_t *root, ps_job *job, char *err) {
   json_t *obj = json_object_get(root, "dataset");
   if (!obj) return 0;
@@ -418,7 +461,7 @@ static int parse_dataset(json_t *root, ps_job *job, char *err) {
                      "'dataset' must be an object such as {\"name\": \"fashion-mnist\"}");
   static const char *const known =
       "name, dir, train_size, test_size, train, test, x, y, train_x, train_y, test_x, test_y, "
-      "layout, mean, std, crop_pad, flip";
+      "layout, mean, std, crop_pad, flip, vocab, zipf, data_seed";
   int rc;
   if ((rc = check_keys(obj, known, "dataset", err))) return rc;
   json_t *nv = json_object_get(obj, "name");
@@ -441,6 +484,7 @@ static int parse_dataset(json_t *root, ps_job *job, char *err) {
   if ((rc = get_int(obj, "test_size", "dataset.test_size", 1, MAX_SYNTHETIC, &v, err))) return rc;
   job->synthetic_test = (int)v;
   if ((rc = parse_dataset_files(obj, job, err))) return rc;
+  if ((rc = parse_ctr_dataset(obj, job, err))) return rc;
   if ((rc = parse_normalisation(obj, job, err))) return rc;
   v = 0;
   if ((rc = get_int(obj, "crop_pad", "dataset.crop_pad", 0, 64, &v, err))) return rc;
@@ -450,6 +494,27 @@ static int parse_dataset(json_t *root, ps_job *job, char *err) {
     if (!json_is_boolean(flip))
       return ps_seterr(err, PS_EINVAL, "'dataset.flip' must be true or false");
     job->data_flip = json_is_true(flip);
+  }
+  return 0;
+}
+
+/* The model's embedding layers name the job's tables: each must exist
+ * with the layer's dim. */
+static int resolve_embedding_layers(ps_job *job, char *err) {
+  for (int i = 0; i < job->model.n_layers; i++) {
+    ps_layer *L = &job->model.layers[i];
+    if (L->type != PS_LAYER_EMBEDDING) continue;
+    int t = 0;
+    while (t < job->n_tables && strcmp(job->tables[t].name, L->table) != 0) t++;
+    if (t == job->n_tables)
+      return ps_seterr(err, PS_EINVAL,
+                       "layer %d (%s): table '%s' is not one of the job's \"embeddings\"", i,
+                       L->name, L->table);
+    if (job->tables[t].dim != L->emb_dim)
+      return ps_seterr(err, PS_EINVAL,
+                       "layer %d (%s): 'dim' is %d but table '%s' has rows of %d values", i,
+                       L->name, L->emb_dim, L->table, job->tables[t].dim);
+    L->table_index = t;
   }
   return 0;
 }
@@ -604,15 +669,7 @@ static int parse_root(json_t *root, ps_job *job, char *err) {
                     PS_MAX_ROWS_PER_REQUEST, &v, err)))
     return rc;
   job->max_rows_per_request = (int)v;
-  if (job->n_tables && job->mode_kind == PS_MODE_SYNC)
-    return ps_seterr(err, PS_EINVAL,
-                     "'embeddings' with mode 'sync': not supported yet (embedding tables train "
-                     "under 'async' and 'ssp:K')");
-  if (job->n_tables && job->replicas_per_shard > 1)
-    return ps_seterr(err, PS_EINVAL,
-                     "'embeddings' with replicas_per_shard %d: not supported yet (embedding "
-                     "tables live on unreplicated shards)",
-                     job->replicas_per_shard);
+  if ((rc = resolve_embedding_layers(job, err))) return rc;
   json_t *wire = json_object_get(root, "wire");
   if (wire) {
     const char *name = json_string_value(wire);

@@ -28,6 +28,16 @@
  *   {"name": "npy", "train_x": "a.npy", "train_y": "b.npy",
  *    "test_x": "c.npy", "test_y": "d.npy", "layout": "nchw"}
  * relative paths are under "dir" (or --data-dir) when one is given;
+ * Click logs, for a binary model with ids (model_spec.h), input [dense
+ * fields, 1, 1] and "ids" the categorical fields (worker/data_ctr.h):
+ *   {"name": "ctr-synthetic", "train_size": 1000000, "test_size": 100000,
+ *    "vocab": 100000, "zipf": 1.05, "data_seed": 1}
+ *                     examples [0, train_size) and the next test_size of
+ *                     the generator's log with a hidden factorization
+ *                     machine (ground-truth AUC about 0.78-0.80)
+ *   {"name": "criteo", "train": "train.tsv", "test": "test.tsv",
+ *    "train_size": N, "test_size": M}   Criteo TSV files (plain or gzip),
+ *                     the first N (M) lines of each (absent: all)
  * "layout" is how 4-D image arrays are laid out, "nhwc" (NumPy's habit,
  * the default) or "nchw". Any data set also takes
  *   "mean": [..], "std": [..]   one value, or one per input channel:
@@ -83,7 +93,9 @@ typedef struct {
   int lease_chunk;     /* > 0: shard 0 leases chunks of this many examples (elastic data) */
   char dataset[32];    /* fashion-mnist | mnist | cifar10 | npz | npy | synthetic */
   char data_dir[256];  /* IDX and CIFAR-10 files; npz, npy: base of relative paths */
-  int synthetic_train, synthetic_test;
+  int synthetic_train, synthetic_test; /* synthetic sets' sizes; criteo: rows read (0: all) */
+  uint64_t ctr_vocab, ctr_seed;        /* ctr-synthetic: values per field, generator seed */
+  double ctr_zipf;                     /* ctr-synthetic: Zipf exponent of the values */
   char data_train[256], data_test[256];    /* npz: the archives */
   char data_x[64], data_y[64];             /* npz: the arrays' names in them */
   char data_train_x[256], data_train_y[256], data_test_x[256], data_test_y[256]; /* npy */

@@ -44,6 +44,10 @@ static const layer_kind kinds[] = {
     {PS_LAYER_GLOBAL_AVGPOOL, "global_avgpool", "type, name, inputs"},
     {PS_LAYER_ADD, "add", "type, name, inputs"},
     {PS_LAYER_BATCHNORM, "batchnorm", "type, momentum, epsilon, name, inputs"},
+    {PS_LAYER_EMBEDDING, "embedding", "type, table, dim, fields, pooling, name"},
+    {PS_LAYER_CONCAT, "concat", "type, name, inputs"},
+    {PS_LAYER_SIGMOID_XENT, "sigmoid_xent", "type, name, inputs"},
+    {PS_LAYER_FM, "fm", "type, name, inputs"},
 };
 #define N_KINDS (sizeof kinds / sizeof kinds[0])
 
@@ -257,6 +261,63 @@ static void json_layer_name(json_t *layers, size_t j, char *buf, size_t len) {
   snprintf(buf, len, "%s_%d", type, k);
 }
 
+/* embedding: table, dim, fields [from, to) of the model's n_ids, pooling. */
+static int infer_embedding(ps_layer *L, json_t *obj, int n_ids, const char *where, char *err) {
+  const char *table = json_string_value(json_object_get(obj, "table"));
+  if (!table || !*table || strlen(table) >= sizeof L->table)
+    return ps_seterr(err, PS_EINVAL,
+                     "%s: 'table' is required (the name of one of the job's \"embeddings\")",
+                     where);
+  snprintf(L->table, sizeof L->table, "%s", table);
+  L->table_index = -1;
+  int rc = require_pos_int(obj, "dim", where, &L->emb_dim, err);
+  if (rc) return rc;
+  if (n_ids < 1)
+    return ps_seterr(err, PS_EINVAL,
+                     "%s: the model has no ids (set the model's \"ids\" to the categorical "
+                     "fields per example)",
+                     where);
+  L->field_lo = 0, L->field_hi = n_ids;
+  json_t *f = json_object_get(obj, "fields");
+  if (f) {
+    json_t *a = json_array_get(f, 0), *b = json_array_get(f, 1);
+    if (!json_is_array(f) || json_array_size(f) != 2 || !json_is_integer(a) ||
+        !json_is_integer(b) || json_integer_value(a) < 0 ||
+        json_integer_value(b) <= json_integer_value(a) || json_integer_value(b) > n_ids)
+      return ps_seterr(err, PS_EINVAL,
+                       "%s: 'fields' must be [from, to) with 0 <= from < to <= %d (the model's "
+                       "ids)",
+                       where, n_ids);
+    L->field_lo = (int)json_integer_value(a), L->field_hi = (int)json_integer_value(b);
+  }
+  const char *pool = json_string_value(json_object_get(obj, "pooling"));
+  if (json_object_get(obj, "pooling") && !pool)
+    return ps_seterr(err, PS_EINVAL, "%s: 'pooling' must be \"none\", \"sum\" or \"mean\"",
+                     where);
+  if (!pool || strcmp(pool, "none") == 0)
+    L->pooling = PS_POOL_NONE;
+  else if (strcmp(pool, "sum") == 0)
+    L->pooling = PS_POOL_SUM;
+  else if (strcmp(pool, "mean") == 0)
+    L->pooling = PS_POOL_MEAN;
+  else
+    return ps_seterr(err, PS_EINVAL,
+                     "%s: unknown pooling '%.20s' (\"none\", \"sum\" or \"mean\")", where,
+                     pool);
+  size_t width;
+  if (mul_within((size_t)L->emb_dim, (size_t)(L->field_hi - L->field_lo), MAX_ACT, &width))
+    return ps_seterr(err, PS_EINVAL, "%s: output has more than %zu values per example", where,
+                     MAX_ACT);
+  if (L->pooling == PS_POOL_NONE) /* a row per field */
+    L->out_c = L->field_hi - L->field_lo, L->out_h = L->emb_dim, L->out_w = 1;
+  else
+    L->out_c = L->emb_dim, L->out_h = L->out_w = 1;
+  return 0;
+}
+
+/* concat: the inputs' values per example, one after the other. */
+static int infer_concat(const ps_model_spec *spec, ps_layer *L, char *err, const char *where);
+
 /* Sets L->name for layer i: the spec's "name", checked, or the generated
  * one; either must differ from the earlier layers' names and from "input". */
 static int parse_name(json_t *layers, size_t i, ps_model_spec *out, const char *where, char *err) {
@@ -287,7 +348,11 @@ static int parse_inputs(json_t *layers, size_t i, ps_model_spec *out, const char
                         char *err) {
   ps_layer *L = &out->layers[i];
   json_t *v = json_object_get(json_array_get(layers, i), "inputs");
-  const int is_add = L->type == PS_LAYER_ADD;
+  const int is_add = L->type == PS_LAYER_ADD || L->type == PS_LAYER_CONCAT;
+  if (L->type == PS_LAYER_EMBEDDING) { /* reads the ids, no layer */
+    L->n_inputs = 0;
+    return 0;
+  }
   if (!v) {
     if (is_add)
       return ps_seterr(err, PS_EINVAL,
@@ -303,7 +368,8 @@ static int parse_inputs(json_t *layers, size_t i, ps_model_spec *out, const char
                      PS_MAX_LAYER_INPUTS);
   if (!is_add && m != 1)
     return ps_seterr(err, PS_EINVAL,
-                     "%s: 'inputs' must be an array of one layer name (only add takes more)",
+                     "%s: 'inputs' must be an array of one layer name (only add and concat "
+                     "take more)",
                      where);
   for (size_t a = 0; a < m; a++) {
     const char *name = json_string_value(json_array_get(v, a));
@@ -360,6 +426,20 @@ static int check_add_shapes(const ps_model_spec *spec, const ps_layer *L, const 
   return 0;
 }
 
+static int infer_concat(const ps_model_spec *spec, ps_layer *L, char *err, const char *where) {
+  size_t total = 0;
+  for (int a = 0; a < L->n_inputs; a++) {
+    int c, h, w;
+    output_shape(spec, L->inputs[a], &c, &h, &w);
+    total += (size_t)c * h * w; /* each <= MAX_ACT, at most 4 */
+  }
+  if (total > MAX_ACT)
+    return ps_seterr(err, PS_EINVAL, "%s: output has more than %zu values per example", where,
+                     MAX_ACT);
+  L->out_c = (int)total, L->out_h = L->out_w = 1;
+  return 0;
+}
+
 static int parse_input(json_t *root, ps_model_spec *out, char *err) {
   json_t *in = json_object_get(root, "input");
   if (!in) return ps_seterr(err, PS_EINVAL, "model: 'input' is required ([C, H, W])");
@@ -387,15 +467,25 @@ int ps_model_spec_from_json(const void *json_obj, ps_model_spec *out, char *err)
   memset(out, 0, sizeof *out);
   if (!json_is_object(root)) return ps_seterr(err, PS_EINVAL, "model: must be a JSON object");
   int rc;
-  if ((rc = check_keys(root, "input, classes, layers", "model", err))) return rc;
+  if ((rc = check_keys(root, "input, ids, classes, layers", "model", err))) return rc;
   if ((rc = parse_input(root, out, err))) return rc;
+  json_t *ids = json_object_get(root, "ids");
+  if (ids && (!json_is_integer(ids) || json_integer_value(ids) < 0 ||
+              json_integer_value(ids) > PS_MAX_IDS))
+    return ps_seterr(err, PS_EINVAL,
+                     "model: 'ids' must be an integer in 0..%d (categorical ids per example)",
+                     PS_MAX_IDS);
+  out->n_ids = ids ? (int)json_integer_value(ids) : 0;
   json_t *cl = json_object_get(root, "classes");
   if (!cl)
-    return ps_seterr(err, PS_EINVAL, "model: 'classes' is required (an integer in 2..%d)",
-                     MAX_CLASSES);
-  if (!json_is_integer(cl) || json_integer_value(cl) < 2 || json_integer_value(cl) > MAX_CLASSES)
     return ps_seterr(err, PS_EINVAL,
-                     "model: 'classes' must be an integer in 2..%d (labels are 8-bit)",
+                     "model: 'classes' is required (an integer in 2..%d, or 1 for a binary "
+                     "model ending in sigmoid_xent)",
+                     MAX_CLASSES);
+  if (!json_is_integer(cl) || json_integer_value(cl) < 1 || json_integer_value(cl) > MAX_CLASSES)
+    return ps_seterr(err, PS_EINVAL,
+                     "model: 'classes' must be an integer in 1..%d (labels are 8-bit; 1: a "
+                     "binary model ending in sigmoid_xent)",
                      MAX_CLASSES);
   out->classes = (int)json_integer_value(cl);
 
@@ -422,7 +512,7 @@ int ps_model_spec_from_json(const void *json_obj, ps_model_spec *out, char *err)
       return ps_seterr(err, PS_EINVAL,
                        "layer %zu: unknown type '%.40s' (known: conv2d, maxpool, avgpool, "
                        "global_avgpool, dense, batchnorm, relu, dropout, flatten, add, "
-                       "softmax_xent)",
+                       "embedding, concat, fm, softmax_xent, sigmoid_xent)",
                        i, type);
     snprintf(where, sizeof where, "layer %zu (%s)", i, kinds[k].name);
     if ((rc = check_keys(obj, kinds[k].keys, where, err))) return rc;
@@ -432,8 +522,8 @@ int ps_model_spec_from_json(const void *json_obj, ps_model_spec *out, char *err)
     if (given) snprintf(where, sizeof where, "layer %zu (%s '%.31s')", i, kinds[k].name, given);
     if ((rc = parse_name(layers, i, out, where, err))) return rc;
     if ((rc = parse_inputs(layers, i, out, where, err))) return rc;
-    int c, h, w;
-    output_shape(out, L->inputs[0], &c, &h, &w);
+    int c = 0, h = 1, w = 1;
+    if (L->n_inputs > 0) output_shape(out, L->inputs[0], &c, &h, &w);
     L->in_c = c, L->in_h = h, L->in_w = w;
     switch (L->type) {
       case PS_LAYER_CONV2D:
@@ -466,8 +556,37 @@ int ps_model_spec_from_json(const void *json_obj, ps_model_spec *out, char *err)
         L->out_c = c * h * w; /* fits: activations checked <= MAX_ACT */
         L->out_h = L->out_w = 1;
         break;
+      case PS_LAYER_EMBEDDING:
+        rc = infer_embedding(L, obj, out->n_ids, where, err);
+        break;
+      case PS_LAYER_CONCAT:
+        rc = infer_concat(out, L, err, where);
+        break;
+      case PS_LAYER_FM:
+        if (L->inputs[0] < 0 || out->layers[L->inputs[0]].type != PS_LAYER_EMBEDDING ||
+            out->layers[L->inputs[0]].pooling != PS_POOL_NONE || w != 1 || c < 2)
+          return ps_seterr(err, PS_EINVAL,
+                           "%s: input is %dx%dx%d; fm reads [fields >= 2, dim, 1]: an embedding "
+                           "layer with pooling \"none\" over 2 or more fields",
+                           where, c, h, w);
+        L->out_c = h, L->out_h = L->out_w = 1;
+        break;
+      case PS_LAYER_SIGMOID_XENT:
+        if (i + 1 != n) return ps_seterr(err, PS_EINVAL, "%s: must be the last layer", where);
+        if (out->classes != 1)
+          return ps_seterr(err, PS_EINVAL,
+                           "%s: a binary loss, but 'classes' is %d (set it to 1; labels 0 and 1)",
+                           where, out->classes);
+        if ((size_t)c * h * w != 1)
+          return ps_seterr(err, PS_EINVAL, "%s: input has %zu features (one logit expected)",
+                           where, (size_t)c * h * w);
+        L->out_c = c, L->out_h = h, L->out_w = w;
+        break;
       case PS_LAYER_SOFTMAX_XENT:
         if (i + 1 != n) return ps_seterr(err, PS_EINVAL, "%s: must be the last layer", where);
+        if (out->classes < 2)
+          return ps_seterr(err, PS_EINVAL,
+                           "%s: 'classes' is 1 (a binary model ends in sigmoid_xent)", where);
         if ((size_t)c * h * w != (size_t)out->classes)
           return ps_seterr(err, PS_EINVAL, "%s: input has %zu features but 'classes' is %d", where,
                            (size_t)c * h * w, out->classes);
@@ -492,9 +611,22 @@ int ps_model_spec_from_json(const void *json_obj, ps_model_spec *out, char *err)
       off += L->w_count + L->b_count + L->s_count;
     }
   }
-  if (out->layers[n - 1].type != PS_LAYER_SOFTMAX_XENT)
-    return ps_seterr(err, PS_EINVAL, "model: the last layer must be softmax_xent (layer %zu is %s)",
+  if (out->layers[n - 1].type != PS_LAYER_SOFTMAX_XENT &&
+      out->layers[n - 1].type != PS_LAYER_SIGMOID_XENT)
+    return ps_seterr(err, PS_EINVAL,
+                     "model: the last layer must be softmax_xent or sigmoid_xent (layer %zu is "
+                     "%s)",
                      n - 1, kind_name(out->layers[n - 1].type));
+  /* Two layers on one table would send its ids twice in one request. */
+  for (size_t i = 0; i < n; i++)
+    for (size_t j = 0; j < i; j++)
+      if (out->layers[i].type == PS_LAYER_EMBEDDING &&
+          out->layers[j].type == PS_LAYER_EMBEDDING &&
+          strcmp(out->layers[i].table, out->layers[j].table) == 0)
+        return ps_seterr(err, PS_EINVAL,
+                         "layer %zu (%s): table '%s' is read by layer %zu (%s) already (one "
+                         "embedding layer per table; one layer may read several fields)",
+                         i, out->layers[i].name, out->layers[i].table, j, out->layers[j].name);
   /* An output nothing reads would leave its layer's gradient unset. */
   for (size_t i = 0; i + 1 < n; i++) {
     int read = 0;
@@ -663,8 +795,13 @@ void ps_model_spec_describe(const ps_model_spec *spec, char *buf, size_t len) {
       case PS_LAYER_SOFTMAX_XENT:
         APPEND("softmax_xent(%d) ", spec->classes);
         break;
+      case PS_LAYER_EMBEDDING:
+        APPEND("embedding(%s,%d,f%d-%d%s) ", L->table, L->emb_dim, L->field_lo, L->field_hi,
+               L->pooling == PS_POOL_SUM ? ",sum" : L->pooling == PS_POOL_MEAN ? ",mean" : "");
+        break;
+      case PS_LAYER_CONCAT:
       case PS_LAYER_ADD:
-        APPEND("add(");
+        APPEND("%s(", kind_name(L->type));
         for (int a = 0; a < L->n_inputs; a++)
           APPEND("%s%s", a ? "," : "",
                  L->inputs[a] < 0 ? "input" : spec->layers[L->inputs[a]].name);
@@ -676,7 +813,7 @@ void ps_model_spec_describe(const ps_model_spec *spec, char *buf, size_t len) {
     }
     /* Reading other than the previous layer's output: which one, after the
      * layer's word (add lists its inputs in its own parentheses). */
-    if (L->type != PS_LAYER_ADD && L->n_inputs == 1 && L->inputs[0] != i - 1 && used < len &&
+    if (L->type != PS_LAYER_ADD && L->type != PS_LAYER_CONCAT && L->n_inputs == 1 && L->inputs[0] != i - 1 && used < len &&
         used > 0 && buf[used - 1] == ' ') {
       const int j = L->inputs[0];
       used--;

@@ -22,7 +22,31 @@
  * a plain chain needs neither. {"type": "add", "inputs": ["a", "b"]} sums
  * 2 to PS_MAX_LAYER_INPUTS outputs of one shape (a residual connection);
  * every other type reads exactly one.
- * The last layer must be softmax_xent over `classes` values. Pooling has no
+ * The last layer must be softmax_xent over `classes` values, or, for a
+ * binary model ("classes": 1, labels 0 and 1), sigmoid_xent over one
+ * logit (the logistic loss; evaluation reports ROC AUC too).
+ *
+ * Embedding models (click-through prediction): "ids": F says each example
+ * carries F categorical 64-bit ids beside its "input" features (e.g.
+ * Criteo's 26 categorical fields beside its 13 dense ones, input [13, 1,
+ * 1]).
+ *   {"type": "embedding", "table": "cat", "dim": 16, "fields": [0, 26],
+ *    "pooling": "none"}
+ * reads no layer: it looks up the ids of fields [from, to) (default all
+ * F) in the job's embedding table "table" (whose "dim" must be this dim),
+ * and gives, per example, with "pooling" "none" (the default) each
+ * field's row one after the other (shape [to - from, dim, 1]), with "sum"
+ * or "mean" the sum or mean of those rows ([dim, 1, 1]: a bag of ids). Its
+ * parameters live on the servers, not in the flat vector. A job's table
+ * is read by at most one embedding layer.
+ *   {"type": "concat", "inputs": ["input", "emb"]}
+ * joins 2 to PS_MAX_LAYER_INPUTS outputs, each taken flat (c*h*w values),
+ * into one feature vector, in the order listed.
+ *   {"type": "fm", "inputs": ["emb"]}
+ * the factorization machine's pairwise interactions of an [F, D, 1] input
+ * (an embedding layer's rows, pooling "none"): D values per example, the
+ * bi-interaction pooling 0.5 * ((sum_f v_f)^2 - sum_f v_f^2) per
+ * component, whose sum is sum_{f<g} <v_f, v_g>. Pooling has no
  * padding: maxpool and avgpool give floor((h - size) / stride) + 1 rows
  * (stride defaults to size), avgpool the mean of each size x size window;
  * global_avgpool gives C x 1 x 1, the mean of each channel's H x W plane.
@@ -48,6 +72,7 @@
 
 #define PS_MAX_LAYERS 64
 #define PS_MAX_LAYER_INPUTS 4
+#define PS_MAX_IDS 1024 /* categorical ids per example */
 
 typedef enum {
   PS_LAYER_CONV2D,
@@ -61,7 +86,14 @@ typedef enum {
   PS_LAYER_GLOBAL_AVGPOOL,
   PS_LAYER_ADD,
   PS_LAYER_BATCHNORM,
+  PS_LAYER_EMBEDDING,
+  PS_LAYER_CONCAT,
+  PS_LAYER_SIGMOID_XENT,
+  PS_LAYER_FM,
 } ps_layer_type;
+
+/* embedding's pooling */
+enum { PS_POOL_NONE = 0, PS_POOL_SUM = 1, PS_POOL_MEAN = 2 };
 
 typedef struct {
   ps_layer_type type;
@@ -82,6 +114,12 @@ typedef struct {
   float rate;
   /* batchnorm */
   float momentum, epsilon;
+  /* embedding: the table (its name; its index in the job's "embeddings",
+   * -1 until the job resolves it), the rows' dim, the id fields [field_lo,
+   * field_hi) it reads, and pooling (PS_POOL_*) */
+  char table[32];
+  int table_index;
+  int emb_dim, field_lo, field_hi, pooling;
   /* parameters in the flat vector, in this order; count 0 when the layer
    * has none.
    * conv2d:    w (filters, in_c*kernel*kernel), b (filters; 0 without bias)
@@ -96,7 +134,8 @@ typedef struct {
 
 typedef struct {
   int in_c, in_h, in_w;
-  int classes;
+  int n_ids;   /* categorical ids per example ("ids"; 0: none) */
+  int classes; /* 1: a binary model (sigmoid_xent) */
   int n_layers;
   ps_layer layers[PS_MAX_LAYERS];
   size_t n_params; /* P */

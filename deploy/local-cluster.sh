@@ -4,8 +4,11 @@
 #
 #   deploy/local-cluster.sh --job FILE [--servers 2] [--workers 2]
 #       [--bin DIR] [--out DIR] [--timeout SEC] [--threads N] [--straggler-ms N]
-#       [--tls DIR] [--checkpoint-dir DIR [--checkpoint-secs N]] [-- WORKER-ARGS...]
+#       [--tls DIR] [--checkpoint-dir DIR [--checkpoint-secs N]]
+#       [--worker-vmem-mb N] [-- WORKER-ARGS...]
 # --straggler-ms N makes the last worker sleep N ms in every step.
+# --worker-vmem-mb N runs every worker under `ulimit -v` of N MiB (a job
+# whose embedding tables are larger than a worker may hold).
 # Every process gets the job's token (PS_TOKEN_FILE, or OUT/token made
 # here). Plaintext on loopback (--insecure) unless --tls DIR: mutual TLS
 # with the CA and certificates deploy/certs.sh makes in DIR.
@@ -23,7 +26,7 @@ set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
 job="" servers=2 workers=2 bin="$here/../build" out="" timeout=900 threads="" straggler=0 tls=""
-ckpt="" ckpt_secs=30
+ckpt="" ckpt_secs=30 vmem_mb=""
 extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -38,7 +41,8 @@ while [ $# -gt 0 ]; do
     --tls) tls=$2; shift 2 ;;
     --checkpoint-dir) ckpt=$2; shift 2 ;;
     --checkpoint-secs) ckpt_secs=$2; shift 2 ;;
-    --help|-h) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --worker-vmem-mb) vmem_mb=$2; shift 2 ;;
+    --help|-h) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --) shift; extra=("$@"); break ;;
     *) echo "local-cluster: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -113,7 +117,10 @@ for ((k = 0; k < workers; k++)); do
   if [ "$straggler" -gt 0 ] && [ "$k" -eq $((workers - 1)) ] && [ "$workers" -gt 1 ]; then
     args+=(--straggle-ms "$straggler")
   fi
-  "$bin/ps-worker" "${client_sec[@]}" "${args[@]}" >"$out/worker-$k.log" 2>&1 &
+  (
+    [ -z "$vmem_mb" ] || ulimit -v $((vmem_mb * 1024))
+    exec "$bin/ps-worker" "${client_sec[@]}" "${args[@]}"
+  ) >"$out/worker-$k.log" 2>&1 &
   pids+=($!); worker_pids+=($!)
   # Show the chief's progress on the terminal while it runs.
   [ "$k" -eq 0 ] && tail -n +1 -f --pid="$!" "$out/worker-0.log" &

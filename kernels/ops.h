@@ -284,6 +284,16 @@ struct ps_ops {
    * roundings): the gradient of the mean loss. */
   void (*sigmoid_xent_backward)(void *ctx, int n, const float *probs, const float *labels,
                                 float *dlogits);
+  /* Factorization-machine interaction of f vectors of d values per
+   * example (x: (n, f, d)), the bi-interaction pooling of NFM: y (n, d),
+   * y[e][k] = 0.5 * (s^2 - q) with s = sum over j of x[e][j][k] and q the
+   * sum of their squares, both summed in float in increasing j (the same
+   * order on every backend). Its sum over k is the FM's pairwise term
+   * sum_{i<j} <x_i, x_j>. */
+  void (*fm_forward)(void *ctx, int n, int f, int d, const float *x, float *y);
+  /* dx[e][j][k] = dy[e][k] * (s - x[e][j][k]), s as above. */
+  void (*fm_backward)(void *ctx, int n, int f, int d, const float *x, const float *dy,
+                      float *dx);
 };
 
 /* The CPU backend. threads > 0: the backend splits every op over that many
@@ -339,6 +349,9 @@ void ps_emb_host_bag_backward(int dim, const int32_t *offsets, const int32_t *re
 void ps_sigmoid_xent_host_forward(int n, const float *logits, const float *labels, float *probs,
                                   double *stats);
 void ps_sigmoid_xent_host_backward(int n, const float *probs, const float *labels, float *dlogits);
+/* fm_forward and fm_backward on the examples [e0, e1). */
+void ps_fm_host_forward(int f, int d, const float *x, float *y, int e0, int e1);
+void ps_fm_host_backward(int f, int d, const float *x, const float *dy, float *dx, int e0, int e1);
 
 /* Fills conv output size from the other fields. */
 void ps_conv_shape_finish(ps_conv_shape *s);

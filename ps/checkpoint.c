@@ -10,6 +10,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <math.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -37,15 +38,18 @@ enum {
   H_VERSION = 48,
   H_WRITTEN_MS = 56,
   H_N_SLOTS = 64,
+  H_TABLES_CRC = 68,
   H_EXTRA_LEN = 72,
   H_OPTIMIZER = 80,
   H_JOB_ID = 96,
   H_SET_ID = 160,
   H_CUT_LEN = 168,
   H_CUT_CRC = 176,
+  H_TABLES_LEN = 180,
   H_HEADER_CRC = 188,
 };
-_Static_assert(H_JOB_ID + 64 <= H_SET_ID && H_CUT_CRC + 4 <= H_HEADER_CRC && H_HEADER_CRC + 4 == PS_CKPT_HEADER_BYTES,
+_Static_assert(H_JOB_ID + 64 <= H_SET_ID && H_CUT_CRC + 4 <= H_TABLES_LEN &&
+                   H_TABLES_LEN + 8 == H_HEADER_CRC && H_HEADER_CRC + 4 == PS_CKPT_HEADER_BYTES,
                "header fields must fit before the header checksum");
 _Static_assert(sizeof(((ps_ckpt_meta *)0)->optimizer) == 16 &&
                    sizeof(((ps_ckpt_meta *)0)->job_id) == 64,
@@ -272,16 +276,18 @@ static int parse_temp_name(const char *name, int *index, int *num_shards, uint64
 
 static int name_field_ok(const char *s, size_t cap) { return memchr(s, '\0', cap) != NULL; }
 
-/* Bytes after the header: extra, parameters, slots, checksum. PS_ERANGE
- * if that does not fit in 63 bits. */
+/* Bytes after the header: extra, cut, parameters, slots, tables,
+ * checksum. PS_ERANGE if that does not fit in 63 bits. */
 static int body_bytes(uint64_t n, uint64_t n_slots, uint64_t extra_len, uint64_t cut_len,
-                      uint64_t *out) {
+                      uint64_t tables_len, uint64_t *out) {
   const uint64_t max = (uint64_t)INT64_MAX - PS_CKPT_HEADER_BYTES - 4;
   uint64_t arrays = 1 + n_slots;
   if (n > max / 4 / arrays) return PS_ERANGE;
   uint64_t b = n * 4 * arrays;
   if (cut_len > PS_CKPT_MAX_CUT || extra_len > max - b - cut_len) return PS_ERANGE;
-  *out = b + extra_len + cut_len + 4;
+  b += extra_len + cut_len;
+  if (tables_len > max - b) return PS_ERANGE;
+  *out = b + tables_len + 4;
   return PS_OK;
 }
 
@@ -313,8 +319,12 @@ static int check_ckpt(const ps_ckpt *ck, char *err) {
   if ((ck->cut_len > 0 && !ck->cut) || ck->cut_len > PS_CKPT_MAX_CUT)
     return ps_seterr(err, PS_EINVAL, "checkpoint: cut record of %zu bytes not given or over %zu",
                      ck->cut_len, PS_CKPT_MAX_CUT);
+  if (ck->tables_len > 0 && !ck->tables)
+    return ps_seterr(err, PS_EINVAL, "checkpoint: tables section of %zu bytes not given",
+                     ck->tables_len);
   uint64_t body;
-  if (body_bytes(n, (uint64_t)ck->n_slots, ck->extra_len, ck->cut_len, &body) != PS_OK)
+  if (body_bytes(n, (uint64_t)ck->n_slots, ck->extra_len, ck->cut_len, ck->tables_len, &body) !=
+      PS_OK)
     return ps_seterr(err, PS_ERANGE, "checkpoint: %zu values with %d slots is too large", n,
                      ck->n_slots);
   return PS_OK;
@@ -324,7 +334,8 @@ static void header_encode(const ps_ckpt *ck, int64_t written_ms, uint8_t *h) {
   const ps_ckpt_meta *m = &ck->meta;
   memset(h, 0, PS_CKPT_HEADER_BYTES);
   memcpy(h + H_MAGIC, CKPT_MAGIC, sizeof CKPT_MAGIC);
-  ps_put_le32(h + H_FORMAT, PS_CKPT_FORMAT_VERSION);
+  /* Without rows, format 2: builds from before tables read it. */
+  ps_put_le32(h + H_FORMAT, ck->tables_len ? PS_CKPT_FORMAT_VERSION : 2);
   ps_put_le32(h + H_HEADER_BYTES, PS_CKPT_HEADER_BYTES);
   ps_put_le32(h + H_INDEX, (uint32_t)m->index);
   ps_put_le32(h + H_NUM_SHARDS, (uint32_t)m->num_shards);
@@ -338,6 +349,8 @@ static void header_encode(const ps_ckpt *ck, int64_t written_ms, uint8_t *h) {
   ps_put_le64(h + H_SET_ID, m->set_id);
   ps_put_le64(h + H_CUT_LEN, ck->cut_len);
   ps_put_le32(h + H_CUT_CRC, ck->cut_len ? ps_crc32c(0, ck->cut, ck->cut_len) : 0);
+  ps_put_le64(h + H_TABLES_LEN, ck->tables_len);
+  ps_put_le32(h + H_TABLES_CRC, ck->tables_len ? ps_crc32c(0, ck->tables, ck->tables_len) : 0);
   /* strnlen: the fields are checked to hold a NUL, the rest stays zero. */
   memcpy(h + H_OPTIMIZER, m->optimizer, strnlen(m->optimizer, 15));
   memcpy(h + H_JOB_ID, m->job_id, strnlen(m->job_id, 63));
@@ -355,7 +368,7 @@ static int header_decode(const char *path, const uint8_t *h, uint64_t file_size,
   uint32_t format = ps_get_le32(h + H_FORMAT);
   uint32_t stored = ps_get_le32(h + H_HEADER_CRC), computed = ps_crc32c(0, h, H_HEADER_CRC);
   if (stored != computed) {
-    if (format != PS_CKPT_FORMAT_VERSION && format != 1)
+    if (format < 1 || format > PS_CKPT_FORMAT_VERSION)
       return ps_seterr(err, PS_EPROTO,
                        "header checksum mismatch in '%s' with format version %" PRIu32
                        " (this build reads %d): corrupt, or written by a newer version",
@@ -365,7 +378,7 @@ static int header_decode(const char *path, const uint8_t *h, uint64_t file_size,
                      ", computed 0x%08" PRIx32 ")",
                      path, stored, computed);
   }
-  if (format != PS_CKPT_FORMAT_VERSION && format != 1)
+  if (format < 1 || format > PS_CKPT_FORMAT_VERSION)
     return ps_seterr(err, PS_EPROTO,
                      "'%s' has checkpoint format version %" PRIu32
                      ", this build reads %d: written by a newer version",
@@ -379,12 +392,16 @@ static int header_decode(const char *path, const uint8_t *h, uint64_t file_size,
   uint64_t elen = ps_get_le64(h + H_EXTRA_LEN);
   /* Format 1 wrote zeros where format 2 keeps the set id and the cut. */
   uint64_t set_id = ps_get_le64(h + H_SET_ID), clen = ps_get_le64(h + H_CUT_LEN);
+  /* Formats 1 and 2 wrote zeros where format 3 keeps the tables section's. */
+  uint64_t tlen = ps_get_le64(h + H_TABLES_LEN);
+  uint32_t tcrc = ps_get_le32(h + H_TABLES_CRC);
   char opt[16], job[64];
   memcpy(opt, h + H_OPTIMIZER, sizeof opt);
   memcpy(job, h + H_JOB_ID, sizeof job);
   if (hb != PS_CKPT_HEADER_BYTES || num < 1 || index < 0 || index >= num || b > e || e > P ||
       P > SIZE_MAX || k > PS_CKPT_MAX_SLOTS || elen > SIZE_MAX || clen > PS_CKPT_MAX_CUT ||
-      (format == 1 && (set_id != 0 || clen != 0)) || !name_field_ok(opt, 16) ||
+      (format == 1 && (set_id != 0 || clen != 0)) || (format < 3 && (tlen != 0 || tcrc != 0)) ||
+      tlen > SIZE_MAX || !name_field_ok(opt, 16) ||
       !name_field_ok(job, 64))
     return ps_seterr(err, PS_EINVAL,
                      "inconsistent header in '%s' (shard %" PRId32 " of %" PRId32
@@ -392,14 +409,14 @@ static int header_decode(const char *path, const uint8_t *h, uint64_t file_size,
                      " slots): not written by ps-server",
                      path, index, num, b, e, P, k);
   uint64_t body;
-  if (body_bytes(e - b, k, elen, clen, &body) != PS_OK)
+  if (body_bytes(e - b, k, elen, clen, tlen, &body) != PS_OK)
     return ps_seterr(err, PS_EINVAL, "inconsistent header in '%s': sizes overflow", path);
   uint64_t after = file_size - PS_CKPT_HEADER_BYTES;
   if (after < body)
     return ps_seterr(err, PS_EINVAL,
                      "truncated checkpoint '%s': header says %" PRIu64
-                     " bytes of extra, cut, parameters and %" PRIu32
-                     " slots (+4 of checksum), "
+                     " bytes of extra, cut, parameters, %" PRIu32
+                     " slots and table rows (+4 of checksum), "
                      "file has %" PRIu64 " after the header: an interrupted copy?",
                      path, body - 4, k, after);
   if (after > body)
@@ -421,6 +438,9 @@ static int header_decode(const char *path, const uint8_t *h, uint64_t file_size,
   m->set_id = set_id;
   m->cut_len = (size_t)clen;
   m->cut_crc = ps_get_le32(h + H_CUT_CRC);
+  m->format = (int)format;
+  m->tables_len = (size_t)tlen;
+  m->tables_crc = tcrc;
   if (n_slots) *n_slots = (int)k;
   if (extra_len) *extra_len = (size_t)elen;
   return PS_OK;
@@ -476,6 +496,7 @@ void ps_ckpt_free(ps_ckpt *c) {
   for (int k = 0; k < PS_CKPT_MAX_SLOTS; k++) free(c->slots[k]);
   free(c->extra);
   free(c->cut);
+  free(c->tables);
   memset(c, 0, sizeof *c);
 }
 
@@ -567,6 +588,7 @@ int ps_ckpt_write(const char *dir, const ps_ckpt *ck, int keep, char *path_out, 
   if (!e && n) e = write_summed(fd, ck->params, n * sizeof(float), &crc);
   for (int k = 0; !e && n && k < ck->n_slots; k++)
     e = write_summed(fd, ck->slots[k], n * sizeof(float), &crc);
+  if (!e && ck->tables_len) e = write_summed(fd, ck->tables, ck->tables_len, &crc);
   uint8_t trailer[4];
   ps_put_le32(trailer, crc);
   if (!e) e = write_all(fd, trailer, sizeof trailer);
@@ -688,7 +710,10 @@ int ps_ckpt_read(const char *path, ps_ckpt *out, char *err) {
   if (c.extra_len) c.extra = malloc(c.extra_len);
   c.cut_len = c.meta.cut_len;
   if (c.cut_len) c.cut = malloc(c.cut_len);
-  int oom = !c.params || (c.extra_len && !c.extra) || (c.cut_len && !c.cut);
+  c.tables_len = c.meta.tables_len;
+  if (c.tables_len) c.tables = malloc(c.tables_len);
+  int oom = !c.params || (c.extra_len && !c.extra) || (c.cut_len && !c.cut) ||
+            (c.tables_len && !c.tables);
   for (int k = 0; k < c.n_slots; k++) oom |= !c.slots[k];
   if (oom) {
     rc = ps_seterr(err, PS_ENOMEM, "out of memory reading '%s' (%zu values, %d slots)", path, n,
@@ -701,6 +726,7 @@ int ps_ckpt_read(const char *path, ps_ckpt *out, char *err) {
   if (!bad && n) bad = read_summed(fd, c.params, n * sizeof(float), &crc);
   for (int k = 0; !bad && n && k < c.n_slots; k++)
     bad = read_summed(fd, c.slots[k], n * sizeof(float), &crc);
+  if (!bad && c.tables_len) bad = read_summed(fd, c.tables, c.tables_len, &crc);
   uint8_t trailer[4];
   if (!bad) {
     ssize_t got = read_all(fd, trailer, sizeof trailer);
@@ -715,6 +741,15 @@ int ps_ckpt_read(const char *path, ps_ckpt *out, char *err) {
                            path);
     goto fail;
   }
+  /* The rows' own checksum first: damage there is named as such. */
+  uint32_t tcrc = c.tables_len ? ps_crc32c(0, c.tables, c.tables_len) : 0;
+  if (tcrc != c.meta.tables_crc) {
+    rc = ps_seterr(err, PS_EINVAL,
+                   "'%s': its embedding rows are corrupt (checksum of the %zu-byte tables section: "
+                   "stored 0x%08" PRIx32 ", computed 0x%08" PRIx32 ")",
+                   path, c.tables_len, c.meta.tables_crc, tcrc);
+    goto fail;
+  }
   uint32_t stored = ps_get_le32(trailer);
   if (stored != crc) {
     rc = ps_seterr(err, PS_EINVAL,
@@ -727,6 +762,12 @@ int ps_ckpt_read(const char *path, ps_ckpt *out, char *err) {
     rc = ps_seterr(err, PS_EINVAL, "'%s': its cut record does not match the header's checksum",
                    path);
     goto fail;
+  }
+  if (c.tables_len) {
+    ps_ckpt_table tv[PS_MAX_TABLES];
+    int nt;
+    if ((rc = ps_ckpt_tables_parse(c.tables, c.tables_len, path, tv, &nt, err)) != PS_OK)
+      goto fail;
   }
   close(fd);
   *out = c;
@@ -988,10 +1029,13 @@ static int load_from_set(const load_job *j, const ckpt_set *set, ps_ckpt_restore
       if (first_missing < 0) first_missing = i;
       if (i == 0 && j->want_extra)
         return ps_seterr(why, PS_EINVAL, "no checkpoint of shard 0, which holds the extra state");
+      if (j->src->want_tables)
+        return ps_seterr(why, PS_EINVAL,
+                         "no checkpoint of shard %d, whose embedding rows are wanted too", i);
       continue;
     }
     int overlaps = j->begin < j->end && e->begin < j->end && j->begin < e->end;
-    if (!overlaps && !(i == 0 && j->want_extra)) continue;
+    if (!overlaps && !(i == 0 && j->want_extra) && !j->src->want_tables) continue;
     ps_ckpt ck;
     char path[PS_CKPT_PATHLEN], reason[PS_ERRLEN] = "";
     size_t r;
@@ -1019,10 +1063,33 @@ static int load_from_set(const load_job *j, const ckpt_set *set, ps_ckpt_restore
       note(j->src, r > 0 ? PS_LOG_WARN : PS_LOG_INFO,
            "restoring [%zu, %zu) from '%s' (shard %d of %d, version %" PRIu64 "%s)", lo, hi, path,
            i, set->num_shards, ck.meta.version, r > 0 ? ", an older one: newer ones are bad" : "");
-    } else {
+    } else if (i == 0 && j->want_extra) {
       note(j->src, PS_LOG_INFO,
            "reading the extra state from '%s' (shard 0 of %d, version %" PRIu64 ")", path,
            set->num_shards, ck.meta.version);
+    } else {
+      note(j->src, PS_LOG_INFO,
+           "reading the embedding rows of '%s' (shard %d of %d, version %" PRIu64 ")", path, i,
+           set->num_shards, ck.meta.version);
+    }
+    if (j->src->want_tables) {
+      if (!out->parts) {
+        out->parts = calloc((size_t)set->num_shards, sizeof *out->parts);
+        if (!out->parts) {
+          ps_ckpt_free(&ck);
+          return ps_seterr(why, PS_ENOMEM, "out of memory for %d shards' rows", set->num_shards);
+        }
+        out->n_parts = set->num_shards;
+      }
+      ps_ckpt_part *pt = &out->parts[i];
+      snprintf(pt->path, sizeof pt->path, "%s", path);
+      pt->index = i;
+      pt->num_shards = set->num_shards;
+      pt->version = ck.meta.version;
+      pt->tables = ck.tables; /* moved out of ck */
+      pt->tables_len = ck.tables_len;
+      ck.tables = NULL;
+      ck.tables_len = 0;
     }
     if (!out->cut && ck.cut_len > 0) {
       out->cut = ck.cut; /* moved out of ck */
@@ -1099,6 +1166,15 @@ static size_t consistent_groups(const ckpt_list *l, size_t first, size_t count, 
   return added;
 }
 
+void ps_ckpt_restored_free(ps_ckpt_restored *r) {
+  if (!r) return;
+  free(r->extra);
+  free(r->cut);
+  for (int i = 0; i < r->n_parts; i++) free(r->parts[i].tables);
+  free(r->parts);
+  memset(r, 0, sizeof *r);
+}
+
 int ps_ckpt_load_range(const ps_ckpt_source *src, size_t begin, size_t end, float *params,
                        float *const *slots, int n_slots, int want_extra, ps_ckpt_restored *out,
                        char *err) {
@@ -1121,6 +1197,7 @@ int ps_ckpt_load_range(const ps_ckpt_source *src, size_t begin, size_t end, floa
   /* Peek at every header: files of other jobs and sizes are dropped here,
    * and the ranges and write times are needed to choose. */
   size_t kept = 0, seen = l.n, others = 0;
+  char damaged[PS_CKPT_PATHLEN] = ""; /* the last file whose header is bad (truncated, ...) */
   for (size_t i = 0; i < l.n; i++) {
     ckpt_entry *e = &l.v[i];
     char path[PS_CKPT_PATHLEN], why[PS_ERRLEN];
@@ -1129,6 +1206,7 @@ int ps_ckpt_load_range(const ps_ckpt_source *src, size_t begin, size_t end, floa
     if (join_path(path, src->dir, e->name, why) != PS_OK ||
         ps_ckpt_read_header(path, &m, &k, NULL, why) != PS_OK) {
       note(src, PS_LOG_WARN, "skipping checkpoint: %s", why);
+      snprintf(damaged, sizeof damaged, "%s", e->name);
       free(e->name);
       continue;
     }
@@ -1219,9 +1297,7 @@ int ps_ckpt_load_range(const ps_ckpt_source *src, size_t begin, size_t end, floa
                : "");
       break;
     }
-    free(out->extra);
-    free(out->cut);
-    memset(out, 0, sizeof *out);
+    ps_ckpt_restored_free(out);
     if (sets[s].kind == GROUP_SET)
       note(src, PS_LOG_WARN, "cannot restore [%zu, %zu) from set %" PRIu64 " of the %d-shard "
            "checkpoints in '%s': %s", begin, end, sets[s].set_id, sets[s].num_shards, src->dir, why);
@@ -1229,7 +1305,12 @@ int ps_ckpt_load_range(const ps_ckpt_source *src, size_t begin, size_t end, floa
       note(src, PS_LOG_WARN, "cannot restore [%zu, %zu) from the %d-shard checkpoints in '%s': %s",
            begin, end, sets[s].num_shards, src->dir, why);
   }
-  if (rc != PS_OK)
+  if (rc != PS_OK && damaged[0])
+    ps_seterr(err, PS_EINVAL,
+              "'%s' is damaged (see the warning), and no set of checkpoints in '%s' can restore "
+              "[%zu, %zu) from the other files; the last tried: %s",
+              damaged, src->dir, begin, end, why);
+  else if (rc != PS_OK)
     ps_seterr(err, PS_EINVAL,
               "no set of checkpoints in '%s' can restore [%zu, %zu) (%zu set%s tried); the last: "
               "%s",
@@ -1303,18 +1384,203 @@ int ps_ckpt_prune_sets(const char *dir, int index, int num_shards, const char *j
   return PS_OK;
 }
 
+/* ---------------------------------------------------------------- tables */
+
+static const uint8_t TABLES_MAGIC[4] = {'P', 'S', 'T', 'B'};
+enum { TABLES_VERSION = 1, TABLES_PREAMBLE = 16, TABLE_HEAD = 72 };
+
+static size_t table_rec_bytes(int dim, int n_slots) {
+  return 12 + 4 * (size_t)dim * (size_t)(1 + n_slots);
+}
+
+int ps_ckpt_tables_parse(const void *sec, size_t len, const char *what, ps_ckpt_table *out,
+                         int *n, char *err) {
+  const uint8_t *p = sec;
+  *n = 0;
+  if (len < TABLES_PREAMBLE || memcmp(p, TABLES_MAGIC, sizeof TABLES_MAGIC) != 0)
+    return ps_seterr(err, PS_EINVAL, "'%s': its tables section (%zu bytes) has no 'PSTB' magic",
+                     what, len);
+  uint32_t version = ps_get_le32(p + 4), nt = ps_get_le32(p + 8);
+  if (version != TABLES_VERSION)
+    return ps_seterr(err, PS_EINVAL,
+                     "'%s': tables section version %" PRIu32 ", this build reads %d: written by a "
+                     "newer version",
+                     what, version, TABLES_VERSION);
+  if (nt > PS_MAX_TABLES || ps_get_le32(p + 12) != 0)
+    return ps_seterr(err, PS_EINVAL, "'%s': tables section names %" PRIu32 " tables (at most %d)",
+                     what, nt, PS_MAX_TABLES);
+  size_t at = TABLES_PREAMBLE;
+  for (uint32_t i = 0; i < nt; i++) {
+    ps_ckpt_table *t = &out[i];
+    memset(t, 0, sizeof *t);
+    if (len - at < TABLE_HEAD)
+      return ps_seterr(err, PS_EINVAL, "'%s': tables section ends inside table %" PRIu32 "'s header",
+                       what, i);
+    const uint8_t *h = p + at;
+    memcpy(t->name, h, sizeof t->name);
+    memcpy(t->optimizer, h + 32, sizeof t->optimizer);
+    t->rows = ps_get_le64(h + 48);
+    uint32_t dim = ps_get_le32(h + 56), k = ps_get_le32(h + 60);
+    t->n = ps_get_le64(h + 64);
+    if (!name_field_ok(t->name, sizeof t->name) || !ps_table_name_ok(t->name) ||
+        !name_field_ok(t->optimizer, sizeof t->optimizer) || dim < 1 ||
+        dim > PS_TABLE_MAX_DIM || k > PS_CKPT_MAX_SLOTS)
+      return ps_seterr(err, PS_EINVAL,
+                       "'%s': table %" PRIu32 " of its tables section has a bad header (name, "
+                       "dim %" PRIu32 " or %" PRIu32 " slots)",
+                       what, i, dim, k);
+    for (uint32_t j = 0; j < i; j++)
+      if (strcmp(out[j].name, t->name) == 0)
+        return ps_seterr(err, PS_EINVAL, "'%s': table '%s' twice in its tables section", what,
+                         t->name);
+    t->dim = (int)dim;
+    t->n_slots = (int)k;
+    t->rec_bytes = table_rec_bytes(t->dim, t->n_slots);
+    at += TABLE_HEAD;
+    if (t->n > (len - at) / t->rec_bytes)
+      return ps_seterr(err, PS_EINVAL,
+                       "'%s': table '%s' says %" PRIu64 " rows, its tables section holds at most "
+                       "%zu: truncated or corrupt",
+                       what, t->name, t->n, (len - at) / t->rec_bytes);
+    t->recs = p + at;
+    size_t vals = (size_t)t->dim * (size_t)(1 + t->n_slots);
+    for (uint64_t r = 0; r < t->n; r++) {
+      const uint8_t *rec = t->recs + r * t->rec_bytes;
+      uint64_t id = ps_get_le64(rec);
+      if (t->rows && id >= t->rows)
+        return ps_seterr(err, PS_EINVAL,
+                         "'%s': table '%s' holds row %" PRIu64 ", beyond its %" PRIu64 " rows",
+                         what, t->name, id, t->rows);
+      for (size_t v = 0; v < vals; v++) {
+        float x;
+        memcpy(&x, rec + 12 + 4 * v, sizeof x);
+        if (!isfinite(x))
+          return ps_seterr(err, PS_EINVAL, "'%s': table '%s', row %" PRIu64 " holds a NaN or Inf",
+                           what, t->name, id);
+      }
+    }
+    at += (size_t)t->n * t->rec_bytes;
+  }
+  if (at != len)
+    return ps_seterr(err, PS_EINVAL, "'%s': its tables section has %zu bytes after its last table",
+                     what, len - at);
+  *n = (int)nt;
+  return PS_OK;
+}
+
+uint64_t ps_ckpt_table_row(const ps_ckpt_table *t, uint64_t r, uint32_t *count, float *rec) {
+  const uint8_t *p = t->recs + r * t->rec_bytes;
+  *count = ps_get_le32(p + 8);
+  memcpy(rec, p + 12, t->rec_bytes - 12);
+  return ps_get_le64(p);
+}
+
+static int builder_room(ps_ckpt_tables_builder *b, size_t more) {
+  if (b->failed) return b->failed;
+  if (more <= b->cap - b->len) return PS_OK;
+  if (more > SIZE_MAX / 4 - b->len)
+    return b->failed = ps_seterr(b->err, PS_ENOMEM, "tables section too large");
+  /* Twice the room (rows beyond the hint), at least what is asked. */
+  size_t need = b->len + more, cap = b->cap ? 2 * b->cap : 256;
+  if (cap < need) cap = need;
+  uint8_t *nb = realloc(b->buf, cap);
+  if (!nb)
+    return b->failed = ps_seterr(b->err, PS_ENOMEM, "out of memory for %zu bytes of table rows",
+                                 cap);
+  b->buf = nb;
+  b->cap = cap;
+  return PS_OK;
+}
+
+/* Completes the current table's header with its row count. */
+static void builder_close_table(ps_ckpt_tables_builder *b) {
+  if (b->n_tables > 0) ps_put_le64(b->buf + b->head + 64, b->n);
+}
+
+void ps_ckpt_tables_begin(ps_ckpt_tables_builder *b, size_t bytes_hint) {
+  memset(b, 0, sizeof *b);
+  if (builder_room(b, TABLES_PREAMBLE + bytes_hint) != PS_OK) return;
+  memcpy(b->buf, TABLES_MAGIC, sizeof TABLES_MAGIC);
+  ps_put_le32(b->buf + 4, TABLES_VERSION);
+  ps_put_le32(b->buf + 8, 0);
+  ps_put_le32(b->buf + 12, 0);
+  b->len = TABLES_PREAMBLE;
+}
+
+int ps_ckpt_tables_add_table(ps_ckpt_tables_builder *b, const char *name, const char *optimizer,
+                             uint64_t rows, int dim, int n_slots) {
+  if (b->failed) return b->failed;
+  if (b->n_tables >= PS_MAX_TABLES || !ps_table_name_ok(name) || strlen(optimizer) > 15 ||
+      dim < 1 || dim > PS_TABLE_MAX_DIM || n_slots < 0 || n_slots > PS_CKPT_MAX_SLOTS)
+    return b->failed = ps_seterr(b->err, PS_EINVAL,
+                                 "checkpoint: table '%.32s' (dim %d, %d slots, optimizer '%.16s') "
+                                 "cannot be written, or more than %d tables",
+                                 name, dim, n_slots, optimizer, PS_MAX_TABLES);
+  int rc = builder_room(b, TABLE_HEAD);
+  if (rc) return rc;
+  builder_close_table(b);
+  uint8_t *h = b->buf + b->len;
+  memset(h, 0, TABLE_HEAD);
+  memcpy(h, name, strlen(name));
+  memcpy(h + 32, optimizer, strlen(optimizer));
+  ps_put_le64(h + 48, rows);
+  ps_put_le32(h + 56, (uint32_t)dim);
+  ps_put_le32(h + 60, (uint32_t)n_slots);
+  b->head = b->len;
+  b->len += TABLE_HEAD;
+  b->n = 0;
+  b->rec_bytes = table_rec_bytes(dim, n_slots);
+  b->n_tables++;
+  ps_put_le32(b->buf + 8, (uint32_t)b->n_tables);
+  return PS_OK;
+}
+
+int ps_ckpt_tables_add_row(ps_ckpt_tables_builder *b, uint64_t id, uint32_t count,
+                           const float *rec) {
+  if (b->failed) return b->failed;
+  if (b->n_tables == 0)
+    return b->failed = ps_seterr(b->err, PS_EINVAL, "checkpoint: a table row before any table");
+  int rc = builder_room(b, b->rec_bytes);
+  if (rc) return rc;
+  uint8_t *p = b->buf + b->len;
+  ps_put_le64(p, id);
+  ps_put_le32(p + 8, count);
+  memcpy(p + 12, rec, b->rec_bytes - 12);
+  b->len += b->rec_bytes;
+  b->n++;
+  return PS_OK;
+}
+
+int ps_ckpt_tables_finish(ps_ckpt_tables_builder *b, void **out, size_t *len, char *err) {
+  *out = NULL;
+  *len = 0;
+  int rc = b->failed;
+  if (rc) {
+    ps_seterr(err, rc, "%s", b->err);
+    free(b->buf);
+  } else {
+    builder_close_table(b);
+    *out = b->buf;
+    *len = b->len;
+  }
+  memset(b, 0, sizeof *b);
+  return rc;
+}
+
 /* ---------------------------------------------------------------- export */
 
-int ps_npy_write(const char *path, const float *data, const size_t *shape, int ndim, char *err) {
+/* A .npy file of values of `elem` bytes described by descr ('<f4', '<u8'). */
+static int npy_write(const char *path, const char *descr, size_t elem, const void *data,
+                     const size_t *shape, int ndim, char *err) {
   if (!path || ndim < 0 || ndim > 8 || (ndim > 0 && !shape))
     return ps_seterr(err, PS_EINVAL, "npy: bad arguments");
   /* The header text as NumPy writes it: a Python dict literal, then spaces
    * and '\n' up to a multiple of 64 bytes counted from the file's start. */
   char hdr[512];
-  int len = snprintf(hdr, sizeof hdr, "{'descr': '<f4', 'fortran_order': False, 'shape': (");
+  int len = snprintf(hdr, sizeof hdr, "{'descr': '%s', 'fortran_order': False, 'shape': (", descr);
   size_t count = 1;
   for (int i = 0; i < ndim; i++) {
-    if (shape[i] != 0 && count > SIZE_MAX / sizeof(float) / shape[i])
+    if (shape[i] != 0 && count > SIZE_MAX / elem / shape[i])
       return ps_seterr(err, PS_EINVAL, "npy '%s': shape too large", path);
     count *= shape[i];
     len += snprintf(hdr + len, sizeof hdr - (size_t)len, i ? ", %zu" : "%zu", shape[i]);
@@ -1336,13 +1602,22 @@ int ps_npy_write(const char *path, const float *data, const size_t *shape, int n
   if (fd < 0) return fd;
   int e = write_all(fd, pre, sizeof pre);
   if (!e) e = write_all(fd, hdr, (size_t)len);
-  if (!e && count) e = write_all(fd, data, count * sizeof(float));
+  if (!e && count) e = write_all(fd, data, count * elem);
   if (e) {
     close(fd);
     unlink(tmp);
     return ps_seterr(err, PS_EIO, "cannot write '%s': %s", tmp, strerror(e));
   }
   return commit_temp(fd, tmp, path, err);
+}
+
+int ps_npy_write(const char *path, const float *data, const size_t *shape, int ndim, char *err) {
+  return npy_write(path, "<f4", sizeof(float), data, shape, ndim, err);
+}
+
+int ps_npy_write_u64(const char *path, const uint64_t *data, const size_t *shape, int ndim,
+                     char *err) {
+  return npy_write(path, "<u8", sizeof(uint64_t), data, shape, ndim, err);
 }
 
 static int export_tensor(const char *out_dir, const char *layer, const char *suffix,

@@ -1,8 +1,8 @@
 /* ps-export: the model's parameters from shard checkpoints (written with any
  * number of shards), for use outside this system: one NumPy .npy file per
- * tensor (np.load, PyTorch, Keras), or the inference graph as an ONNX file
- * (onnxruntime and other ONNX readers). The flag table drives parsing and
- * --help. */
+ * tensor (np.load, PyTorch, Keras) and per embedding table, or the
+ * inference graph as an ONNX file (onnxruntime and other ONNX readers). The
+ * flag table drives parsing and --help. */
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,6 +13,7 @@
 #include "../common/util.h"
 #include "checkpoint.h"
 #include "export_onnx.h"
+#include "table_ckpt.h"
 
 #ifndef PS_EXPORT_VERSION
 #define PS_EXPORT_VERSION "unknown"
@@ -42,7 +43,10 @@ static const ps_option export_flags[] = {
      "`npy`: one NumPy file per tensor, `<layer>.w.npy` (conv2d: OC, IC, KH, KW; dense: OUT, "
      "IN) and `<layer>.b.npy` (none for a layer without a bias), batchnorm's "
      "`<layer>.gamma.npy`, `.beta.npy`, `.moving_mean.npy` and `.moving_variance.npy` (C), "
-     "float32; `onnx`: the inference graph (input `input` [N, C, H, W], output "
+     "float32; and per embedding table `<table>.emb.npy`, float32: a bounded table's (rows, "
+     "dim), row `id` at index `id` (rows never pushed hold their initial values), an "
+     "unbounded one's (n, dim) for the n rows held, whose ids are in `<table>.ids.npy` (n) "
+     "uint64, increasing; `onnx`: the inference graph (input `input` [N, C, H, W], output "
      "`probabilities` [N, classes], dropout left out, batchnorm with its moving statistics) "
      "with the parameters as initializers, ONNX operator set 13"},
     {"log-level", "L", PS_OPT_CHOICE, O(log_level), .choices = level_choices, .def = "info",
@@ -72,6 +76,8 @@ static int export_params(const export_opts *o, const ps_job *job, const float *p
                          .version = got->version,
                          .num_shards = got->num_shards};
     uint64_t bytes = 0;
+    if (job->n_tables)
+      PS_WARN("the ONNX graph holds no embedding tables: export them with --format npy");
     int rc = ps_onnx_export(&job->model, params, &meta, o->out, &bytes, err);
     if (rc == 0)
       PS_INFO("wrote the ONNX model '%s' (%llu bytes, opset 13): job '%s', %s, from the %d-shard "
@@ -80,8 +86,15 @@ static int export_params(const export_opts *o, const ps_job *job, const float *p
               (unsigned long long)got->version);
     return rc;
   }
-  int files = 0;
+  int files = 0, tfiles = 0;
   int rc = ps_ckpt_export_npy(&job->model, params, o->out, &files, err);
+  if (rc == 0)
+    rc = ps_table_ckpt_export_npy(job, got->parts, got->n_parts, o->out, &tfiles, err);
+  files += tfiles;
+  if (rc == 0 && job->n_tables)
+    PS_INFO("wrote the %d embedding table(s) as %d .npy files (from the rows of %d shards' "
+            "files)",
+            job->n_tables, tfiles, got->n_parts);
   if (rc == 0)
     PS_INFO("wrote %d .npy files to '%s': job '%s', %s, from the %d-shard checkpoints "
             "(version %llu)",
@@ -126,10 +139,10 @@ int main(int argc, char **argv) {
     free(job);
     return 1;
   }
-  ps_ckpt_source src = {.dir = o.ckpt_dir, .job_id = job->job_id, .P = P};
+  ps_ckpt_source src = {.dir = o.ckpt_dir, .job_id = job->job_id, .P = P,
+                        .want_tables = job->n_tables > 0 && o.format == FORMAT_NPY};
   ps_ckpt_restored got;
   rc = ps_ckpt_load_range(&src, 0, P, params, NULL, 0, 0, &got, err);
-  if (rc == 0) free(got.cut);
   if (rc) {
     fprintf(stderr, "ps-export: %s\n", err);
     if (rc == PS_ENOTFOUND)
@@ -142,6 +155,7 @@ int main(int argc, char **argv) {
   }
   rc = export_params(&o, job, params, &got, err);
   if (rc) fprintf(stderr, "ps-export: %s\n", err);
+  ps_ckpt_restored_free(&got);
   ps_free(params);
   free(job);
   return rc ? 1 : 0;

@@ -4,6 +4,7 @@
 
 #include <inttypes.h>
 #include <limits.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,9 +14,11 @@
 #include "../common/atomic_file.h"
 #include "../common/auth.h"
 #include "../common/crc32c.h"
+#include "../common/optim.h"
 #include "../common/wire.h"
 #include "proto/ps.pb-c.h"
 #include "server.h"
+#include "table_sync.h"
 
 enum { FOLLOWER = 0, PRIMARY = 1 };
 /* Entries per Replicate call (and bytes: ps_replica_max_request). */
@@ -53,6 +56,10 @@ typedef struct rentry {
   int quorum, result; /* SYNC_STEP */
   uint64_t *ids; /* LEASE_RENEW: the leases named; REGISTER: the chunks named done */
   size_t n_ids;
+  /* PUSH: the push's embedding rows, as the entry sends them */
+  Ps__TableRows rows[PS_MAX_TABLES], *rows_p[PS_MAX_TABLES];
+  size_t n_rows;
+  uint8_t *row_ids; /* the sections' ids, uint64 LE */
   /* answered at commit */
   rpc_call *call;
   uint8_t *reply;
@@ -310,6 +317,7 @@ static void entry_unref(rentry *e) {
   if (!e || --e->refs > 0) return;
   free(e->ids);
   free(e->grad);
+  free(e->row_ids);
   free(e->reply);
   free(e);
 }
@@ -440,11 +448,15 @@ int ps_replica_append(ps_server *sv, const ps_replica_update *u, rpc_call *call,
   size_t n_ids = u->n_leases ? u->n_leases : u->n_done;
   const uint64_t *ids_in = u->n_leases ? u->leases : u->done_chunks;
   uint64_t *ids = n_ids ? malloc(n_ids * sizeof *ids) : NULL;
-  if (!e || !rb || (u->gradient && u->gradient->total && !g) || (n_ids && !ids)) {
+  size_t n_row_ids = u->rows ? u->rows->total : 0;
+  uint8_t *row_ids = n_row_ids ? malloc(8 * n_row_ids) : NULL;
+  if (!e || !rb || (u->gradient && u->gradient->total && !g) || (n_ids && !ids) ||
+      (n_row_ids && !row_ids)) {
     free(e);
     free(rb);
     free(g);
     free(ids);
+    free(row_ids);
     /* The update is applied here but in no entry: every backup takes the
      * whole state instead (its position would match a state it lacks). */
     ps_replica_diverged(sv);
@@ -471,6 +483,20 @@ int ps_replica_append(ps_server *sv, const ps_replica_update *u, rpc_call *call,
   if (n_ids) memcpy(ids, ids_in, n_ids * sizeof *ids);
   e->ids = ids;
   e->n_ids = n_ids;
+  if (u->rows) {
+    size_t at = 0;
+    for (int i = 0; i < u->rows->n_sec; i++) {
+      const size_t k = u->rows->sec[i].n;
+      for (size_t j = 0; j < k; j++) ps_put_le64(row_ids + 8 * (at + j), u->rows->sec[i].ids[j]);
+      ps__table_rows__init(&e->rows[i]);
+      e->rows[i].table = (uint32_t)u->rows->sec[i].table;
+      e->rows[i].ids = (ProtobufCBinaryData){.len = 8 * k, .data = k ? row_ids + 8 * at : NULL};
+      e->rows_p[i] = &e->rows[i];
+      at += k;
+    }
+    e->n_rows = (size_t)u->rows->n_sec;
+    e->row_ids = row_ids;
+  }
   e->now_ms = u->now_ms;
   e->timeout_ms = u->timeout_ms;
   e->complete_lease = u->complete_lease;
@@ -603,8 +629,16 @@ static int apply_entry(ps_server *sv, const Ps__ReplicaEntry *e) {
                 e->seq, e->worker_id);
         return PS_ESTATE;
       }
-      if (ps_service_push_step(sv, e->worker_id, e->request_id, e->base_version, e->offset,
-                               e->count, e->step, &view, &resp, err) != 0) {
+      ps_rows_req *rows = NULL;
+      if (ps_rows_from_msg(sv, e->rows, e->n_rows, &rows, err) != PS_OK) {
+        PS_WARN("replication: entry %" PRIu64 " (a push) names rows refused here: %s", e->seq,
+                err);
+        return PS_ESTATE;
+      }
+      int rc = ps_service_push_step(sv, e->worker_id, e->request_id, e->base_version, e->offset,
+                                    e->count, e->step, &view, rows, &resp, err);
+      ps_rows_free(rows);
+      if (rc != 0) {
         PS_WARN("replication: entry %" PRIu64 " (a push) refused here: %s", e->seq, err);
         return PS_ESTATE;
       }
@@ -680,6 +714,10 @@ typedef struct {
   size_t leases_len;
   float *sync_sum;
   uint64_t *sync_ids;
+  /* embedding tables' rows and a sync step's rows (one buffer each) */
+  Ps__ReplicaRows trows[PS_MAX_TABLES], *trows_p[PS_MAX_TABLES];
+  Ps__ReplicaRows srows[PS_MAX_TABLES], *srows_p[PS_MAX_TABLES];
+  uint8_t *tbuf[PS_MAX_TABLES], *sbuf[PS_MAX_TABLES];
 } snap_buf;
 
 static void snap_free(snap_buf *b) {
@@ -693,6 +731,176 @@ static void snap_free(snap_buf *b) {
   free(b->leases);
   free(b->sync_sum);
   free(b->sync_ids);
+  for (int t = 0; t < PS_MAX_TABLES; t++) {
+    free(b->tbuf[t]);
+    free(b->sbuf[t]);
+  }
+}
+
+/* Embedding rows into a snapshot: a ReplicaRows' three arrays carved out
+ * of one buffer of n rows of vals floats each. */
+typedef struct {
+  Ps__ReplicaRows *m;
+  size_t n, at, vals;
+  int table; /* sync rows: the table walked */
+} rows_fill;
+
+static int rows_alloc(Ps__ReplicaRows *m, uint8_t **buf, int table, size_t n, size_t vals) {
+  *buf = malloc(n ? n * (12 + 4 * vals) : 1);
+  if (!*buf) return PS_ENOMEM;
+  ps__replica_rows__init(m);
+  m->table = (uint32_t)table;
+  m->ids = (ProtobufCBinaryData){.len = 8 * n, .data = *buf};
+  m->counts = (ProtobufCBinaryData){.len = 4 * n, .data = *buf + 8 * n};
+  m->values = (ProtobufCBinaryData){.len = 4 * vals * n, .data = *buf + 12 * n};
+  return PS_OK;
+}
+
+static void rows_put(rows_fill *f, uint64_t id, uint32_t count, const float *v) {
+  ps_put_le64(f->m->ids.data + 8 * f->at, id);
+  ps_put_le32(f->m->counts.data + 4 * f->at, count);
+  memcpy(f->m->values.data + 4 * f->vals * f->at, v, 4 * f->vals);
+  f->at++;
+}
+
+static int count_table_row(void *user, uint64_t id, uint32_t t, const float *rec) {
+  (void)id, (void)t, (void)rec;
+  ((rows_fill *)user)->n++;
+  return 0;
+}
+static int fill_table_row(void *user, uint64_t id, uint32_t t, const float *rec) {
+  rows_fill *f = user;
+  if (f->at == f->n) return 1;
+  rows_put(f, id, t, rec);
+  return 0;
+}
+static int count_sum_row(void *user, int table, uint64_t id, uint32_t count, const float *sum) {
+  (void)id, (void)count, (void)sum;
+  ((size_t *)user)[table]++;
+  return 0;
+}
+static int fill_sum_row(void *user, int table, uint64_t id, uint32_t count, const float *sum) {
+  rows_fill *f = &((rows_fill *)user)[table];
+  if (f->at == f->n) return 1;
+  rows_put(f, id, count, sum);
+  return 0;
+}
+
+/* Every table's pushed rows and (sync) the step's rows into the snapshot.
+ * mu held: no update in between. PS_ENOMEM. */
+static int snap_take_rows(ps_server *sv, snap_buf *b) {
+  for (int t = 0; t < sv->n_tables; t++) {
+    ps_table *tb = sv->tables[t];
+    const size_t vals = (size_t)ps_table_spec_of(tb)->dim * (size_t)(1 + ps_table_n_slots(tb));
+    ps_table_read_lock(tb);
+    rows_fill f = {.vals = vals};
+    ps_table_each_row(tb, count_table_row, &f);
+    int rc = rows_alloc(&b->trows[t], &b->tbuf[t], t, f.n, vals);
+    if (rc == PS_OK) {
+      f.m = &b->trows[t];
+      ps_table_each_row(tb, fill_table_row, &f);
+    }
+    ps_table_unlock(tb);
+    if (rc != PS_OK) return rc;
+    b->trows_p[t] = &b->trows[t];
+  }
+  b->snap.n_tables = (size_t)sv->n_tables;
+  b->snap.tables = sv->n_tables ? b->trows_p : NULL;
+  if (!sv->rows_sum || ps_rows_sum_count(sv->rows_sum) == 0) return PS_OK;
+  size_t per[PS_MAX_TABLES] = {0};
+  ps_rows_sum_each(sv->rows_sum, count_sum_row, per);
+  rows_fill f[PS_MAX_TABLES];
+  for (int t = 0; t < sv->n_tables; t++) {
+    const size_t vals = (size_t)ps_table_spec_of(sv->tables[t])->dim;
+    if (rows_alloc(&b->srows[t], &b->sbuf[t], t, per[t], vals) != PS_OK) return PS_ENOMEM;
+    f[t] = (rows_fill){.m = &b->srows[t], .n = per[t], .vals = vals, .table = t};
+    b->srows_p[t] = &b->srows[t];
+  }
+  ps_rows_sum_each(sv->rows_sum, fill_sum_row, f);
+  b->snap.n_sync_rows = (size_t)sv->n_tables;
+  b->snap.sync_rows = b->srows_p;
+  return PS_OK;
+}
+
+/* Checks a snapshot's rows before anything is replaced: each table once,
+ * arrays of one row count, ids of the table placed here (each once),
+ * values finite. PS_EINVAL / PS_ENOMEM with a message. */
+static int snap_check_rows(ps_server *sv, Ps__ReplicaRows *const *rows, size_t n, int sum,
+                           char *err) {
+  const char *what = sum ? "sync step's rows" : "table rows";
+  if (n > (size_t)sv->n_tables)
+    return ps_seterr(err, PS_EINVAL, "a snapshot's %s name %zu tables (the job has %d)", what, n,
+                     sv->n_tables);
+  uint32_t seen = 0;
+  for (size_t i = 0; i < n; i++) {
+    const Ps__ReplicaRows *m = rows[i];
+    if (m->table >= (uint32_t)sv->n_tables || (seen & (1u << m->table)))
+      return ps_seterr(err, PS_EINVAL, "a snapshot's %s name table %" PRIu32 " twice or beyond "
+                       "the job's %d", what, m->table, sv->n_tables);
+    seen |= 1u << m->table;
+    ps_table *tb = sv->tables[m->table];
+    const ps_table_spec *sp = ps_table_spec_of(tb);
+    const size_t k = m->ids.len / 8;
+    const size_t vals = (size_t)sp->dim * (size_t)(sum ? 1 : 1 + ps_table_n_slots(tb));
+    if (m->ids.len % 8 || m->counts.len != 4 * k || m->values.len != 4 * vals * k ||
+        (!sp->rows && k > sp->max_rows_per_shard))
+      return ps_seterr(err, PS_EINVAL, "a snapshot's %s of table '%s' are malformed (%zu bytes "
+                       "of ids, %zu of counts, %zu of values)",
+                       what, sp->name, m->ids.len, m->counts.len, m->values.len);
+    uint64_t *ids = malloc((k ? k : 1) * sizeof *ids);
+    if (!ids) return ps_seterr(err, PS_ENOMEM, "out of memory checking a snapshot's rows");
+    for (size_t j = 0; j < k; j++) ids[j] = ps_get_le64(m->ids.data + 8 * j);
+    int rc = ps_table_check_ids(tb, ids, k, NULL, err);
+    free(ids);
+    if (rc) return rc;
+    for (size_t j = 0; j < vals * k; j++) {
+      float v;
+      memcpy(&v, m->values.data + 4 * j, sizeof v);
+      if (!isfinite(v))
+        return ps_seterr(err, PS_EINVAL, "a snapshot's %s of table '%s' hold a value that is "
+                         "not finite", what, sp->name);
+    }
+  }
+  return PS_OK;
+}
+
+/* Replaces every table's rows by the snapshot's (checked), and (with_sum)
+ * the step's rows. After ps_shard_restore_state, which emptied the step.
+ * An error (no memory) leaves some rows out: the caller refuses the
+ * snapshot, and the primary sends another. */
+static int snap_install_rows(ps_server *sv, const Ps__ReplicaSnapshot *s, int with_sum,
+                             char *err) {
+  int rc = PS_OK;
+  for (int t = 0; t < sv->n_tables; t++) {
+    ps_table_write_lock(sv->tables[t]);
+    ps_table_clear(sv->tables[t]);
+    ps_table_unlock(sv->tables[t]);
+  }
+  float *rec = malloc((size_t)PS_TABLE_MAX_DIM * (1 + PS_OPTIM_MAX_SLOTS) * sizeof(float));
+  if (!rec) return ps_seterr(err, PS_ENOMEM, "out of memory for a snapshot's rows");
+  for (size_t i = 0; rc == PS_OK && i < s->n_tables; i++) {
+    const Ps__ReplicaRows *m = s->tables[i];
+    ps_table *tb = sv->tables[m->table];
+    const size_t vals = (size_t)ps_table_spec_of(tb)->dim * (size_t)(1 + ps_table_n_slots(tb));
+    ps_table_write_lock(tb);
+    for (size_t j = 0; rc == PS_OK && j < m->ids.len / 8; j++) {
+      memcpy(rec, m->values.data + 4 * vals * j, 4 * vals);
+      rc = ps_table_put_row(tb, ps_get_le64(m->ids.data + 8 * j),
+                            ps_get_le32(m->counts.data + 4 * j), rec, err);
+    }
+    ps_table_unlock(tb);
+  }
+  for (size_t i = 0; with_sum && sv->rows_sum && rc == PS_OK && i < s->n_sync_rows; i++) {
+    const Ps__ReplicaRows *m = s->sync_rows[i];
+    const size_t vals = (size_t)ps_table_spec_of(sv->tables[m->table])->dim;
+    for (size_t j = 0; rc == PS_OK && j < m->ids.len / 8; j++) {
+      memcpy(rec, m->values.data + 4 * vals * j, 4 * vals);
+      rc = ps_rows_sum_put(sv->rows_sum, (int)m->table, ps_get_le64(m->ids.data + 8 * j),
+                           ps_get_le32(m->counts.data + 4 * j), rec, err);
+    }
+  }
+  free(rec);
+  return rc;
 }
 
 /* The state now, as a snapshot message (pointing into b). mu held (no
@@ -794,6 +1002,10 @@ static int snap_take(ps_replica *rp, snap_buf *b) {
     b->snap.sync_ids = b->sync_ids;
     b->snap.sync_max = smax;
   }
+  if (snap_take_rows(sv, b) != PS_OK) {
+    snap_free(b);
+    return PS_ENOMEM;
+  }
   return PS_OK;
 }
 
@@ -817,6 +1029,11 @@ static int snap_install(ps_replica *rp, const Ps__ReplicaSnapshot *s, char *err)
       !(s->sync_max >= 0 && s->sync_max < 1e300))
     return ps_seterr(err, PS_EINVAL, "a snapshot's sync step is malformed (%zu gradients, %zu "
                      "bytes of sum)", s->n_sync_ids, s->sync_sum.len);
+  int rrc = snap_check_rows(sv, s->tables, s->n_tables, 0, err);
+  if (rrc == PS_OK) rrc = snap_check_rows(sv, s->sync_rows, s->n_sync_rows, 1, err);
+  if (rrc != PS_OK) return rrc;
+  if (s->n_sync_rows && s->n_sync_ids == 0)
+    return ps_seterr(err, PS_EINVAL, "a snapshot's sync step has rows but no gradient");
   ps_member_state *ms = calloc(s->n_workers + 1, sizeof *ms);
   float *params = malloc((n ? n : 1) * sizeof(float));
   float *slots[8] = {0};
@@ -879,12 +1096,18 @@ static int snap_install(ps_replica *rp, const Ps__ReplicaSnapshot *s, char *err)
       float *sum = NULL;
       if (s->n_sync_ids > 0 && n > 0 && (sum = malloc(n * sizeof(float))) != NULL)
         memcpy(sum, s->sync_sum.data, n * sizeof(float));
+      int with_sum = 1;
       if ((s->n_sync_ids > 0 && n > 0 && !sum) ||
-          ps_shard_sync_import(sv->shard, sum, s->sync_ids, (int)s->n_sync_ids, s->sync_max) != PS_OK)
+          ps_shard_sync_import(sv->shard, sum, s->sync_ids, (int)s->n_sync_ids, s->sync_max) != PS_OK) {
         PS_ERROR("replication: no memory for the snapshot's sync step: it is left out");
+        with_sum = 0; /* its rows with it */
+      }
       free(sum);
-      rp->pos.term = s->position->term;
-      rp->pos.seq = s->position->seq;
+      rc = snap_install_rows(sv, s, with_sum, err);
+      if (rc == PS_OK) {
+        rp->pos.term = s->position->term;
+        rp->pos.seq = s->position->seq;
+      }
     } else {
       ps_seterr(err, rc, "out of memory");
     }
@@ -1133,6 +1356,8 @@ static void *sender_main(void *arg) {
       }
       if (e->kind == PS__REPLICA_ENTRY__KIND__PUSH || e->kind == PS__REPLICA_ENTRY__KIND__LEASE)
         em[i].reply = (ProtobufCBinaryData){.len = e->reply_len, .data = e->reply};
+      em[i].n_rows = e->n_rows;
+      em[i].rows = e->n_rows ? (Ps__TableRows **)e->rows_p : NULL;
       ep[i] = &em[i];
     }
     req.n_entries = (size_t)nb;
@@ -1652,5 +1877,19 @@ size_t ps_replica_max_request(struct ps_server *sv) {
   size_t snap = range * (size_t)(1 + ns) +
                 (size_t)sv->job.max_workers * (PS_RECENT_REQUESTS * (PS_REPLY_MAX + 24) + 256);
   size_t batch = 2 * range + BATCH_ENTRIES * 256;
+  /* Embedding tables: a snapshot holds every row a table may hold here
+   * (and a sync step's rows), an entry a push's ids and row values. */
+  int dmax = 0;
+  for (int t = 0; t < sv->n_tables; t++) {
+    const ps_table_spec *sp = ps_table_spec_of(sv->tables[t]);
+    uint64_t rows = sp->rows ? ps_table_shard_rows(sp, sv->cluster.n_ps, sv->index)
+                             : sp->max_rows_per_shard;
+    size_t vals = (size_t)sp->dim * (size_t)(2 + ps_table_n_slots(sv->tables[t]));
+    snap += (size_t)rows * (16 + 4 * vals) + 64;
+    if (sp->dim > dmax) dmax = sp->dim;
+  }
+  if (sv->n_tables)
+    batch += 2 * (size_t)sv->job.max_rows_per_request * (8 + 4 * (size_t)dmax) +
+             BATCH_ENTRIES * 16 * (size_t)sv->n_tables;
   return (snap > batch ? snap : batch) + (64u << 10);
 }

@@ -72,6 +72,7 @@ typedef struct {
   const uint64_t *done_chunks; /* REGISTER: a returning worker's (copied) */
   size_t n_done;
   int quorum, result; /* SYNC_STEP */
+  const struct ps_rows_req *rows; /* PUSH: its embedding rows (copied), or NULL */
 } ps_replica_update;
 
 /* Sets up replication for a server whose job has replicas_per_shard R > 1

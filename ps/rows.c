@@ -10,6 +10,7 @@
 #include "../common/wire.h"
 #include "server.h"
 #include "table.h"
+#include "table_sync.h"
 
 int ps_rows_from_msg(ps_server *sv, Ps__TableRows *const *secs, size_t n, ps_rows_req **out,
                      char *err) {
@@ -217,18 +218,12 @@ static void rows_finish(push_ctx *c, int commit) {
 static void rows_commit(void *user) { rows_finish(user, 1); }
 static void rows_abort(void *user) { rows_finish(user, 0); }
 
-int ps_rows_push(ps_server *sv, const ps_rows_req *rows, uint64_t base_version, size_t offset,
-                 size_t count, const ps_segview *tensor, uint64_t *version, uint64_t *staleness,
-                 char *err) {
-  const size_t vb = ps_wire_value_bytes(sv->job.wire);
-  size_t dense_bytes = count * vb, row_bytes = rows->values * vb;
-  if (count > SIZE_MAX / vb || tensor->total != dense_bytes + row_bytes)
-    return ps_seterr(err, PS_EINVAL,
-                     "gradient has %zu bytes, expected %zu: %zu dense values and %zu row "
-                     "values of %zu bytes",
-                     tensor->total, dense_bytes + row_bytes, count, rows->values, vb);
-  /* The rows' gradient, decoded out of the request (rows are scattered
-   * anyway; the dense part is read in place as before). */
+/* The rows' gradient (rows->values floats, malloc'd into *out), decoded
+ * out of the request after its dense_bytes (rows are scattered anyway;
+ * the dense part is read in place). */
+static int rows_grad(ps_server *sv, const ps_rows_req *rows, const ps_segview *tensor,
+                     size_t dense_bytes, float **out, char *err) {
+  const size_t vb = ps_wire_value_bytes(sv->job.wire), row_bytes = rows->values * vb;
   float *g = malloc((rows->values ? rows->values : 1) * sizeof(float));
   if (!g) return ps_seterr(err, PS_ENOMEM, "out of memory for %zu row values", rows->values);
   int rc = PS_OK;
@@ -244,18 +239,88 @@ int ps_rows_push(ps_server *sv, const ps_rows_req *rows, uint64_t base_version, 
     free(g);
     return ps_seterr(err, rc, "could not read the rows' gradient");
   }
-  /* The dense part: the view's first dense_bytes. */
-  ps_seg segs[RPC_MAX_SEGS * 4];
-  ps_segview dense = {.segs = segs, .nsegs = 0, .total = dense_bytes};
+  *out = g;
+  return PS_OK;
+}
+
+/* Checks that tensor holds count dense values and the rows' values. */
+static int check_sizes(ps_server *sv, const ps_rows_req *rows, size_t count,
+                       const ps_segview *tensor, char *err) {
+  const size_t vb = ps_wire_value_bytes(sv->job.wire);
+  size_t dense_bytes = count * vb, row_bytes = rows->values * vb;
+  if (count > SIZE_MAX / vb || tensor->total != dense_bytes + row_bytes)
+    return ps_seterr(err, PS_EINVAL,
+                     "gradient has %zu bytes, expected %zu: %zu dense values and %zu row "
+                     "values of %zu bytes",
+                     tensor->total, dense_bytes + row_bytes, count, rows->values, vb);
+  return PS_OK;
+}
+
+/* The view's first dense_bytes into dense (segs: room for RPC_MAX_SEGS * 4). */
+static int dense_part(const ps_segview *tensor, size_t dense_bytes, ps_seg *segs, size_t nseg,
+                      ps_segview *dense, char *err) {
+  *dense = (ps_segview){.segs = segs, .nsegs = 0, .total = dense_bytes};
   size_t left = dense_bytes;
   for (int i = 0; i < tensor->nsegs && left > 0; i++) {
     size_t take = tensor->segs[i].len < left ? tensor->segs[i].len : left;
-    if (dense.nsegs == (int)(sizeof segs / sizeof segs[0])) {
-      free(g);
-      return ps_seterr(err, PS_EINVAL, "gradient in too many pieces");
-    }
-    segs[dense.nsegs++] = (ps_seg){.ptr = tensor->segs[i].ptr, .len = take};
+    if (dense->nsegs == (int)nseg) return ps_seterr(err, PS_EINVAL, "gradient in too many pieces");
+    segs[dense->nsegs++] = (ps_seg){.ptr = tensor->segs[i].ptr, .len = take};
     left -= take;
+  }
+  return PS_OK;
+}
+
+int ps_rows_sync_init(ps_server *sv) {
+  if (sv->n_tables == 0) return PS_OK;
+  sv->rows_sum = ps_rows_sum_create(sv->tables, sv->n_tables);
+  if (!sv->rows_sum) return PS_ENOMEM;
+  ps_shard_sync_rows h;
+  ps_rows_sum_hooks(sv->rows_sum, &h);
+  ps_shard_set_sync_rows(sv->shard, &h);
+  return PS_OK;
+}
+
+int ps_rows_sync_add(ps_server *sv, const ps_rows_req *rows, uint64_t worker,
+                     uint64_t base_version, size_t offset, size_t count,
+                     const ps_segview *tensor, int *dropped, int *have, char *err) {
+  if (!rows)
+    return ps_shard_sync_add(sv->shard, worker, base_version, offset, count, tensor, dropped,
+                             have, err);
+  *dropped = 0;
+  int rc = check_sizes(sv, rows, count, tensor, err);
+  if (rc) return rc;
+  const size_t dense_bytes = count * ps_wire_value_bytes(sv->job.wire);
+  ps_seg segs[RPC_MAX_SEGS * 4];
+  ps_segview dense;
+  if ((rc = dense_part(tensor, dense_bytes, segs, sizeof segs / sizeof segs[0], &dense, err)))
+    return rc;
+  float *g = NULL;
+  if ((rc = rows_grad(sv, rows, tensor, dense_bytes, &g, err))) return rc;
+  ps_rows_grad rg = {.n_sec = rows->n_sec, .grad = g};
+  for (int i = 0; i < rows->n_sec; i++) {
+    rg.sec[i].table = rows->sec[i].table;
+    rg.sec[i].n = rows->sec[i].n;
+    rg.sec[i].ids = rows->sec[i].ids;
+  }
+  rc = ps_shard_sync_add_rows(sv->shard, worker, base_version, offset, count, &dense, &rg,
+                              dropped, have, err);
+  free(g);
+  return rc;
+}
+
+int ps_rows_push(ps_server *sv, const ps_rows_req *rows, uint64_t base_version, size_t offset,
+                 size_t count, const ps_segview *tensor, uint64_t *version, uint64_t *staleness,
+                 char *err) {
+  int rc = check_sizes(sv, rows, count, tensor, err);
+  if (rc) return rc;
+  const size_t dense_bytes = count * ps_wire_value_bytes(sv->job.wire);
+  float *g = NULL;
+  if ((rc = rows_grad(sv, rows, tensor, dense_bytes, &g, err))) return rc;
+  ps_seg segs[RPC_MAX_SEGS * 4];
+  ps_segview dense;
+  if ((rc = dense_part(tensor, dense_bytes, segs, sizeof segs / sizeof segs[0], &dense, err))) {
+    free(g);
+    return rc;
   }
   push_ctx c = {.sv = sv, .rows = rows, .grad = g};
   ps_shard_extra extra = {rows_prepare, rows_commit, rows_abort, &c};

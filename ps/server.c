@@ -4,6 +4,7 @@
  * silent workers, print progress lines and metrics, and write checkpoints;
  * SIGINT/SIGTERM stop it) and shuts down in order. */
 #include "server.h"
+#include "table_sync.h"
 
 #include <inttypes.h>
 #include <jansson.h>
@@ -204,12 +205,6 @@ static int build_shard(ps_server *sv, const ps_server_opts *o) {
     fprintf(stderr, "ps-server: %s\n", err);
     return 2;
   }
-  if (sv->job.n_tables && o->ckpt_dir) {
-    fprintf(stderr,
-            "ps-server: --checkpoint-dir with embedding tables: checkpoints do not hold tables "
-            "yet, so a restart would lose their rows; run without --checkpoint-dir\n");
-    return 2;
-  }
   int rc = replica_layout(sv, o);
   if (rc != 0) return rc;
   sv->shard = ps_shard_create(&sv->job, sv->index, sv->cluster.n_ps, err);
@@ -237,6 +232,10 @@ static int build_shard(ps_server *sv, const ps_server_opts *o) {
               " on this shard), optimizer %s lr %g",
               ts->name, ts->dim, ts->max_rows_per_shard, sv->job.table_optim[t].name,
               (double)sv->job.table_optim[t].lr);
+  }
+  if (sv->job.mode_kind == PS_MODE_SYNC && ps_rows_sync_init(sv) != PS_OK) {
+    fprintf(stderr, "ps-server: out of memory for the sync step's rows\n");
+    return 1;
   }
   sv->members = ps_membership_create();
   if (!sv->members) {
@@ -427,6 +426,7 @@ static int shut_down(ps_server *sv) {
   ps_cut_free(sv);
   uv_loop_close(&sv->loop);
   ps_shard_destroy(sv->shard);
+  ps_rows_sum_destroy(sv->rows_sum);
   for (int t = 0; t < sv->n_tables; t++) ps_table_destroy(sv->tables[t]);
   ps_leases_destroy(sv->leases);
   ps_membership_destroy(sv->members);

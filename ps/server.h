@@ -115,6 +115,8 @@ typedef struct ps_server {
   /* this shard's part of each of the job's embedding tables */
   ps_table *tables[PS_MAX_TABLES];
   int n_tables;
+  /* sync mode with tables: the step's rows summed (the shard's hooks) */
+  struct ps_rows_sum *rows_sum;
   ps_membership *members;
   rpc_server *rpc;
   ps_security sec; /* TLS and the job's tokens */
@@ -203,6 +205,15 @@ void ps_rows_free(ps_rows_req *r);
  * version; takes rows (freed). */
 void ps_rows_serve_pull(ps_server *sv, rpc_call *call, size_t offset, size_t count,
                         ps_rows_req *rows);
+/* sync mode: sets up the step's sum of rows (sv->rows_sum) and the
+ * shard's hooks; nothing without tables. PS_ENOMEM. */
+int ps_rows_sync_init(ps_server *sv);
+/* sync mode: ps_shard_sync_add_rows with the push's rows (may be NULL)
+ * decoded from tensor (the dense values, then the rows'). Nothing changes
+ * on error. */
+int ps_rows_sync_add(ps_server *sv, const ps_rows_req *rows, uint64_t worker,
+                     uint64_t base_version, size_t offset, size_t count,
+                     const ps_segview *tensor, int *dropped, int *have, char *err);
 /* Applies a push's dense range (count values, may be 0) and its rows as
  * one update (ps_shard_push_ex); tensor holds the dense values then the
  * rows'. Nothing changes on error. */
@@ -259,12 +270,14 @@ int ps_service_lease_step(ps_server *sv, uint64_t wid, uint64_t dataset_size,
                           struct Ps__LeaseResponse *resp, int quiet, char *err);
 /* A push as the shard takes it: applied (async, ssp) or added to the
  * current step (sync), the worker's round and push counted; resp gets the
- * answer. 0, or the shard's error code with a message (nothing changed).
- * Shared by a replicated shard's primary and its backups' replay. */
+ * answer. rows: the push's embedding rows (their gradients follow the
+ * dense ones in tensor), or NULL. 0, or the shard's error code with a
+ * message (nothing changed). Shared by a replicated shard's primary and its backups' replay. */
 struct Ps__PushResponse;
 int ps_service_push_step(ps_server *sv, uint64_t worker, uint64_t request_id,
                          uint64_t base_version, uint64_t offset, uint64_t count, uint64_t step,
-                         const ps_segview *tensor, struct Ps__PushResponse *resp, char *err);
+                         const ps_segview *tensor, const ps_rows_req *rows,
+                         struct Ps__PushResponse *resp, char *err);
 /* A worker registering again names chunks shard 0 acknowledged as done:
  * those the table lacks are counted as redone. */
 void ps_service_note_redone(ps_server *sv, uint64_t worker, const uint64_t *done, size_t n);

@@ -11,6 +11,21 @@
 #include <sys/stat.h>
 
 #include "server.h"
+#include "table_ckpt.h"
+
+/* The embedding rows, taken under the shard's update lock (with the dense
+ * copy): of the same version. */
+typedef struct {
+  ps_server *sv;
+  ps_ckpt *ck;
+  char err[PS_ERRLEN];
+} capture_rows;
+
+static int capture_tables(void *user) {
+  capture_rows *c = user;
+  return ps_table_ckpt_save(&c->sv->job, c->sv->tables, &c->ck->tables, &c->ck->tables_len,
+                            c->err);
+}
 
 int ps_server_ckpt_capture(ps_server *sv, ps_ckpt *ck) {
   memset(ck, 0, sizeof *ck);
@@ -23,7 +38,13 @@ int ps_server_ckpt_capture(ps_server *sv, ps_ckpt *ck) {
     ok = ok && ck->slots[k];
   }
   if (!ok) return PS_ENOMEM;
-  ps_shard_export_state(sv->shard, ck->params, ck->slots, &ck->meta.version);
+  capture_rows rows = {.sv = sv, .ck = ck};
+  int trc = ps_shard_export_state_with(sv->shard, ck->params, ck->slots, &ck->meta.version,
+                                       sv->n_tables ? capture_tables : NULL, &rows);
+  if (trc) {
+    PS_ERROR("checkpoint: %s", rows.err);
+    return trc;
+  }
   ck->meta.index = sv->index;
   ck->meta.num_shards = sv->cluster.n_ps;
   ck->meta.P = sv->job.model.n_params;
@@ -43,6 +64,7 @@ void ps_server_ckpt_state_free(ps_ckpt *ck) {
   for (int k = 0; k < PS_CKPT_MAX_SLOTS; k++) ps_free(ck->slots[k]);
   free(ck->extra);
   free(ck->cut);
+  free(ck->tables);
   memset(ck, 0, sizeof *ck);
 }
 
@@ -99,6 +121,30 @@ static void ckpt_remove_stale(ps_server *sv) {
     PS_WARN("checkpoint: %s", err);
 }
 
+/* The rows of every table placed on this shard, from the tables sections
+ * of all the old shards' files (got->parts, then freed); checked whole
+ * before any row is put. 0, or an error with a message. */
+static int restore_tables(ps_server *sv, ps_ckpt_restored *got, char *err) {
+  if (sv->n_tables == 0) return 0;
+  ps_table_ckpt_counts tc;
+  int rc = ps_table_ckpt_restore(&sv->job, sv->tables, sv->index, sv->cluster.n_ps, got->parts,
+                                 got->n_parts, &tc, err);
+  const int files = got->n_parts;
+  for (int i = 0; i < files; i++) free(got->parts[i].tables);
+  free(got->parts);
+  got->parts = NULL;
+  got->n_parts = 0;
+  if (rc) return rc;
+  if (tc.files_without == files)
+    PS_WARN("checkpoint: the %d file(s) restored hold no embedding rows (written before "
+            "checkpoints held tables): every table starts from its initial values",
+            files);
+  for (int t = 0; t < sv->n_tables; t++)
+    PS_INFO("checkpoint: table '%s': %" PRIu64 " rows restored from the files of %d shard(s)",
+            sv->job.tables[t].name, tc.rows[t], files);
+  return 0;
+}
+
 /* Restores the shard from the newest valid checkpoints of the job in the
  * directory (whatever number of shards wrote them), after removing this
  * shard's temporary files left by a process killed while writing. 0 also
@@ -127,7 +173,8 @@ int ps_server_ckpt_restore(ps_server *sv, char *err) {
     ps_ckpt_source src = {.dir = sv->ckpt_dir,
                           .job_id = sv->job.job_id,
                           .P = sv->job.model.n_params,
-                          .optimizer = ps_shard_optimizer(sv->shard)};
+                          .optimizer = ps_shard_optimizer(sv->shard),
+                          .want_tables = sv->n_tables > 0};
     ps_ckpt_restored got;
     rc = ps_ckpt_load_range(&src, ps_shard_begin(sv->shard), ps_shard_end(sv->shard), params,
                             slots, n_slots, sv->index == 0, &got, err);
@@ -136,6 +183,11 @@ int ps_server_ckpt_restore(ps_server *sv, char *err) {
               sv->job.job_id, sv->ckpt_dir);
       rc = 0;
     } else if (rc == 0) {
+      /* The rows first: refused, nothing is restored (dense values neither). */
+      if ((rc = restore_tables(sv, &got, err)) != 0) {
+        ps_ckpt_restored_free(&got);
+        goto out;
+      }
       ps_shard_restore_state(sv->shard, params, slots, got.version);
       sv->ckpt_last_version = got.version;
       sv->ckpt_restored_set = got.set_id;

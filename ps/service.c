@@ -532,17 +532,20 @@ static void handle_pull(const request *q) {
  * logged, answered once every replica has it. */
 int ps_service_push_step(ps_server *sv, uint64_t worker, uint64_t request_id,
                          uint64_t base_version, uint64_t offset, uint64_t count, uint64_t step,
-                         const ps_segview *tensor, Ps__PushResponse *resp, char *err) {
+                         const ps_segview *tensor, const ps_rows_req *rows,
+                         Ps__PushResponse *resp, char *err) {
   uint64_t version = 0, staleness = 0;
   int dropped = 0, have = 0, rc;
   if (sv->job.mode_kind == PS_MODE_SYNC) {
-    rc = ps_shard_sync_add(sv->shard, worker, base_version, offset, count, tensor, &dropped,
-                           &have, err);
+    rc = ps_rows_sync_add(sv, rows, worker, base_version, offset, count, tensor, &dropped, &have,
+                          err);
     if (rc == 0) {
       ps_shard_stats st;
       ps_shard_stats_get(sv->shard, &st);
       version = st.version;
     }
+  } else if (rows) {
+    rc = ps_rows_push(sv, rows, base_version, offset, count, tensor, &version, &staleness, err);
   } else {
     rc = ps_shard_push(sv->shard, base_version, offset, count, tensor, &version, &staleness, err);
   }
@@ -569,7 +572,7 @@ static void apply_push_replicated(ps_server *sv, const ps_push_args *a) {
   }
   Ps__PushResponse resp = PS__PUSH_RESPONSE__INIT;
   int rc = ps_service_push_step(sv, wid, a->request_id, a->base_version, a->offset, a->count,
-                                a->step, a->tensor, &resp, err);
+                                a->step, a->tensor, a->rows, &resp, err);
   if (rc != 0) {
     ps_replica_unlock(sv);
     PS_WARN("push from worker %016" PRIx64 " refused: %s", wid, err);
@@ -584,7 +587,8 @@ static void apply_push_replicated(ps_server *sv, const ps_push_args *a) {
                          .offset = a->offset,
                          .count = a->count,
                          .step = a->step,
-                         .gradient = a->tensor};
+                         .gradient = a->tensor,
+                         .rows = a->rows};
   if (ps_replica_append(sv, &u, a->call, &resp.base, a->kind, a->request_id) != PS_OK) {
     forget_request(&q, wid, a->request_id);
     rpc_call_fail(a->call, RPC_RESOURCE_EXHAUSTED,
@@ -609,8 +613,8 @@ void ps_service_apply_push(ps_server *sv, const ps_push_args *a) {
   double t0 = ps_now_s();
   int dropped = 0, have = 0, rc;
   if (sv->job.mode_kind == PS_MODE_SYNC) {
-    rc = ps_shard_sync_add(sv->shard, wid, a->base_version, a->offset, a->count, a->tensor,
-                           &dropped, &have, err);
+    rc = ps_rows_sync_add(sv, a->rows, wid, a->base_version, a->offset, a->count, a->tensor,
+                          &dropped, &have, err);
     if (rc == 0) {
       ps_shard_stats st;
       ps_shard_stats_get(sv->shard, &st);
@@ -749,7 +753,7 @@ static void handle_vote(const request *q) {
   if (same_job(q, r->header, "Vote")) ps_replica_handle_vote(q->sv, q->call, r);
 }
 
-/* A CRC of the shard's state (parameters, slots, version): replicas at one
+/* A CRC of the shard's state (parameters, slots, version, tables' rows): replicas at one
  * position share it. 0 when out of memory. */
 static uint32_t state_crc(ps_server *sv) {
   size_t n = ps_shard_end(sv->shard) - ps_shard_begin(sv->shard);
@@ -763,6 +767,13 @@ static uint32_t state_crc(ps_server *sv) {
   uint32_t crc = ps_crc32c(0, buf, n * sizeof(float) * (size_t)(1 + ns));
   crc = ps_crc32c(crc, &version, sizeof version);
   free(buf);
+  /* Each table's rows (their own order-independent checksum). */
+  for (int t = 0; t < sv->n_tables; t++) {
+    ps_table_read_lock(sv->tables[t]);
+    uint32_t tc = ps_table_crc(sv->tables[t]);
+    ps_table_unlock(sv->tables[t]);
+    crc = ps_crc32c(crc, &tc, sizeof tc);
+  }
   return crc;
 }
 

@@ -122,6 +122,7 @@ struct ps_shard {
   double sync_max; /* bound on |sync_sum| (of the sync_n gradients in) */
   uint64_t *sync_ids;
   int sync_n, sync_cap;
+  ps_shard_sync_rows sync_rows; /* the step's embedding rows (hooks; add NULL: none) */
   ps_snapshot *retired[SHARD_SPARES]; /* earlier snapshots, one ref each, or NULL */
 
   pthread_mutex_t mu;
@@ -953,9 +954,31 @@ static int check_sum(ps_shard *s, const ps_segview *grad, double gmax, double *a
   return PS_OK;
 }
 
+void ps_shard_set_sync_rows(ps_shard *s, const ps_shard_sync_rows *h) {
+  pthread_mutex_lock(&s->apply_mu);
+  if (h)
+    s->sync_rows = *h;
+  else
+    memset(&s->sync_rows, 0, sizeof s->sync_rows);
+  pthread_mutex_unlock(&s->apply_mu);
+}
+
+/* The step is over (applied or dropped): its rows' sums go with it.
+ * apply_mu held. */
+static void sync_rows_clear(ps_shard *s) {
+  if (s->sync_rows.clear) s->sync_rows.clear(s->sync_rows.user);
+}
+
 int ps_shard_sync_add(ps_shard *s, uint64_t worker_id, uint64_t base_version, size_t offset,
                       size_t count, const ps_segview *grad, int *dropped, int *have,
                       char *err) {
+  return ps_shard_sync_add_rows(s, worker_id, base_version, offset, count, grad, NULL, dropped,
+                                have, err);
+}
+
+int ps_shard_sync_add_rows(ps_shard *s, uint64_t worker_id, uint64_t base_version, size_t offset,
+                           size_t count, const ps_segview *grad, const void *rows_arg,
+                           int *dropped, int *have, char *err) {
   *dropped = 0;
   if (offset != s->begin || count != s->end - s->begin)
     return reject_push(s, ps_seterr(err, PS_ERANGE,
@@ -1004,6 +1027,12 @@ int ps_shard_sync_add(ps_shard *s, uint64_t worker_id, uint64_t base_version, si
     pthread_mutex_unlock(&s->apply_mu);
     return reject_push(s, rc);
   }
+  /* The rows last: once they are in, adding the dense values cannot fail. */
+  if (rows_arg && s->sync_rows.add &&
+      (rc = s->sync_rows.add(s->sync_rows.user, rows_arg, err)) != PS_OK) {
+    pthread_mutex_unlock(&s->apply_mu);
+    return reject_push(s, rc);
+  }
   sum_ctx c = {.sum = s->sync_sum, .first = s->sync_n == 0};
   if (n > 0) walk_values(grad, s->wire, 0, n, sum_piece, &c);
   s->sync_max = sum_max;
@@ -1027,21 +1056,46 @@ int ps_shard_sync_try_apply(ps_shard *s, int quorum, uint64_t *new_version, char
   size_t n = s->end - s->begin;
   /* The mean of the step's gradients, applied once. */
   float inv = 1.0f / (float)s->sync_n;
+  int in = s->sync_n;
+  /* The rows' mean first (staged, their tables held until the dense mean
+   * is applied): a step whose rows are refused never touches the sum. */
+  int rows = s->sync_rows.stage != NULL;
+  char why[PS_ERRLEN] = "";
+  int rc = rows ? s->sync_rows.stage(s->sync_rows.user, inv, why) : PS_OK;
+  if (rc == PS_ENOMEM) {
+    pthread_mutex_unlock(&s->apply_mu);
+    return ps_seterr(err, rc, "%s", why);
+  }
+  if (rc != PS_OK) {
+    s->sync_n = 0;
+    sync_rows_clear(s);
+    pthread_mutex_lock(&s->mu);
+    s->stats.dropped += (uint64_t)in;
+    pthread_mutex_unlock(&s->mu);
+    pthread_mutex_unlock(&s->apply_mu);
+    return ps_seterr(err, PS_EINVAL, "step of %d gradients refused and dropped: %s", in, why);
+  }
   for (size_t i = 0; i < n; i++) s->sync_sum[i] *= inv;
   ps_seg seg = {(const uint8_t *)s->sync_sum, n * sizeof(float)};
   ps_segview v = {&seg, n ? 1 : 0, n * sizeof(float)};
   uint64_t before = current_version(s);
-  char why[PS_ERRLEN] = "";
-  int rc = apply_update(s, s->begin, n, &v, PS_WIRE_FP32,
-                        s->sync_max * (double)inv * (1.0 + 0x1p-20), s->cfg.lr, before, why);
-  int in = s->sync_n;
+  rc = apply_update(s, s->begin, n, &v, PS_WIRE_FP32,
+                    s->sync_max * (double)inv * (1.0 + 0x1p-20), s->cfg.lr, before, why);
+  if (rows) {
+    if (rc == 0)
+      s->sync_rows.commit(s->sync_rows.user);
+    else
+      s->sync_rows.abort(s->sync_rows.user);
+  }
   if (rc == 0) {
     s->sync_n = 0;
+    sync_rows_clear(s);
     if (new_version) *new_version = before + 1;
   } else if (rc == PS_EINVAL) {
     /* A step whose result would not be finite never will be: its
      * gradients are dropped (and counted), so that the next can begin. */
     s->sync_n = 0;
+    sync_rows_clear(s);
     pthread_mutex_lock(&s->mu);
     s->stats.dropped += (uint64_t)in;
     pthread_mutex_unlock(&s->mu);
@@ -1136,7 +1190,8 @@ void ps_shard_copy_params(ps_shard *s, float *out) {
 int ps_shard_n_slots(const ps_shard *s) { return s->opt->n_slots; }
 const char *ps_shard_optimizer(const ps_shard *s) { return s->opt->name; }
 
-void ps_shard_export_state(ps_shard *s, float *params, float **slots, uint64_t *version) {
+int ps_shard_export_state_with(ps_shard *s, float *params, float **slots, uint64_t *version,
+                               int (*also)(void *user), void *user) {
   size_t n = s->end - s->begin;
   /* apply_mu: no update between the copies, so they belong together. */
   pthread_mutex_lock(&s->apply_mu);
@@ -1144,7 +1199,13 @@ void ps_shard_export_state(ps_shard *s, float *params, float **slots, uint64_t *
   for (int k = 0; k < s->opt->n_slots; k++)
     if (n) memcpy(slots[k], s->slots[k], n * sizeof(float));
   *version = current_version(s);
+  int rc = also ? also(user) : 0;
   pthread_mutex_unlock(&s->apply_mu);
+  return rc;
+}
+
+void ps_shard_export_state(ps_shard *s, float *params, float **slots, uint64_t *version) {
+  ps_shard_export_state_with(s, params, slots, version, NULL, NULL);
 }
 
 void ps_shard_restore_state(ps_shard *s, const float *params, float *const *slots,
@@ -1159,6 +1220,7 @@ void ps_shard_restore_state(ps_shard *s, const float *params, float *const *slot
   s->version = version;
   s->sync_n = 0;
   pthread_mutex_unlock(&s->mu);
+  sync_rows_clear(s);
   for (int k = 0; k < s->opt->n_slots; k++)
     if (n) memcpy(s->slots[k], slots[k], n * sizeof(float));
   measure_bounds(s);

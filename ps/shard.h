@@ -103,6 +103,38 @@ int ps_shard_sync_add(ps_shard *s, uint64_t worker_id, uint64_t base_version, si
                       size_t count, const ps_segview *grad, int *dropped, int *have,
                       char *err);
 
+/* sync mode with embedding rows: what a step holds besides the dense sum
+ * (the rows' sparse sum, ps/table_sync.h), kept in step with it. Each
+ * function runs under the shard's update lock.
+ * - add: ps_shard_sync_add_rows's gradient was checked and is taken (not
+ *   dropped): add its rows (arg, the call's), all or nothing; non-zero
+ *   refuses the gradient, nothing changed.
+ * - stage: the step is applied: stage every row's sum times inv (the
+ *   factor the dense sum is multiplied by: 1 / gradients in the step),
+ *   before the dense mean is applied; non-zero refuses the step (PS_ENOMEM:
+ *   it stays pending; any other code: it is dropped, as a step that would
+ *   not be finite). Then commit once the dense mean is applied, or abort.
+ * - clear: the step's gradients are gone (applied, dropped, or replaced by
+ *   ps_shard_restore_state). */
+typedef struct {
+  int (*add)(void *user, const void *arg, char *err);
+  int (*stage)(void *user, float inv, char *err);
+  void (*commit)(void *user);
+  void (*abort)(void *user);
+  void (*clear)(void *user);
+  void *user;
+} ps_shard_sync_rows;
+
+/* Sets the hooks (copied; NULL: none) before the shard serves. */
+void ps_shard_set_sync_rows(ps_shard *s, const ps_shard_sync_rows *h);
+
+/* ps_shard_sync_add with the gradient's rows (rows_arg, passed to the
+ * hooks' add; NULL: no rows): the gradient and its rows are taken, dropped
+ * or refused together. */
+int ps_shard_sync_add_rows(ps_shard *s, uint64_t worker_id, uint64_t base_version, size_t offset,
+                           size_t count, const ps_segview *grad, const void *rows_arg,
+                           int *dropped, int *have, char *err);
+
 /* sync mode. Applies the current step when at least `quorum` gradients are
  * in: their mean, with the optimizer, once. Returns 1 if it applied (and
  * writes the new version), 0 if the quorum is not reached, or a negative
@@ -111,6 +143,9 @@ int ps_shard_sync_add(ps_shard *s, uint64_t worker_id, uint64_t base_version, si
  * gradients are then dropped and counted, since it never could be
  * applied), PS_ENOMEM (the step stays pending). */
 int ps_shard_sync_try_apply(ps_shard *s, int quorum, uint64_t *new_version, char *err);
+/* (With ps_shard_set_sync_rows' hooks, the step's rows are applied with it
+ * under the same version; a step they refuse is dropped (PS_EINVAL) or,
+ * out of memory, stays pending, as above.) */
 
 /* A snapshot of the range [offset, offset+count) (inside the shard's range)
  * at the current version. Snapshots of the whole range are shared between
@@ -145,6 +180,12 @@ const char *ps_shard_optimizer(const ps_shard *s);
  * optimizer slots (n_slots arrays) and the version, for a checkpoint.
  * Each array holds end-begin values. */
 void ps_shard_export_state(ps_shard *s, float *params, float **slots, uint64_t *version);
+/* The same, and also(user) called while no update can run (under the lock
+ * pushes take, after the copies), so that what it copies (a push's
+ * embedding rows, applied under that lock too) is of the same version.
+ * Returns what also returned. */
+int ps_shard_export_state_with(ps_shard *s, float *params, float **slots, uint64_t *version,
+                               int (*also)(void *user), void *user);
 
 /* Replaces parameters, slots and version (a restart from a checkpoint);
  * meant before the shard serves, but safe at any time. Snapshots already

@@ -10,6 +10,13 @@
 const ps_step_kind *ps_step_choose(ps_worker *w) {
   if (w->o.local) return &ps_step_local;
   int overlap = w->o.overlap;
+  if (w->rows) {
+    /* A step's rows are its batch's: the pull waits for the batch. */
+    if (overlap || w->o.pipeline == PS_PIPELINE_ON)
+      PS_INFO("%s: off with embedding layers (each step pulls its batch's rows)",
+              overlap ? "overlap" : "pipeline");
+    return &ps_step_plain;
+  }
   if (overlap && w->job.mode_kind == PS_MODE_SYNC) {
     /* A sync step's pull waits for the step this worker pushed: nothing to overlap. */
     PS_INFO("overlap: off in sync mode");

@@ -399,6 +399,7 @@ void ps_dataset_free(ps_dataset *d) {
   if (!d) return;
   ps_free(d->images);
   ps_free(d->labels);
+  ps_free(d->ids);
   ps_free(d->aug.fill);
   memset(d, 0, sizeof *d);
 }
@@ -542,6 +543,9 @@ static void batcher__fill(ps_batcher *b, ps_batch *out) {
       memcpy(out->x + (size_t)j * b->dim, ds->images + (size_t)i * b->dim,
              b->dim * sizeof(float));
     out->y[j] = ds->labels[i];
+    if (ds->n_ids)
+      memcpy(out->ids + (size_t)j * ds->n_ids, ds->ids + (size_t)i * ds->n_ids,
+             (size_t)ds->n_ids * sizeof(uint64_t));
   }
   out->n = k;
   out->epoch = b->epoch;
@@ -581,6 +585,7 @@ static void batcher__free(ps_batcher *b) {
     for (int s = 0; s < b->depth; s++) {
       b->mem.free(b->mem.ctx, b->slots[s].x);
       b->mem.free(b->mem.ctx, b->slots[s].y);
+      ps_free(b->slots[s].ids);
     }
   }
   if (b->take_ok) uv_cond_destroy(&b->can_take);
@@ -678,6 +683,9 @@ static ps_batcher *batcher__create(const ps_dataset *ds, int batch_size, int ran
     b->slots[s].x = b->mem.alloc(b->mem.ctx, (size_t)batch_size * b->dim * sizeof(float));
     b->slots[s].y = b->mem.alloc(b->mem.ctx, (size_t)batch_size);
     if (!b->slots[s].x || !b->slots[s].y) goto fail;
+    if (ds->n_ids &&
+        !(b->slots[s].ids = ps_alloc((size_t)batch_size * ds->n_ids * sizeof(uint64_t))))
+      goto fail;
     b->state[s] = SLOT_FREE;
     /* Pushed in reverse so that slot 0 is filled first (tidier to debug). */
     b->free_list[b->free_count++] = depth - 1 - s;

@@ -34,6 +34,10 @@ typedef struct {
   int classes;
   float *images;  /* (n, c*h*w) in [0, 1], or normalised */
   uint8_t *labels;
+  int n_ids;      /* categorical ids per example (click logs), else 0 */
+  uint64_t *ids;  /* (n, n_ids), or NULL */
+  double truth_auc; /* the AUC of the labels' true probabilities (synthetic
+                     * click logs), 0 when unknown */
   ps_augment aug; /* applied to batches drawn from this set (a train split) */
 } ps_dataset;
 
@@ -129,6 +133,7 @@ int ps_dataset_load_job(const ps_job *job, const char *dir, int train, ps_datase
 typedef struct {
   float *x;        /* (n, c*h*w) */
   uint8_t *y;      /* (n) */
+  uint64_t *ids;   /* (n, n_ids) of the set's ids, or NULL (host memory) */
   int n;
   int epoch;       /* 0-based epoch these examples come from */
   int64_t index;   /* sequence number of the batch from this batcher */

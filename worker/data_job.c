@@ -1,11 +1,14 @@
 /* The job's data set: which reader, where its files are, the check
  * against the model's input, normalisation and augmentation. */
+#include <inttypes.h>
 #include <limits.h>
 #include <stdio.h>
 #include <string.h>
 
+#include "common/auc.h"
 #include "common/util.h"
 #include "worker/data.h"
+#include "worker/data_ctr.h"
 
 int ps_dataset_normalize(ps_dataset *d, const float *mean, const float *std, int count, char *err) {
   if (!d || !mean || !std) return ps_seterr(err, PS_EINVAL, "ps_dataset_normalize: NULL argument");
@@ -40,6 +43,42 @@ static int job__path(const char *dir, const char *path, char *buf, size_t cap, c
   return PS_OK;
 }
 
+/* A click log as a data set: dense values as the examples (n_dense x 1 x
+ * 1), labels 0 and 1 (classes 1: a binary model), ids beside; the truth's
+ * AUC when the log has one. Frees c. */
+static int job__from_ctr(ps_ctr_data *c, ps_dataset *out, char *err) {
+  memset(out, 0, sizeof *out);
+  size_t n = (size_t)c->n;
+  if (c->n > INT32_MAX) {
+    ps_ctr_free(c);
+    return ps_seterr(err, PS_ERANGE, "%" PRId64 " examples (at most %d)", (int64_t)n, INT32_MAX);
+  }
+  out->n = (int)n;
+  out->c = c->n_dense ? c->n_dense : 1, out->h = out->w = 1;
+  out->classes = 1;
+  out->n_ids = c->n_cat;
+  /* The arrays move over (ps_free is free): the dense values and ids are
+   * not copied, which would hold the set twice while it is read. */
+  if (c->n_dense) {
+    out->images = c->dense;
+    c->dense = NULL;
+  } else {
+    out->images = ps_alloc(n * sizeof(float));
+  }
+  out->ids = c->ids;
+  c->ids = NULL;
+  out->labels = ps_alloc(n);
+  if (!out->images || !out->labels) {
+    ps_dataset_free(out);
+    ps_ctr_free(c);
+    return ps_seterr(err, PS_ENOMEM, "out of memory for %zu examples", n);
+  }
+  for (size_t i = 0; i < n; i++) out->labels[i] = c->labels[i] >= 0.5f;
+  out->truth_auc = c->truth ? ps_auc(c->truth, c->labels, n) : 0.0;
+  ps_ctr_free(c);
+  return PS_OK;
+}
+
 /* Reads the split with the job's reader; `where` receives what to name in
  * a shape message (a file or a folder). */
 static int job__read(const ps_job *job, const char *dir, int train, ps_dataset *out, char *where,
@@ -53,6 +92,33 @@ static int job__read(const ps_job *job, const char *dir, int train, ps_dataset *
                              spec->in_h, spec->in_w, spec->classes, job->seed, train ? 0 : 1, out);
     if (rc) return ps_seterr(err, rc, "cannot make the synthetic data set");
     return PS_OK;
+  }
+  if (!strcmp(name, "ctr-synthetic")) {
+    ps_ctr_synth_cfg cfg;
+    ps_ctr_synth_defaults(&cfg);
+    cfg.n_dense = spec->in_c * spec->in_h * spec->in_w;
+    cfg.n_cat = spec->n_ids;
+    cfg.vocab = job->ctr_vocab;
+    cfg.zipf_s = job->ctr_zipf;
+    cfg.seed = job->ctr_seed;
+    ps_ctr_data c;
+    int64_t first = train ? 0 : job->synthetic_train;
+    int rc = ps_ctr_synthetic(&cfg, first, train ? job->synthetic_train : job->synthetic_test, &c,
+                              err);
+    if (rc) return rc;
+    snprintf(where, cap, "ctr-synthetic");
+    return job__from_ctr(&c, out, err);
+  }
+  if (!strcmp(name, "criteo")) {
+    char path[PATH_MAX];
+    int rc = job__path(dir, train ? job->data_train : job->data_test, path, sizeof path, err);
+    if (rc) return rc;
+    snprintf(where, cap, "%s", path);
+    ps_ctr_data c;
+    rc = ps_ctr_load_tsv_shape(path, spec->in_c * spec->in_h * spec->in_w, spec->n_ids,
+                               train ? job->synthetic_train : job->synthetic_test, &c, err);
+    if (rc) return rc;
+    return job__from_ctr(&c, out, err);
   }
   if (!strcmp(name, "fashion-mnist") || !strcmp(name, "mnist"))
     return ps_dataset_load_named(name, dir, train, out, err);
@@ -81,6 +147,9 @@ static int job__read(const ps_job *job, const char *dir, int train, ps_dataset *
  * job key that fixes it. */
 static int job__check_shape(const ps_job *job, const ps_dataset *d, const char *where, char *err) {
   const ps_model_spec *spec = &job->model;
+  if (d->n_ids != spec->n_ids)
+    return ps_seterr(err, PS_EINVAL, "'%s': examples carry %d categorical ids; the model has %d",
+                     where, d->n_ids, spec->n_ids);
   if (d->c == spec->in_c && d->h == spec->in_h && d->w == spec->in_w) {
     if (d->classes == spec->classes) return PS_OK;
     return ps_seterr(err, PS_EINVAL, "'%s': the data set has %d classes; the model has %d", where,

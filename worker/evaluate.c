@@ -2,17 +2,76 @@
  * and the evaluator role's loop. */
 #include <inttypes.h>
 #include <jansson.h>
+#include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 
+#include "../common/auc.h"
 #include "../common/util.h"
 #include "worker.h"
 
+const char *ps_worker_metric(const ps_worker *w) {
+  return w->job.model.classes == 1 ? "AUC" : "accuracy";
+}
+
+/* A model with embedding layers: the test split in chunks of the
+ * evaluation model's batch, each chunk's rows pulled (with the dense
+ * values) before it is evaluated. Returns the mean loss; *correct;
+ * probs (n floats, may be NULL) each example's probability. */
+static int evaluate_rows(ps_worker *w, int *correct, float *probs, float *loss, char *err) {
+  const ps_dataset *t = &w->test;
+  const size_t in = (size_t)t->c * t->h * t->w;
+  double loss_sum = 0;
+  int right = 0;
+  for (int start = 0; start < t->n; start += 500) {
+    const int b = t->n - start < 500 ? t->n - start : 500;
+    if (ps_worker_rows_prepare(w, w->eval_rows, t->ids + (size_t)start * t->n_ids, b, err) ||
+        ps_worker_pull(w, err))
+      return -1;
+    if (w->dparams != w->params) ps_model_params_to_device(w->model, w->dparams, w->params);
+    int c = 0;
+    loss_sum += (double)ps_model_evaluate_probs(w->eval_model, w->dparams, t->images + start * in,
+                                                t->labels + start, b, &c,
+                                                probs ? probs + start : NULL) *
+                b;
+    right += c;
+  }
+  *correct = right;
+  *loss = t->n ? (float)(loss_sum / t->n) : 0.0f;
+  /* The training steps set their own rows again. */
+  return ps_client_set_rows(w->client, NULL, 0, err);
+}
+
 double ps_worker_evaluate(ps_worker *w, int64_t step, double t0, float *loss_out) {
   int correct = 0;
-  if (w->dparams != w->params) ps_model_params_to_device(w->model, w->dparams, w->params);
-  float loss = ps_model_evaluate(w->eval_model, w->dparams, w->test.images, w->test.labels,
-                                 w->test.n, &correct);
+  const int binary = w->job.model.classes == 1;
+  float *probs = binary ? malloc((size_t)(w->test.n ? w->test.n : 1) * sizeof(float)) : NULL;
+  float loss;
+  char err[PS_ERRLEN];
+  if (w->eval_rows) {
+    if (!probs || evaluate_rows(w, &correct, probs, &loss, err) != 0) {
+      PS_WARN("evaluation: %s", probs ? err : "out of memory");
+      free(probs);
+      if (loss_out) *loss_out = NAN;
+      return NAN;
+    }
+  } else {
+    if (w->dparams != w->params) ps_model_params_to_device(w->model, w->dparams, w->params);
+    loss = ps_model_evaluate_probs(w->eval_model, w->dparams, w->test.images, w->test.labels,
+                                   w->test.n, &correct, probs);
+  }
   double acc = w->test.n ? (double)correct / w->test.n : 0.0;
+  w->eval_acc = acc;
+  w->eval_auc = NAN;
+  if (binary && probs) {
+    float *lab = malloc((size_t)(w->test.n ? w->test.n : 1) * sizeof(float));
+    if (lab) {
+      for (int i = 0; i < w->test.n; i++) lab[i] = w->test.labels[i] ? 1.0f : 0.0f;
+      w->eval_auc = ps_auc(probs, lab, (size_t)w->test.n);
+      free(lab);
+    }
+  }
+  free(probs);
   if (loss_out) *loss_out = loss;
   ps_worker_prom_eval(w, acc, loss);
   if (w->metrics) {
@@ -21,15 +80,17 @@ double ps_worker_evaluate(ps_worker *w, int64_t step, double t0, float *loss_out
                             (json_int_t)step, "updates", (json_int_t)updates, "test_accuracy", acc,
                             "test_loss", (double)loss, "elapsed_s", ps_now_s() - t0,
                             "test_examples", w->test.n);
+    if (rec && binary && isfinite(w->eval_auc))
+      json_object_set_new(rec, "test_auc", json_real(w->eval_auc));
     ps_metrics_write(w->metrics, rec);
     json_decref(rec);
   }
   if (w->tb) {
-    static const char *const tags[] = {"test/loss", "test/accuracy"};
-    const float vals[] = {loss, (float)acc};
-    ps_worker_tb_write(w, step, 2, tags, vals);
+    static const char *const tags[] = {"test/loss", "test/accuracy", "test/auc"};
+    const float vals[] = {loss, (float)acc, (float)w->eval_auc};
+    ps_worker_tb_write(w, step, binary ? 3 : 2, tags, vals);
   }
-  return acc;
+  return binary ? w->eval_auc : acc;
 }
 
 /* The evaluator role (TensorFlow's `evaluator` task): pulls the current
@@ -56,8 +117,8 @@ int ps_worker_evaluator_run(ps_worker *w) {
     for (int s = 0; s < w->nshards; s++) v += w->versions[s];
     acc = ps_worker_evaluate(w, (int64_t)n, t0, &tl);
     n++;
-    PS_INFO("evaluation %d: shard versions sum to %" PRIu64 ": test accuracy %.4f, test loss %.4f",
-            n, v, acc, (double)tl);
+    PS_INFO("evaluation %d: shard versions sum to %" PRIu64 ": test %s %.4f, test loss %.4f", n,
+            v, ps_worker_metric(w), acc, (double)tl);
     if (last != UINT64_MAX && v == last) {
       idle++;
     } else {
@@ -73,8 +134,8 @@ int ps_worker_evaluator_run(ps_worker *w) {
     for (double waited = 0; waited < interval && !atomic_load(&w->stop); waited += 0.1)
       ps_sleep_ms(100);
   }
-  printf("final test accuracy %.4f (test loss %.4f, %d examples, evaluation %d)\n", acc,
-         (double)tl, w->test.n, n);
+  printf("final test %s %.4f (test loss %.4f, %d examples, evaluation %d)\n", ps_worker_metric(w),
+         acc, (double)tl, w->test.n, n);
   fflush(stdout);
   return PS_WORKER_EXIT_DONE;
 }

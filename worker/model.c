@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "../common/util.h"
+#include "../kernels/emb_plan.h"
 
 /* Per-layer buffers. Every layer has its own output so that backward can
  * read what forward produced (relu reads its output, conv reads its
@@ -53,6 +54,20 @@ typedef struct {
    * run, and how many have. */
   float *dy;
   int contributions;
+  /* embedding: bags per example and ids per bag; the fixed offsets of
+   * max_batch examples' bags; the step's plan and rows (set by
+   * ps_model_set_rows; host memory) and, off a host-memory backend, their
+   * copies (capacity: every position a distinct row). */
+  int bags_per_ex, bag_size;
+  int32_t *offsets;
+  const ps_emb_plan *plan;
+  const float *rows_host;
+  float *drows_host;
+  int32_t *idx_dev, *rev_off_dev, *rev_ex_dev;
+  float *rows_dev, *drows_dev;
+  /* ps_model_emb_plan's scratch (host): the bags' ids and their offsets */
+  uint64_t *gather;
+  int32_t *gather_off;
 } layer_state;
 
 struct ps_model {
@@ -68,6 +83,12 @@ struct ps_model {
   /* Layers without a bias: a zero bias to add, and where their bias
    * gradient goes (NULL when every layer has one). */
   float *zero_bias, *db_sink;
+  /* A binary model (sigmoid_xent): the labels as floats, where the ops
+   * read them (backend memory), and the host copy they come from. */
+  int binary;
+  float *labels_f, *labels_host;
+  int n_emb;                /* embedding layers */
+  int emb_layer[PS_MAX_LAYERS]; /* their indices, in layer order */
   /* Only when !ops->host_memory (else NULL): */
   float *x_dev;      /* (max_batch, in_size): the batch, copied in */
   uint8_t *y_dev;    /* (max_batch): its labels */
@@ -103,6 +124,49 @@ static void backend_free(ps_model *m, void *p) {
   if (p) m->ops->free(m->ops->ctx, p);
 }
 
+/* Host memory the backend copies from and to fastest (page-locked on a
+ * GPU). */
+static void *host_alloc(ps_model *m, size_t bytes) {
+  return m->ops->host_alloc ? m->ops->host_alloc(m->ops->ctx, bytes) : ps_alloc(bytes);
+}
+
+static void host_free(ps_model *m, void *p) {
+  if (!p) return;
+  if (m->ops->host_alloc && m->ops->host_free)
+    m->ops->host_free(m->ops->ctx, p);
+  else
+    ps_free(p);
+}
+
+/* Embedding layer i's buffers: the bags' offsets for max_batch examples
+ * (fixed: every example has bags_per_ex bags of bag_size ids), the
+ * gather scratch, and off a host-memory backend the copies of a plan and
+ * its rows. 0, or -1 when out of memory. */
+static int emb_create(ps_model *m, int i) {
+  const ps_layer *L = &m->spec.layers[i];
+  layer_state *s = &m->ls[i];
+  const int f = L->field_hi - L->field_lo;
+  s->bags_per_ex = L->pooling == PS_POOL_NONE ? f : 1;
+  s->bag_size = L->pooling == PS_POOL_NONE ? 1 : f;
+  const size_t bags = (size_t)m->max_batch * s->bags_per_ex, pos = (size_t)m->max_batch * f;
+  if (pos > INT32_MAX) return -1;
+  m->emb_layer[m->n_emb++] = i;
+  s->gather = malloc(pos * sizeof *s->gather);
+  s->gather_off = malloc((bags + 1) * sizeof *s->gather_off);
+  s->offsets = backend_alloc(m, (bags + 1) * sizeof(int32_t));
+  if (!s->gather || !s->gather_off || !s->offsets) return -1;
+  for (size_t b = 0; b <= bags; b++) s->gather_off[b] = (int32_t)(b * (size_t)s->bag_size);
+  m->ops->to_device(m->ops->ctx, s->offsets, s->gather_off, (bags + 1) * sizeof(int32_t));
+  m->ops->sync(m->ops->ctx);
+  if (m->ops->host_memory) return 0;
+  s->idx_dev = backend_alloc(m, pos * sizeof(int32_t));
+  s->rev_off_dev = backend_alloc(m, (pos + 1) * sizeof(int32_t));
+  s->rev_ex_dev = backend_alloc(m, pos * sizeof(int32_t));
+  s->rows_dev = backend_alloc(m, pos * (size_t)L->emb_dim * sizeof(float));
+  s->drows_dev = backend_alloc(m, pos * (size_t)L->emb_dim * sizeof(float));
+  return s->idx_dev && s->rev_off_dev && s->rev_ex_dev && s->rows_dev && s->drows_dev ? 0 : -1;
+}
+
 /* The layer whose buffer holds layer j's output (-1: the batch): j, or for
  * flatten, which passes its input on as it is, what its input's is. */
 static int buffer_layer(const ps_model_spec *spec, int j) {
@@ -119,6 +183,7 @@ static int plan_gradients(ps_model *m) {
   int consumers[PS_MAX_LAYERS] = {0}, consumer[PS_MAX_LAYERS];
   for (int i = 0; i < spec->n_layers; i++) {
     const ps_layer *L = &spec->layers[i];
+    if (L->n_inputs == 0) m->ls[i].src[0] = -1; /* embedding: reads the ids */
     for (int a = 0; a < L->n_inputs; a++) {
       int j = m->ls[i].src[a] = buffer_layer(spec, L->inputs[a]);
       if (j < 0 || L->type == PS_LAYER_FLATTEN) continue;
@@ -177,11 +242,14 @@ ps_model *ps_model_create(const ps_model_spec *spec, ps_ops *ops, int max_batch,
     } else if (L->type == PS_LAYER_BATCHNORM) {
       s->bn = backend_alloc(m, 3 * (size_t)L->in_c * sizeof(float));
       if (!s->bn) goto oom;
+    } else if (L->type == PS_LAYER_EMBEDDING) {
+      if (emb_create(m, i)) goto oom;
     }
     if ((L->type == PS_LAYER_CONV2D || L->type == PS_LAYER_DENSE) && L->b_count == 0 &&
         (size_t)L->out_c > no_bias)
       no_bias = (size_t)L->out_c;
-    if (L->type != PS_LAYER_FLATTEN && L->type != PS_LAYER_SOFTMAX_XENT) {
+    if (L->type != PS_LAYER_FLATTEN && L->type != PS_LAYER_SOFTMAX_XENT &&
+        L->type != PS_LAYER_SIGMOID_XENT) {
       s->out = backend_alloc(m, n_out * sizeof(float));
       if (!s->out) goto oom;
     }
@@ -205,10 +273,16 @@ ps_model *ps_model_create(const ps_model_spec *spec, ps_ops *ops, int max_batch,
     m->db_sink = backend_alloc(m, no_bias * sizeof(float));
     if (!m->zero_bias || !m->db_sink) goto oom;
   }
-  if (ops->softmax_xent_stats && !(m->stats = backend_alloc(m, 2 * sizeof(double)))) goto oom;
-  if (ops->softmax_xent_stats && !ops->host_memory) {
-    m->stats_host = ops->host_alloc ? ops->host_alloc(ops->ctx, 2 * sizeof(double))
-                                    : ps_alloc(2 * sizeof(double));
+  m->binary = spec->layers[spec->n_layers - 1].type == PS_LAYER_SIGMOID_XENT;
+  const int stats = ops->softmax_xent_stats || m->binary;
+  if (stats && !(m->stats = backend_alloc(m, 2 * sizeof(double)))) goto oom;
+  if (m->binary) {
+    m->labels_f = backend_alloc(m, (size_t)max_batch * sizeof(float));
+    m->labels_host = ops->host_memory ? m->labels_f : host_alloc(m, (size_t)max_batch * sizeof(float));
+    if (!m->labels_f || !m->labels_host) goto oom;
+  }
+  if (stats && !ops->host_memory) {
+    m->stats_host = host_alloc(m, 2 * sizeof(double));
     if (!m->stats_host) goto oom;
   }
   if (!ops->host_memory) {
@@ -227,8 +301,19 @@ oom:
 
 void ps_model_destroy(ps_model *m) {
   if (!m) return;
+  if (m->labels_host != m->labels_f) host_free(m, m->labels_host);
+  backend_free(m, m->labels_f);
   if (m->ls) {
     for (int i = 0; i < m->spec.n_layers; i++) {
+      layer_state *s = &m->ls[i];
+      backend_free(m, s->offsets);
+      backend_free(m, s->idx_dev);
+      backend_free(m, s->rev_off_dev);
+      backend_free(m, s->rev_ex_dev);
+      backend_free(m, s->rows_dev);
+      backend_free(m, s->drows_dev);
+      free(s->gather);
+      free(s->gather_off);
       backend_free(m, m->ls[i].out);
       backend_free(m, m->ls[i].argmax);
       backend_free(m, m->ls[i].mask);
@@ -244,12 +329,7 @@ void ps_model_destroy(ps_model *m) {
   backend_free(m, m->zero_bias);
   backend_free(m, m->db_sink);
   backend_free(m, m->stats);
-  if (m->stats_host) {
-    if (m->ops->host_free)
-      m->ops->host_free(m->ops->ctx, m->stats_host);
-    else
-      ps_free(m->stats_host);
-  }
+  host_free(m, m->stats_host);
   backend_free(m, m->x_dev);
   backend_free(m, m->y_dev);
   ps_free(m->probs_host);
@@ -260,6 +340,14 @@ void ps_model_destroy(ps_model *m) {
 static const float *layer_input(const ps_model *m, int i, int a, const float *x) {
   const int j = m->ls[i].src[a];
   return j < 0 ? x : m->ls[j].out;
+}
+
+/* The values per example of layer i's input a. */
+static int input_width(const ps_model *m, int i, int a) {
+  const int j = m->spec.layers[i].inputs[a];
+  if (j < 0) return (int)m->in_size;
+  const ps_layer *S = &m->spec.layers[j];
+  return S->out_c * S->out_h * S->out_w;
 }
 
 /* Layer L's bias in params (a zero one when it has none), and where its
@@ -340,9 +428,31 @@ static const float *forward_layer(ps_model *m, int i, const float *params, const
       for (int a = 2; a < L->n_inputs; a++)
         o->add(o->ctx, n_out, s->out, layer_input(m, i, a, x), s->out);
       return s->out;
+    case PS_LAYER_EMBEDDING: {
+      /* The plan's rows, gathered and pooled per bag. */
+      const int mean = L->pooling == PS_POOL_MEAN;
+      o->embedding_bag_forward(o->ctx, n * s->bags_per_ex, L->emb_dim, s->offsets,
+                               o->host_memory ? s->plan->idx : s->idx_dev, mean,
+                               o->host_memory ? s->rows_host : s->rows_dev, s->out);
+      return s->out;
+    }
+    case PS_LAYER_CONCAT: {
+      int col = 0;
+      for (int a = 0; a < L->n_inputs; a++) {
+        const int width = input_width(m, i, a);
+        o->copy_cols(o->ctx, n, width, layer_input(m, i, a, x), width, s->out + col,
+                     (int)s->out_size);
+        col += width;
+      }
+      return s->out;
+    }
+    case PS_LAYER_FM:
+      o->fm_forward(o->ctx, n, L->in_c, L->in_h, in, s->out);
+      return s->out;
     case PS_LAYER_FLATTEN:
       return in; /* NCHW is already (N, C*H*W) in memory */
     case PS_LAYER_SOFTMAX_XENT:
+    case PS_LAYER_SIGMOID_XENT:
       return NULL;
   }
   return in;
@@ -362,12 +472,15 @@ static const float *forward(ps_model *m, const float *params, const float *x, in
   return logits_of(m, x);
 }
 
+static void labels_in(ps_model *m, const uint8_t *y, int n, int async);
+
 /* The batch x, y (host memory) where the ops can read it: in place on a
  * host-memory backend, else copied into the model's buffers (n <= max_batch
  * examples). */
 static void batch_in(ps_model *m, const float *x, const uint8_t *y, int n, const float **x_ops,
                      const uint8_t **y_ops) {
   ps_ops *o = m->ops;
+  labels_in(m, y, n, 0);
   if (o->host_memory) {
     *x_ops = x;
     *y_ops = y;
@@ -377,6 +490,36 @@ static void batch_in(ps_model *m, const float *x, const uint8_t *y, int n, const
   o->to_device(o->ctx, m->y_dev, y, (size_t)n);
   *x_ops = m->x_dev;
   *y_ops = m->y_dev;
+}
+
+/* A binary model's labels as floats where the ops read them (async: on
+ * the copy queue, as ps_model_step_begin's copies). */
+static void labels_in(ps_model *m, const uint8_t *y, int n, int async) {
+  if (!m->binary) return;
+  for (int i = 0; i < n; i++) m->labels_host[i] = y[i] ? 1.0f : 0.0f;
+  ps_ops *o = m->ops;
+  if (o->host_memory) return;
+  if (async)
+    o->to_device_async(o->ctx, m->labels_f, m->labels_host, (size_t)n * sizeof(float));
+  else
+    o->to_device(o->ctx, m->labels_f, m->labels_host, (size_t)n * sizeof(float));
+}
+
+/* The rows and plans of the embedding layers where the ops read them: off
+ * a host-memory backend, copied (n examples). */
+static void emb_in(ps_model *m) {
+  ps_ops *o = m->ops;
+  if (o->host_memory) return;
+  for (int k = 0; k < m->n_emb; k++) {
+    const int i = m->emb_layer[k];
+    layer_state *s = &m->ls[i];
+    const ps_emb_plan *p = s->plan;
+    const size_t dim = (size_t)m->spec.layers[i].emb_dim;
+    o->to_device(o->ctx, s->idx_dev, p->idx, (size_t)p->total * sizeof(int32_t));
+    o->to_device(o->ctx, s->rev_off_dev, p->rev_off, ((size_t)p->u + 1) * sizeof(int32_t));
+    o->to_device(o->ctx, s->rev_ex_dev, p->rev_ex, (size_t)p->total * sizeof(int32_t));
+    o->to_device(o->ctx, s->rows_dev, s->rows_host, (size_t)p->u * dim * sizeof(float));
+  }
 }
 
 /* The probabilities of the last n examples, readable on the host. */
@@ -432,9 +575,11 @@ void ps_model_step_begin(ps_model *m, const float *x, const uint8_t *y, int n, u
   m->st.seed = seed;
   m->st.step = step;
   ps_ops *o = m->ops;
+  emb_in(m);
   if (o->host_memory) {
     batch_in(m, x, y, n, &m->st.x, &m->st.y);
   } else {
+    labels_in(m, y, n, 1);
     /* On the copy queue: the previous step has been waited for, so no op
      * still reads x_dev or y_dev, and the ops below wait for these copies
      * only. From a batcher slot in ops->host_alloc's memory (page-locked
@@ -455,7 +600,10 @@ void ps_model_step_forward(ps_model *m, const float *params, size_t avail) {
     if (!forward_layer(m, i, params, m->st.x, m->st.n, 1, m->st.seed, m->st.step)) break;
   }
   const float *logits = logits_of(m, m->st.x);
-  if (o->softmax_xent_stats) {
+  if (m->binary) {
+    o->sigmoid_xent_forward(o->ctx, m->st.n, logits, m->labels_f, m->probs, m->stats);
+    m->st.pending = 1;
+  } else if (o->softmax_xent_stats) {
     o->softmax_xent_stats(o->ctx, m->st.n, m->spec.classes, logits, m->st.y, m->probs, m->stats);
     m->st.pending = 1;
   } else {
@@ -473,8 +621,10 @@ int ps_model_graph_able(const ps_model *m, char *why, size_t why_len) {
   const char *no = NULL;
   if (!o->graph_begin || !o->graph_end || !o->graph_launch)
     no = "the backend has no graphs";
-  else if (!o->softmax_xent_stats)
+  else if (!o->softmax_xent_stats && !m->binary)
     no = "the backend reads the loss back inside the step";
+  else if (m->n_emb)
+    no = "the embedding rows differ in number every step";
   for (int i = 0; !no && i < m->spec.n_layers; i++)
     if (m->spec.layers[i].type == PS_LAYER_DROPOUT && m->spec.layers[i].rate > 0.0f)
       no = "dropout draws new masks every step (its seed would be recorded)";
@@ -597,7 +747,10 @@ static void backward_pass(ps_model *m, const float *params, float *grads,
     m->ls[i].contributions = 0;
   }
   float *dlogits = contribution_target(m, last, 0, NULL);
-  o->softmax_xent_backward(o->ctx, n, k, m->probs, y, dlogits);
+  if (m->binary)
+    o->sigmoid_xent_backward(o->ctx, n, m->probs, m->labels_f, dlogits);
+  else
+    o->softmax_xent_backward(o->ctx, n, k, m->probs, y, dlogits);
   contribution_done(m, last, 0, dlogits);
   size_t lo = m->spec.n_params; /* grads[lo, P) are written */
   for (int i = last - 1; i >= 0; i--) {
@@ -607,6 +760,33 @@ static void backward_pass(ps_model *m, const float *params, float *grads,
     float *dy = s->dy;
     if (L->type == PS_LAYER_ADD) {
       add_backward(m, i, dy);
+      continue;
+    }
+    if (L->type == PS_LAYER_CONCAT) {
+      int col = 0;
+      for (int a = 0; a < L->n_inputs; a++) {
+        const int width = input_width(m, i, a);
+        float *dxa = contribution_target(m, i, a, dy);
+        if (dxa) {
+          o->copy_cols(o->ctx, n, width, dy + col, (int)s->out_size, dxa, width);
+          contribution_done(m, i, a, dxa);
+        }
+        col += width;
+      }
+      continue;
+    }
+    if (L->type == PS_LAYER_EMBEDDING) {
+      /* The rows' gradients, for the push (host memory once the step has
+       * been waited for). */
+      const ps_emb_plan *p = s->plan;
+      const int mean = L->pooling == PS_POOL_MEAN;
+      float *drows = o->host_memory ? s->drows_host : s->drows_dev;
+      o->embedding_bag_backward(o->ctx, n * s->bags_per_ex, L->emb_dim, s->offsets, p->u,
+                                o->host_memory ? p->rev_off : s->rev_off_dev,
+                                o->host_memory ? p->rev_ex : s->rev_ex_dev, mean, dy, drows);
+      if (!o->host_memory)
+        o->to_host(o->ctx, s->drows_host, s->drows_dev,
+                   (size_t)p->u * (size_t)L->emb_dim * sizeof(float));
       continue;
     }
     const float *in = layer_input(m, i, 0, x);
@@ -651,6 +831,9 @@ static void backward_pass(ps_model *m, const float *params, float *grads,
       case PS_LAYER_RELU:
         if (dxp) o->relu_backward(o->ctx, n_out, s->out, dy, dxp);
         break;
+      case PS_LAYER_FM:
+        if (dxp) o->fm_backward(o->ctx, n, L->in_c, L->in_h, in, dy, dxp);
+        break;
       case PS_LAYER_DROPOUT:
         if (dxp) {
           if (L->rate > 0.0f)
@@ -686,7 +869,7 @@ float ps_model_step_backward(ps_model *m, const float *params, float *grads,
 
 int ps_model_step_correct(ps_model *m) {
   if (!m->st.done) return 0;
-  if (m->ops->softmax_xent_stats) {
+  if (m->ops->softmax_xent_stats || m->binary) {
     step_stats(m);
     return m->st.correct;
   }
@@ -702,16 +885,39 @@ float ps_model_train_step(ps_model *m, const float *params, const float *x, cons
 
 float ps_model_evaluate(ps_model *m, const float *params, const float *x, const uint8_t *y,
                         int n, int *correct) {
+  return ps_model_evaluate_probs(m, params, x, y, n, correct, NULL);
+}
+
+float ps_model_evaluate_probs(ps_model *m, const float *params, const float *x, const uint8_t *y,
+                              int n, int *correct, float *probs) {
   ps_ops *o = m->ops;
   const int k = m->spec.classes;
   double loss_sum = 0.0;
   int right = 0;
+  if (m->n_emb && n > m->max_batch) n = m->max_batch; /* the rows set are for these */
+  emb_in(m);
   for (int start = 0; start < n; start += m->max_batch) {
     int b = n - start < m->max_batch ? n - start : m->max_batch;
     const float *xb;
     const uint8_t *yb;
     batch_in(m, x + (size_t)start * m->in_size, y + start, b, &xb, &yb);
     const float *logits = forward(m, params, xb, b, 0, 0, 0);
+    if (m->binary) {
+      o->sigmoid_xent_forward(o->ctx, b, logits, m->labels_f, m->probs, m->stats);
+      int c;
+      loss_sum += (double)stats_read(m, b, &c) * b;
+      right += c;
+    }
+    if (probs) {
+      const size_t bytes = (size_t)k * (size_t)b * sizeof(float);
+      if (o->host_memory) {
+        memcpy(probs + (size_t)start * k, m->probs, bytes);
+      } else {
+        o->to_host(o->ctx, probs + (size_t)start * k, m->probs, bytes);
+        o->sync(o->ctx);
+      }
+    }
+    if (m->binary) continue;
     if (o->softmax_xent_stats) {
       o->softmax_xent_stats(o->ctx, b, k, logits, yb, m->probs, m->stats);
       int c;
@@ -745,3 +951,37 @@ void ps_model_params_to_host(ps_model *m, float *dst_host, const float *src) {
 }
 
 ps_ops *ps_model_ops(const ps_model *m) { return m->ops; }
+
+int ps_model_n_embeddings(const ps_model *m) { return m->n_emb; }
+
+const ps_layer *ps_model_embedding(const ps_model *m, int k) {
+  return k >= 0 && k < m->n_emb ? &m->spec.layers[m->emb_layer[k]] : NULL;
+}
+
+int ps_model_emb_plan(ps_model *m, int k, const uint64_t *ids, int n, uint64_t rows,
+                      ps_emb_plan *plan, char *err) {
+  if (k < 0 || k >= m->n_emb || n < 0 || n > m->max_batch)
+    return ps_seterr(err, PS_EINVAL, "embedding plan: layer %d of %d, %d examples (at most %d)", k,
+                     m->n_emb, n, m->max_batch);
+  const ps_layer *L = &m->spec.layers[m->emb_layer[k]];
+  layer_state *s = &m->ls[m->emb_layer[k]];
+  const int f = L->field_hi - L->field_lo, n_ids = m->spec.n_ids;
+  uint64_t *g = s->gather;
+  for (int e = 0; e < n; e++) {
+    const uint64_t *src = ids + (size_t)e * n_ids + L->field_lo;
+    if (rows)
+      for (int j = 0; j < f; j++) *g++ = src[j] % rows;
+    else
+      for (int j = 0; j < f; j++) *g++ = src[j];
+  }
+  return ps_emb_plan_build(plan, s->gather, s->gather_off, n * s->bags_per_ex, err);
+}
+
+void ps_model_set_rows(ps_model *m, int k, const ps_emb_plan *plan, const float *rows,
+                       float *drows) {
+  if (k < 0 || k >= m->n_emb) return;
+  layer_state *s = &m->ls[m->emb_layer[k]];
+  s->plan = plan;
+  s->rows_host = rows;
+  s->drows_host = drows;
+}

@@ -23,6 +23,7 @@
 #include <stdint.h>
 
 #include "../common/model_spec.h"
+#include "../kernels/emb_plan.h"
 #include "../kernels/ops.h"
 
 typedef struct ps_model ps_model;
@@ -102,6 +103,39 @@ int ps_model_step_correct(ps_model *m);
  * Returns the mean loss; *correct as above. */
 float ps_model_evaluate(ps_model *m, const float *params, const float *x, const uint8_t *y,
                         int n, int *correct);
+
+/* As ps_model_evaluate; probs (may be NULL; host memory, n * classes
+ * floats) receives each example's probabilities (a binary model's: of the
+ * label 1). A model with embedding layers evaluates at most max_batch
+ * examples per call, those whose rows were set (ps_model_set_rows). */
+float ps_model_evaluate_probs(ps_model *m, const float *params, const float *x, const uint8_t *y,
+                              int n, int *correct, float *probs);
+
+/* Embedding layers (model_spec.h). Their rows are not in the flat vector:
+ * before each step (and each evaluation call) the caller de-duplicates the
+ * batch's ids per layer (ps_model_emb_plan), fetches the plan's rows (the
+ * servers' rows of plan->uniq, in that order) and hands them over with
+ * ps_model_set_rows; the step's backward pass writes the rows' gradients
+ * (of the mean loss, as the flat gradient) into drows, host memory,
+ * complete once the step has been waited for (ps_model_params_to_host, or
+ * ops->sync).
+ *
+ * The number of embedding layers, and the k-th one (layer order; NULL
+ * past the last). */
+int ps_model_n_embeddings(const ps_model *m);
+const ps_layer *ps_model_embedding(const ps_model *m, int k);
+/* Builds plan for layer k from ids (n examples of the model's n_ids ids
+ * each, host memory): the ids of the layer's fields, taken modulo rows
+ * when rows > 0 (a bounded table), in bags as its pooling says. 0, or
+ * PS_EINVAL / PS_ENOMEM with a message (emb_plan.h). */
+int ps_model_emb_plan(ps_model *m, int k, const uint64_t *ids, int n, uint64_t rows,
+                      ps_emb_plan *plan, char *err);
+/* The rows (plan->u * dim floats, host memory) of the next step or
+ * evaluation of layer k, and where their gradients go (same size; may be
+ * NULL for an evaluation). The plan and both buffers must stay until the
+ * step has been waited for. */
+void ps_model_set_rows(ps_model *m, int k, const ps_emb_plan *plan, const float *rows,
+                       float *drows);
 
 /* P floats of the model's backend memory, zeroed, for a parameter or a
  * gradient vector; NULL when out of memory. Freed with ps_model_free_params

@@ -778,7 +778,7 @@ int ps_client_set_rows(ps_client *c, const ps_client_rows *secs, int n_sec, char
                        n, s, c->rows.max_per_request);
     }
   }
-  memcpy(c->rows.sec, secs, (size_t)n_sec * sizeof *secs);
+  if (n_sec) memcpy(c->rows.sec, secs, (size_t)n_sec * sizeof *secs);
   c->rows.n_sec = n_sec;
   return PS_OK;
 }

@@ -12,6 +12,8 @@ static int plain_begin(ps_worker *w, void **state, char *err) {
 static int plain_run(void *state, int64_t step, const ps_batch *b, ps_step_result *r, char *err) {
   ps_worker *w = state;
   double ta = ps_now_s();
+  /* The batch's embedding rows go with this step's pull and push. */
+  if (w->rows && ps_worker_rows_prepare(w, w->rows, b->ids, b->n, err) != 0) return -1;
   if (ps_worker_pull(w, err) != 0) return -1;
   double tb = ps_now_s();
   r->loss = ps_compute_step(w, step, b, &r->correct);

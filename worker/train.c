@@ -176,6 +176,15 @@ static int save_params(ps_worker *w, const char *path) {
   return 0;
 }
 
+/* ", ground truth's AUC X" for a test split that knows it. */
+static const char *truth_note(const ps_worker *w) {
+  static _Thread_local char buf[64];
+  buf[0] = '\0';
+  if (w->test.truth_auc > 0)
+    snprintf(buf, sizeof buf, "; the ground truth's AUC is %.4f", w->test.truth_auc);
+  return buf;
+}
+
 /* After the last step: the final pull, --save-params, the chief's final
  * evaluation. */
 static int finish(ps_worker *w, int64_t steps, int64_t examples, double t0) {
@@ -197,7 +206,12 @@ static int finish(ps_worker *w, int64_t steps, int64_t examples, double t0) {
   if (w->o.chief) {
     float tl;
     double acc = ps_worker_evaluate(w, steps, t0, &tl);
-    printf("final test accuracy %.4f (test loss %.4f, %d examples)\n", acc, (double)tl, w->test.n);
+    if (w->job.model.classes == 1)
+      printf("final test AUC %.4f (test loss %.4f, accuracy %.4f, %d examples%s)\n", acc,
+             (double)tl, w->eval_acc, w->test.n, truth_note(w));
+    else
+      printf("final test accuracy %.4f (test loss %.4f, %d examples)\n", acc, (double)tl,
+             w->test.n);
   }
   fflush(stdout);
   return PS_WORKER_EXIT_DONE;
@@ -252,8 +266,8 @@ int ps_worker_train(ps_worker *w) {
       float tl;
       if (kind->eval_params) kind->eval_params(state);
       double acc = ps_worker_evaluate(w, step + 1, t0, &tl);
-      PS_INFO("step %" PRId64 ": test accuracy %.4f, test loss %.4f (%d examples)", step + 1, acc,
-              (double)tl, w->test.n);
+      PS_INFO("step %" PRId64 ": test %s %.4f, test loss %.4f (%d examples)", step + 1,
+              ps_worker_metric(w), acc, (double)tl, w->test.n);
       last_eval = ps_now_s();
     }
   }

@@ -273,6 +273,26 @@ static int setup_compute(ps_worker *w, char *err) {
     fprintf(stderr, "ps-worker: %s\n", err[0] ? err : "out of memory");
     return PS_WORKER_EXIT_ERROR;
   }
+  if (ps_model_n_embeddings(w->model) > 0) {
+    /* The rows live on the servers and are fetched per batch. */
+    const char *no = w->o.local ? "--local (the rows live on the servers)"
+                     : w->reps  ? "--replicas > 1 (the replicas compute whole steps)"
+                                : NULL;
+    if (no) {
+      fprintf(stderr, "ps-worker: a model with embedding layers and %s: not supported\n", no);
+      return PS_WORKER_EXIT_USAGE;
+    }
+    err[0] = '\0';
+    if (!w->o.evaluator &&
+        !(w->rows = ps_worker_rows_create(w, w->model, w->job.batch_size, 1, err))) {
+      fprintf(stderr, "ps-worker: %s\n", err);
+      return PS_WORKER_EXIT_ERROR;
+    }
+    if (w->eval_model && !(w->eval_rows = ps_worker_rows_create(w, w->eval_model, 500, 0, err))) {
+      fprintf(stderr, "ps-worker: %s\n", err);
+      return PS_WORKER_EXIT_ERROR;
+    }
+  }
   char why[160];
   if (w->ops->graph_begin && w->o.cuda_graphs == 0 && !w->reps &&
       !ps_model_graph_able(w->model, why, sizeof why))
@@ -377,6 +397,8 @@ void ps_worker_teardown(ps_worker *w) {
     ps_client_destroy(w->client);
   }
   ps_replicas_destroy(w->reps);
+  ps_worker_rows_destroy(w, w->rows);
+  ps_worker_rows_destroy(w, w->eval_rows);
   if (w->model && w->dparams != w->params) ps_model_free_params(w->model, w->dparams);
   if (w->model && w->dgrads != w->grads) ps_model_free_params(w->model, w->dgrads);
   ps_model_destroy(w->model);

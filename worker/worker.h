@@ -40,6 +40,8 @@ enum {
 /* Seconds without a finished step before the worker says what it waits for. */
 #define PS_WORKER_STALL_S 30
 
+typedef struct ps_worker_rows ps_worker_rows;
+
 typedef struct ps_worker {
   ps_worker_opts o; /* resolved: epochs, max_steps, eval_interval from the job */
   ps_job job;       /* batch_size is the global batch */
@@ -57,6 +59,10 @@ typedef struct ps_worker {
   int phase_ok;
   ps_precision precision; /* --precision (ps_ops.set_precision) */
   ps_model *model, *eval_model; /* eval_model: the chief's, for the test split */
+  /* Embedding models: the rows of the training steps and of the
+   * evaluations (NULL without embedding layers). */
+  ps_worker_rows *rows, *eval_rows;
+  double eval_auc, eval_acc; /* the last evaluation's (AUC: binary models) */
   ps_replicas *reps;            /* NULL with one replica */
   ps_dataset train, test;
   ps_source *source;            /* NULL for the evaluator */
@@ -138,6 +144,27 @@ int ps_worker_evaluator_run(ps_worker *w);
 /* Evaluates w->params on the test split; writes a metrics record. Returns
  * the accuracy; *loss_out (may be NULL) the mean loss. */
 double ps_worker_evaluate(ps_worker *w, int64_t step, double t0, float *loss_out);
+
+/* ---------------- emb_rows.c ---------------- */
+
+/* The rows of model m's embedding layers for batches of up to max_batch
+ * examples (with grads: and buffers for their gradients). NULL when the
+ * model has no embedding layer (err empty) or, with a message, when out
+ * of memory. */
+ps_worker_rows *ps_worker_rows_create(ps_worker *w, ps_model *m, int max_batch, int grads,
+                                      char *err);
+void ps_worker_rows_destroy(ps_worker *w, ps_worker_rows *r);
+/* For a batch's ids (n examples): each layer's plan (ids modulo a bounded
+ * table's rows), the client's rows for the next pull and push, and the
+ * model's rows. 0, or a code with a message. */
+int ps_worker_rows_prepare(ps_worker *w, ps_worker_rows *r, const uint64_t *ids, int n,
+                           char *err);
+/* The distinct rows of the last batch prepared, over the layers. */
+size_t ps_worker_rows_count(const ps_worker_rows *r);
+
+/* The name of what ps_worker_evaluate returns: "AUC" for a binary model,
+ * else "accuracy". */
+const char *ps_worker_metric(const ps_worker *w);
 
 /* ---------------- worker_prom.c ---------------- */
 

@@ -1171,6 +1171,68 @@ static void cpu_copy_cols(void *ctx, int n, int width, const float *src, int src
   run_parts(ctx, (size_t)n * (size_t)width >= PARALLEL_MIN_FLOATS, copy_cols_part, &job);
 }
 
+void ps_fm_host_forward(int f, int d, const float *x, float *y, int e0, int e1) {
+  for (int e = e0; e < e1; e++) {
+    const float *xe = x + (size_t)e * f * d;
+    for (int k = 0; k < d; k++) {
+      float s = 0.0f, q = 0.0f;
+      for (int j = 0; j < f; j++) {
+        const float v = xe[(size_t)j * d + k];
+        s += v;
+        q += v * v;
+      }
+      y[(size_t)e * d + k] = 0.5f * (s * s - q);
+    }
+  }
+}
+
+void ps_fm_host_backward(int f, int d, const float *x, const float *dy, float *dx, int e0,
+                         int e1) {
+  for (int e = e0; e < e1; e++) {
+    const float *xe = x + (size_t)e * f * d;
+    float *dxe = dx + (size_t)e * f * d;
+    for (int k = 0; k < d; k++) {
+      float s = 0.0f;
+      for (int j = 0; j < f; j++) s += xe[(size_t)j * d + k];
+      const float g = dy[(size_t)e * d + k];
+      for (int j = 0; j < f; j++) dxe[(size_t)j * d + k] = g * (s - xe[(size_t)j * d + k]);
+    }
+  }
+}
+
+typedef struct {
+  int n, f, d;
+  const float *x, *dy;
+  float *y;
+} fm_job;
+
+static void fm_forward_part(void *arg, int part, int parts) {
+  const fm_job *j = arg;
+  size_t e0, e1;
+  part_range((size_t)j->n, part, parts, &e0, &e1);
+  ps_fm_host_forward(j->f, j->d, j->x, j->y, (int)e0, (int)e1);
+}
+
+static void fm_backward_part(void *arg, int part, int parts) {
+  const fm_job *j = arg;
+  size_t e0, e1;
+  part_range((size_t)j->n, part, parts, &e0, &e1);
+  ps_fm_host_backward(j->f, j->d, j->x, j->dy, j->y, (int)e0, (int)e1);
+}
+
+static void cpu_fm_forward(void *ctx, int n, int f, int d, const float *x, float *y) {
+  if (n <= 0 || d <= 0) return;
+  fm_job job = {.n = n, .f = f, .d = d, .x = x, .y = y};
+  run_parts(ctx, (size_t)n * f * d >= PARALLEL_MIN_FLOATS, fm_forward_part, &job);
+}
+
+static void cpu_fm_backward(void *ctx, int n, int f, int d, const float *x, const float *dy,
+                            float *dx) {
+  if (n <= 0 || d <= 0 || f <= 0) return;
+  fm_job job = {.n = n, .f = f, .d = d, .x = x, .dy = dy, .y = dx};
+  run_parts(ctx, (size_t)n * f * d >= PARALLEL_MIN_FLOATS, fm_backward_part, &job);
+}
+
 /* (n) logits: small next to the rest of a step, no parts. */
 static void cpu_sigmoid_xent_forward(void *ctx, int n, const float *logits, const float *labels,
                                      float *probs, double *stats) {
@@ -1340,6 +1402,8 @@ ps_ops *ps_ops_cpu_create(int threads) {
       .copy_cols = cpu_copy_cols,
       .sigmoid_xent_forward = cpu_sigmoid_xent_forward,
       .sigmoid_xent_backward = cpu_sigmoid_xent_backward,
+      .fm_forward = cpu_fm_forward,
+      .fm_backward = cpu_fm_backward,
   };
   return &be->ops;
 

@@ -1345,6 +1345,53 @@ static __global__ void sigmoid_xent_backward_kernel(int n, float inv_n, const fl
   GRID_STRIDE(i, n) dlogits[i] = __fmul_rn(__fsub_rn(probs[i], labels[i]), inv_n);
 }
 
+/* One thread per (example, k): the CPU's sums, in its order and
+ * roundings. */
+static __global__ void fm_forward_kernel(size_t total, int f, int d, const float *x, float *y) {
+  GRID_STRIDE(t, total) {
+    const size_t e = t / (size_t)d, k = t % (size_t)d;
+    const float *xe = x + e * (size_t)f * d;
+    float s = 0.0f, q = 0.0f;
+    for (int j = 0; j < f; j++) {
+      const float v = xe[(size_t)j * d + k];
+      s = __fadd_rn(s, v);
+      q = __fadd_rn(q, __fmul_rn(v, v));
+    }
+    y[t] = __fmul_rn(0.5f, __fsub_rn(__fmul_rn(s, s), q));
+  }
+}
+
+static __global__ void fm_backward_kernel(size_t total, int f, int d, const float *x,
+                                          const float *dy, float *dx) {
+  GRID_STRIDE(t, total) {
+    const size_t e = t / (size_t)d, k = t % (size_t)d;
+    const float *xe = x + e * (size_t)f * d;
+    float s = 0.0f;
+    for (int j = 0; j < f; j++) s = __fadd_rn(s, xe[(size_t)j * d + k]);
+    const float g = dy[t];
+    float *dxe = dx + e * (size_t)f * d;
+    for (int j = 0; j < f; j++)
+      dxe[(size_t)j * d + k] = __fmul_rn(g, __fsub_rn(s, xe[(size_t)j * d + k]));
+  }
+}
+
+static void cuda_fm_forward(void *ctx, int n, int f, int d, const float *x, float *y) {
+  cuda_backend *be = enter(ctx);
+  if (n <= 0 || d <= 0) return;
+  const size_t total = (size_t)n * d;
+  fm_forward_kernel<<<blocks_for(total), THREADS, 0, be->stream>>>(total, f, d, x, y);
+  CUDA_CHECK_LAUNCH();
+}
+
+static void cuda_fm_backward(void *ctx, int n, int f, int d, const float *x, const float *dy,
+                             float *dx) {
+  cuda_backend *be = enter(ctx);
+  if (n <= 0 || d <= 0 || f <= 0) return;
+  const size_t total = (size_t)n * d;
+  fm_backward_kernel<<<blocks_for(total), THREADS, 0, be->stream>>>(total, f, d, x, dy, dx);
+  CUDA_CHECK_LAUNCH();
+}
+
 static void cuda_embedding_bag_forward(void *ctx, int n, int dim, const int32_t *offsets,
                                        const int32_t *idx, int mean, const float *rows, float *y) {
   cuda_backend *be = enter(ctx);
@@ -1825,6 +1872,8 @@ extern "C" ps_ops *ps_ops_cuda_create(int device, char *err) {
   be->ops.embedding_bag_forward = cuda_embedding_bag_forward;
   be->ops.embedding_bag_backward = cuda_embedding_bag_backward;
   be->ops.copy_cols = cuda_copy_cols;
+  be->ops.fm_forward = cuda_fm_forward;
+  be->ops.fm_backward = cuda_fm_backward;
   be->ops.sigmoid_xent_forward = cuda_sigmoid_xent_forward;
   be->ops.sigmoid_xent_backward = cuda_sigmoid_xent_backward;
   return &be->ops;

@@ -1500,6 +1500,25 @@ static void dn_copy_cols(void *ctx, int n, int width, const float *src, int src_
     memcpy(dst + i * dst_stride, src + i * src_stride, (size_t)width * sizeof(float));
 }
 
+/* The interaction: the reference's loops (memory bound, small). */
+static void dn_fm_forward(void *ctx, int n, int f, int d, const float *x, float *y) {
+  dnnl_backend *be = enter(ctx);
+  if (n <= 0 || d <= 0) return;
+  read_plain(be, x, (size_t)n * f * d);
+  write_plain(be, y, (size_t)n * d);
+  ps_fm_host_forward(f, d, x, y, 0, n);
+}
+
+static void dn_fm_backward(void *ctx, int n, int f, int d, const float *x, const float *dy,
+                           float *dx) {
+  dnnl_backend *be = enter(ctx);
+  if (n <= 0 || d <= 0 || f <= 0) return;
+  read_plain(be, x, (size_t)n * f * d);
+  read_plain(be, dy, (size_t)n * d);
+  write_plain(be, dx, (size_t)n * f * d);
+  ps_fm_host_backward(f, d, x, dy, dx, 0, n);
+}
+
 /* (n) logits: small next to everything else, no threads. */
 static void dn_sigmoid_xent_forward(void *ctx, int n, const float *logits, const float *labels,
                                     float *probs, double *stats) {
@@ -1749,6 +1768,8 @@ ps_ops *ps_ops_dnnl_create(int threads) {
       .copy_cols = dn_copy_cols,
       .sigmoid_xent_forward = dn_sigmoid_xent_forward,
       .sigmoid_xent_backward = dn_sigmoid_xent_backward,
+      .fm_forward = dn_fm_forward,
+      .fm_backward = dn_fm_backward,
   };
   return &be->ops;
 }

@@ -107,7 +107,8 @@ enum {
   OP_CONV_FWD, OP_CONV_BWD, OP_POOL_FWD, OP_POOL_BWD, OP_DENSE_FWD, OP_DENSE_BWD, OP_RELU_FWD,
   OP_RELU_BWD, OP_DROP_FWD, OP_DROP_BWD, OP_XENT_STATS, OP_XENT_BWD, OP_SCALE, OP_COPY, OP_MARK,
   OP_AVGPOOL_FWD, OP_AVGPOOL_BWD, OP_GAP_FWD, OP_GAP_BWD, OP_ADD, OP_BN_TRAIN, OP_BN_INFER,
-  OP_BN_BWD, OP_EMB_FWD, OP_EMB_BWD, OP_COPY_COLS, OP_SIGMOID_FWD, OP_SIGMOID_BWD
+  OP_BN_BWD, OP_EMB_FWD, OP_EMB_BWD, OP_COPY_COLS, OP_SIGMOID_FWD, OP_SIGMOID_BWD,
+  OP_FM_FWD, OP_FM_BWD
 };
 
 enum { CALL_PTRS = 5 }; /* the most pointers an op reads (batchnorm's backward) */
@@ -188,6 +189,8 @@ static void run_call(emu_dev *f, const em_call *c) {
       o->sigmoid_xent_forward(ctx, c->n, c->p[0], c->p[1], c->q[0], c->q[1]);
       break;
     case OP_SIGMOID_BWD: o->sigmoid_xent_backward(ctx, c->n, c->p[0], c->p[1], c->q[0]); break;
+    case OP_FM_FWD: o->fm_forward(ctx, c->n, c->in, c->out, c->p[0], c->q[0]); break;
+    case OP_FM_BWD: o->fm_backward(ctx, c->n, c->in, c->out, c->p[0], c->p[1], c->q[0]); break;
     case OP_SCALE: o->scale(ctx, c->len, c->alpha, c->q[0]); break;
     case OP_COPY: memcpy(c->q[0], c->p[0], c->len); break;
     case OP_MARK: o->mark(ctx, c->n); break;
@@ -611,6 +614,26 @@ static void em_sigmoid_xent_backward(void *ctx, int n, const float *probs, const
   call(f, (em_call){.op = OP_SIGMOID_BWD, .n = n, .p = {probs, labels}, .q = {dlogits}});
 }
 
+static void em_fm_forward(void *ctx, int n, int f, int d, const float *x, float *y) {
+  emu_dev *e = enter(ctx);
+  const size_t nn = (size_t)(n > 0 ? n : 0), ff = (size_t)(f > 0 ? f : 0);
+  const size_t dd = (size_t)(d > 0 ? d : 0);
+  need(e, x, nn * ff * dd * F4, 0, "fm x");
+  need(e, y, nn * dd * F4, 0, "fm y");
+  call(e, (em_call){.op = OP_FM_FWD, .n = n, .in = f, .out = d, .p = {x}, .q = {y}});
+}
+
+static void em_fm_backward(void *ctx, int n, int f, int d, const float *x, const float *dy,
+                           float *dx) {
+  emu_dev *e = enter(ctx);
+  const size_t nn = (size_t)(n > 0 ? n : 0), ff = (size_t)(f > 0 ? f : 0);
+  const size_t dd = (size_t)(d > 0 ? d : 0);
+  need(e, x, nn * ff * dd * F4, 0, "fm x");
+  need(e, dy, nn * dd * F4, 0, "fm dy");
+  need(e, dx, nn * ff * dd * F4, 0, "fm dx");
+  call(e, (em_call){.op = OP_FM_BWD, .n = n, .in = f, .out = d, .p = {x, dy}, .q = {dx}});
+}
+
 static void *em_alloc(void *ctx, size_t bytes) {
   emu_dev *f = enter(ctx);
   not_recording(f, "alloc");
@@ -858,6 +881,8 @@ static void emu_init(emu_dev *f, ps_ops *cpu) {
       .copy_cols = em_copy_cols,
       .sigmoid_xent_forward = em_sigmoid_xent_forward,
       .sigmoid_xent_backward = em_sigmoid_xent_backward,
+      .fm_forward = em_fm_forward,
+      .fm_backward = em_fm_backward,
   };
 }
 

@@ -2,9 +2,9 @@
  * Two modes, by the first byte:
  *  - even: the rest of the input is the file; ps_ckpt_read must load it or
  *    refuse it with a message, never crash;
- *  - odd: a valid checkpoint whose range, version, slots, extra blob and
- *    values come from the input is written with ps_ckpt_write and must
- *    read back equal; then one byte of the file, chosen by the input, is
+ *  - odd: a valid checkpoint whose range, version, slots, extra blob,
+ *    values and (with a tables section) embedding rows come from the input
+ *    is written with ps_ckpt_write and must read back equal; then one byte of the file, chosen by the input, is
  *    changed (or the file is cut short), and that file must be refused:
  *    the checksums cover every byte.
  * Files live in a directory of their own under /dev/shm (or /tmp). */
@@ -89,14 +89,31 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   for (size_t i = 0; i < ck.extra_len; i++) extra[i] = (uint8_t)fuzz_take(&data, &size, 1);
   ck.extra = ck.extra_len ? extra : NULL;
   char err[PS_ERRLEN] = "";
+  /* Rows: one unbounded table of dim 1..4 (sgd: no slots), 0..7 rows. */
+  if (fuzz_take(&data, &size, 1) & 1) {
+    ps_ckpt_tables_builder b;
+    ps_ckpt_tables_begin(&b, 0);
+    const int dim = 1 + (int)(fuzz_take(&data, &size, 1) % 4);
+    if (ps_ckpt_tables_add_table(&b, "t", "sgd", 0, dim, 0) != 0) abort();
+    const int rows = (int)(fuzz_take(&data, &size, 1) % 8);
+    for (int r = 0; r < rows; r++) {
+      float rec[4];
+      for (int j = 0; j < dim; j++) rec[j] = (float)(int32_t)fuzz_take(&data, &size, 2) / 256.0f;
+      if (ps_ckpt_tables_add_row(&b, fuzz_take(&data, &size, 8), (uint32_t)r, rec) != 0) abort();
+    }
+    if (ps_ckpt_tables_finish(&b, &ck.tables, &ck.tables_len, err) != 0) abort();
+  }
   if (ps_ckpt_write(dir, &ck, 1, path, err) != 0) abort(); /* a valid one must be written */
   ps_ckpt back;
   if (ps_ckpt_read(path, &back, err) != 0) abort();
   if (back.meta.begin != begin || back.meta.end != end || back.meta.version != ck.meta.version ||
       back.n_slots != ck.n_slots || back.extra_len != ck.extra_len ||
       (n && memcmp(back.params, ck.params, n * sizeof(float)) != 0) ||
-      (ck.extra_len && memcmp(back.extra, extra, ck.extra_len) != 0))
+      (ck.extra_len && memcmp(back.extra, extra, ck.extra_len) != 0) ||
+      back.tables_len != ck.tables_len ||
+      (ck.tables_len && memcmp(back.tables, ck.tables, ck.tables_len) != 0))
     abort();
+  free(ck.tables);
   for (int k = 0; k < ck.n_slots; k++)
     if (n && memcmp(back.slots[k], ck.slots[k], n * sizeof(float)) != 0) abort();
   ps_ckpt_free(&back);

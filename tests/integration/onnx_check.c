@@ -220,6 +220,11 @@ static float forward_run(forward_pass *f, const float *params, const float *x, c
       case PS_LAYER_FLATTEN: outs[i] = in; break; /* NCHW is already (N, C*H*W) */
       case PS_LAYER_SOFTMAX_XENT:
         return ops->softmax_xent_forward(ops->ctx, n, f->spec->classes, in, y, probs);
+      case PS_LAYER_EMBEDDING:
+      case PS_LAYER_CONCAT:
+      case PS_LAYER_FM:
+      case PS_LAYER_SIGMOID_XENT:
+        return NAN; /* no ONNX form: ps-export refuses these models */
     }
   }
   return NAN; /* a spec always ends in softmax_xent */

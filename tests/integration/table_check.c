@@ -16,13 +16,24 @@
  *     many gradient bytes, rows beyond max_rows_per_shard; the client
  *     refuses a bad table and an id beyond the table.
  *
- *   table_check JOB HOST:PORT0,HOST:PORT1 */
+ *   table_check JOB HOST:PORT0,HOST:PORT1
+ *
+ * And for restarts from checkpoints (run_tests.sh tables): --save pulls
+ * the dense values and a fixed list of rows of both tables (those the
+ * checks push, some never pushed) and writes them to FILE, with each
+ * shard's version on stdout ("versions V0 V1 ..."); --compare pulls the
+ * same from shards restarted from the checkpoints (any number of them:
+ * ADDRS lists them all) and checks every value bit for bit.
+ *
+ *   table_check --save FILE JOB ADDRS
+ *   table_check --compare FILE JOB ADDRS */
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "../../common/cluster.h"
 #include "../../common/emb.h"
 #include "../../common/job.h"
 #include "../../common/optim.h"
@@ -122,9 +133,104 @@ static int same_state(const shard_state *a, const shard_state *b) {
          memcmp(a->crc, b->crc, sizeof a->crc) == 0 && memcmp(a->held, b->held, sizeof a->held) == 0;
 }
 
+/* The rows --save and --compare pull: every 7th id of "cat" and its last
+ * row (pushed by the checks), the 4 rows of shard 0 of 2 the control push
+ * pushed, 4 never pushed; the "hashed" ids the checks pushed. */
+enum { NSAVE_CAT = NCAT + 8 };
+static void saved_ids(uint64_t *cat, uint64_t *hsh) {
+  for (int i = 0; i < NCAT; i++) cat[i] = (uint64_t)i * 7;
+  cat[NCAT - 1] = job.tables[0].rows - 1;
+  ids_on(0, 0, 5, 7, cat + NCAT, 4);
+  const uint64_t never[4] = {1, 2, 3, 99998};
+  memcpy(cat + NCAT + 4, never, sizeof never);
+  for (int i = 0; i < NHASH; i++) hsh[i] = 0x9e3779b97f4a7c15ULL * (uint64_t)(i + 1);
+}
+
+/* --save / --compare (see the top). */
+static int save_or_compare(int save, const char *file, const char *list) {
+  char err[PS_ERRLEN];
+  char first[256];
+  snprintf(first, sizeof first, "%.*s", (int)strcspn(list, ","), list);
+  ps_client_opts o = {.host = "table-check-restart", .role = "worker", .task_index = -1,
+                      .timeout_ms = 20000, .connect_timeout_ms = 30000, .token = tok};
+  ps_client *c = ps_client_connect(first, &o, err);
+  if (!c) {
+    fprintf(stderr, "connect: %s\n", err);
+    return 1;
+  }
+  const size_t P = ps_client_param_count(c);
+  const size_t dc = (size_t)job.tables[0].dim, dh = (size_t)job.tables[1].dim;
+  uint64_t cat[NSAVE_CAT], hsh[NHASH];
+  saved_ids(cat, hsh);
+  const size_t n_vals = P + NSAVE_CAT * dc + NHASH * dh;
+  float *now = calloc(n_vals, sizeof(float)), *then = calloc(n_vals, sizeof(float));
+  ps_client_rows secs[2] = {{0, cat, NSAVE_CAT, now + P, NULL},
+                            {1, hsh, NHASH, now + P + NSAVE_CAT * dc, NULL}};
+  CHECK_MSG(ps_client_set_rows(c, secs, 2, err) == 0, "%s", err);
+  uint64_t versions[PS_MAX_TASKS] = {0};
+  int rc = ps_client_pull(c, now, versions, NULL, err);
+  CHECK_MSG(rc == 0, "pull: %s", err);
+  int n_shards = 1;
+  for (const char *q = list; *q; q++) n_shards += *q == ',';
+  if (rc == 0 && save) {
+    FILE *f = fopen(file, "wb");
+    CHECK_MSG(f && fwrite(&P, sizeof P, 1, f) == 1 && fwrite(now, sizeof(float), n_vals, f) == n_vals,
+              "cannot write '%s'", file);
+    if (f) CHECK(fclose(f) == 0);
+    printf("versions");
+    for (int s = 0; s < n_shards; s++) printf(" %" PRIu64, versions[s]);
+    printf("\n");
+    printf("saved %zu dense values and %d + %d rows to %s\n", P, NSAVE_CAT, NHASH, file);
+  } else if (rc == 0) {
+    FILE *f = fopen(file, "rb");
+    size_t P0 = 0;
+    CHECK_MSG(f && fread(&P0, sizeof P0, 1, f) == 1 && P0 == P &&
+                  fread(then, sizeof(float), n_vals, f) == n_vals,
+              "cannot read '%s' (or another P)", file);
+    if (f) fclose(f);
+    CHECK_MSG(memcmp(now, then, P * sizeof(float)) == 0,
+              "the dense values differ from those before the restart");
+    size_t bad_c = 0, bad_h = 0;
+    for (size_t i = 0; i < NSAVE_CAT; i++)
+      bad_c += memcmp(now + P + i * dc, then + P + i * dc, dc * sizeof(float)) != 0;
+    for (size_t i = 0; i < NHASH; i++)
+      bad_h += memcmp(now + P + NSAVE_CAT * dc + i * dh, then + P + NSAVE_CAT * dc + i * dh,
+                      dh * sizeof(float)) != 0;
+    CHECK_MSG(bad_c == 0 && bad_h == 0,
+              "after the restart on %d shard(s), %zu of %d rows of 'cat' and %zu of %d of "
+              "'hashed' differ from before",
+              n_shards, bad_c, NSAVE_CAT, bad_h, NHASH);
+    printf("restarted on %d shard(s): %zu dense values and %d + %d rows as before, bit for bit\n",
+           n_shards, P, NSAVE_CAT, NHASH);
+  }
+  ps_client_leave(c);
+  ps_client_destroy(c);
+  free(now);
+  free(then);
+  return check_summary();
+}
+
 int main(int argc, char **argv) {
+  if (argc == 5 && (strcmp(argv[1], "--save") == 0 || strcmp(argv[1], "--compare") == 0)) {
+    char err[PS_ERRLEN];
+    if (ps_job_load(argv[3], &job, NULL, err) != 0) {
+      fprintf(stderr, "%s\n", err);
+      return 2;
+    }
+    rpc_global_init();
+    const char *tf = getenv("PS_TOKEN_FILE");
+    if (tf && *tf) {
+      if (ps_token_load(tf, &token, NULL, err) != 0) {
+        fprintf(stderr, "PS_TOKEN_FILE: %s\n", err);
+        return 2;
+      }
+      tok = &token;
+    }
+    return save_or_compare(argv[1][2] == 's', argv[2], argv[4]);
+  }
   if (argc != 3) {
-    fprintf(stderr, "usage: table_check JOB HOST:PORT0,HOST:PORT1\n");
+    fprintf(stderr, "usage: table_check JOB HOST:PORT0,HOST:PORT1\n"
+                    "       table_check --save|--compare FILE JOB HOST:PORT,...\n");
     return 2;
   }
   char err[PS_ERRLEN], detail[PS_ERRLEN];

@@ -496,7 +496,7 @@ static void test_find_latest(void) {
   fresh_dir(dir, sizeof dir, "find");
   model_state m = model_make(100, 2, 1.0f), other_p = model_make(200, 2, 1.0f);
   notes ns = {0};
-  ps_ckpt_source src = {dir, "job-a", 100, "adam", collect_note, &ns};
+  ps_ckpt_source src = {dir, "job-a", 100, "adam", collect_note, &ns, 0};
   ps_ckpt got;
 
   /* Nothing there yet, or no directory at all: a fresh start. */
@@ -585,7 +585,7 @@ static void test_reshard(void) {
   const size_t P = 1000;
   model_state now = model_make(P, 2, 1.0f), old = model_make(P, 2, -1.0f);
   notes ns = {0};
-  ps_ckpt_source src = {dir, "job-a", P, "adam", collect_note, &ns};
+  ps_ckpt_source src = {dir, "job-a", P, "adam", collect_note, &ns, 0};
   ps_ckpt_restored info;
 
   /* An older complete set with 2 shards, then the current one with 3, its
@@ -781,7 +781,7 @@ static void test_set_and_cut(void) {
   }
   uint8_t *b = (uint8_t *)raw;
   CHECK(len == 192 + E + C + n * 4 * 2 + 4);
-  CHECK(le32(b + 8) == PS_CKPT_FORMAT_VERSION && PS_CKPT_FORMAT_VERSION == 2);
+  CHECK(le32(b + 8) == 2 && PS_CKPT_FORMAT_VERSION == 3); /* no tables: format 2 */
   CHECK(le64(b + 160) == set_id);
   CHECK(le64(b + 168) == C);
   CHECK(le32(b + 176) == ps_crc32c(0, cut, C));
@@ -912,7 +912,7 @@ static void test_format_1(void) {
   ps_ckpt_free(&got);
   /* Found and restored. */
   notes ns = {0};
-  ps_ckpt_source src = {dir, "job-a", P, "momentum", collect_note, &ns};
+  ps_ckpt_source src = {dir, "job-a", P, "momentum", collect_note, &ns, 0};
   rc = ps_ckpt_find_latest(&src, 0, 1, &got, NULL, err);
   CHECK_MSG(rc == PS_OK && got.meta.version == 9, "%s", err);
   ps_ckpt_free(&got);
@@ -944,7 +944,14 @@ static void test_format_1(void) {
   rc = ps_ckpt_read(bad_path, &got, err);
   CHECK_MSG(rc == PS_OK && got.meta.set_id == 7, "%d %s", rc, err);
   ps_ckpt_free(&got);
+  /* Format 3 without rows reads as format 2. */
   put_le32(b + 8, 3);
+  reseal(b, len);
+  CHECK(write_file(bad_path, raw, len) == 0);
+  rc = ps_ckpt_read(bad_path, &got, err);
+  CHECK_MSG(rc == PS_OK && got.meta.format == 3 && got.tables == NULL, "%d %s", rc, err);
+  ps_ckpt_free(&got);
+  put_le32(b + 8, PS_CKPT_FORMAT_VERSION + 1);
   reseal(b, len);
   CHECK(write_file(bad_path, raw, len) == 0);
   rc = ps_ckpt_read(bad_path, &got, err);
@@ -963,7 +970,7 @@ static void test_consistent_groups(void) {
   model_state s7 = model_offset(P, 1, 100.0f), s8 = model_offset(P, 1, 200.0f);
   model_state solo = model_offset(P, 1, 300.0f), eq = model_offset(P, 1, 400.0f);
   notes ns = {0};
-  ps_ckpt_source src = {dir, "job-a", P, "momentum", collect_note, &ns};
+  ps_ckpt_source src = {dir, "job-a", P, "momentum", collect_note, &ns, 0};
   ps_ckpt_restored info;
   char n7a[PS_CKPT_PATHLEN], n7b[PS_CKPT_PATHLEN];
 
@@ -1089,7 +1096,7 @@ static void test_corrupt_set(void) {
   const size_t P = 100;
   model_state s3 = model_offset(P, 1, 30.0f), s4 = model_offset(P, 1, 40.0f);
   notes ns = {0};
-  ps_ckpt_source src = {dir, "job-a", P, "momentum", collect_note, &ns};
+  ps_ckpt_source src = {dir, "job-a", P, "momentum", collect_note, &ns, 0};
   ps_ckpt_restored info;
   write_set_shard(dir, &s3, "job-a", 0, 2, 10, 3, "cut-3", NULL);
   write_set_shard(dir, &s3, "job-a", 1, 2, 10, 3, "cut-3", NULL);

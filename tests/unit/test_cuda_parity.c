@@ -31,6 +31,7 @@
  *  - Batch normalization: statistics and their gradient sums rtol 1e-6,
  *    y and dx rtol 1e-5 (see test_batchnorm); a CNN step with it as
  *    test_avg_cnn_step (test_bn_cnn_step).
+ *  - fm_forward and fm_backward (test_fm): bit for bit.
  *  - Embeddings (embedding_bag_forward and _backward) and copy_cols: bit
  *    for bit (the same float sums in the same order, no fused
  *    multiply-add, no atomics). The logistic loss (sigmoid_xent): the
@@ -1078,6 +1079,38 @@ static void test_copy_cols(void) {
   }
 }
 
+/* The factorization-machine interaction (fm_forward, fm_backward): the
+ * same float sums in the same order on both sides, so bit for bit. */
+static void test_fm(void) {
+  static const int cases[][3] = {
+      /* n, fields, dim */
+      {1, 2, 1},
+      {37, 26, 8},
+      {512, 26, 16},
+      {3, 100, 5},
+  };
+  char what[96];
+  for (size_t t = 0; t < sizeof cases / sizeof cases[0]; t++) {
+    const int n = cases[t][0], f = cases[t][1], d = cases[t][2];
+    const size_t nx = (size_t)n * f * d, ny = (size_t)n * d;
+    float *x = uniform_floats(nx, -1, 1), *dy = uniform_floats(ny, -1, 1);
+    float *y_ref = nan_floats(ny), *dx_ref = nan_floats(nx);
+    ref.ops->fm_forward(ref.ops->ctx, n, f, d, x, y_ref);
+    ref.ops->fm_backward(ref.ops->ctx, n, f, d, x, dy, dx_ref);
+    float *d_x = s_upload(&dut, x, nx * sizeof(float)), *d_dy = s_upload(&dut, dy, ny * sizeof(float));
+    float *d_y = s_nans(&dut, ny), *d_dx = s_nans(&dut, nx);
+    dut.ops->fm_forward(dut.ops->ctx, n, f, d, d_x, d_y);
+    dut.ops->fm_backward(dut.ops->ctx, n, f, d, d_x, d_dy, d_dx);
+    float *y = s_fetch(&dut, d_y, ny * sizeof(float)), *dx = s_fetch(&dut, d_dx, nx * sizeof(float));
+    snprintf(what, sizeof what, "fm_forward n%d f%d d%d", n, f, d);
+    check_bits(what, y, y_ref, ny);
+    snprintf(what, sizeof what, "fm_backward n%d f%d d%d", n, f, d);
+    check_bits(what, dx, dx_ref, nx);
+    free(x), free(dy), free(y_ref), free(dx_ref), free(y), free(dx);
+    s_free(&dut, d_x), s_free(&dut, d_dy), s_free(&dut, d_y), s_free(&dut, d_dx);
+  }
+}
+
 /* The logistic loss. Probabilities: both sides compute them in double and
  * round to float, so they agree but for the last bit of the double exp
  * (rtol 1e-6, atol 1e-30 for the tiny ones of x near -100). The loss sum:
@@ -1342,6 +1375,8 @@ static float net_step(net *m, const float *params_host, const float *x_host,
       case PS_LAYER_DROPOUT:
         o->dropout_forward(o->ctx, n_out, L->rate, seed, step * PS_MAX_LAYERS + (uint64_t)i, act,
                            m->out[i], m->mask[i]);
+        break;
+      default: /* the embedding models' layers: not in these chains (test_fm, test_embedding_bag) */
         break;
       case PS_LAYER_FLATTEN:
       case PS_LAYER_SOFTMAX_XENT:
@@ -1644,6 +1679,7 @@ int main(void) {
   RUN(test_conv2d_empty_batch);
   RUN(test_embedding_bag);
   RUN(test_copy_cols);
+  RUN(test_fm);
   RUN(test_sigmoid_xent);
   if (dut.on_device) RUN(test_memory_helpers);
   RUN(test_cnn_trajectory);

@@ -735,7 +735,7 @@ static void test_job_keys(void) {
   expect_job_error("{\"name\": \"cifar10\", \"layout\": \"nhwc\"}",
                    "'dataset.layout' does not apply to the cifar10 dataset: keys like it apply "
                    "only to the npz or npy dataset");
-  expect_job_error("{\"name\": \"npy\", \"train\": \"a\"}", "only to the npz dataset");
+  expect_job_error("{\"name\": \"npy\", \"train\": \"a\"}", "only to the npz or criteo dataset");
   expect_job_error("{\"name\": \"npz\", \"train\": \"a\", \"test\": \"b\", \"layout\": \"chw\"}",
                    "\"nhwc\" or \"nchw\"");
   expect_job_error("{\"mean\": [0.5]}", "give both");

@@ -167,7 +167,7 @@ static void test_invalid(void) {
   expect_error(", \"dataset\": \"mnist\"", "'dataset' must be an object");
   expect_error(", \"dataset\": {\"name\": \"mnist\", \"path\": \"/x\"}",
                "unknown field 'dataset.path'");
-  expect_error(", \"dataset\": {\"train_size\": 10}", "apply only to the synthetic dataset");
+  expect_error(", \"dataset\": {\"train_size\": 10}", "apply only to the synthetic or ctr-synthetic or criteo dataset");
   expect_error(", \"dataset\": {\"name\": \"synthetic\", \"train_size\": 0}",
                "'dataset.train_size'");
   expect_error(", \"dataset\": {\"name\": \"synthetic\", \"test_size\": \"5\"}",
@@ -349,12 +349,59 @@ static void test_shipped_jobs(void) {
   if (g_n_job_dirs) printf("%d shipped job files parse\n", seen);
 }
 
+/* Click-through jobs: embedding layers name the job's tables, the click
+ * log data sets want a binary model with ids. */
+#define CTR_MODEL                                                                        \
+  "{\"input\": [13, 1, 1], \"ids\": 26, \"classes\": 1, \"layers\": ["                      \
+  "{\"type\": \"embedding\", \"name\": \"e\", \"table\": \"cat\", \"dim\": 4},"                \
+  "{\"type\": \"concat\", \"inputs\": [\"input\", \"e\"]},"                                \
+  "{\"type\": \"dense\", \"units\": 1}, {\"type\": \"sigmoid_xent\"}]}"
+static void test_ctr_jobs(void) {
+  ps_job job;
+  char err[PS_ERRLEN] = "";
+  int rc = ps_job_parse("{\"job_id\": \"c\", \"model\": " CTR_MODEL
+                        ", \"embeddings\": [{\"name\": \"x\", \"rows\": 10, \"dim\": 2}, "
+                        "{\"name\": \"cat\", \"rows\": 0, \"dim\": 4}], \"dataset\": {\"name\": "
+                        "\"ctr-synthetic\", \"train_size\": 100, \"vocab\": 50, \"zipf\": 1.2, "
+                        "\"data_seed\": 3}}",
+                        &job, err);
+  CHECK_MSG(rc == 0, "%s", err);
+  CHECK(job.model.layers[0].table_index == 1 && job.model.n_ids == 26);
+  CHECK(job.ctr_vocab == 50 && job.ctr_zipf == 1.2 && job.ctr_seed == 3);
+  CHECK(job.synthetic_train == 100 && job.synthetic_test == 512);
+  rc = ps_job_parse("{\"job_id\": \"c\", \"model\": " CTR_MODEL
+                    ", \"embeddings\": [{\"name\": \"cat\", \"rows\": 0, \"dim\": 4}], "
+                    "\"dataset\": {\"name\": \"criteo\", \"train\": \"a.tsv\", \"test\": \"b.tsv\"}}",
+                    &job, err);
+  CHECK_MSG(rc == 0, "%s", err);
+  CHECK(job.synthetic_train == 0 && job.synthetic_test == 0); /* whole files */
+  expect_error_text("{\"job_id\": \"c\", \"model\": " CTR_MODEL "}",
+                    "table 'cat' is not one of the job's \"embeddings\"");
+  expect_error_text("{\"job_id\": \"c\", \"model\": " CTR_MODEL
+                    ", \"embeddings\": [{\"name\": \"cat\", \"rows\": 0, \"dim\": 8}]}",
+                    "'dim' is 4 but table 'cat' has rows of 8 values");
+  expect_error_text("{\"job_id\": \"c\", \"model\": " CTR_MODEL
+                    ", \"embeddings\": [{\"name\": \"cat\", \"rows\": 0, \"dim\": 4}], "
+                    "\"dataset\": {\"name\": \"criteo\", \"train\": \"a.tsv\"}}",
+                    "criteo");
+  expect_error_text("{\"job_id\": \"c\", \"model\": " CTR_MODEL
+                    ", \"embeddings\": [{\"name\": \"cat\", \"rows\": 0, \"dim\": 4}], "
+                    "\"dataset\": {\"name\": \"ctr-synthetic\", \"zipf\": -1}}",
+                    "'dataset.zipf' must be a number in [0, 20]");
+  /* Click logs for a model without ids or with classes > 1. */
+  expect_error(", \"dataset\": {\"name\": \"ctr-synthetic\"}",
+               "the model needs \"classes\": 1 (ending in sigmoid_xent) and \"ids\"");
+  expect_error(", \"dataset\": {\"name\": \"fashion-mnist\", \"vocab\": 10}",
+               "apply only to the ctr-synthetic dataset");
+}
+
 int main(int argc, char **argv) {
   for (int a = 1; a < argc && g_n_job_dirs < 4; a++) g_job_dirs[g_n_job_dirs++] = argv[a];
   RUN(test_full_job);
   RUN(test_modes);
   RUN(test_defaults);
   RUN(test_invalid);
+  RUN(test_ctr_jobs);
   RUN(test_load);
   RUN(test_keras_model);
   RUN(test_shipped_jobs);

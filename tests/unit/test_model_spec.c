@@ -195,7 +195,7 @@ static void test_errors(void) {
                "\"full\"}," TAIL,
                "'padding' must be");
   expect_error(HEAD "{\"type\": \"flatten\"}, {\"type\": \"dense\", \"units\": 10}]}",
-               "the last layer must be softmax_xent (layer 1 is dense)");
+               "the last layer must be softmax_xent or sigmoid_xent (layer 1 is dense)");
   expect_error(HEAD
                "{\"type\": \"flatten\"}, {\"type\": \"dense\", \"units\": 12},"
                "{\"type\": \"softmax_xent\"}]}",
@@ -244,7 +244,7 @@ static void test_errors(void) {
   expect_error("{\"input\": [1, 0, 8], \"classes\": 10, \"layers\": [" TAIL, "'input'[1]");
   expect_error("{\"input\": [1, 8, 8], \"layers\": [" TAIL, "'classes' is required");
   expect_error("{\"input\": [1, 8, 8], \"classes\": 1000, \"layers\": [" TAIL,
-               "'classes' must be an integer in 2..256");
+               "'classes' must be an integer in 1..256");
   expect_error("{\"input\": [1, 8, 8], \"classes\": 10, \"layers\": []}",
                "'layers' must be a non-empty array");
   expect_error("{\"input\": [1, 8, 8], \"classes\": 10, \"layer\": []}",
@@ -461,7 +461,7 @@ static void test_residual_errors(void) {
   expect_error(HEAD
                "{\"type\": \"relu\"},"
                "{\"type\": \"relu\", \"inputs\": [\"input\", \"relu_0\"]}," TAIL,
-               "layer 1 (relu): 'inputs' must be an array of one layer name (only add takes more)");
+               "layer 1 (relu): 'inputs' must be an array of one layer name (only add and concat take more)");
   expect_error(HEAD "{\"type\": \"relu\", \"inputs\": \"input\"}," TAIL,
                "'inputs' must be an array of one layer name");
   expect_error(HEAD "{\"type\": \"relu\", \"inputs\": [3]}," TAIL,
