@@ -2163,15 +2163,15 @@ replication)
   # new primary acknowledges, within PS_FAILOVER_LIMIT_S (default 1 s; the
   # lease is 0.5 s).
   limit=${PS_FAILOVER_LIMIT_S:-1.0}
-  python3 "$here/tools/replication.py" "$build" "$out/r2" "$here/jobs/synthetic.json" \
+  python3 "$here/tools/replication.py" "$build" "$out/r2" "$here/jobs/replication.json" \
     --shards 2 --replicas 2 --kills 6 --workers 2 --steps 400 --straggle-ms 15 \
     --max-failover-s "$limit" || fail "R=2: see $out/r2"
-  python3 "$here/tools/replication.py" "$build" "$out/r3" "$here/jobs/synthetic.json" \
+  python3 "$here/tools/replication.py" "$build" "$out/r3" "$here/jobs/replication.json" \
     --shards 1 --replicas 3 --kills 6 --workers 2 --steps 400 --straggle-ms 15 --what any \
     --min-in-sync 2 --max-failover-s "$limit" || fail "R=3: see $out/r3"
   # Shard 0's coordinator role: data leases (chunks of 64) with shard 0's
   # primaries killed; every chunk of every finished epoch completed once.
-  python3 "$here/tools/replication.py" "$build" "$out/leases" "$here/jobs/synthetic.json" \
+  python3 "$here/tools/replication.py" "$build" "$out/leases" "$here/jobs/replication.json" \
     --shards 2 --replicas 2 --kills 5 --workers 2 --steps 0 --epochs 10 --lease-chunk 64 \
     --straggle-ms 15 --kill-shard 0 --max-failover-s "$limit" || fail "leases: see $out/leases"
   # sync: the shards' final state is a function of the steps alone (2
@@ -2180,7 +2180,7 @@ replication)
   # run ends: nothing acknowledged lost or doubled, nothing reordered.
   for run in calm killed; do
     kills=0; [ "$run" = killed ] && kills=5
-    python3 "$here/tools/replication.py" "$build" "$out/sync-$run" "$here/jobs/synthetic.json" \
+    python3 "$here/tools/replication.py" "$build" "$out/sync-$run" "$here/jobs/replication.json" \
       --shards 2 --replicas 2 --kills "$kills" --workers 2 --steps 250 --straggle-ms 15 \
       --mode sync --max-failover-s "$limit" >"$out/sync-$run.txt" 2>&1 \
       || { cat "$out/sync-$run.txt"; fail "sync ($run): see $out/sync-$run"; }
