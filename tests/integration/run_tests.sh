@@ -31,6 +31,22 @@ PY
 # final_accuracy LOG: the chief's final test accuracy.
 final_accuracy() { sed -n 's/^final test accuracy \([0-9.]*\).*/\1/p' "$1" | tail -1; }
 
+# auc_near_truth NAME LOG GAP: the chief's final test AUC (in LOG) is at
+# most GAP below the ground truth's AUC it prints beside it.
+auc_near_truth() {
+  local line
+  line=$(grep '^final test AUC' "$2" || true)
+  echo "$1: $line"
+  python3 - "$line" "$3" <<'PY' || fail "the final AUC is not within $3 of the ground truth's"
+import re, sys
+m = re.match(r"final test AUC ([0-9.]+) .*the ground truth's AUC is ([0-9.]+)", sys.argv[1])
+assert m, "no final AUC line with the ground truth's"
+auc, truth = float(m.group(1)), float(m.group(2))
+assert 0.75 < truth < 0.85, truth
+assert auc >= truth - float(sys.argv[2]), (auc, truth)
+PY
+}
+
 # status FILE KEY: a value from a Status JSON file
 status() { python3 -c "import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])" "$1" "$2"; }
 
@@ -2253,16 +2269,7 @@ ctr)
   "$root/deploy/local-cluster.sh" --job "$here/jobs/ctr.json" --bin "$build" --out "$out" \
     --timeout 300 --threads 1 "${limit[@]}" -- --log-interval 2 \
     >"$out/cluster.out" 2>&1 || { cat "$out/cluster.out"; fail "the cluster run failed"; }
-  line=$(grep '^final test AUC' "$out/worker-0.log" || true)
-  echo "ctr: $line"
-  python3 - "$line" <<'PY' || fail "the final AUC is not within 0.03 of the ground truth's"
-import re, sys
-m = re.match(r"final test AUC ([0-9.]+) .*the ground truth's AUC is ([0-9.]+)", sys.argv[1])
-assert m, "no final AUC line with the ground truth's"
-auc, truth = float(m.group(1)), float(m.group(2))
-assert 0.75 < truth < 0.85, truth
-assert auc >= truth - 0.03, (auc, truth)
-PY
+  auc_near_truth ctr "$out/worker-0.log" 0.03
   grep -q "model: embedding(w,1,f0-26) embedding(v,8,f0-26) fm concat(input,w,fm) dense(1) sigmoid_xent" \
     "$out/worker-0.log" || fail "the chief did not describe the model"
   python3 - "$out" <<'PY' || fail "Status does not show the rows"
@@ -2277,18 +2284,24 @@ for s in (0, 1):
 PY
   ;;
 ctr_churn)
-  # Tables under churn and a shard restart, while a CTR job trains: 2
-  # shards checkpointing every second, 2 workers. Mid-run worker 1 is
+  # Tables under churn and a shard restart, while a CTR job trains on data
+  # leases: 2 shards checkpointing every second, 2 workers. Mid-run worker 1 is
   # SIGKILLed and started again (it joins as a new worker); then shard 1
   # is SIGKILLed and started again from the checkpoint directory: it
   # restores its dense range and its rows of both tables and the workers
   # go on against it (pulls and pushes retried meanwhile). The run must
-  # finish, the chief's AUC stay within 0.05 of the ground truth's, and
-  # the restarted shard say it restored rows of both tables.
+  # finish, the chief's AUC stay within 0.05 of the ground truth's, the
+  # restarted shard say it restored rows of both tables, and shard 0's
+  # lease records show every chunk of the 3 epochs completed once.
   ports=$(free_ports 2)
   ck=$out/ckpt
-  sed 's/"train_size": 1000000, "test_size": 50000/"train_size": 600000, "test_size": 20000/; s/"epochs": 2/"epochs": 3/' \
-    "$here/jobs/ctr.json" >"$out/job.json"
+  python3 - "$here/jobs/ctr.json" "$out/job.json" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1]))
+j["dataset"].update(train_size=600000, test_size=20000)
+j.update(epochs=3, lease_chunk=50000, heartbeat_timeout_ms=3000)
+json.dump(j, open(sys.argv[2], "w"))
+PY
   start_servers "$out/job.json" "$ports" --checkpoint-dir "$ck" --checkpoint-secs 1
   spids=("${pids[@]}")
   worker() {
@@ -2302,7 +2315,7 @@ ctr_churn)
   worker 1
   # steps under way on worker 1 (bounded), then its kill and restart
   for i in $(seq 1 300); do
-    grep -q "step [0-9]*/" "$out/worker-1.log" 2>/dev/null && break
+    grep -q "info: step [0-9]* " "$out/worker-1.log" 2>/dev/null && break
     sleep 0.1
   done
   sleep 1
@@ -2330,14 +2343,19 @@ ctr_churn)
       || { grep checkpoint "$out/server-1b.log"; fail "shard 1 did not restore table $t's rows"; }
   done
   grep "rows restored" "$out/server-1b.log" | sed 's/.*checkpoint: /ctr_churn: shard 1: /'
-  line=$(grep '^final test AUC' "$out/worker-0.log" || true)
-  echo "ctr_churn: $line"
-  python3 - "$line" <<'PY' || fail "the final AUC is not within 0.05 of the ground truth's"
-import re, sys
-m = re.match(r"final test AUC ([0-9.]+) .*the ground truth's AUC is ([0-9.]+)", sys.argv[1])
-assert m, "no final AUC line with the ground truth's"
-auc, truth = float(m.group(1)), float(m.group(2))
-assert auc >= truth - 0.05, (auc, truth)
+  auc_near_truth ctr_churn "$out/worker-0.log" 0.05
+  # Data leases across the kills: every chunk of every epoch done once.
+  "$build/ps-server" --insecure --status "${ports%%,*}" >"$out/status.json" \
+    || fail "no Status from shard 0"
+  python3 - "$out/status.json" <<'PY' || fail "shard 0's lease records are not complete"
+import json, sys
+st = json.load(open(sys.argv[1]))
+eps = st.get("lease_epochs", [])
+assert len(eps) == 3 and all(e.get("finished") for e in eps), eps
+for e in eps:
+    assert e["chunks_once"] == e["chunks"], e
+print("ctr_churn: shard 0's leases: 3 epochs, every chunk completed once; %d examples handed out again"
+      % sum(e["examples_rehanded"] for e in eps))
 PY
   for f in "$out"/server-*.log "$out"/worker-*.log; do clean_exit "$f" || fail "$f"; done
   ;;
