@@ -52,11 +52,14 @@ static uint64_t feistel(uint64_t key, int half, uint64_t x, int inverse) {
   return (l << half) | r;
 }
 
-/* Half the bits of the smallest power of 4 >= n (at least 1). */
+/* Half the bits of the smallest power of 4 >= n (at least 1): the h in
+ * [1, 32] for which n - 1 < 4^h, from the bit length of n - 1 (a count of
+ * leading zeros, not a loop: every placement computes it). */
 static int half_bits(uint64_t n) {
-  int h = 1;
-  while (h < 32 && (n - 1) >> (2 * h)) h++;
-  return h;
+  const uint64_t m = n - 1;
+  const int bits = m ? 64 - __builtin_clzll(m) : 0;
+  const int h = (bits + 1) / 2;
+  return h < 1 ? 1 : h;
 }
 
 uint64_t ps_perm_forward(uint64_t key, uint64_t n, uint64_t x) {

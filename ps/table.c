@@ -62,6 +62,7 @@ struct ps_table {
   uint64_t local_rows;
   float *arena; /* local_rows * stride, mapped zeroed */
   size_t arena_bytes;
+  int arena_huge; /* asked for huge pages (arena_dense) */
   uint64_t *touched;
 
   /* unbounded: map id -> row number + 1 (0: empty slot) */
@@ -73,14 +74,18 @@ struct ps_table {
   uint64_t *row_ids; /* the id of every row made (for walks) */
   size_t n_chunks, chunks_cap;
 
-  /* the staged push: for each position its new stored row (count
-   * included), where it goes, and the CRCs of its old and new row */
+  /* the staged push: for each position its old stored row (or, for a row
+   * an unbounded table makes at the commit, the new one), where it goes,
+   * and whether a bounded table's row is pushed for the first time; the
+   * sum of the new rows' CRCs minus the old ones' */
   size_t st_n, st_cap;
   float *st_rows;
   int64_t *st_where; /* bounded: local row; unbounded: row number, or -1 - k for new row k */
-  uint32_t *st_crc;  /* new row's CRC minus old row's (0 when there was none) */
+  uint8_t *st_born;  /* bounded: 1 where the row had never been pushed */
+  size_t *st_done;   /* per share (SHARE positions): the end of the positions it changed */
+  uint32_t st_crc;
   const uint64_t *st_ids;
-  size_t st_new;
+  size_t st_new; /* rows made (unbounded) or pushed for the first time (bounded) */
   int staged;
 
   /* the id set of a request's check */
@@ -98,14 +103,43 @@ struct ps_table {
 
 static uint64_t mix(uint64_t z) { return ps_fmix64(z); }
 
-/* Zeroed memory for rows, in huge pages where the kernel gives them. */
+/* Zeroed memory for rows, in huge pages where the kernel gives them and
+ * the area is small enough to be held whole anyway: a huge page is made
+ * whole by the first row touched in it, so a large table of which a
+ * batch stream touches few rows would hold 2 MiB per row touched (a
+ * 100M-row table touched on 3000 rows: 6 GiB instead of 12 MiB). Above
+ * HUGE_AREA_MAX the pages are the base size: memory grows with the rows
+ * touched, not the rows declared, until arena_dense() finds the rows dense
+ * enough for huge pages. */
+#define HUGE_AREA_MAX ((size_t)512 << 20)
 static void *rows_alloc(size_t bytes) {
-  void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                 -1, 0);
   if (p == MAP_FAILED) return NULL;
 #ifdef MADV_HUGEPAGE
-  if (bytes >= HUGE_PAGE) madvise(p, bytes, MADV_HUGEPAGE);
+  if (bytes >= HUGE_PAGE && bytes <= HUGE_AREA_MAX) madvise(p, bytes, MADV_HUGEPAGE);
 #endif
   return p;
+}
+
+/* A bounded table's arena above HUGE_AREA_MAX goes over to huge pages once
+ * it holds a row per 4 KiB page of it: rows are placed at random, so base
+ * pages then hold about 63% of the arena already, and huge pages cost at
+ * most 1.6 times that, while every row read or pushed after it costs a
+ * TLB miss less (a request's rows are scattered over the arena: reading
+ * 10,000 rows of a 4M-row dim-16 table held on 200,000 rows took 1.5
+ * times as long in base pages). New pages come huge at once; the pages
+ * already mapped are collapsed by khugepaged in its own time, not here
+ * (MADV_COLLAPSE would copy the arena under the write lock: 1.2 s of held
+ * pushes for 544 MB, measured). Write lock held. */
+static void arena_dense(ps_table *t) {
+#ifdef MADV_HUGEPAGE
+  if (t->arena_huge || t->rows_held < t->arena_bytes / 4096) return;
+  t->arena_huge = 1;
+  madvise(t->arena, t->arena_bytes, MADV_HUGEPAGE);
+#else
+  (void)t;
+#endif
 }
 static void rows_free(void *p, size_t bytes) {
   if (p) munmap(p, bytes);
@@ -143,6 +177,7 @@ ps_table *ps_table_create(const ps_table_spec *spec, const ps_optim_config *opti
       /* Untouched pages cost no memory: the kernel maps them as rows are
        * first written. */
       t->arena = rows_alloc(t->arena_bytes);
+      t->arena_huge = t->arena_bytes <= HUGE_AREA_MAX;
       t->touched = calloc((n + 63) / 64 + 1, sizeof *t->touched);
       ok = t->arena && t->touched;
     }
@@ -170,7 +205,8 @@ void ps_table_destroy(ps_table *t) {
   free(t->row_ids);
   free(t->st_rows);
   free(t->st_where);
-  free(t->st_crc);
+  free(t->st_born);
+  free(t->st_done);
   free(t->set_keys);
   free(t->set_used);
   pthread_rwlock_destroy(&t->lock);
@@ -263,10 +299,14 @@ static float *urow(const ps_table *t, size_t row) {
   return t->chunks[row / CHUNK_ROWS] + (row % CHUNK_ROWS) * t->stride;
 }
 
-static void prefetch_row(const ps_table *t, const float *row) {
-  const char *p = (const char *)row;
-  size_t bytes = t->stride * sizeof(float);
-  for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 1, 3);
+/* Prefetches the cache lines of floats [0, n) of a stored row: a pull
+ * reads the head and the values only, a push the whole row. */
+static void prefetch_row(const float *row, size_t n, int write) {
+  uintptr_t a = (uintptr_t)row & ~(uintptr_t)63, e = (uintptr_t)(row + n);
+  if (write)
+    for (; a < e; a += 64) __builtin_prefetch((const void *)a, 1, 3);
+  else
+    for (; a < e; a += 64) __builtin_prefetch((const void *)a, 0, 3);
 }
 
 /* Rows are located a block ahead of the work on them: aim() computes
@@ -281,9 +321,10 @@ typedef struct {
 } block;
 
 static void aim(const ps_table *t, const uint64_t *ids, const uint64_t *locals, size_t m,
-                block *b) {
+                int write, block *b) {
   b->m = m;
   if (t->spec.rows) {
+    const size_t span = write ? t->stride : HEAD + (size_t)t->spec.dim;
     for (size_t j = 0; j < m; j++) {
       uint64_t local;
       if (locals)
@@ -291,7 +332,7 @@ static void aim(const ps_table *t, const uint64_t *ids, const uint64_t *locals, 
       else
         ps_table_place(&t->spec, t->S, ids[j], &local);
       b->where[j] = (int64_t)local;
-      prefetch_row(t, t->arena + local * t->stride);
+      prefetch_row(t->arena + local * t->stride, span, write);
     }
     return;
   }
@@ -394,6 +435,45 @@ int ps_table_check_ids(ps_table *t, const uint64_t *ids, size_t n, uint64_t *loc
   return rc;
 }
 
+/* ---- sharing a request's rows between two threads ----
+ *
+ * Requests of at least SPLIT_ROWS rows are worked on by the calling thread
+ * and a helper together (rows are distinct, so no two positions touch one
+ * row), each taking the next SHARE positions from a counter until none
+ * are left. On a machine whose cores are busy the helper may start late,
+ * or not run for a while: it then takes fewer shares, and the caller waits
+ * for one share at most, not for half of the request. */
+#define SPLIT_ROWS 2048
+#define SHARE 512
+
+typedef struct {
+  _Atomic size_t next; /* the first position not taken yet */
+  size_t n;
+  void (*fn)(void *ctx, size_t lo, size_t hi, int who); /* who: 0 caller, 1 helper */
+  void *ctx;
+  _Atomic int stop; /* take no more shares */
+} share;
+
+static void share_run(share *sh, int who) {
+  while (!atomic_load_explicit(&sh->stop, memory_order_relaxed)) {
+    size_t lo = atomic_fetch_add(&sh->next, (size_t)SHARE);
+    if (lo >= sh->n) return;
+    sh->fn(sh->ctx, lo, sh->n - lo < SHARE ? sh->n : lo + SHARE, who);
+  }
+}
+
+static void *share_helper(void *arg) {
+  share_run(arg, 1);
+  return NULL;
+}
+
+static void share_all(share *sh) {
+  pthread_t helper;
+  int threaded = sh->n >= SPLIT_ROWS && pthread_create(&helper, NULL, share_helper, sh) == 0;
+  share_run(sh, 0);
+  if (threaded) pthread_join(helper, NULL);
+}
+
 /* ---- pulls ---- */
 
 typedef struct {
@@ -403,17 +483,17 @@ typedef struct {
   float *out;
 } read_part;
 
-static void *read_range(void *arg) {
-  read_part *p = arg;
+static void read_range(read_part *p) {
   ps_table *t = p->t;
   const size_t d = (size_t)t->spec.dim, n = p->n;
   const uint64_t *ids = p->ids, *locals = p->locals;
   block cur, next;
-  if (n) aim(t, ids, locals, n < BLK ? n : BLK, &next);
+  if (n) aim(t, ids, locals, n < BLK ? n : BLK, 0, &next);
   for (size_t b = 0; b < n; b += BLK) {
     cur = next;
     size_t nb = b + BLK;
-    if (nb < n) aim(t, ids + nb, locals ? locals + nb : NULL, n - nb < BLK ? n - nb : BLK, &next);
+    if (nb < n)
+      aim(t, ids + nb, locals ? locals + nb : NULL, n - nb < BLK ? n - nb : BLK, 0, &next);
     for (size_t j = 0; j < cur.m; j++) {
       float *o = p->out + (b + j) * d;
       const float *row = find(t, ids + b, &cur, j);
@@ -423,29 +503,38 @@ static void *read_range(void *arg) {
         ps_table_init_row(&t->spec, t->seed, ids[b + j], o);
     }
   }
-  return NULL;
 }
 
-/* Requests of at least this many rows are read, and staged, in two halves
- * on two threads (rows are distinct, so the halves touch different rows). */
-#define SPLIT_ROWS 2048
+static void read_share(void *ctx, size_t lo, size_t hi, int who) {
+  (void)who;
+  const read_part *r = ctx;
+  read_part p = {r->t, r->ids + lo, r->locals ? r->locals + lo : NULL, hi - lo,
+                 r->out + lo * (size_t)r->t->spec.dim};
+  read_range(&p);
+}
 
 void ps_table_read_rows(ps_table *t, const uint64_t *ids, const uint64_t *locals, size_t n,
                         float *out) {
-  const size_t h = n >= SPLIT_ROWS ? n / 2 : n;
-  read_part a = {t, ids, locals, h, out};
-  read_part b = {t, ids + h, locals ? locals + h : NULL, n - h, out + h * (size_t)t->spec.dim};
-  pthread_t helper;
-  int threaded = h < n && pthread_create(&helper, NULL, read_range, &b) == 0;
-  read_range(&a);
-  if (threaded)
-    pthread_join(helper, NULL);
-  else if (h < n)
-    read_range(&b);
+  read_part r = {t, ids, locals, n, out};
+  share sh = {.n = n, .fn = read_share, .ctx = &r};
+  share_all(&sh);
   atomic_fetch_add(&t->rows_pulled, (uint64_t)n);
 }
 
 /* ---- pushes ---- */
+
+/* 1 when none of v[0..n) is NaN or Inf (an exponent of all ones), in one
+ * pass the compiler vectorizes; the caller looks for the value only when
+ * there is one. */
+static int all_finite(const ps_ufloat *v, size_t n) {
+  uint32_t bad = 0;
+  for (size_t i = 0; i < n; i++) {
+    uint32_t b;
+    memcpy(&b, (const void *)(v + i), sizeof b);
+    bad |= (b & 0x7f800000u) == 0x7f800000u;
+  }
+  return !bad;
+}
 
 /* Grows the staging arrays to n positions. */
 static int stage_room(ps_table *t, size_t n, char *err) {
@@ -453,20 +542,24 @@ static int stage_room(ps_table *t, size_t n, char *err) {
   size_t cap = n < 1024 ? 1024 : n;
   float *r = malloc(cap * t->stride * sizeof(float));
   int64_t *w = malloc(cap * sizeof *w);
-  uint32_t *c = malloc(cap * sizeof *c);
-  if (!r || !w || !c) {
+  uint8_t *c = malloc(cap * sizeof *c);
+  size_t *dn = malloc((cap / SHARE + 1) * sizeof *dn);
+  if (!r || !w || !c || !dn) {
     free(r);
     free(w);
     free(c);
+    free(dn);
     return ps_seterr(err, PS_ENOMEM, "table '%s': out of memory staging %zu rows", t->spec.name,
                      n);
   }
   free(t->st_rows);
   free(t->st_where);
-  free(t->st_crc);
+  free(t->st_born);
+  free(t->st_done);
   t->st_rows = r;
   t->st_where = w;
-  t->st_crc = c;
+  t->st_born = c;
+  t->st_done = dn;
   t->st_cap = cap;
   return PS_OK;
 }
@@ -492,13 +585,13 @@ typedef struct {
   float lr;
   size_t lo, hi;
   size_t done;  /* positions [lo, done) changed (to undo on failure) */
-  size_t fresh; /* rows an unbounded table does not have yet */
+  size_t fresh; /* rows an unbounded table does not have yet; bounded: never pushed */
+  uint32_t crc; /* the sum of the new rows' CRCs minus the old rows' */
   int rc;
   char err[PS_ERRLEN];
 } stage_part;
 
-static void *stage_range(void *arg) {
-  stage_part *p = arg;
+static void stage_range(stage_part *p) {
   ps_table *t = p->t;
   const uint64_t *ids = p->ids;
   const size_t d = (size_t)t->spec.dim, st = t->stride;
@@ -508,23 +601,25 @@ static void *stage_range(void *arg) {
   p->done = lo;
   p->rc = PS_OK;
   if (lo < hi)
-    aim(t, ids + lo, p->locals ? p->locals + lo : NULL, hi - lo < BLK ? hi - lo : BLK, &next);
+    aim(t, ids + lo, p->locals ? p->locals + lo : NULL, hi - lo < BLK ? hi - lo : BLK, 1, &next);
   for (size_t b = lo; b < hi; b += BLK) {
     cur = next;
     size_t nb = b + BLK;
     if (nb < hi)
-      aim(t, ids + nb, p->locals ? p->locals + nb : NULL, hi - nb < BLK ? hi - nb : BLK, &next);
+      aim(t, ids + nb, p->locals ? p->locals + nb : NULL, hi - nb < BLK ? hi - nb : BLK, 1,
+          &next);
     for (size_t j = 0; j < cur.m; j++) {
       const size_t i = b + j;
       const ps_ufloat *g = p->grad + i * d;
-      for (size_t v = 0; v < d; v++)
-        if (!isfinite(g[v])) {
-          p->rc = ps_seterr(p->err, PS_EINVAL,
-                            "table '%s': gradient value %zu of row %" PRIu64 " (position %zu) is "
-                            "%s; nothing applied",
-                            t->spec.name, v, ids[i], i, isnan(g[v]) ? "NaN" : "Inf");
-          return NULL;
-        }
+      if (!all_finite(g, d))
+        for (size_t v = 0; v < d; v++)
+          if (!isfinite(g[v])) {
+            p->rc = ps_seterr(p->err, PS_EINVAL,
+                              "table '%s': gradient value %zu of row %" PRIu64
+                              " (position %zu) is %s; nothing applied",
+                              t->spec.name, v, ids[i], i, isnan(g[v]) ? "NaN" : "Inf");
+            return;
+          }
       float *row = find(t, ids + b, &cur, j);
       float *aside = t->st_rows + i * st;
       uint32_t cnt = 0, old_crc = 0;
@@ -532,11 +627,14 @@ static void *stage_range(void *arg) {
         row = t->arena + (size_t)cur.where[j] * st;
         memcpy(aside, row, st * sizeof(float));
         cnt = row_count(row);
-        if (cnt)
+        if (cnt) {
           old_crc = row_crc_kept(row);
-        else
+        } else {
           init_rec(t, ids[i], row + HEAD);
+          p->fresh++;
+        }
         t->st_where[i] = cur.where[j];
+        t->st_born[i] = cnt == 0;
       } else if (row) {
         memcpy(aside, row, st * sizeof(float));
         cnt = row_count(row);
@@ -555,21 +653,50 @@ static void *stage_range(void *arg) {
       float *rec = row + HEAD;
       for (int k = 0; k < t->n_slots; k++) slots[k] = rec + (size_t)(k + 1) * d;
       t->opt->apply(&t->cfg, cnt, p->lr, rec, slots, g, d);
-      for (size_t v = 0; v < t->rec_floats; v++)
-        if (!isfinite(rec[v])) {
-          p->rc = ps_seterr(p->err, PS_EINVAL,
-                            "table '%s': the update would make %s %zu of row %" PRIu64
-                            " %s; nothing applied",
-                            t->spec.name, v < d ? "value" : "optimizer slot value", v % d, ids[i],
-                            isnan(rec[v]) ? "NaN" : "Inf");
-          return NULL;
-        }
+      if (!all_finite(rec, t->rec_floats))
+        for (size_t v = 0; v < t->rec_floats; v++)
+          if (!isfinite(rec[v])) {
+            p->rc = ps_seterr(p->err, PS_EINVAL,
+                              "table '%s': the update would make %s %zu of row %" PRIu64
+                              " %s; nothing applied",
+                              t->spec.name, v < d ? "value" : "optimizer slot value", v % d,
+                              ids[i], isnan(rec[v]) ? "NaN" : "Inf");
+            return;
+          }
       uint32_t c = row_crc(t, ids[i], row);
       set_crc(row, c);
-      t->st_crc[i] = c - old_crc;
+      p->crc += c - old_crc;
     }
   }
-  return NULL;
+}
+
+typedef struct {
+  ps_table *t;
+  const uint64_t *ids, *locals;
+  const ps_ufloat *grad;
+  float lr;
+  _Atomic int *stop;
+  size_t fresh[2];
+  uint32_t crc[2];
+  size_t fail[2]; /* the position of each thread's refused share, SIZE_MAX: none */
+  int rc[2];
+  char err[2][PS_ERRLEN];
+} stage_ctx;
+
+static void stage_share(void *ctx, size_t lo, size_t hi, int who) {
+  stage_ctx *c = ctx;
+  stage_part p = {.t = c->t, .ids = c->ids, .locals = c->locals, .grad = c->grad, .lr = c->lr,
+                  .lo = lo, .hi = hi};
+  stage_range(&p);
+  c->t->st_done[lo / SHARE] = p.done;
+  c->fresh[who] += p.fresh;
+  c->crc[who] += p.crc;
+  if (p.rc != PS_OK) {
+    c->fail[who] = lo;
+    c->rc[who] = p.rc;
+    memcpy(c->err[who], p.err, PS_ERRLEN);
+    atomic_store(c->stop, 1);
+  }
 }
 
 /* The update is made in place, each row's old bytes copied aside first (one
@@ -585,28 +712,25 @@ int ps_table_stage(ps_table *t, const uint64_t *ids, const uint64_t *locals, siz
     t->rejected++;
     return rc;
   }
-  stage_part part[2];
-  int parts = n >= SPLIT_ROWS ? 2 : 1;
-  for (int k = 0; k < parts; k++)
-    part[k] = (stage_part){.t = t, .ids = ids, .locals = locals, .grad = grad,
-                           .lr = t->cfg.lr * lr_scale, .lo = k ? n / 2 : 0,
-                           .hi = parts == 2 && k == 0 ? n / 2 : n};
-  pthread_t helper;
-  int threaded = parts == 2 && pthread_create(&helper, NULL, stage_range, &part[1]) == 0;
-  stage_range(&part[0]);
-  if (threaded)
-    pthread_join(helper, NULL);
-  else if (parts == 2)
-    stage_range(&part[1]);
-  size_t fresh = part[0].fresh + (parts == 2 ? part[1].fresh : 0);
-  for (int k = 0; k < parts; k++)
-    if (part[k].rc != PS_OK) {
-      for (int q = 0; q < parts; q++) undo(t, part[q].lo, part[q].done);
-      t->rejected++;
-      snprintf(err, PS_ERRLEN, "%s", part[k].err);
-      return part[k].rc;
-    }
-  if (fresh && (rc = reserve_rows(t, fresh, err)) != 0) {
+  stage_ctx c = {.t = t, .ids = ids, .locals = locals, .grad = grad, .lr = t->cfg.lr * lr_scale,
+                 .fail = {SIZE_MAX, SIZE_MAX}};
+  share sh = {.n = n, .fn = stage_share, .ctx = &c};
+  c.stop = &sh.stop;
+  share_all(&sh);
+  size_t fresh = c.fresh[0] + c.fresh[1];
+  uint32_t crc = c.crc[0] + c.crc[1];
+  if (c.fail[0] != SIZE_MAX || c.fail[1] != SIZE_MAX) {
+    /* The first refused position's message, as a single thread would give:
+     * every share before the failing one was taken, and run to its end. */
+    const int w = c.fail[1] < c.fail[0];
+    size_t taken = atomic_load(&sh.next) / SHARE, shares = (n + SHARE - 1) / SHARE;
+    if (taken > shares) taken = shares;
+    for (size_t k = 0; k < taken; k++) undo(t, k * SHARE, t->st_done[k]);
+    t->rejected++;
+    snprintf(err, PS_ERRLEN, "%s", c.err[w]);
+    return c.rc[w];
+  }
+  if (!t->spec.rows && fresh && (rc = reserve_rows(t, fresh, err)) != 0) {
     undo(t, 0, n);
     t->rejected++;
     return rc;
@@ -614,19 +738,22 @@ int ps_table_stage(ps_table *t, const uint64_t *ids, const uint64_t *locals, siz
   t->st_n = n;
   t->st_ids = ids;
   t->st_new = fresh;
+  t->st_crc = crc;
   t->staged = 1;
   return PS_OK;
 }
 
+/* Only the rows pushed for the first time need more than the sums: a
+ * bounded table's row is marked touched (a row is touched exactly when its
+ * count is not 0), an unbounded table's is made. */
 void ps_table_commit(ps_table *t) {
   if (!t->staged) return;
   const size_t st = t->stride;
-  for (size_t i = 0; i < t->st_n; i++) {
+  for (size_t i = 0; i < t->st_n && t->st_new; i++) {
     int64_t r = t->st_where[i];
     if (t->spec.rows) {
-      uint64_t bit = 1ULL << (r & 63);
-      if (!(t->touched[r >> 6] & bit)) {
-        t->touched[r >> 6] |= bit;
+      if (t->st_born[i]) {
+        t->touched[r >> 6] |= 1ULL << (r & 63);
         t->rows_held++;
       }
     } else if (r < 0) {
@@ -636,8 +763,9 @@ void ps_table_commit(ps_table *t) {
       t->rows_held++;
       memcpy(urow(t, (size_t)r), t->st_rows + i * st, st * sizeof(float));
     }
-    t->crc_sum += t->st_crc[i];
   }
+  if (t->spec.rows && t->st_new) arena_dense(t);
+  t->crc_sum += t->st_crc;
   t->rows_pushed += t->st_n;
   t->staged = 0;
   t->st_ids = NULL;
@@ -702,10 +830,12 @@ int ps_table_put_row(ps_table *t, uint64_t id, uint32_t tcount, const float *rec
   if (t->spec.rows) {
     dst = t->arena + local * t->stride;
     uint64_t bit = 1ULL << (local & 63);
-    if (t->touched[local >> 6] & bit)
+    if (t->touched[local >> 6] & bit) {
       t->crc_sum -= row_crc_kept(dst);
-    else
+    } else {
       t->rows_held++;
+      arena_dense(t);
+    }
     t->touched[local >> 6] |= bit;
   } else {
     int64_t r = map_find(t, id);
@@ -734,6 +864,12 @@ void ps_table_clear(ps_table *t) {
   if (t->spec.rows) {
     /* Give the pages back; the mapping reads as zeros (never pushed). */
     madvise(t->arena, t->arena_bytes, MADV_DONTNEED);
+#ifdef MADV_NOHUGEPAGE
+    if (t->arena_bytes > HUGE_AREA_MAX && t->arena_huge) {
+      madvise(t->arena, t->arena_bytes, MADV_NOHUGEPAGE);
+      t->arena_huge = 0;
+    }
+#endif
     memset(t->touched, 0, ((t->local_rows + 63) / 64 + 1) * sizeof *t->touched);
   } else {
     if (t->vals) memset(t->vals, 0, t->map_cap * sizeof *t->vals);

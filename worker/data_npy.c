@@ -553,7 +553,7 @@ static void zip__list(const zip_archive *z, char *out, size_t cap) {
   uint64_t pos = z->cd_offset;
   char why[PS_ERRLEN];
   for (uint64_t k = 0; k < z->entries; k++) {
-    zip_entry e;
+    zip_entry e = {0};
     if (zip__entry(z, &pos, &e, why) != 0) break;
     size_t n = e.name_len;
     if (n > 4 && memcmp(e.name + n - 4, ".npy", 4) == 0) n -= 4;
@@ -628,7 +628,7 @@ static int zip__extract(const zip_archive *z, const char *name, const uint8_t **
                         uint8_t **owned, char *err) {
   *owned = NULL;
   uint64_t pos = z->cd_offset;
-  zip_entry e;
+  zip_entry e = {0};
   int found = 0;
   for (uint64_t k = 0; k < z->entries && !found; k++) {
     int rc = zip__entry(z, &pos, &e, err);

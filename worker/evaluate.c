@@ -45,12 +45,14 @@ static int evaluate_rows(ps_worker *w, int *correct, float *probs, float *loss, 
 double ps_worker_evaluate(ps_worker *w, int64_t step, double t0, float *loss_out) {
   int correct = 0;
   const int binary = w->job.model.classes == 1;
+  w->eval_err[0] = '\0';
   float *probs = binary ? malloc((size_t)(w->test.n ? w->test.n : 1) * sizeof(float)) : NULL;
   float loss;
   char err[PS_ERRLEN];
   if (w->eval_rows) {
     if (!probs || evaluate_rows(w, &correct, probs, &loss, err) != 0) {
-      PS_WARN("evaluation: %s", probs ? err : "out of memory");
+      snprintf(w->eval_err, sizeof w->eval_err, "%s", probs ? err : "out of memory");
+      PS_WARN("evaluation: %s", w->eval_err);
       free(probs);
       if (loss_out) *loss_out = NAN;
       return NAN;

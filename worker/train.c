@@ -206,6 +206,10 @@ static int finish(ps_worker *w, int64_t steps, int64_t examples, double t0) {
   if (w->o.chief) {
     float tl;
     double acc = ps_worker_evaluate(w, steps, t0, &tl);
+    if (w->eval_err[0]) {
+      PS_ERROR("final evaluation: %s", w->eval_err);
+      return PS_WORKER_EXIT_ERROR;
+    }
     if (w->job.model.classes == 1)
       printf("final test AUC %.4f (test loss %.4f, accuracy %.4f, %d examples%s)\n", acc,
              (double)tl, w->eval_acc, w->test.n, truth_note(w));

@@ -63,6 +63,7 @@ typedef struct ps_worker {
    * evaluations (NULL without embedding layers). */
   ps_worker_rows *rows, *eval_rows;
   double eval_auc, eval_acc; /* the last evaluation's (AUC: binary models) */
+  char eval_err[PS_ERRLEN];  /* why the last evaluation failed ("" when it did not) */
   ps_replicas *reps;            /* NULL with one replica */
   ps_dataset train, test;
   ps_source *source;            /* NULL for the evaluator */

@@ -2324,10 +2324,12 @@ PY
   worker 1
   # a checkpoint of shard 1 with rows in it, then its kill and restart
   for i in $(seq 1 100); do
-    grep -q "checkpoint: version [0-9]* written" "$out/server-1.log" && break
+    grep -q "checkpoint.*: version [1-9][0-9]* written" "$out/server-1.log" && break
     sleep 0.1
   done
   sleep 1.5
+  # (a test of the restart under training: the workers must still be at it)
+  kill -0 "${wpids[0]}" 2>/dev/null || fail "worker 0 finished before shard 1 could be killed"
   kill -9 "${spids[1]}" || fail "shard 1 ended before it could be killed"
   echo "ctr_churn: killed shard 1 mid-run; starting it again from $ck"
   "$build/ps-server" --insecure --job "$out/job.json" --ps "$ports" --index 1 \
