@@ -72,9 +72,3 @@ int ps_worker_rows_prepare(ps_worker *w, ps_worker_rows *r, const uint64_t *ids,
   }
   return ps_client_set_rows(w->client, r->secs, r->n, err);
 }
-
-size_t ps_worker_rows_count(const ps_worker_rows *r) {
-  size_t u = 0;
-  for (int k = 0; r && k < r->n; k++) u += (size_t)r->plan[k].u;
-  return u;
-}

@@ -23,8 +23,8 @@ static int evaluate_rows(ps_worker *w, int *correct, float *probs, float *loss, 
   const size_t in = (size_t)t->c * t->h * t->w;
   double loss_sum = 0;
   int right = 0;
-  for (int start = 0; start < t->n; start += 500) {
-    const int b = t->n - start < 500 ? t->n - start : 500;
+  for (int start = 0; start < t->n; start += PS_EVAL_BATCH) {
+    const int b = t->n - start < PS_EVAL_BATCH ? t->n - start : PS_EVAL_BATCH;
     if (ps_worker_rows_prepare(w, w->eval_rows, t->ids + (size_t)start * t->n_ids, b, err) ||
         ps_worker_pull(w, err))
       return -1;

@@ -255,7 +255,7 @@ static int setup_compute(ps_worker *w, char *err) {
             : ps_replicas_nccl(w->reps)     ? "one per GPU, summed on the GPUs with NCCL"
                                             : "on devices, summed in host memory");
   }
-  w->eval_model = w->o.chief ? ps_model_create(spec, w->ops, 500, err) : NULL;
+  w->eval_model = w->o.chief ? ps_model_create(spec, w->ops, PS_EVAL_BATCH, err) : NULL;
   const size_t P = spec->n_params;
   size_t ns = w->nshards > 0 ? (size_t)w->nshards : 1;
   w->params = ps_worker_host_buffer(w, P * sizeof(float));
@@ -288,7 +288,8 @@ static int setup_compute(ps_worker *w, char *err) {
       fprintf(stderr, "ps-worker: %s\n", err);
       return PS_WORKER_EXIT_ERROR;
     }
-    if (w->eval_model && !(w->eval_rows = ps_worker_rows_create(w, w->eval_model, 500, 0, err))) {
+    if (w->eval_model &&
+        !(w->eval_rows = ps_worker_rows_create(w, w->eval_model, PS_EVAL_BATCH, 0, err))) {
       fprintf(stderr, "ps-worker: %s\n", err);
       return PS_WORKER_EXIT_ERROR;
     }

@@ -37,6 +37,10 @@ enum {
                                    * starting again later may succeed */
 };
 
+/* Examples per forward pass of the chief's evaluation (its model's batch;
+ * an embedding model's test rows are pulled this many examples at a time). */
+#define PS_EVAL_BATCH 500
+
 /* Seconds without a finished step before the worker says what it waits for. */
 #define PS_WORKER_STALL_S 30
 
@@ -160,8 +164,6 @@ void ps_worker_rows_destroy(ps_worker *w, ps_worker_rows *r);
  * model's rows. 0, or a code with a message. */
 int ps_worker_rows_prepare(ps_worker *w, ps_worker_rows *r, const uint64_t *ids, int n,
                            char *err);
-/* The distinct rows of the last batch prepared, over the layers. */
-size_t ps_worker_rows_count(const ps_worker_rows *r);
 
 /* The name of what ps_worker_evaluate returns: "AUC" for a binary model,
  * else "accuracy". */

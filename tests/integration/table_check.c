@@ -41,6 +41,7 @@
 #include "../../worker/ps_client.h"
 #include "../unit/check.h"
 #include "raw_client.h"
+#include "env_token.h"
 
 enum { S = 2, NCAT = 600, NHASH = 300 };
 
@@ -218,14 +219,7 @@ int main(int argc, char **argv) {
       return 2;
     }
     rpc_global_init();
-    const char *tf = getenv("PS_TOKEN_FILE");
-    if (tf && *tf) {
-      if (ps_token_load(tf, &token, NULL, err) != 0) {
-        fprintf(stderr, "PS_TOKEN_FILE: %s\n", err);
-        return 2;
-      }
-      tok = &token;
-    }
+    if (env_token_load(&token, &tok)) return 2;
     return save_or_compare(argv[1][2] == 's', argv[2], argv[4]);
   }
   if (argc != 3) {
@@ -245,14 +239,7 @@ int main(int argc, char **argv) {
   snprintf(addrs[1], sizeof addrs[1], "%s", comma + 1);
 
   rpc_global_init();
-  const char *tf = getenv("PS_TOKEN_FILE");
-  if (tf && *tf) {
-    if (ps_token_load(tf, &token, NULL, err) != 0) {
-      fprintf(stderr, "PS_TOKEN_FILE: %s\n", err);
-      return 2;
-    }
-    tok = &token;
-  }
+  if (env_token_load(&token, &tok)) return 2;
   /* The worker's client. */
   ps_client_opts o = {.host = "table-check", .role = "worker", .task_index = -1,
                       .timeout_ms = 20000, .connect_timeout_ms = 30000, .token = tok};

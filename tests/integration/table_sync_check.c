@@ -34,6 +34,7 @@
 #include "../../common/util.h"
 #include "../../worker/ps_client.h"
 #include "../unit/check.h"
+#include "env_token.h"
 
 /* Pools of ids per table; each step a worker names a window of each. */
 enum { NCAT = 64, PER_CAT = 24, NHASH = 32, PER_HASH = 12, MAX_W = 2, MAX_S = 8 };
@@ -270,14 +271,7 @@ int main(int argc, char **argv) {
   W = job.mode_kind == PS_MODE_SYNC ? 2 : 1;
   for (int i = 0; i < NCAT; i++) pool_cat[i] = (uint64_t)i * 1543 % job.tables[0].rows;
   for (int i = 0; i < NHASH; i++) pool_hash[i] = 0x9e3779b97f4a7c15ULL * (uint64_t)(i + 1);
-  const char *tf = getenv("PS_TOKEN_FILE");
-  if (tf && *tf) {
-    if (ps_token_load(tf, &token, NULL, err) != 0) {
-      fprintf(stderr, "PS_TOKEN_FILE: %s\n", err);
-      return 2;
-    }
-    tok = &token;
-  }
+  if (env_token_load(&token, &tok)) return 2;
   rpc_global_init();
   pthread_barrier_init(&registered, NULL, (unsigned)W);
   pthread_t th[MAX_W];
