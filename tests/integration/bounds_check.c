@@ -162,7 +162,12 @@ int main(int argc, char **argv) {
   for (size_t i = 0; i < C.range_cnt; i++) g[i] = 0.25f;
   for (int i = 0; i < MAX_WORKERS; i++)
     EXPECT("a sync gradient", do_push(ch, &w[i], g, C.range_cnt, detail), RPC_OK, "");
-  snapshot(ch, &w[0], after, &v1);
+  /* A push is answered when its gradient is taken; the step is applied
+   * after that answer, so the pull waits for it (as a worker's does). */
+  {
+    int st = raw_pull_min(&C, &token, &w[0], v0 + 1, after, &v1, detail);
+    CHECK_MSG(st == RPC_OK, "pull waiting for step 1: %s %s", rpc_status_name(st), detail);
+  }
   CHECK_MSG(v1 == v0 + 1 && memcmp(before, after, C.range_cnt * sizeof(float)) != 0,
             "the step was not applied (version %" PRIu64 " -> %" PRIu64 ")", v0, v1);
   /* Steps whose momentum grows past FLT_MAX: the one that would make the

@@ -117,14 +117,14 @@ __attribute__((unused)) static void raw_pull_request(raw_client *c, Ps__PullRequ
   req->min_version = min_version;
 }
 
-/* Pulls the shard's whole range (answered at once: min_version 0) into
- * vals (may be NULL) and *version. */
-__attribute__((unused)) static int raw_pull(raw_client *c, const ps_token *t,
-                                            const raw_identity *who, float *vals, uint64_t *version,
-                                            char *detail) {
+/* Pulls the shard's whole range once it reaches min_version into vals
+ * (may be NULL) and *version. */
+__attribute__((unused)) static int raw_pull_min(raw_client *c, const ps_token *t,
+                                                const raw_identity *who, uint64_t min_version,
+                                                float *vals, uint64_t *version, char *detail) {
   Ps__RequestHeader h;
   Ps__PullRequest req;
-  raw_pull_request(c, &req, &h, t, who, 0);
+  raw_pull_request(c, &req, &h, t, who, min_version);
   uint8_t *resp = NULL;
   size_t len = 0;
   int st = raw_call_on(c, NULL, RAW_METHOD("Pull"), &req.base, NULL, 0, detail, &resp, &len);
@@ -144,6 +144,13 @@ __attribute__((unused)) static int raw_pull(raw_client *c, const ps_token *t,
   }
   free(resp);
   return st;
+}
+
+/* The same, answered at once (min_version 0). */
+__attribute__((unused)) static int raw_pull(raw_client *c, const ps_token *t,
+                                            const raw_identity *who, float *vals, uint64_t *version,
+                                            char *detail) {
+  return raw_pull_min(c, t, who, 0, vals, version, detail);
 }
 
 /* Pushes count values of g over the shard's range (from its start), said
