@@ -10,6 +10,8 @@
  * in flight together. */
 #include "table.h"
 
+#include <errno.h>
+#include <float.h>
 #include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
@@ -18,6 +20,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+/* Linux 6.1's synchronous collapse, which glibc's headers may not name yet
+ * (its value in the generic ABI of x86-64 and arm64; an older kernel
+ * answers EINVAL). */
+#if defined(__linux__) && !defined(MADV_COLLAPSE) && (defined(__x86_64__) || defined(__aarch64__))
+#define MADV_COLLAPSE 25
+#endif
 
 #include "../common/crc32c.h"
 #include "../common/optim.h"
@@ -28,6 +36,10 @@
 #define CHUNK_ROWS 16384
 /* Rows located and prefetched together (a block ahead of the work). */
 #define BLK 32
+/* Cache lines a push's pass keeps in flight ahead of its work. */
+#ifndef AHEAD_LINES
+#define AHEAD_LINES 48
+#endif
 #define HUGE_PAGE ((size_t)2 << 20)
 
 /* A stored row: its update count (a uint32 in the first float's place; 0:
@@ -63,6 +75,9 @@ struct ps_table {
   float *arena; /* local_rows * stride, mapped zeroed */
   size_t arena_bytes;
   int arena_huge; /* asked for huge pages (arena_dense) */
+  pthread_t collapse_thread; /* collapses the pages mapped before (arena_dense) */
+  int collapsing;            /* the thread was started (joined by collapse_join) */
+  _Atomic int collapse_stop;
   uint64_t *touched;
 
   /* unbounded: map id -> row number + 1 (0: empty slot) */
@@ -74,23 +89,32 @@ struct ps_table {
   uint64_t *row_ids; /* the id of every row made (for walks) */
   size_t n_chunks, chunks_cap;
 
-  /* the staged push: for each position its old stored row (or, for a row
-   * an unbounded table makes at the commit, the new one), where it goes,
-   * and whether a bounded table's row is pushed for the first time; the
-   * sum of the new rows' CRCs minus the old ones' */
+  /* the staged push (checked, not applied: ps_table_commit applies it):
+   * its ids, gradient and learning rate, and for each position where its
+   * row is and whether a bounded table's row is pushed for the first time;
+   * an unbounded table's rows to make are built in st_rows (stride floats
+   * per position) */
   size_t st_n, st_cap;
   float *st_rows;
-  int64_t *st_where; /* bounded: local row; unbounded: row number, or -1 - k for new row k */
+  int64_t *st_where; /* bounded: local row; unbounded: row number, or -1 for a new row */
   uint8_t *st_born;  /* bounded: 1 where the row had never been pushed */
-  size_t *st_done;   /* per share (SHARE positions): the end of the positions it changed */
-  uint32_t st_crc;
-  const uint64_t *st_ids;
+  const uint64_t *st_ids, *st_locals;
+  const ps_ufloat *st_grad;
+  float st_lr;
   size_t st_new; /* rows made (unbounded) or pushed for the first time (bounded) */
+  ps_optim_bounds st_bounds; /* the table's bounds once the staged push is applied */
   int staged;
+
+  /* Upper bounds on |value| and |slot k| over every row, held or not (a
+   * row never pushed has its initial record): while the optimizer's bound
+   * function says a push cannot make them non-finite, a push is applied
+   * without a trial (see ps_table_stage). */
+  ps_optim_bounds bounds;
 
   /* the id set of a request's check */
   uint64_t *set_keys;
   uint8_t *set_used;
+  uint64_t *seen; /* bounded: a bit per local row, all clear between checks */
   size_t set_cap;
   pthread_mutex_t set_mu;
 
@@ -102,6 +126,7 @@ struct ps_table {
 };
 
 static uint64_t mix(uint64_t z) { return ps_fmix64(z); }
+static void init_bounds(ps_table *t);
 
 /* Zeroed memory for rows, in huge pages where the kernel gives them and
  * the area is small enough to be held whole anyway: a huge page is made
@@ -126,17 +151,45 @@ static void *rows_alloc(size_t bytes) {
  * it holds a row per 4 KiB page of it: rows are placed at random, so base
  * pages then hold about 63% of the arena already, and huge pages cost at
  * most 1.6 times that, while every row read or pushed after it costs a
- * TLB miss less (a request's rows are scattered over the arena: reading
- * 10,000 rows of a 4M-row dim-16 table held on 200,000 rows took 1.5
- * times as long in base pages). New pages come huge at once; the pages
- * already mapped are collapsed by khugepaged in its own time, not here
- * (MADV_COLLAPSE would copy the arena under the write lock: 1.2 s of held
- * pushes for 544 MB, measured). Write lock held. */
+ * TLB miss less (a request's rows are scattered over the arena: a push of
+ * 10,000 rows of a 4M-row dim-16 table held on 200,000 rows spent most of
+ * its time in page walks). New pages come huge at once; the pages already
+ * mapped are collapsed by a thread of the table's (MADV_COLLAPSE, 32 MiB
+ * at a time, without the table's lock: the kernel makes an access to a
+ * piece being collapsed wait for it, as it does for khugepaged), not under
+ * the write lock (544 MB at once held pushes 1.2 s, measured). Where the
+ * kernel has no MADV_COLLAPSE, khugepaged does it in its own time. Write
+ * lock held. */
+#if defined(MADV_HUGEPAGE) && defined(MADV_COLLAPSE)
+#define COLLAPSE_PIECE ((size_t)32 << 20)
+static void *collapse_main(void *arg) {
+  ps_table *t = arg;
+  for (size_t off = 0; off < t->arena_bytes && !atomic_load(&t->collapse_stop);
+       off += COLLAPSE_PIECE) {
+    const size_t len = t->arena_bytes - off < COLLAPSE_PIECE ? t->arena_bytes - off : COLLAPSE_PIECE;
+    if (madvise((char *)t->arena + off, len, MADV_COLLAPSE) != 0 && errno == EINVAL) break;
+  }
+  return NULL;
+}
+#endif
+
+/* Stops the collapse thread, if one runs, and waits for it. */
+static void collapse_join(ps_table *t) {
+  if (!t->collapsing) return;
+  atomic_store(&t->collapse_stop, 1);
+  pthread_join(t->collapse_thread, NULL);
+  t->collapsing = 0;
+  atomic_store(&t->collapse_stop, 0);
+}
+
 static void arena_dense(ps_table *t) {
 #ifdef MADV_HUGEPAGE
   if (t->arena_huge || t->rows_held < t->arena_bytes / 4096) return;
   t->arena_huge = 1;
   madvise(t->arena, t->arena_bytes, MADV_HUGEPAGE);
+#ifdef MADV_COLLAPSE
+  t->collapsing = pthread_create(&t->collapse_thread, NULL, collapse_main, t) == 0;
+#endif
 #else
   (void)t;
 #endif
@@ -168,6 +221,7 @@ ps_table *ps_table_create(const ps_table_spec *spec, const ps_optim_config *opti
   t->stride = HEAD + t->rec_floats;
   pthread_rwlock_init(&t->lock, NULL);
   pthread_mutex_init(&t->set_mu, NULL);
+  init_bounds(t);
   if (spec->rows > 0) {
     t->local_rows = ps_table_shard_rows(spec, S, shard);
     size_t n = (size_t)t->local_rows;
@@ -196,6 +250,7 @@ static size_t chunk_bytes(const ps_table *t) { return CHUNK_ROWS * t->stride * s
 
 void ps_table_destroy(ps_table *t) {
   if (!t) return;
+  collapse_join(t);
   rows_free(t->arena, t->arena_bytes);
   free(t->touched);
   free(t->keys);
@@ -206,9 +261,9 @@ void ps_table_destroy(ps_table *t) {
   free(t->st_rows);
   free(t->st_where);
   free(t->st_born);
-  free(t->st_done);
   free(t->set_keys);
   free(t->set_used);
+  free(t->seen);
   pthread_rwlock_destroy(&t->lock);
   pthread_mutex_destroy(&t->set_mu);
   free(t);
@@ -372,69 +427,6 @@ static uint32_t row_crc(const ps_table *t, uint64_t id, const float *row) {
   return ps_crc32c(c, row + HEAD, t->rec_floats * sizeof(float));
 }
 
-/* ---- checks ---- */
-
-int ps_table_check_ids(ps_table *t, const uint64_t *ids, size_t n, uint64_t *locals,
-                       char *err) {
-  for (size_t i = 0; i < n; i++) {
-    uint64_t local;
-    if (!ps_table_id_ok(&t->spec, ids[i]))
-      return ps_seterr(err, PS_ERANGE,
-                       "table '%s': id %" PRIu64 " (position %zu) is not a row (the table has "
-                       "%" PRIu64 ")",
-                       t->spec.name, ids[i], i, t->spec.rows);
-    int s = ps_table_place(&t->spec, t->S, ids[i], &local);
-    if (s != t->shard)
-      return ps_seterr(err, PS_EINVAL,
-                       "table '%s': id %" PRIu64 " (position %zu) lives on shard %d, not on "
-                       "shard %d",
-                       t->spec.name, ids[i], i, s, t->shard);
-    if (locals) locals[i] = local;
-  }
-  if (n < 2) return PS_OK;
-  /* Duplicates: an open-addressing set of the request's ids. */
-  pthread_mutex_lock(&t->set_mu);
-  size_t cap = 64;
-  while (cap < 2 * n) cap *= 2;
-  if (cap > t->set_cap) {
-    uint64_t *k = malloc(cap * sizeof *k);
-    uint8_t *u = malloc(cap);
-    if (!k || !u) {
-      free(k);
-      free(u);
-      pthread_mutex_unlock(&t->set_mu);
-      return ps_seterr(err, PS_ENOMEM, "out of memory checking %zu ids", n);
-    }
-    free(t->set_keys);
-    free(t->set_used);
-    t->set_keys = k;
-    t->set_used = u;
-    t->set_cap = cap;
-  }
-  memset(t->set_used, 0, cap);
-  size_t m = cap - 1;
-  int rc = PS_OK;
-  for (size_t i = 0; i < n && rc == PS_OK; i++) {
-    size_t j = (size_t)mix(ids[i]) & m;
-    for (;; j = (j + 1) & m) {
-      if (!t->set_used[j]) {
-        t->set_used[j] = 1;
-        t->set_keys[j] = ids[i];
-        break;
-      }
-      if (t->set_keys[j] == ids[i]) {
-        rc = ps_seterr(err, PS_EINVAL,
-                       "table '%s': id %" PRIu64 " is named twice (position %zu); a request "
-                       "names each row once",
-                       t->spec.name, ids[i], i);
-        break;
-      }
-    }
-  }
-  pthread_mutex_unlock(&t->set_mu);
-  return rc;
-}
-
 /* ---- sharing a request's rows between two threads ----
  *
  * Requests of at least SPLIT_ROWS rows are worked on by the calling thread
@@ -462,16 +454,197 @@ static void share_run(share *sh, int who) {
   }
 }
 
-static void *share_helper(void *arg) {
-  share_run(arg, 1);
+/* The helper: one thread for the process, started with the first request
+ * large enough, waiting for a share to join. A request finding it busy
+ * (another request's) runs alone; one whose share the helper has not
+ * picked up by the time the caller finished takes it back, so a caller
+ * never waits for a helper that has not started. */
+static struct {
+  pthread_mutex_t mu;
+  pthread_cond_t wake, done_cv;
+  share *job; /* posted, not picked up yet */
+  int busy;   /* a request holds the helper */
+  int done;   /* the helper finished the request's share (or never took it) */
+  int ok;     /* the thread runs */
+} helper = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER,
+            NULL, 0, 0, 0};
+static pthread_once_t helper_once = PTHREAD_ONCE_INIT;
+
+static void *helper_main(void *arg) {
+  (void)arg;
+  pthread_mutex_lock(&helper.mu);
+  for (;;) {
+    while (!helper.job) pthread_cond_wait(&helper.wake, &helper.mu);
+    share *sh = helper.job;
+    helper.job = NULL;
+    pthread_mutex_unlock(&helper.mu);
+    share_run(sh, 1);
+    pthread_mutex_lock(&helper.mu);
+    helper.done = 1;
+    pthread_cond_signal(&helper.done_cv);
+  }
   return NULL;
 }
 
+static void helper_start(void) {
+  pthread_t th;
+  pthread_attr_t a;
+  pthread_attr_init(&a);
+  pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
+  helper.ok = pthread_create(&th, &a, helper_main, NULL) == 0;
+  pthread_attr_destroy(&a);
+}
+
 static void share_all(share *sh) {
-  pthread_t helper;
-  int threaded = sh->n >= SPLIT_ROWS && pthread_create(&helper, NULL, share_helper, sh) == 0;
+  int joined = 0;
+  if (sh->n >= SPLIT_ROWS) {
+    pthread_once(&helper_once, helper_start);
+    pthread_mutex_lock(&helper.mu);
+    if (helper.ok && !helper.busy) {
+      helper.busy = 1;
+      helper.done = 0;
+      helper.job = sh;
+      joined = 1;
+      pthread_cond_signal(&helper.wake);
+    }
+    pthread_mutex_unlock(&helper.mu);
+  }
   share_run(sh, 0);
-  if (threaded) pthread_join(helper, NULL);
+  if (!joined) return;
+  pthread_mutex_lock(&helper.mu);
+  if (helper.job == sh) { /* not picked up: nothing of it left to do */
+    helper.job = NULL;
+    helper.done = 1;
+  }
+  while (!helper.done) pthread_cond_wait(&helper.done_cv, &helper.mu);
+  helper.busy = 0;
+  pthread_mutex_unlock(&helper.mu);
+}
+
+/* ---- checks ---- */
+
+/* The placement part of a check over positions [lo, hi): each id a row,
+ * on this shard; the first refused position of each thread's shares. */
+typedef struct {
+  ps_table *t;
+  const uint64_t *ids;
+  uint64_t *locals;
+  _Atomic int *stop;
+  size_t fail[2];
+  int rc[2];
+  char err[2][PS_ERRLEN];
+} place_ctx;
+
+static void place_share(void *ctx, size_t lo, size_t hi, int who) {
+  place_ctx *c = ctx;
+  ps_table *t = c->t;
+  for (size_t i = lo; i < hi; i++) {
+    const uint64_t id = c->ids[i];
+    uint64_t local;
+    int rc = PS_OK, s = -1;
+    if (!ps_table_id_ok(&t->spec, id))
+      rc = ps_seterr(c->err[who], PS_ERANGE,
+                     "table '%s': id %" PRIu64 " (position %zu) is not a row (the table has "
+                     "%" PRIu64 ")",
+                     t->spec.name, id, i, t->spec.rows);
+    else if ((s = ps_table_place(&t->spec, t->S, id, &local)) != t->shard)
+      rc = ps_seterr(c->err[who], PS_EINVAL,
+                     "table '%s': id %" PRIu64 " (position %zu) lives on shard %d, not on "
+                     "shard %d",
+                     t->spec.name, id, i, s, t->shard);
+    if (rc != PS_OK) {
+      if (i < c->fail[who]) {
+        c->fail[who] = i;
+        c->rc[who] = rc;
+      }
+      atomic_store(c->stop, 1);
+      return;
+    }
+    if (c->locals) c->locals[i] = local;
+  }
+}
+
+static int named_twice(const ps_table *t, const uint64_t *ids, size_t i, char *err) {
+  return ps_seterr(err, PS_EINVAL,
+                   "table '%s': id %" PRIu64 " is named twice (position %zu); a request "
+                   "names each row once",
+                   t->spec.name, ids[i], i);
+}
+
+int ps_table_check_ids(ps_table *t, const uint64_t *ids, size_t n, uint64_t *locals,
+                       char *err) {
+  /* Placement (a keyed permutation per id) on two threads for a large
+   * request. */
+  place_ctx pc = {.t = t, .ids = ids, .locals = locals, .fail = {SIZE_MAX, SIZE_MAX}};
+  share sh = {.n = n, .fn = place_share, .ctx = &pc};
+  pc.stop = &sh.stop;
+  share_all(&sh);
+  if (pc.fail[0] != SIZE_MAX || pc.fail[1] != SIZE_MAX) {
+    const int w = pc.fail[1] < pc.fail[0];
+    snprintf(err, PS_ERRLEN, "%s", pc.err[w]);
+    return pc.rc[w];
+  }
+  if (n < 2) return PS_OK;
+  /* Duplicates: a bounded table's ids are distinct exactly when their
+   * local rows are (the placement is a bijection), which a bit per local
+   * row finds at once (the bits set are cleared again); an unbounded
+   * table's, an open-addressing set of the request's ids. */
+  pthread_mutex_lock(&t->set_mu);
+  int rc = PS_OK;
+  if (t->spec.rows && locals) {
+    if (!t->seen) t->seen = calloc((size_t)(t->local_rows + 63) / 64 + 1, sizeof *t->seen);
+    if (!t->seen) {
+      pthread_mutex_unlock(&t->set_mu);
+      return ps_seterr(err, PS_ENOMEM, "out of memory checking %zu ids", n);
+    }
+    size_t i = 0;
+    for (; i < n; i++) {
+      const uint64_t r = locals[i], bit = 1ULL << (r & 63);
+      if (t->seen[r >> 6] & bit) {
+        rc = named_twice(t, ids, i, err);
+        break;
+      }
+      t->seen[r >> 6] |= bit;
+    }
+    for (size_t k = 0; k < i; k++) t->seen[locals[k] >> 6] &= ~(1ULL << (locals[k] & 63));
+    pthread_mutex_unlock(&t->set_mu);
+    return rc;
+  }
+  size_t cap = 64;
+  while (cap < 2 * n) cap *= 2;
+  if (cap > t->set_cap) {
+    uint64_t *k = malloc(cap * sizeof *k);
+    uint8_t *u = malloc(cap);
+    if (!k || !u) {
+      free(k);
+      free(u);
+      pthread_mutex_unlock(&t->set_mu);
+      return ps_seterr(err, PS_ENOMEM, "out of memory checking %zu ids", n);
+    }
+    free(t->set_keys);
+    free(t->set_used);
+    t->set_keys = k;
+    t->set_used = u;
+    t->set_cap = cap;
+  }
+  memset(t->set_used, 0, cap);
+  size_t m = cap - 1;
+  for (size_t i = 0; i < n && rc == PS_OK; i++) {
+    size_t j = (size_t)mix(ids[i]) & m;
+    for (;; j = (j + 1) & m) {
+      if (!t->set_used[j]) {
+        t->set_used[j] = 1;
+        t->set_keys[j] = ids[i];
+        break;
+      }
+      if (t->set_keys[j] == ids[i]) {
+        rc = named_twice(t, ids, i, err);
+        break;
+      }
+    }
+  }
+  pthread_mutex_unlock(&t->set_mu);
+  return rc;
 }
 
 /* ---- pulls ---- */
@@ -523,187 +696,202 @@ void ps_table_read_rows(ps_table *t, const uint64_t *ids, const uint64_t *locals
 
 /* ---- pushes ---- */
 
-/* 1 when none of v[0..n) is NaN or Inf (an exponent of all ones), in one
- * pass the compiler vectorizes; the caller looks for the value only when
- * there is one. */
-static int all_finite(const ps_ufloat *v, size_t n) {
-  uint32_t bad = 0;
-  for (size_t i = 0; i < n; i++) {
-    uint32_t b;
-    memcpy(&b, (const void *)(v + i), sizeof b);
-    bad |= (b & 0x7f800000u) == 0x7f800000u;
-  }
-  return !bad;
-}
-
-/* Grows the staging arrays to n positions. */
+/* Grows the staging arrays to n positions (st_rows: unbounded tables). */
 static int stage_room(ps_table *t, size_t n, char *err) {
   if (n <= t->st_cap) return PS_OK;
   size_t cap = n < 1024 ? 1024 : n;
-  float *r = malloc(cap * t->stride * sizeof(float));
+  float *r = t->spec.rows ? NULL : malloc(cap * t->stride * sizeof(float));
   int64_t *w = malloc(cap * sizeof *w);
   uint8_t *c = malloc(cap * sizeof *c);
-  size_t *dn = malloc((cap / SHARE + 1) * sizeof *dn);
-  if (!r || !w || !c || !dn) {
+  if ((!t->spec.rows && !r) || !w || !c) {
     free(r);
     free(w);
     free(c);
-    free(dn);
     return ps_seterr(err, PS_ENOMEM, "table '%s': out of memory staging %zu rows", t->spec.name,
                      n);
   }
   free(t->st_rows);
   free(t->st_where);
   free(t->st_born);
-  free(t->st_done);
   t->st_rows = r;
   t->st_where = w;
   t->st_born = c;
-  t->st_done = dn;
   t->st_cap = cap;
   return PS_OK;
 }
 
-/* Puts back the rows [lo, hi) of the staged push changed in place, from
- * their copies. */
-static void undo(ps_table *t, size_t lo, size_t hi) {
-  const size_t st = t->stride;
-  for (size_t i = lo; i < hi; i++) {
-    int64_t r = t->st_where[i];
-    if (t->spec.rows)
-      memcpy(t->arena + (size_t)r * st, t->st_rows + i * st, st * sizeof(float));
-    else if (r >= 0)
-      memcpy(urow(t, (size_t)r), t->st_rows + i * st, st * sizeof(float));
+/* The next update count of a row (it saturates). */
+static inline uint32_t next_count(uint32_t c) { return c < UINT32_MAX ? c + 1 : c; }
+
+/* ---- bounds ---- */
+
+#define NONFINITE_BITS 0x7f800000u
+
+/* The largest |v[i]| as float bits without the sign (NaN and Inf at or
+ * above NONFINITE_BITS, and so above every finite value), in one pass the
+ * compiler vectorizes (this file is built with GCC's "cheap" cost model,
+ * see cmake/tables.cmake; unit.table_vectorized checks it). */
+static uint32_t max_abs_bits(const ps_ufloat *v, size_t n) {
+  int32_t m = 0;
+  for (size_t i = 0; i < n; i++) { /* vectorized */
+    uint32_t u;
+    memcpy(&u, (const void *)(v + i), sizeof u);
+    const int32_t a = (int32_t)(u & 0x7fffffffu);
+    m = a > m ? a : m;
+  }
+  return (uint32_t)m;
+}
+
+static double bits_magnitude(uint32_t bits) {
+  if (bits >= NONFINITE_BITS) return INFINITY;
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+/* The bounds of a table no push has touched: its initial records. A
+ * uniform initial value is init_scale * (2u - 1) with u in [0, 1), so at
+ * most |init_scale|; a normal one init_scale times a Box-Muller draw from
+ * u1 >= 2^-53, at most sqrt(-2 ln 2^-53) = 8.58 standard deviations. */
+static void init_bounds(ps_table *t) {
+  const double s = fabs((double)t->spec.init_scale);
+  double p = t->spec.init == PS_TABLE_INIT_ZEROS    ? 0.0
+             : t->spec.init == PS_TABLE_INIT_NORMAL ? 9.0 * s
+                                                    : s;
+  t->bounds = (ps_optim_bounds){.param = p <= FLT_MAX ? p * (1.0 + 0x1p-20) : INFINITY};
+  for (int k = 0; k < t->n_slots; k++) {
+    const float v = t->opt->slot_init(&t->cfg, k);
+    t->bounds.slot[k] = isfinite(v) ? fabs((double)v) : INFINITY;
+    if (!(v < 0.0f)) t->bounds.slot_nonneg |= 1u << k;
   }
 }
 
-/* One part of a staged push: positions [lo, hi). */
+/* Widens the bounds to a record put in (a restore). */
+static void widen_bounds(ps_table *t, const float *rec) {
+  const size_t d = (size_t)t->spec.dim;
+  const double p = bits_magnitude(max_abs_bits(rec, d));
+  if (p > t->bounds.param) t->bounds.param = p;
+  for (int k = 0; k < t->n_slots; k++) {
+    const float *sl = rec + (size_t)(k + 1) * d;
+    const double m = bits_magnitude(max_abs_bits(sl, d));
+    if (m > t->bounds.slot[k]) t->bounds.slot[k] = m;
+    for (size_t j = 0; j < d; j++)
+      if (sl[j] < 0.0f) t->bounds.slot_nonneg &= ~(1u << k);
+  }
+}
+
+/* Whether bounds promise finite values: all within FLT_MAX (not NaN). */
+static int bounds_finite(const ps_table *t, const ps_optim_bounds *b) {
+  int ok = b->param <= FLT_MAX;
+  for (int k = 0; k < t->n_slots; k++) ok &= b->slot[k] <= FLT_MAX;
+  return ok;
+}
+
+/* ---- pushes ----
+ *
+ * ps_table_stage checks a push whole before any row changes, and
+ * ps_table_commit applies it in place, one pass over its rows: a refused
+ * or undone push leaves nothing to put back, and nothing is copied aside.
+ * The check reads the gradient only, when the table's bounds carried
+ * through the optimizer's bound function (with the gradient's largest
+ * magnitude, and Adam's bias correction at its largest, t = 1) promise
+ * finite results. Otherwise a trial computes each row's update into a
+ * scratch record; the bounds are then unknown (infinite), and every later
+ * push takes the trial too, until a restore measures them again. */
+
+/* The first pass: positions [lo, hi) of the gradient's largest magnitude,
+ * and for an unbounded table where each row is (none: -1). */
 typedef struct {
   ps_table *t;
-  const uint64_t *ids, *locals;
-  const ps_ufloat *grad;
-  float lr;
-  size_t lo, hi;
-  size_t done;  /* positions [lo, done) changed (to undo on failure) */
-  size_t fresh; /* rows an unbounded table does not have yet; bounded: never pushed */
-  uint32_t crc; /* the sum of the new rows' CRCs minus the old rows' */
-  int rc;
-  char err[PS_ERRLEN];
-} stage_part;
+  uint32_t gbits[2]; /* per thread */
+  size_t fresh[2];   /* unbounded: rows to make */
+} scan_ctx;
 
-static void stage_range(stage_part *p) {
-  ps_table *t = p->t;
-  const uint64_t *ids = p->ids;
-  const size_t d = (size_t)t->spec.dim, st = t->stride;
-  float *slots[PS_OPTIM_MAX_SLOTS];
+static void scan_share(void *ctx, size_t lo, size_t hi, int who) {
+  scan_ctx *c = ctx;
+  ps_table *t = c->t;
+  const size_t d = (size_t)t->spec.dim;
+  const uint32_t g = max_abs_bits(t->st_grad + lo * d, (hi - lo) * d);
+  if (g > c->gbits[who]) c->gbits[who] = g;
+  if (t->spec.rows) return;
   block cur, next;
-  const size_t lo = p->lo, hi = p->hi;
-  p->done = lo;
-  p->rc = PS_OK;
-  if (lo < hi)
-    aim(t, ids + lo, p->locals ? p->locals + lo : NULL, hi - lo < BLK ? hi - lo : BLK, 1, &next);
+  const uint64_t *ids = t->st_ids;
+  aim(t, ids + lo, NULL, hi - lo < BLK ? hi - lo : BLK, 0, &next);
   for (size_t b = lo; b < hi; b += BLK) {
     cur = next;
-    size_t nb = b + BLK;
-    if (nb < hi)
-      aim(t, ids + nb, p->locals ? p->locals + nb : NULL, hi - nb < BLK ? hi - nb : BLK, 1,
-          &next);
+    const size_t nb = b + BLK;
+    if (nb < hi) aim(t, ids + nb, NULL, hi - nb < BLK ? hi - nb : BLK, 0, &next);
     for (size_t j = 0; j < cur.m; j++) {
-      const size_t i = b + j;
-      const ps_ufloat *g = p->grad + i * d;
-      if (!all_finite(g, d))
-        for (size_t v = 0; v < d; v++)
-          if (!isfinite(g[v])) {
-            p->rc = ps_seterr(p->err, PS_EINVAL,
-                              "table '%s': gradient value %zu of row %" PRIu64
-                              " (position %zu) is %s; nothing applied",
-                              t->spec.name, v, ids[i], i, isnan(g[v]) ? "NaN" : "Inf");
-            return;
-          }
-      float *row = find(t, ids + b, &cur, j);
-      float *aside = t->st_rows + i * st;
-      uint32_t cnt = 0, old_crc = 0;
-      if (t->spec.rows) {
-        row = t->arena + (size_t)cur.where[j] * st;
-        memcpy(aside, row, st * sizeof(float));
-        cnt = row_count(row);
-        if (cnt) {
-          old_crc = row_crc_kept(row);
-        } else {
-          init_rec(t, ids[i], row + HEAD);
-          p->fresh++;
-        }
-        t->st_where[i] = cur.where[j];
-        t->st_born[i] = cnt == 0;
-      } else if (row) {
-        memcpy(aside, row, st * sizeof(float));
-        cnt = row_count(row);
-        old_crc = row_crc_kept(row);
-        t->st_where[i] = cur.where[j];
-      } else {
-        /* made at the commit, from here */
-        row = aside;
-        init_rec(t, ids[i], row + HEAD);
-        t->st_where[i] = -1;
-        p->fresh++;
-      }
-      p->done = i + 1;
-      if (cnt < UINT32_MAX) cnt++; /* the count saturates */
-      set_count(row, cnt);
-      float *rec = row + HEAD;
-      for (int k = 0; k < t->n_slots; k++) slots[k] = rec + (size_t)(k + 1) * d;
-      t->opt->apply(&t->cfg, cnt, p->lr, rec, slots, g, d);
-      if (!all_finite(rec, t->rec_floats))
-        for (size_t v = 0; v < t->rec_floats; v++)
-          if (!isfinite(rec[v])) {
-            p->rc = ps_seterr(p->err, PS_EINVAL,
-                              "table '%s': the update would make %s %zu of row %" PRIu64
-                              " %s; nothing applied",
-                              t->spec.name, v < d ? "value" : "optimizer slot value", v % d,
-                              ids[i], isnan(rec[v]) ? "NaN" : "Inf");
-            return;
-          }
-      uint32_t c = row_crc(t, ids[i], row);
-      set_crc(row, c);
-      p->crc += c - old_crc;
+      find(t, ids + b, &cur, j);
+      t->st_where[b + j] = cur.where[j];
+      c->fresh[who] += cur.where[j] < 0;
     }
   }
 }
 
+/* The trial: positions [lo, hi) of the update computed aside, each checked
+ * finite. */
 typedef struct {
   ps_table *t;
-  const uint64_t *ids, *locals;
-  const ps_ufloat *grad;
-  float lr;
   _Atomic int *stop;
-  size_t fresh[2];
-  uint32_t crc[2];
   size_t fail[2]; /* the position of each thread's refused share, SIZE_MAX: none */
   int rc[2];
   char err[2][PS_ERRLEN];
-} stage_ctx;
+} trial_ctx;
 
-static void stage_share(void *ctx, size_t lo, size_t hi, int who) {
-  stage_ctx *c = ctx;
-  stage_part p = {.t = c->t, .ids = c->ids, .locals = c->locals, .grad = c->grad, .lr = c->lr,
-                  .lo = lo, .hi = hi};
-  stage_range(&p);
-  c->t->st_done[lo / SHARE] = p.done;
-  c->fresh[who] += p.fresh;
-  c->crc[who] += p.crc;
-  if (p.rc != PS_OK) {
+static int trial_range(ps_table *t, size_t lo, size_t hi, char *err) {
+  const uint64_t *ids = t->st_ids, *locals = t->st_locals;
+  const size_t d = (size_t)t->spec.dim;
+  float scratch[PS_TABLE_MAX_DIM * (1 + PS_OPTIM_MAX_SLOTS)];
+  float *slots[PS_OPTIM_MAX_SLOTS];
+  for (int k = 0; k < t->n_slots; k++) slots[k] = scratch + (size_t)(k + 1) * d;
+  block cur, next;
+  if (t->spec.rows)
+    aim(t, ids + lo, locals ? locals + lo : NULL, hi - lo < BLK ? hi - lo : BLK, 0, &next);
+  for (size_t b = lo; b < hi; b += BLK) {
+    const size_t nb = b + BLK;
+    if (t->spec.rows) {
+      cur = next;
+      if (nb < hi)
+        aim(t, ids + nb, locals ? locals + nb : NULL, hi - nb < BLK ? hi - nb : BLK, 0, &next);
+    }
+    for (size_t i = b; i < nb && i < hi; i++) {
+      const float *row = NULL;
+      if (t->spec.rows)
+        row = t->arena + (size_t)cur.where[i - b] * t->stride;
+      else if (t->st_where[i] >= 0)
+        row = urow(t, (size_t)t->st_where[i]);
+      const uint32_t cnt = row ? row_count(row) : 0;
+      if (cnt)
+        memcpy(scratch, row + HEAD, t->rec_floats * sizeof(float));
+      else
+        init_rec(t, ids[i], scratch);
+      t->opt->apply(&t->cfg, next_count(cnt), t->st_lr, scratch, slots, t->st_grad + i * d, d);
+      if (max_abs_bits(scratch, t->rec_floats) >= NONFINITE_BITS)
+        for (size_t v = 0; v < t->rec_floats; v++)
+          if (!isfinite(scratch[v]))
+            return ps_seterr(err, PS_EINVAL,
+                             "table '%s': the update would make %s %zu of row %" PRIu64
+                             " %s; nothing applied",
+                             t->spec.name, v < d ? "value" : "optimizer slot value", v % d,
+                             ids[i], isnan(scratch[v]) ? "NaN" : "Inf");
+    }
+  }
+  return PS_OK;
+}
+
+static void trial_share(void *ctx, size_t lo, size_t hi, int who) {
+  trial_ctx *c = ctx;
+  char err[PS_ERRLEN];
+  int rc = trial_range(c->t, lo, hi, err);
+  if (rc != PS_OK && lo < c->fail[who]) {
     c->fail[who] = lo;
-    c->rc[who] = p.rc;
-    memcpy(c->err[who], p.err, PS_ERRLEN);
+    c->rc[who] = rc;
+    memcpy(c->err[who], err, PS_ERRLEN);
     atomic_store(c->stop, 1);
   }
 }
 
-/* The update is made in place, each row's old bytes copied aside first (one
- * copy per row, and the row is in cache for the update after it); a refusal
- * puts them back. A row an unbounded table does not have yet is built in
- * the staging area and made at the commit. Pulls cannot see the rows
- * meanwhile: the write lock is held from here to the commit. */
 int ps_table_stage(ps_table *t, const uint64_t *ids, const uint64_t *locals, size_t n,
                    const ps_ufloat *grad, float lr_scale, char *err) {
   t->staged = 0;
@@ -712,43 +900,138 @@ int ps_table_stage(ps_table *t, const uint64_t *ids, const uint64_t *locals, siz
     t->rejected++;
     return rc;
   }
-  stage_ctx c = {.t = t, .ids = ids, .locals = locals, .grad = grad, .lr = t->cfg.lr * lr_scale,
-                 .fail = {SIZE_MAX, SIZE_MAX}};
-  share sh = {.n = n, .fn = stage_share, .ctx = &c};
-  c.stop = &sh.stop;
+  t->st_ids = ids;
+  t->st_locals = locals;
+  t->st_grad = grad;
+  t->st_lr = t->cfg.lr * lr_scale;
+  const size_t d = (size_t)t->spec.dim;
+  scan_ctx sc = {.t = t};
+  share sh = {.n = n, .fn = scan_share, .ctx = &sc};
   share_all(&sh);
-  size_t fresh = c.fresh[0] + c.fresh[1];
-  uint32_t crc = c.crc[0] + c.crc[1];
-  if (c.fail[0] != SIZE_MAX || c.fail[1] != SIZE_MAX) {
-    /* The first refused position's message, as a single thread would give:
-     * every share before the failing one was taken, and run to its end. */
-    const int w = c.fail[1] < c.fail[0];
-    size_t taken = atomic_load(&sh.next) / SHARE, shares = (n + SHARE - 1) / SHARE;
-    if (taken > shares) taken = shares;
-    for (size_t k = 0; k < taken; k++) undo(t, k * SHARE, t->st_done[k]);
+  const uint32_t gbits = sc.gbits[0] > sc.gbits[1] ? sc.gbits[0] : sc.gbits[1];
+  if (gbits >= NONFINITE_BITS) {
+    size_t v = 0;
+    while (v < n * d && isfinite(grad[v])) v++;
+    const size_t i = v / d;
     t->rejected++;
-    snprintf(err, PS_ERRLEN, "%s", c.err[w]);
-    return c.rc[w];
+    return ps_seterr(err, PS_EINVAL,
+                     "table '%s': gradient value %zu of row %" PRIu64
+                     " (position %zu) is %s; nothing applied",
+                     t->spec.name, v % d, ids[i], i, isnan(grad[v]) ? "NaN" : "Inf");
   }
+  ps_optim_bounds b = t->bounds;
+  t->opt->bound(&t->cfg, 1, t->st_lr, bits_magnitude(gbits), &b);
+  if (bounds_finite(t, &b)) {
+    /* Rows the push leaves as they were keep the old bounds. */
+    b.slot_nonneg = t->bounds.slot_nonneg;
+    if (t->bounds.param > b.param) b.param = t->bounds.param;
+    for (int k = 0; k < t->n_slots; k++)
+      if (t->bounds.slot[k] > b.slot[k]) b.slot[k] = t->bounds.slot[k];
+    t->st_bounds = b;
+  } else {
+    trial_ctx c = {.t = t, .fail = {SIZE_MAX, SIZE_MAX}};
+    share tsh = {.n = n, .fn = trial_share, .ctx = &c};
+    c.stop = &tsh.stop;
+    share_all(&tsh);
+    if (c.fail[0] != SIZE_MAX || c.fail[1] != SIZE_MAX) {
+      /* The first refused position's message, as a single thread would
+       * give: every share before the failing one was taken, and run to its
+       * end. */
+      const int w = c.fail[1] < c.fail[0];
+      t->rejected++;
+      snprintf(err, PS_ERRLEN, "%s", c.err[w]);
+      return c.rc[w];
+    }
+    t->st_bounds = (ps_optim_bounds){.param = INFINITY,
+                                     .slot = {INFINITY, INFINITY, INFINITY, INFINITY},
+                                     .slot_nonneg = t->bounds.slot_nonneg};
+  }
+  const size_t fresh = sc.fresh[0] + sc.fresh[1];
   if (!t->spec.rows && fresh && (rc = reserve_rows(t, fresh, err)) != 0) {
-    undo(t, 0, n);
     t->rejected++;
     return rc;
   }
   t->st_n = n;
-  t->st_ids = ids;
   t->st_new = fresh;
-  t->st_crc = crc;
   t->staged = 1;
   return PS_OK;
 }
 
-/* Only the rows pushed for the first time need more than the sums: a
- * bounded table's row is marked touched (a row is touched exactly when its
- * count is not 0), an unbounded table's is made. */
+typedef struct {
+  ps_table *t;
+  uint32_t crc[2]; /* per thread: the sum of the new rows' CRCs minus the old rows' */
+  size_t born[2];  /* per thread: rows pushed for the first time */
+} apply_ctx;
+
+/* The commit's pass over positions [lo, hi): each row (a never-pushed one
+ * from its initial record; an unbounded table's new one built in st_rows)
+ * updated in place, its count and CRC with it. */
+/* The stored row of staged position i (an unbounded table's new row: its
+ * record built in st_rows). */
+static float *staged_row(const ps_table *t, size_t i) {
+  const int64_t r = t->st_where[i];
+  if (t->spec.rows) return t->arena + (size_t)r * t->stride;
+  return r >= 0 ? urow(t, (size_t)r) : t->st_rows + i * t->stride;
+}
+
+static void apply_share(void *ctx, size_t lo, size_t hi, int who) {
+  apply_ctx *c = ctx;
+  ps_table *t = c->t;
+  const uint64_t *ids = t->st_ids, *locals = t->st_locals;
+  const size_t d = (size_t)t->spec.dim, st = t->stride;
+  float *slots[PS_OPTIM_MAX_SLOTS];
+  uint32_t crc = 0;
+  size_t born = 0;
+  if (t->spec.rows)
+    for (size_t i = lo; i < hi; i++) {
+      uint64_t local;
+      if (locals)
+        local = locals[i];
+      else
+        ps_table_place(&t->spec, t->S, ids[i], &local);
+      t->st_where[i] = (int64_t)local;
+    }
+  /* Rows are prefetched `ahead` positions before their update: about
+   * AHEAD_LINES cache lines in flight. */
+  const size_t lines = (st * sizeof(float) + 63) / 64 + 1;
+  const size_t ahead = AHEAD_LINES / lines ? AHEAD_LINES / lines : 1;
+  for (size_t i = lo; i < hi && i < lo + ahead; i++) prefetch_row(staged_row(t, i), st, 1);
+  for (size_t i = lo; i < hi; i++) {
+    if (i + ahead < hi) prefetch_row(staged_row(t, i + ahead), st, 1);
+    float *row = staged_row(t, i);
+    if (!t->spec.rows && t->st_where[i] < 0) set_count(row, 0);
+    const uint32_t cnt = row_count(row);
+    uint32_t old_crc = 0;
+    if (cnt) {
+      old_crc = row_crc_kept(row);
+    } else {
+      init_rec(t, ids[i], row + HEAD);
+      born++;
+    }
+    if (t->spec.rows) t->st_born[i] = cnt == 0;
+    set_count(row, next_count(cnt));
+    float *rec = row + HEAD;
+    for (int k = 0; k < t->n_slots; k++) slots[k] = rec + (size_t)(k + 1) * d;
+    t->opt->apply(&t->cfg, row_count(row), t->st_lr, rec, slots, t->st_grad + i * d, d);
+    const uint32_t nc = row_crc(t, ids[i], row);
+    set_crc(row, nc);
+    crc += nc - old_crc;
+  }
+  c->crc[who] += crc;
+  c->born[who] += born;
+}
+
+/* Applies the checked push; then only the rows pushed for the first time
+ * need more than the sums: a bounded table's row is marked touched (a row
+ * is touched exactly when its count is not 0), an unbounded table's is
+ * made. */
 void ps_table_commit(ps_table *t) {
   if (!t->staged) return;
   const size_t st = t->stride;
+  apply_ctx c = {.t = t};
+  share sh = {.n = t->st_n, .fn = apply_share, .ctx = &c};
+  share_all(&sh);
+  if (t->spec.rows) t->st_new = c.born[0] + c.born[1];
   for (size_t i = 0; i < t->st_n && t->st_new; i++) {
     int64_t r = t->st_where[i];
     if (t->spec.rows) {
@@ -765,16 +1048,17 @@ void ps_table_commit(ps_table *t) {
     }
   }
   if (t->spec.rows && t->st_new) arena_dense(t);
-  t->crc_sum += t->st_crc;
+  t->crc_sum += c.crc[0] + c.crc[1];
   t->rows_pushed += t->st_n;
-  t->staged = 0;
-  t->st_ids = NULL;
+  t->bounds = t->st_bounds;
+  ps_table_unstage(t);
 }
 
 void ps_table_unstage(ps_table *t) {
-  if (t->staged) undo(t, 0, t->st_n);
   t->staged = 0;
   t->st_ids = NULL;
+  t->st_locals = NULL;
+  t->st_grad = NULL;
 }
 
 void ps_table_stats_get(ps_table *t, ps_table_stats *out) {
@@ -854,6 +1138,7 @@ int ps_table_put_row(ps_table *t, uint64_t id, uint32_t tcount, const float *rec
   }
   set_count(dst, tcount);
   memcpy(dst + HEAD, rec, t->rec_floats * sizeof(float));
+  widen_bounds(t, rec);
   uint32_t c = row_crc(t, id, dst);
   set_crc(dst, c);
   t->crc_sum += c;
@@ -862,6 +1147,7 @@ int ps_table_put_row(ps_table *t, uint64_t id, uint32_t tcount, const float *rec
 
 void ps_table_clear(ps_table *t) {
   if (t->spec.rows) {
+    collapse_join(t);
     /* Give the pages back; the mapping reads as zeros (never pushed). */
     madvise(t->arena, t->arena_bytes, MADV_DONTNEED);
 #ifdef MADV_NOHUGEPAGE
@@ -877,6 +1163,7 @@ void ps_table_clear(ps_table *t) {
   }
   t->rows_held = 0;
   t->crc_sum = 0;
+  init_bounds(t);
 }
 
 uint32_t ps_table_crc(ps_table *t) { return t->crc_sum; }

@@ -50,16 +50,17 @@ int ps_table_check_ids(ps_table *t, const uint64_t *ids, size_t n, uint64_t *loc
 void ps_table_read_rows(ps_table *t, const uint64_t *ids, const uint64_t *locals, size_t n,
                         float *out);
 
-/* Updates the rows ids (checked; locals from the check, or NULL) by one
- * step of the optimizer with grad (n * dim float32 values, any alignment)
- * and lr * lr_scale, keeping what ps_table_unstage needs to put them back.
- * Refuses (nothing changes) a NaN or Inf gradient value, a new value or
- * slot that would be NaN or Inf, and, for an unbounded table, more rows
- * than max_rows_per_shard or no memory for the new ones (PS_EINVAL,
- * PS_ERANGE, PS_ENOMEM with a message naming the table, the id and the
- * value). On success ps_table_commit completes it and cannot fail;
- * ps_table_unstage undoes it instead. Write lock held from here to the
- * commit or ps_table_unstage, so that no pull sees a staged update. */
+/* Checks a push of the rows ids (checked; locals from the check, or NULL)
+ * by one step of the optimizer with grad (n * dim float32 values, any
+ * alignment) and lr * lr_scale: refuses (nothing changes) a NaN or Inf
+ * gradient value, a new value or slot that would be NaN or Inf, and, for
+ * an unbounded table, more rows than max_rows_per_shard or no memory for
+ * the new ones (PS_EINVAL, PS_ERANGE, PS_ENOMEM with a message naming the
+ * table, the id and the value). On success ps_table_commit applies it and
+ * cannot fail; ps_table_unstage drops it instead. ids and grad (not
+ * locals) must stay as they are until then. Write lock held from here to
+ * the commit or ps_table_unstage, so that no pull sees a push half
+ * applied. */
 int ps_table_stage(ps_table *t, const uint64_t *ids, const uint64_t *locals, size_t n,
                    const ps_ufloat *grad, float lr_scale, char *err);
 void ps_table_commit(ps_table *t);

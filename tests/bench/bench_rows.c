@@ -27,6 +27,9 @@
 #include "../../common/util.h"
 #include "../../worker/ps_client.h"
 
+/* The pause after a table's first pass. */
+#define SETTLE_MS 3000
+
 static int cmp_double(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
   return x < y ? -1 : x > y;
@@ -147,6 +150,10 @@ int main(int argc, char **argv) {
     printf("dim %zu: first pass over a working set of %" PRIu64 " rows (rows made): pull %.2f ms, "
            "push %.2f ms per %zu rows\n",
            d, W, fresh_pull / fresh_rounds * 1e3, fresh_push / fresh_rounds * 1e3, ids_n);
+    /* A table's arena above 512 MiB that has become dense is collapsed
+     * into huge pages by a thread of the shard's, once (ps/table.c,
+     * arena_dense): the rounds measure the steady state after it. */
+    ps_sleep_ms(SETTLE_MS);
     for (int r = 0; r < rounds; r++) {
       for (size_t i = 0; i < ids_n; i++)
         ids[i] = ps_perm_forward(key, ts->rows,

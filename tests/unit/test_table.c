@@ -1,6 +1,7 @@
 /* Embedding tables: placement (common/emb.c), the job's "embeddings", and
  * a shard's part of a table (ps/table.c): pulls, lazy per-row optimizer
  * updates, refused input leaving every row as it was, checkpoint walks. */
+#include <float.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdlib.h>
@@ -437,6 +438,81 @@ static void test_split_refusal(uint64_t rows) {
   ps_table_destroy(t);
 }
 
+/* A push is applied without a trial while the table's bounds promise
+ * finite results, and with one otherwise: both give the same rows, bit for
+ * bit; a restored row widens the bounds, so that a push that would
+ * overflow it is refused, not applied on the strength of stale bounds. */
+static void test_bounds(uint64_t rows) {
+  char err[PS_ERRLEN];
+  ps_table_spec sp = spec_of("bounds", rows, 8);
+  sp.max_rows_per_shard = 100000;
+  ps_optim_config ada = {.name = "adagrad", .lr = 0.05f, .eps = 1e-7f,
+                         .initial_accumulator = 0.1f};
+  ps_table *fast = ps_table_create(&sp, &ada, 5, 0, 1, err);
+  ps_table *trial = ps_table_create(&sp, &ada, 5, 0, 1, err);
+  CHECK(fast && trial);
+  const size_t n = 5000;
+  uint64_t *ids = malloc(n * sizeof *ids);
+  uint64_t *locals = malloc(n * sizeof *locals);
+  float *g = malloc(n * 8 * sizeof *g), *a = malloc(n * 8 * sizeof *a),
+        *b = malloc(n * 8 * sizeof *b);
+  for (size_t i = 0; i < n; i++) ids[i] = rows ? (i * 7919 + 13) % rows : i * 0x9e3779b97f4a7c15ULL;
+  /* The trial table holds a row whose accumulator is FLT_MAX (not among
+   * ids): its bounds are no promise, so its pushes take the trial. */
+  uint64_t far = rows ? rows - 1 : 42;
+  float rec[16];
+  for (int j = 0; j < 16; j++) rec[j] = j < 8 ? 1.0f : FLT_MAX;
+  CHECK(ps_table_put_row(trial, far, 1, rec, err) == 0);
+  for (int round = 0; round < 3; round++) {
+    for (size_t i = 0; i < n * 8; i++) g[i] = 0.01f * (float)((i * 31 + (size_t)round) % 17) - 0.08f;
+    ps_table *both[2] = {fast, trial};
+    for (int k = 0; k < 2; k++) {
+      CHECK(ps_table_check_ids(both[k], ids, n, locals, err) == 0);
+      ps_table_write_lock(both[k]);
+      CHECK_MSG(ps_table_stage(both[k], ids, locals, n, g, 1.0f, err) == 0, "%s", err);
+      ps_table_commit(both[k]);
+      ps_table_unlock(both[k]);
+    }
+  }
+  ps_table_read_rows(fast, ids, NULL, n, a);
+  ps_table_read_rows(trial, ids, NULL, n, b);
+  CHECK_MSG(memcmp(a, b, n * 8 * sizeof(float)) == 0, "the trial and the bounds differ");
+  CHECK(crc_again(fast) == ps_table_crc(fast));
+  /* The fast table gets the large row too; a push on it that would
+   * overflow its accumulator (FLT_MAX + 1e38) is refused (the bounds were
+   * widened by the restore), and nothing changes. */
+  CHECK(ps_table_put_row(fast, far, 1, rec, err) == 0);
+  const uint32_t crc0 = ps_table_crc(fast);
+  uint64_t one[1] = {far};
+  float gone[8];
+  for (int j = 0; j < 8; j++) gone[j] = 1e19f;
+  ps_table_write_lock(fast);
+  CHECK_MSG(ps_table_stage(fast, one, NULL, 1, gone, 1.0f, err) == PS_EINVAL && strstr(err, "Inf"),
+            "an overflowing push on a restored row: %s", err);
+  ps_table_unstage(fast);
+  ps_table_unlock(fast);
+  CHECK(ps_table_crc(fast) == crc0);
+  float back[8];
+  ps_table_read_rows(fast, one, NULL, 1, back);
+  CHECK(memcmp(back, rec, sizeof back) == 0);
+  ps_table_stats st;
+  ps_table_stats_get(fast, &st);
+  CHECK(st.rejected == 1);
+  /* Duplicates found through the bit per local row (locals given), and
+   * the bits cleared again: the same ids once each pass after it. */
+  if (rows) {
+    uint64_t dup[4] = {ids[3], ids[9], ids[11], ids[9]};
+    uint64_t loc4[4];
+    CHECK(ps_table_check_ids(fast, dup, 4, loc4, err) == PS_EINVAL &&
+          strstr(err, "named twice (position 3)"));
+    CHECK(ps_table_check_ids(fast, dup, 3, loc4, err) == 0);
+    CHECK(ps_table_check_ids(fast, dup, 3, loc4, err) == 0);
+  }
+  free(ids), free(locals), free(g), free(a), free(b);
+  ps_table_destroy(fast);
+  ps_table_destroy(trial);
+}
+
 int main(void) {
   test_permutation();
   test_placement();
@@ -446,5 +522,7 @@ int main(void) {
   test_unbounded_cap();
   test_split_refusal(100000);
   test_split_refusal(0);
+  test_bounds(100000);
+  test_bounds(0);
   return check_summary();
 }
