@@ -130,6 +130,17 @@ int ps_dataset_normalize(ps_dataset *d, const float *mean, const float *std, int
 int ps_dataset_load_job(const ps_job *job, const char *dir, int train, ps_dataset *out,
                         char *err);
 
+/* 1 when the job's reader can make part of the train split alone
+ * (ctr-synthetic: a worker generates only its static share). */
+int ps_dataset_job_parts(const ps_job *job);
+
+/* As ps_dataset_load_job, for part `part` of `parts` of the train split:
+ * its examples part, part + parts, ... (the static share of rank `part`
+ * among `parts` workers); PS_EINVAL when the reader cannot
+ * (ps_dataset_job_parts) and parts > 1. */
+int ps_dataset_load_job_part(const ps_job *job, const char *dir, int train, int part, int parts,
+                             ps_dataset *out, char *err);
+
 typedef struct {
   float *x;        /* (n, c*h*w) */
   uint8_t *y;      /* (n) */

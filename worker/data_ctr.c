@@ -704,10 +704,12 @@ static void ctr__gen_example(const ctr__gen *g, int64_t i, ps_ctr_data *d, int64
   double sq = 0.0, p[PS_CTR_MAX_FACTORS + 2];
   for (int c = 0; c < k; c++) sum_v[c] = 0.0;
   uint64_t *ids = d->ids + row * cfg->n_cat;
-  uint32_t *values = d->values + row * cfg->n_cat;
+  uint32_t *values = d->values ? d->values + row * cfg->n_cat : NULL;
   for (int f = 0; f < cfg->n_cat; f++) {
     uint64_t rank = ctr__zipf_draw(&g->zipf, ctr__mix(key + CTR_FIELD(f) * GOLDEN));
-    ids[f] = ctr__value(g, f, rank, &values[f]);
+    uint32_t value;
+    ids[f] = ctr__value(g, f, rank, &value);
+    if (values) values[f] = value;
     ctr__params(g, ids[f], p);
     const double *ctr = g->center + (size_t)f * (size_t)np;
     logit += p[0] - ctr[0];
@@ -728,6 +730,39 @@ static void ctr__gen_example(const ctr__gen *g, int64_t i, ps_ctr_data *d, int64
                                                                                             : 0.0f;
 }
 
+/* Examples first + part + k * parts for k < count, with their value
+ * strings or not. */
+static int ctr__synthetic(const ps_ctr_synth_cfg *cfg, int64_t first, int64_t count, int part,
+                          int parts, int with_values, ps_ctr_data *out, char *err) {
+  size_t per = (size_t)cfg->n_cat * (sizeof(uint64_t) + sizeof(uint32_t)) +
+               (size_t)cfg->n_dense * sizeof(float) + 2 * sizeof(float);
+  if ((uint64_t)count > SIZE_MAX / per)
+    return ps_seterr(err, PS_ENOMEM, "synthetic CTR data: %lld examples do not fit in memory",
+                     (long long)count);
+  ps_ctr_data d = {.n = count, .n_dense = cfg->n_dense, .n_cat = cfg->n_cat};
+  size_t un = (size_t)count;
+  d.dense = malloc(un * (size_t)cfg->n_dense * sizeof(float) + 1);
+  d.ids = malloc(un * (size_t)cfg->n_cat * sizeof(uint64_t) + 1);
+  d.values = with_values ? malloc(un * (size_t)cfg->n_cat * sizeof(uint32_t) + 1) : NULL;
+  d.labels = malloc(un * sizeof(float));
+  d.truth = malloc(un * sizeof(float));
+  ctr__gen *g = calloc(1, sizeof *g);
+  if (!d.dense || !d.ids || (with_values && !d.values) || !d.labels || !d.truth || !g ||
+      ctr__gen_init(g, cfg)) {
+    if (g) ctr__gen_free(g);
+    free(g);
+    ps_ctr_free(&d);
+    return ps_seterr(err, PS_ENOMEM, "synthetic CTR data: out of memory for %lld examples",
+                     (long long)count);
+  }
+  for (int64_t r = 0; r < count; r++)
+    ctr__gen_example(g, first + part + r * parts, &d, r, g->scratch);
+  ctr__gen_free(g);
+  free(g);
+  *out = d;
+  return PS_OK;
+}
+
 int ps_ctr_synthetic(const ps_ctr_synth_cfg *cfg, int64_t first, int64_t n, ps_ctr_data *out,
                      char *err) {
   memset(out, 0, sizeof *out);
@@ -737,31 +772,21 @@ int ps_ctr_synthetic(const ps_ctr_synth_cfg *cfg, int64_t first, int64_t n, ps_c
     return ps_seterr(err, PS_ERANGE,
                      "synthetic CTR data: examples [%lld, +%lld): wants first >= 0, n >= 1",
                      (long long)first, (long long)n);
-  size_t per = (size_t)cfg->n_cat * (sizeof(uint64_t) + sizeof(uint32_t)) +
-               (size_t)cfg->n_dense * sizeof(float) + 2 * sizeof(float);
-  if ((uint64_t)n > SIZE_MAX / per)
-    return ps_seterr(err, PS_ENOMEM, "synthetic CTR data: %lld examples do not fit in memory",
-                     (long long)n);
-  ps_ctr_data d = {.n = n, .n_dense = cfg->n_dense, .n_cat = cfg->n_cat};
-  size_t un = (size_t)n;
-  d.dense = malloc(un * (size_t)cfg->n_dense * sizeof(float) + 1);
-  d.ids = malloc(un * (size_t)cfg->n_cat * sizeof(uint64_t) + 1);
-  d.values = malloc(un * (size_t)cfg->n_cat * sizeof(uint32_t) + 1);
-  d.labels = malloc(un * sizeof(float));
-  d.truth = malloc(un * sizeof(float));
-  ctr__gen *g = calloc(1, sizeof *g);
-  if (!d.dense || !d.ids || !d.values || !d.labels || !d.truth || !g || ctr__gen_init(g, cfg)) {
-    if (g) ctr__gen_free(g);
-    free(g);
-    ps_ctr_free(&d);
-    return ps_seterr(err, PS_ENOMEM, "synthetic CTR data: out of memory for %lld examples",
-                     (long long)n);
-  }
-  for (int64_t r = 0; r < n; r++) ctr__gen_example(g, first + r, &d, r, g->scratch);
-  ctr__gen_free(g);
-  free(g);
-  *out = d;
-  return PS_OK;
+  return ctr__synthetic(cfg, first, n, 0, 1, 1, out, err);
+}
+
+int ps_ctr_synthetic_part(const ps_ctr_synth_cfg *cfg, int64_t first, int64_t n, int part,
+                          int parts, ps_ctr_data *out, char *err) {
+  memset(out, 0, sizeof *out);
+  int rc = ps_ctr_synth_check(cfg, err);
+  if (rc != 0) return rc;
+  if (first < 0 || n < 1 || n > INT64_MAX - first || parts < 1 || part < 0 || part >= parts ||
+      part >= n)
+    return ps_seterr(err, PS_ERANGE,
+                     "synthetic CTR data: part %d of %d of examples [%lld, +%lld): wants first "
+                     ">= 0, 0 <= part < parts and part < n",
+                     part, parts, (long long)first, (long long)n);
+  return ctr__synthetic(cfg, first, (n - part + parts - 1) / parts, part, parts, 0, out, err);
 }
 
 /* ---- the writer ---- */

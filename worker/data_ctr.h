@@ -161,6 +161,15 @@ int ps_ctr_synth_check(const ps_ctr_synth_cfg *cfg, char *err);
 int ps_ctr_synthetic(const ps_ctr_synth_cfg *cfg, int64_t first, int64_t n, ps_ctr_data *out,
                      char *err);
 
+/* Part `part` of `parts` of those examples: first + part, first + part +
+ * parts, ... below first + n (what a static share of rank `part` of
+ * `parts` workers trains on), without the value strings (out->values
+ * NULL: a training set needs the ids only; the writer refuses it). The
+ * same examples, bit for bit, as ps_ctr_synthetic gives at those rows.
+ * PS_ERANGE also for parts < 1, part outside [0, parts) or no example. */
+int ps_ctr_synthetic_part(const ps_ctr_synth_cfg *cfg, int64_t first, int64_t n, int part,
+                          int parts, ps_ctr_data *out, char *err);
+
 /* Writes the rows [first_row, d->n) of d as Criteo TSV (0: the whole set),
  * so that ps_ctr_load_tsv(_shape) reads back the same ids, labels and dense
  * floats. d must carry its value strings (d->values: synthetic data) and

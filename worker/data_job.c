@@ -81,8 +81,8 @@ static int job__from_ctr(ps_ctr_data *c, ps_dataset *out, char *err) {
 
 /* Reads the split with the job's reader; `where` receives what to name in
  * a shape message (a file or a folder). */
-static int job__read(const ps_job *job, const char *dir, int train, ps_dataset *out, char *where,
-                     size_t cap, char *err) {
+static int job__read(const ps_job *job, const char *dir, int train, int part, int parts,
+                     ps_dataset *out, char *where, size_t cap, char *err) {
   const ps_model_spec *spec = &job->model;
   const char *name = job->dataset;
   snprintf(where, cap, "%s", dir ? dir : "");
@@ -103,8 +103,11 @@ static int job__read(const ps_job *job, const char *dir, int train, ps_dataset *
     cfg.seed = job->ctr_seed;
     ps_ctr_data c;
     int64_t first = train ? 0 : job->synthetic_train;
-    int rc = ps_ctr_synthetic(&cfg, first, train ? job->synthetic_train : job->synthetic_test, &c,
-                              err);
+    int rc = parts > 1 ? ps_ctr_synthetic_part(&cfg, first, job->synthetic_train, part, parts, &c,
+                                               err)
+                       : ps_ctr_synthetic(&cfg, first,
+                                          train ? job->synthetic_train : job->synthetic_test, &c,
+                                          err);
     if (rc) return rc;
     snprintf(where, cap, "ctr-synthetic");
     return job__from_ctr(&c, out, err);
@@ -184,14 +187,24 @@ static int job__augment(const ps_job *job, ps_dataset *d, char *err) {
   return PS_OK;
 }
 
+int ps_dataset_job_parts(const ps_job *job) { return !strcmp(job->dataset, "ctr-synthetic"); }
+
 int ps_dataset_load_job(const ps_job *job, const char *dir, int train, ps_dataset *out, char *err) {
+  return ps_dataset_load_job_part(job, dir, train, 0, 1, out, err);
+}
+
+int ps_dataset_load_job_part(const ps_job *job, const char *dir, int train, int part, int parts,
+                             ps_dataset *out, char *err) {
   if (!out) return ps_seterr(err, PS_EINVAL, "ps_dataset_load_job: out is NULL");
   memset(out, 0, sizeof *out);
   if (!job) return ps_seterr(err, PS_EINVAL, "ps_dataset_load_job: job is NULL");
+  if (parts > 1 && (!train || !ps_dataset_job_parts(job)))
+    return ps_seterr(err, PS_EINVAL, "data set '%s': no part of its %s split can be read alone",
+                     job->dataset, train ? "train" : "test");
   if (!dir) dir = job->data_dir;
   char where[PATH_MAX];
   ps_dataset d;
-  int rc = job__read(job, dir, train, &d, where, sizeof where, err);
+  int rc = job__read(job, dir, train, part, parts, &d, where, sizeof where, err);
   if (rc) return rc;
   rc = job__check_shape(job, &d, where, err);
   if (!rc && job->data_norm_count > 0)

@@ -70,6 +70,7 @@ typedef struct ps_worker {
   char eval_err[PS_ERRLEN];  /* why the last evaluation failed ("" when it did not) */
   ps_replicas *reps;            /* NULL with one replica */
   ps_dataset train, test;
+  int train_share; /* train holds this worker's static share only (rank of num_workers) */
   ps_source *source;            /* NULL for the evaluator */
   ps_metrics *metrics;
   ps_tb *tb;                    /* --tensorboard: the chief's and the evaluator's */

@@ -2255,8 +2255,10 @@ ctr)
   # mapped, held only where touched) on synthetic click logs. Each worker
   # runs under `ulimit -v` of 3 GiB, below the tables' 7.6 GiB: it holds
   # only its batches' rows. The chief's final AUC must come within 0.03 of
-  # the ground truth's on the same test split (0.78 against 0.79 at this
-  # size, measured), and the shards' Status must show the rows.
+  # the ground truth's on the same test split (0.772 against 0.791 at this
+  # size with integration.ctr_churn running beside it, measured; 1M
+  # examples gave 0.769 against 0.794, once 0.759), and the shards' Status
+  # must show the rows. Each worker generates only its static share.
   vmem_mb=3072
   table_mb=$(python3 -c 'print(int(100e6 * (1 + 8) * 2 * 4 / 2**20))')
   [ "$table_mb" -gt "$vmem_mb" ] || fail "the tables ($table_mb MiB) must exceed the worker's limit"

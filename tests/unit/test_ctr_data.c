@@ -269,6 +269,30 @@ static void test_determinism(void) {
                    all.truth[i] < 1.0f;
     CHECK(zero == 0 && labels_ok);
   }
+  /* A worker's share: rows 2, 5, 8, ... of [0, 1000) for part 2 of 3,
+   * the same examples bit for bit, without the value strings. */
+  ps_ctr_data share;
+  cfg.seed = 1;
+  rc = ps_ctr_synthetic_part(&cfg, 0, 1000, 2, 3, &share, err);
+  CHECK_MSG(rc == 0, "%s", err);
+  if (rc == 0) {
+    CHECK(share.n == 333 && !share.values);
+    int same = 1;
+    for (int64_t k = 0; k < share.n; k++) same &= same_data(&all, &share, 2 + 3 * k, k, 1);
+    CHECK_MSG(same, "a part's examples differ from the whole log's");
+    ps_ctr_data d1;
+    CHECK(ps_ctr_synthetic_part(&cfg, 0, 1000, 0, 1, &d1, err) == 0 && same_data(&all, &d1, 0, 0, 1000));
+    ps_ctr_free(&d1);
+    /* the writer needs the value strings */
+    FILE *f = tmpfile();
+    CHECK(f && ps_ctr_write_tsv(f, &share, 0, err) == PS_EINVAL);
+    if (f) fclose(f);
+  }
+  ps_ctr_free(&share);
+  ps_ctr_data none;
+  CHECK(ps_ctr_synthetic_part(&cfg, 0, 1000, 3, 3, &none, err) == PS_ERANGE && is_zeroed(&none));
+  CHECK(ps_ctr_synthetic_part(&cfg, 0, 2, 2, 3, &none, err) == PS_ERANGE && is_zeroed(&none));
+  CHECK(ps_ctr_synthetic_part(&cfg, 0, 10, 0, 0, &none, err) == PS_ERANGE && is_zeroed(&none));
   ps_ctr_free(&all);
   ps_ctr_free(&part);
   ps_ctr_free(&again);

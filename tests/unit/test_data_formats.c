@@ -993,12 +993,47 @@ static void test_npz_floats(void) {
   free(m[1].data.p);
 }
 
+/* A worker's share of a generated click log: the whole log's examples
+ * rank, rank + W, ... and only its train split. */
+static void test_ctr_share(void) {
+  ps_job job;
+  char err[PS_ERRLEN] = "";
+  int rc = ps_job_parse(
+      "{\"job_id\": \"c\", \"model\": {\"input\": [13, 1, 1], \"ids\": 26, \"classes\": 1, "
+      "\"layers\": [{\"type\": \"embedding\", \"name\": \"e\", \"table\": \"cat\", \"dim\": 4}, "
+      "{\"type\": \"concat\", \"inputs\": [\"input\", \"e\"]}, {\"type\": \"dense\", \"units\": 1}, "
+      "{\"type\": \"sigmoid_xent\"}]}, \"embeddings\": [{\"name\": \"cat\", \"rows\": 0, \"dim\": "
+      "4}], \"dataset\": {\"name\": \"ctr-synthetic\", \"train_size\": 101, \"test_size\": 20}}",
+      &job, err);
+  CHECK_MSG(rc == 0, "%s", err);
+  if (rc) return;
+  CHECK(ps_dataset_job_parts(&job));
+  ps_dataset all, share, bad;
+  CHECK(ps_dataset_load_job(&job, NULL, 1, &all, err) == 0);
+  CHECK_MSG(ps_dataset_load_job_part(&job, NULL, 1, 1, 2, &share, err) == 0, "%s", err);
+  CHECK(all.n == 101 && share.n == 50 && share.n_ids == 26);
+  int same = 1;
+  for (int k = 0; k < share.n && all.n == 101; k++) {
+    const int i = 1 + 2 * k;
+    same &= all.labels[i] == share.labels[k] &&
+            memcmp(all.ids + (size_t)i * 26, share.ids + (size_t)k * 26, 26 * sizeof(uint64_t)) == 0 &&
+            memcmp(all.images + (size_t)i * 13, share.images + (size_t)k * 13, 13 * sizeof(float)) == 0;
+  }
+  CHECK_MSG(same, "the share is not rows 1, 3, 5, ... of the whole set");
+  /* the test split, or a reader without parts: refused, nothing made */
+  CHECK(ps_dataset_load_job_part(&job, NULL, 0, 1, 2, &bad, err) == PS_EINVAL &&
+        strstr(err, "test split") && bad.n == 0);
+  ps_dataset_free(&all);
+  ps_dataset_free(&share);
+}
+
 int main(void) {
   snprintf(tmpdir, sizeof tmpdir, "/tmp/test_data_formats.XXXXXX");
   if (!mkdtemp(tmpdir)) {
     perror("mkdtemp");
     return 1;
   }
+  RUN(test_ctr_share);
   RUN(test_npy_uint8);
   RUN(test_npy_float_and_versions);
   RUN(test_npz);
