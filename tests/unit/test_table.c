@@ -513,6 +513,56 @@ static void test_bounds(uint64_t rows) {
   ps_table_destroy(trial);
 }
 
+/* A bounded table above 512 MiB goes over to huge pages once a row per 4
+ * KiB is held, a thread of the table's collapsing the pages mapped before
+ * while pushes go on: every row reads back as pushed, before and after,
+ * and the table is destroyed while the thread may still run. */
+static void test_dense_arena(void) {
+  char err[PS_ERRLEN];
+  ps_table_spec sp = spec_of("dense", 24000000, 4); /* 24M rows of 24 bytes: 549 MiB */
+  ps_optim_config sgd = {.name = "sgd", .lr = 1.0f};
+  ps_table *t = ps_table_create(&sp, &sgd, 2, 0, 1, err);
+  CHECK_MSG(t != NULL, "%s", err);
+  if (!t) return;
+  const size_t n = 10000, rounds = 15; /* 150,000 rows: past one per 4 KiB (140,625) */
+  uint64_t *ids = malloc(n * rounds * sizeof *ids);
+  float *g = malloc(n * 4 * sizeof *g), *out = malloc(n * 4 * sizeof *out);
+  for (size_t i = 0; i < n * rounds; i++) ids[i] = ps_perm_forward(99, sp.rows, i);
+  for (size_t i = 0; i < n * 4; i++) g[i] = 1.0f;
+  int ok = 1;
+  for (size_t r = 0; r < rounds + 3; r++) {
+    /* three more rounds over rows already held, while the pages collapse */
+    const uint64_t *batch = ids + (r % rounds) * n;
+    ps_table_write_lock(t);
+    ok &= ps_table_stage(t, batch, NULL, n, g, 1.0f, err) == 0;
+    ps_table_commit(t);
+    ps_table_unlock(t);
+  }
+  CHECK_MSG(ok, "a push was refused: %s", err);
+  ps_sleep_ms(200);
+  /* every row: its initial values less 1 per push (twice for the first 3 rounds' rows) */
+  int same = 1;
+  for (size_t r = 0; r < rounds; r++) {
+    ps_table_read_rows(t, ids + r * n, NULL, n, out);
+    for (size_t i = 0; i < n && same; i++) {
+      float init[4];
+      ps_table_init_row(&sp, 2, ids[r * n + i], init);
+      for (int j = 0; j < 4; j++) {
+        float e = init[j] - 1.0f;
+        if (r < 3) e -= 1.0f;
+        same &= out[i * 4 + j] == e;
+      }
+    }
+  }
+  CHECK_MSG(same, "rows changed across the arena's move to huge pages");
+  ps_table_stats st;
+  ps_table_stats_get(t, &st);
+  CHECK(st.rows_held == n * rounds);
+  CHECK(crc_again(t) == ps_table_crc(t));
+  ps_table_destroy(t);
+  free(ids), free(g), free(out);
+}
+
 int main(void) {
   test_permutation();
   test_placement();
@@ -524,5 +574,6 @@ int main(void) {
   test_split_refusal(0);
   test_bounds(100000);
   test_bounds(0);
+  test_dense_arena();
   return check_summary();
 }
