@@ -5,9 +5,9 @@
  * pages, a TLB miss, which one at a time would dominate everything. So a
  * stored row keeps its update count beside its values (one miss, not two),
  * the row arrays ask for transparent huge pages, and every pass over a
- * request's rows goes in blocks: first it locates the block's rows and
- * prefetches them, then it works on them while the memory system has them
- * in flight together. */
+ * request's rows prefetches ahead of its work (a pull a block of rows at a
+ * time, a push's commit row by row, about 48 cache lines ahead), so that
+ * the memory system has many rows in flight together. */
 #include "table.h"
 
 #include <errno.h>
