@@ -375,17 +375,23 @@ typedef struct {
   size_t m;
 } block;
 
+/* A bounded table's local row of position j: from the check's placements
+ * when the caller kept them, else placed again. */
+static uint64_t local_row(const ps_table *t, const uint64_t *ids, const uint64_t *locals,
+                          size_t j) {
+  uint64_t local;
+  if (locals) return locals[j];
+  ps_table_place(&t->spec, t->S, ids[j], &local);
+  return local;
+}
+
 static void aim(const ps_table *t, const uint64_t *ids, const uint64_t *locals, size_t m,
                 int write, block *b) {
   b->m = m;
   if (t->spec.rows) {
     const size_t span = write ? t->stride : HEAD + (size_t)t->spec.dim;
     for (size_t j = 0; j < m; j++) {
-      uint64_t local;
-      if (locals)
-        local = locals[j];
-      else
-        ps_table_place(&t->spec, t->S, ids[j], &local);
+      const uint64_t local = local_row(t, ids, locals, j);
       b->where[j] = (int64_t)local;
       prefetch_row(t->arena + local * t->stride, span, write);
     }
@@ -983,14 +989,7 @@ static void apply_share(void *ctx, size_t lo, size_t hi, int who) {
   uint32_t crc = 0;
   size_t born = 0;
   if (t->spec.rows)
-    for (size_t i = lo; i < hi; i++) {
-      uint64_t local;
-      if (locals)
-        local = locals[i];
-      else
-        ps_table_place(&t->spec, t->S, ids[i], &local);
-      t->st_where[i] = (int64_t)local;
-    }
+    for (size_t i = lo; i < hi; i++) t->st_where[i] = (int64_t)local_row(t, ids, locals, i);
   /* Rows are prefetched `ahead` positions before their update: about
    * AHEAD_LINES cache lines in flight. */
   const size_t lines = (st * sizeof(float) + 63) / 64 + 1;
