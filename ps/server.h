@@ -299,9 +299,10 @@ enum {
  * (async: always; ssp: the worker is at most ssp_k steps ahead of the
  * slowest; sync: the shard's version has reached min_version) and queues it
  * to wait otherwise (the call then belongs to the list, with a deadline of
- * wait_timeout_ms). Returns PS_PULL_NOW or PS_PULL_WAITS; PS_ENOTFOUND when
- * the worker is not registered, PS_ERANGE when twice the job's max_workers
- * pulls wait already, PS_ENOMEM when the waiter cannot be allocated: in
+ * wait_timeout_ms). The worker's pulls still waiting (a client has one out
+ * per shard: those were given up) are answered CANCELLED. Returns
+ * PS_PULL_NOW or PS_PULL_WAITS; PS_ENOTFOUND when the worker is not
+ * registered, PS_ERANGE when twice the job's max_workers pulls wait already, PS_ENOMEM when the waiter cannot be allocated: in
  * those cases nothing is queued and the caller answers the call. rows (may
  * be NULL): the pull's embedding rows, which the waiter owns once it
  * returns PS_PULL_WAITS (the caller keeps them otherwise). */

@@ -161,11 +161,31 @@ void ps_waits_recheck(ps_server *sv) {
 int ps_waits_add(ps_server *sv, rpc_call *call, uint64_t worker, uint64_t min_version,
                  size_t offset, size_t count, ps_rows_req *rows) {
   int known = 1, ready;
-  ps_waiter *w = NULL;
+  ps_waiter *w = NULL, *superseded = NULL;
   pthread_mutex_lock(&sv->wait_mu);
   ready = pull_ready(sv, worker, min_version, &known);
-  /* A worker has one pull out per shard: more waiting than twice the
-   * registrations allowed is a client holding calls open. */
+  /* A worker has one pull out per shard: a new one means that the client
+   * gave up on those still waiting here (its deadline passed, or it was
+   * cancelled: the server is not told), and they are answered now rather
+   * than held to their deadlines, where they would keep the worker's place
+   * and, with a few retries, fill the list. */
+  if (known) {
+    int64_t now = ps_now_ms();
+    for (ps_waiter **pp = &sv->waiters; *pp;) {
+      ps_waiter *old = *pp;
+      if (old->worker != worker) {
+        pp = &old->next;
+        continue;
+      }
+      *pp = old->next;
+      old->next = superseded;
+      superseded = old;
+      sv->n_waiting--;
+      ps_server_note_wait(sv, now - old->since_ms);
+    }
+  }
+  /* More waiting than twice the registrations allowed (workers dropped
+   * while their pulls wait, and new ones registered) is refused. */
   int full = !ready && known && sv->n_waiting >= 2 * sv->job.max_workers;
   if (!ready && known && !full) {
     w = calloc(1, sizeof *w);
@@ -185,6 +205,15 @@ int ps_waits_add(ps_server *sv, rpc_call *call, uint64_t worker, uint64_t min_ve
     }
   }
   pthread_mutex_unlock(&sv->wait_mu);
+  while (superseded) {
+    ps_waiter *old = superseded;
+    superseded = old->next;
+    rpc_call_fail(old->call, RPC_CANCELLED,
+                  "shard %d: a newer pull of worker %016" PRIx64 " replaces this one", sv->index,
+                  worker);
+    ps_rows_free(old->rows);
+    free(old);
+  }
   if (ready) return PS_PULL_NOW;
   if (!known) return PS_ENOTFOUND;
   if (full) return PS_ERANGE;

@@ -1,6 +1,7 @@
 /* Bounds on what a client can make a shard hold, on a live shard of
  * jobs/bounds.json (sync, max_workers 4): registrations beyond max_workers,
- * pulls waiting beyond twice that, a request larger than the shard's range
+ * a worker's pulls held open (a newer one replaces the one waiting, so the
+ * shard holds one per registration), a request larger than the shard's range
  * allows, a compressed request, a 256 MiB unknown field: each is refused
  * with RESOURCE_EXHAUSTED (UNIMPLEMENTED for the compression), the
  * server's peak memory does not grow by the size of what was sent, and the
@@ -54,6 +55,25 @@ static int snapshot(rpc_channel *ch, const identity *who, float *vals, uint64_t 
   return st;
 }
 
+/* The number of pulls waiting on the shard (its Status). */
+static int waiting_now(rpc_channel *ch, const identity *who) {
+  Ps__RequestHeader h;
+  header(&h, who);
+  Ps__StatusRequest req = PS__STATUS_REQUEST__INIT;
+  req.header = &h;
+  char detail[PS_ERRLEN] = "";
+  uint8_t *resp = NULL;
+  size_t len = 0;
+  int n = -1;
+  if (call(ch, M("Status"), &req.base, NULL, 0, detail, &resp, &len) == RPC_OK) {
+    Ps__StatusResponse *r = ps__status_response__unpack(NULL, len, resp);
+    if (r) n = (int)r->waiting_now;
+    if (r) ps__status_response__free_unpacked(r, NULL);
+  }
+  free(resp);
+  return n;
+}
+
 /* The server's peak resident memory (VmHWM), in MiB. */
 static double peak_mib(const char *pid) {
   char path[64], line[256];
@@ -98,28 +118,32 @@ int main(int argc, char **argv) {
   snapshot(ch, &w[0], before, &v0);
   double peak0 = peak_mib(argv[2]);
 
-  /* Pulls waiting for step 1 (sync: no gradient is in yet). */
+  /* Pulls waiting for step 1 (sync: no gradient is in yet), two per
+   * worker: each worker's second replaces its first, which is answered
+   * CANCELLED at once (not held to its deadline), and the shard holds one
+   * pull per worker. */
   enum { WAITING = 2 * MAX_WORKERS };
   rpc_request *held[WAITING];
   for (int i = 0; i < WAITING; i++) {
     held[i] = raw_pull_start(&C, &token, &w[i % MAX_WORKERS], 1);
     CHECK(held[i] != NULL);
+    if (i + 1 == MAX_WORKERS) ps_sleep_ms(300); /* the first ones reach the shard first */
   }
   ps_sleep_ms(500); /* they reach the shard and wait */
-  {
-    Ps__RequestHeader h;
-    header(&h, &w[0]);
-    Ps__PullRequest req = PS__PULL_REQUEST__INIT;
-    req.header = &h;
-    req.offset = C.range_off;
-    req.count = C.range_cnt;
-    req.min_version = 1;
-    EXPECT("a pull beyond 2 x max_workers waiting",
-           call(ch, M("Pull"), &req.base, NULL, 0, detail, NULL, NULL), RPC_RESOURCE_EXHAUSTED,
-           "pulls wait");
+  for (int i = 0; i < MAX_WORKERS; i++) {
+    detail[0] = '\0';
+    ps_segview view;
+    double t0 = ps_now_s();
+    int st = held[i] ? rpc_wait(held[i], detail, &view) : -1;
+    EXPECT("a worker's first pull, replaced by its second", st, RPC_CANCELLED, "replaces");
+    CHECK_MSG(ps_now_s() - t0 < 5, "the replaced pull was answered after %.1f s",
+              ps_now_s() - t0);
   }
+  int n_waiting = waiting_now(ch, &w[0]);
+  CHECK_MSG(n_waiting == MAX_WORKERS, "%d pulls wait on the shard, not one per worker (%d)", n_waiting,
+            MAX_WORKERS);
   for (int i = 0; i < WAITING; i++)
-    if (held[i]) rpc_request_free(held[i]); /* cancelled */
+    if (held[i]) rpc_request_free(held[i]); /* the second ones: cancelled here */
 
   /* A push larger than the shard's range could ever need. */
   size_t big = C.range_cnt + 32 * 1024;
