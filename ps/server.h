@@ -136,6 +136,10 @@ typedef struct ps_server {
   uint64_t ssp_max_lead;
   uint64_t wait_hist[PS_WAIT_BUCKETS + 1]; /* finished waits by length (ps_wait_bounds) */
   int sync_started; /* sync: min_workers have registered once */
+  /* sync, restored from a checkpoint of a job under way: steps resume once
+   * min_workers have registered again, or at this time (ps_now_ms) with
+   * whoever came back (0: not restored) */
+  int64_t sync_resume_ms;
   /* data leases (shard 0, when the job has lease_chunk): made at the first
    * Lease request, which says how many examples the data set has */
   pthread_mutex_t lease_mu;
@@ -293,6 +297,7 @@ void ps_service_release_leases(ps_server *sv, uint64_t worker);
 enum {
   PS_PULL_NOW = 0,   /* it may be answered now: the caller serves it */
   PS_PULL_WAITS = 1, /* it waits in the list; ps_waits_recheck answers it */
+  PS_PULL_LOST = 2,  /* sync: the step it waits for lacks the worker's round (lost) */
 };
 
 /* Decides, under wait_mu, whether the worker's pull may be answered now
@@ -300,14 +305,18 @@ enum {
  * slowest; sync: the shard's version has reached min_version) and queues it
  * to wait otherwise (the call then belongs to the list, with a deadline of
  * wait_timeout_ms). The worker's pulls still waiting (a client has one out
- * per shard: those were given up) are answered CANCELLED. Returns
- * PS_PULL_NOW or PS_PULL_WAITS; PS_ENOTFOUND when the worker is not
+ * per shard: those were given up) are answered CANCELLED. push_round: the
+ * worker's last push round this shard answered, as it says (sync: a pull
+ * for the next step when the shard has not taken that round, because it
+ * restarted from a checkpoint written before it, would wait forever: it
+ * gets PS_PULL_LOST, and the worker pushes the round again). Returns
+ * PS_PULL_NOW, PS_PULL_WAITS or PS_PULL_LOST; PS_ENOTFOUND when the worker is not
  * registered, PS_ERANGE when twice the job's max_workers pulls wait already, PS_ENOMEM when the waiter cannot be allocated: in
  * those cases nothing is queued and the caller answers the call. rows (may
  * be NULL): the pull's embedding rows, which the waiter owns once it
  * returns PS_PULL_WAITS (the caller keeps them otherwise). */
 int ps_waits_add(ps_server *sv, rpc_call *call, uint64_t worker, uint64_t min_version,
-                 size_t offset, size_t count, ps_rows_req *rows);
+                 uint64_t push_round, size_t offset, size_t count, ps_rows_req *rows);
 
 /* Answers the waiting pulls that may go now, fails those past their
  * deadline (ABORTED) or whose worker is gone (NOT_FOUND). Called after

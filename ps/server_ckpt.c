@@ -191,9 +191,15 @@ int ps_server_ckpt_restore(ps_server *sv, char *err) {
       ps_shard_restore_state(sv->shard, params, slots, got.version);
       sv->ckpt_last_version = got.version;
       sv->ckpt_restored_set = got.set_id;
-      /* The job had begun: under sync the steps go on with whoever comes
-       * back, min_workers is for the job's start. */
-      if (got.version > 0) sv->sync_started = 1;
+      /* The job had begun: under sync the steps resume once min_workers
+       * have registered again, or after a heartbeat timeout (by when every
+       * live worker has called) with whoever came back. Not at the first
+       * registration: the first worker back would make a step alone, and
+       * the others' gradients of it would be dropped as late. */
+      if (got.version > 0)
+        sv->sync_resume_ms = ps_now_ms() + (sv->job.heartbeat_timeout_ms > 0
+                                                ? sv->job.heartbeat_timeout_ms
+                                                : 10000);
       char from[64];
       if (got.set_id)
         snprintf(from, sizeof from, "set %" PRIu64, got.set_id);

@@ -510,8 +510,8 @@ static void handle_pull(const request *q) {
                   r->offset, r->count, sv->index, begin, end);
     return;
   }
-  int rc = ps_waits_add(sv, call, r->header->worker_id, r->min_version, r->offset, r->count,
-                        rows);
+  int rc = ps_waits_add(sv, call, r->header->worker_id, r->min_version, r->push_round, r->offset,
+                        r->count, rows);
   if (rc != PS_PULL_NOW && rc != PS_PULL_WAITS) ps_rows_free(rows);
   if (rc == PS_PULL_NOW && rows)
     ps_rows_serve_pull(sv, call, r->offset, r->count, rows);
@@ -520,6 +520,12 @@ static void handle_pull(const request *q) {
   else if (rc == PS_ENOTFOUND)
     rpc_call_fail(call, RPC_NOT_FOUND, "worker %016" PRIx64 " is not registered with shard %d",
                   r->header->worker_id, sv->index);
+  else if (rc == PS_PULL_LOST)
+    rpc_call_fail(call, RPC_DATA_LOSS,
+                  "shard %d has not taken push round %" PRIu64 " of worker %016" PRIx64
+                  " (it restarted from a checkpoint written before it), so step %" PRIu64
+                  " cannot be made without it: push the round again",
+                  sv->index, r->push_round, r->header->worker_id, r->min_version);
   else if (rc == PS_ERANGE)
     rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED,
                   "shard %d: %d pulls wait already (twice the job's max_workers)", sv->index,

@@ -60,47 +60,15 @@ static int pull_ready(ps_server *sv, uint64_t worker, uint64_t min_version, int 
  * deadline or whose worker is gone. Called after anything that can
  * release a pull (an update, a worker leaving or timed out) and by the
  * timer. */
-/* sync, under wait_mu: every live worker has waited here for at least a
- * second for the next step, and not one gradient of it is in. No worker
- * will push one: they pushed it before this shard restarted from a
- * checkpoint, were answered, and it was lost with the process. The wait
- * cannot end; the pulls are answered with the version the shard holds,
- * and the workers' next gradients make the step. */
-static int step_lost(ps_server *sv, int64_t now, uint64_t *version) {
-  if (sv->job.mode_kind != PS_MODE_SYNC || !sv->waiters) return 0;
-  ps_shard_stats st;
-  ps_shard_stats_get(sv->shard, &st);
-  int live = ps_membership_count(sv->members);
-  if (live == 0 || st.sync_pending != 0) return 0;
-  int waiting = 0;
-  for (ps_waiter *w = sv->waiters; w; w = w->next) {
-    if (w->min_version != st.version + 1 || now - w->since_ms < 1000) continue;
-    int first = 1; /* each worker once */
-    for (ps_waiter *v = sv->waiters; v != w && first; v = v->next)
-      first = !(v->worker == w->worker && v->min_version == w->min_version &&
-                now - v->since_ms >= 1000);
-    waiting += first;
-  }
-  *version = st.version;
-  return waiting >= live;
-}
-
 void ps_waits_recheck(ps_server *sv) {
   int64_t now = ps_now_ms();
   ps_waiter *go = NULL, *fail = NULL, *gone = NULL;
   pthread_mutex_lock(&sv->wait_mu);
-  uint64_t held = 0;
-  int lost = step_lost(sv, now, &held);
-  if (lost)
-    PS_WARN("every live worker (%d) waits for step %" PRIu64 " and none of its gradients is "
-            "in: they were lost when this shard restarted from its checkpoint; the workers get "
-            "version %" PRIu64 " and their next gradients make the step",
-            ps_membership_count(sv->members), held + 1, held);
   for (ps_waiter **pp = &sv->waiters; *pp;) {
     ps_waiter *w = *pp;
     int known = 1;
     ps_waiter **dest = NULL;
-    if ((lost && w->min_version == held + 1) || pull_ready(sv, w->worker, w->min_version, &known))
+    if (pull_ready(sv, w->worker, w->min_version, &known))
       dest = &go;
     else if (!known)
       dest = &gone;
@@ -159,11 +127,19 @@ void ps_waits_recheck(ps_server *sv) {
 }
 
 int ps_waits_add(ps_server *sv, rpc_call *call, uint64_t worker, uint64_t min_version,
-                 size_t offset, size_t count, ps_rows_req *rows) {
-  int known = 1, ready;
+                 uint64_t push_round, size_t offset, size_t count, ps_rows_req *rows) {
+  int known = 1, ready, lost = 0;
   ps_waiter *w = NULL, *superseded = NULL;
   pthread_mutex_lock(&sv->wait_mu);
   ready = pull_ready(sv, worker, min_version, &known);
+  /* sync: the pull waits for the step of the worker's round (pushes come
+   * before their pulls, and a round is noted as it is taken); a shard that
+   * has not noted it lost it with a restart, and the step would never
+   * come. */
+  uint64_t last = 0;
+  if (!ready && known && sv->job.mode_kind == PS_MODE_SYNC && push_round != 0 &&
+      ps_membership_round(sv->members, worker, &last) == PS_OK && last < push_round)
+    lost = 1;
   /* A worker has one pull out per shard: a new one means that the client
    * gave up on those still waiting here (its deadline passed, or it was
    * cancelled: the server is not told), and they are answered now rather
@@ -186,8 +162,8 @@ int ps_waits_add(ps_server *sv, rpc_call *call, uint64_t worker, uint64_t min_ve
   }
   /* More waiting than twice the registrations allowed (workers dropped
    * while their pulls wait, and new ones registered) is refused. */
-  int full = !ready && known && sv->n_waiting >= 2 * sv->job.max_workers;
-  if (!ready && known && !full) {
+  int full = !ready && known && !lost && sv->n_waiting >= 2 * sv->job.max_workers;
+  if (!ready && known && !lost && !full) {
     w = calloc(1, sizeof *w);
     if (w) {
       w->call = call;
@@ -216,6 +192,7 @@ int ps_waits_add(ps_server *sv, rpc_call *call, uint64_t worker, uint64_t min_ve
   }
   if (ready) return PS_PULL_NOW;
   if (!known) return PS_ENOTFOUND;
+  if (lost) return PS_PULL_LOST;
   if (full) return PS_ERANGE;
   return w ? PS_PULL_WAITS : PS_ENOMEM;
 }
@@ -296,8 +273,14 @@ void ps_sync_try_step(ps_server *sv) {
   pthread_mutex_lock(&sv->wait_mu);
   if (!sv->sync_started && live >= sv->job.min_workers) {
     sv->sync_started = 1;
-    PS_INFO("sync: %d workers registered (min_workers %d): steps begin", live,
-            sv->job.min_workers);
+    PS_INFO("sync: %d workers registered (min_workers %d): steps %s", live, sv->job.min_workers,
+            sv->sync_resume_ms ? "resume" : "begin");
+  } else if (!sv->sync_started && sv->sync_resume_ms && live > 0 &&
+             ps_now_ms() >= sv->sync_resume_ms) {
+    sv->sync_started = 1;
+    PS_WARN("sync: %d of the job's min_workers %d registered again within a heartbeat timeout "
+            "of the restore: steps resume with them",
+            live, sv->job.min_workers);
   }
   int started = sv->sync_started;
   pthread_mutex_unlock(&sv->wait_mu);

@@ -104,26 +104,33 @@ struct ps_client {
   ps_moving_range moving[PS_MAX_MOVING_RANGES]; /* no error feedback there */
   int n_moving;
   /* Embedding rows of the pulls and pushes (ps_client_set_rows): the
-   * job's tables, the caller's sections, and per shard and section the ids
-   * placed there (as the wire takes them) with their positions in the
-   * caller's section; per shard the rows' gradients as sent (gathered at a
-   * round's first attempt, so a retry sends the same bytes). */
+   * job's tables, and two sets of the caller's sections, each with per
+   * shard and section the ids placed there (as the wire takes them) with
+   * their positions in the caller's section, and per shard the rows'
+   * gradients as sent (gathered at a round's first attempt, so a retry
+   * sends the same bytes). Rows set after a push round go to the other
+   * set than the round's, which stays as it was sent: a shard that lost
+   * the round (restarted from a checkpoint taken before it) asks for it
+   * again at the next pull (sync), after the next batch's rows are set. */
   struct {
     int parsed, n_tables;
     size_t max_per_request; /* the job's max_rows_per_request */
     ps_table_spec spec[PS_MAX_TABLES];
-    int n_sec;
-    ps_client_rows sec[PS_MAX_TABLES];
-    struct shard_rows {
-      size_t n[PS_MAX_TABLES], cap[PS_MAX_TABLES];
-      uint8_t *ids[PS_MAX_TABLES]; /* 8 n bytes, little-endian */
-      size_t *pos[PS_MAX_TABLES];
-      size_t values; /* floats over the sections */
-      void *grads;   /* the rows' gradients (floats, then their 16-bit encoding) */
-      void *sent;    /* what goes out: grads, or the encoding */
-      size_t grads_cap;
-      int gathered;  /* this round's are in grads */
-    } *shard;
+    struct row_set {
+      int n_sec;
+      ps_client_rows sec[PS_MAX_TABLES];
+      struct shard_rows {
+        size_t n[PS_MAX_TABLES], cap[PS_MAX_TABLES];
+        uint8_t *ids[PS_MAX_TABLES]; /* 8 n bytes, little-endian */
+        size_t *pos[PS_MAX_TABLES];
+        size_t values; /* floats over the sections */
+        void *grads;   /* the rows' gradients (floats, then their 16-bit encoding) */
+        void *sent;    /* what goes out: grads, or the encoding */
+        size_t grads_cap;
+        int gathered;  /* this round's are in grads */
+      } *shard;
+    } set[2];
+    int cur;   /* the set of the next pulls and push round */
     void *tmp; /* a pull's rows, before they are scattered */
     size_t tmp_cap;
   } rows;
@@ -133,6 +140,9 @@ struct ps_client {
     uint64_t step;
     uint64_t request_id; /* of this round, the same on every retry of it */
     int batch_size;
+    int rows_set;        /* the row set (rows.set) of this round */
+    const float *grads;  /* the gradient of the last round (kept by the caller) */
+    uint64_t *answered;  /* per shard: the last round it answered (0: none) */
     char *state;        /* per shard: PUSH_PENDING, PUSH_IN_FLIGHT, PUSH_DONE */
     char *encoded;      /* per shard (16-bit wire): its slice is in wire_grads: ENC_FINITE,
                            ENC_NONFINITE (it holds Inf or NaN), or 0: not yet */
@@ -488,8 +498,9 @@ ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char 
   c->push.encoded = calloc((size_t)c->nshards, 1);
   c->push.reqs = calloc((size_t)c->nshards, sizeof *c->push.reqs);
   c->push.rep = calloc((size_t)c->nshards, sizeof *c->push.rep);
+  c->push.answered = calloc((size_t)c->nshards, sizeof *c->push.answered);
   if (!c->job_json || !c->shards || !c->reqs || !c->push.versions || !c->push.state ||
-      !c->push.encoded || !c->push.reqs || !c->push.rep) {
+      !c->push.encoded || !c->push.reqs || !c->push.rep || !c->push.answered) {
     protobuf_c_message_free_unpacked(&r->base, NULL);
     ps_seterr(err, PS_ENOMEM, "out of memory");
     goto fail;
@@ -572,14 +583,18 @@ void ps_client_destroy(ps_client *c) {
   free(c->push.versions);
   free(c->push.state);
   free(c->push.encoded);
-  for (int s = 0; s < c->nshards && c->rows.shard; s++) {
-    for (int t = 0; t < PS_MAX_TABLES; t++) {
-      free(c->rows.shard[s].ids[t]);
-      free(c->rows.shard[s].pos[t]);
+  free(c->push.answered);
+  for (int k = 0; k < 2; k++) {
+    struct row_set *rs = &c->rows.set[k];
+    for (int s = 0; s < c->nshards && rs->shard; s++) {
+      for (int t = 0; t < PS_MAX_TABLES; t++) {
+        free(rs->shard[s].ids[t]);
+        free(rs->shard[s].pos[t]);
+      }
+      free(rs->shard[s].grads);
     }
-    free(c->rows.shard[s].grads);
+    free(rs->shard);
   }
-  free(c->rows.shard);
   free(c->rows.tmp);
   ps_free(c->residual);
   ps_free(c->wire_grads);
@@ -665,6 +680,9 @@ static int status_code(int st) {
   if (st == RPC_UNAVAILABLE || st == RPC_DEADLINE_EXCEEDED) return PS_EUNAVAIL;
   if (st == RPC_ABORTED) return PS_ETIMEDOUT; /* a shard gave up waiting */
   if (st == RPC_NOT_FOUND) return PS_ENOTFOUND;
+  /* A shard restarted again while the round it lost was pushed again:
+   * the next try pushes it again. */
+  if (st == RPC_DATA_LOSS) return PS_EUNAVAIL;
   return PS_EPROTO;
 }
 
@@ -716,8 +734,10 @@ int ps_client_set_rows(ps_client *c, const ps_client_rows *secs, int n_sec, char
     }
     free(job);
     if (rc != PS_OK) return ps_seterr(err, rc, "the job's tables: %s", jerr);
-    c->rows.shard = calloc((size_t)c->nshards, sizeof *c->rows.shard);
-    if (!c->rows.shard) return ps_seterr(err, PS_ENOMEM, "out of memory");
+    for (int k = 0; k < 2; k++) {
+      c->rows.set[k].shard = calloc((size_t)c->nshards, sizeof *c->rows.set[k].shard);
+      if (!c->rows.set[k].shard) return ps_seterr(err, PS_ENOMEM, "out of memory");
+    }
     c->rows.parsed = 1;
   }
   for (int s = 0; s < c->nshards; s++)
@@ -738,9 +758,12 @@ int ps_client_set_rows(ps_client *c, const ps_client_rows *secs, int n_sec, char
         return ps_seterr(err, PS_ERANGE, "table '%s': id %" PRIu64 " is not a row (it has %" PRIu64
                          ")", c->rows.spec[t].name, secs[i].ids[j], c->rows.spec[t].rows);
   }
-  c->rows.n_sec = 0; /* none until the new ones are placed */
+  /* The last push round's set stays as it was sent. */
+  if (c->rows.cur == c->push.rows_set) c->rows.cur ^= 1;
+  struct row_set *rs = &c->rows.set[c->rows.cur];
+  rs->n_sec = 0; /* none until the new ones are placed */
   for (int s = 0; s < c->nshards; s++) {
-    struct shard_rows *sr = &c->rows.shard[s];
+    struct shard_rows *sr = &rs->shard[s];
     memset(sr->n, 0, sizeof sr->n);
     sr->values = 0;
     sr->gathered = 0;
@@ -750,7 +773,7 @@ int ps_client_set_rows(ps_client *c, const ps_client_rows *secs, int n_sec, char
     for (size_t j = 0; j < secs[i].n; j++) {
       uint64_t local;
       int s = ps_table_place(ts, c->nshards, secs[i].ids[j], &local);
-      struct shard_rows *sr = &c->rows.shard[s];
+      struct shard_rows *sr = &rs->shard[s];
       size_t k = sr->n[i];
       if (k == sr->cap[i]) {
         size_t cap = k ? 2 * k : 256;
@@ -769,30 +792,31 @@ int ps_client_set_rows(ps_client *c, const ps_client_rows *secs, int n_sec, char
   }
   for (int s = 0; s < c->nshards; s++) {
     size_t n = 0;
-    for (int i = 0; i < n_sec; i++) n += c->rows.shard[s].n[i];
+    for (int i = 0; i < n_sec; i++) n += rs->shard[s].n[i];
     if (n > c->rows.max_per_request) {
-      for (int k = 0; k < c->nshards; k++) memset(c->rows.shard[k].n, 0, sizeof c->rows.shard[k].n);
+      for (int k = 0; k < c->nshards; k++) memset(rs->shard[k].n, 0, sizeof rs->shard[k].n);
       return ps_seterr(err, PS_ERANGE,
                        "%zu rows for shard %d in one request, above the job's "
                        "max_rows_per_request (%zu): split the batch or raise it",
                        n, s, c->rows.max_per_request);
     }
   }
-  if (n_sec) memcpy(c->rows.sec, secs, (size_t)n_sec * sizeof *secs);
-  c->rows.n_sec = n_sec;
+  if (n_sec) memcpy(rs->sec, secs, (size_t)n_sec * sizeof *secs);
+  rs->n_sec = n_sec;
   return PS_OK;
 }
 
-/* Shard s's row sections for a request (into msgs and ptrs, PS_MAX_TABLES
- * each); how many. */
-static size_t rows_msgs(ps_client *c, int s, Ps__TableRows *msgs, Ps__TableRows **ptrs) {
+/* Shard s's row sections of set rs for a request (into msgs and ptrs,
+ * PS_MAX_TABLES each); how many. */
+static size_t rows_msgs(const struct row_set *rs, int s, Ps__TableRows *msgs,
+                        Ps__TableRows **ptrs) {
   size_t k = 0;
-  if (!c->rows.n_sec) return 0;
-  const struct shard_rows *sr = &c->rows.shard[s];
-  for (int i = 0; i < c->rows.n_sec; i++) {
+  if (!rs->n_sec) return 0;
+  const struct shard_rows *sr = &rs->shard[s];
+  for (int i = 0; i < rs->n_sec; i++) {
     if (!sr->n[i]) continue;
     ps__table_rows__init(&msgs[k]);
-    msgs[k].table = (uint32_t)c->rows.sec[i].table;
+    msgs[k].table = (uint32_t)rs->sec[i].table;
     msgs[k].ids = (ProtobufCBinaryData){.len = 8 * sr->n[i], .data = sr->ids[i]};
     ptrs[k] = &msgs[k];
     k++;
@@ -804,8 +828,9 @@ static size_t rows_msgs(ps_client *c, int s, Ps__TableRows *msgs, Ps__TableRows 
  * caller's sections. PS_EPROTO for a row value that arrived as Inf or
  * NaN. */
 static int read_rows(ps_client *c, int s, const ps_segview *tensor, char *err) {
-  const struct shard_rows *sr = &c->rows.shard[s];
-  if (!c->rows.n_sec || !sr->values) return PS_OK;
+  const struct row_set *rs = &c->rows.set[c->rows.cur];
+  if (!rs->n_sec || !rs->shard[s].values) return PS_OK;
+  const struct shard_rows *sr = &rs->shard[s];
   const size_t vb = ps_wire_value_bytes(c->wire);
   size_t skip = c->shards[s].cnt * vb, nv = sr->values;
   if (grow(&c->rows.tmp, &c->rows.tmp_cap, nv * (sizeof(float) + vb)) != PS_OK)
@@ -819,16 +844,16 @@ static int read_rows(ps_client *c, int s, const ps_segview *tensor, char *err) {
     ps_half_decode(c->wire, h, vals, nv);
   }
   size_t at = 0;
-  for (int i = 0; i < c->rows.n_sec; i++) {
-    const size_t d = (size_t)c->rows.spec[c->rows.sec[i].table].dim;
+  for (int i = 0; i < rs->n_sec; i++) {
+    const size_t d = (size_t)c->rows.spec[rs->sec[i].table].dim;
     for (size_t k = 0; k < sr->n[i]; k++, at += d) {
       for (size_t j = 0; j < d; j++)
         if (!isfinite(vals[at + j]))
           return ps_seterr(err, PS_EPROTO,
                            "Pull from shard %d: table '%s' row %" PRIu64 " arrived with a %s",
-                           s, c->rows.spec[c->rows.sec[i].table].name,
+                           s, c->rows.spec[rs->sec[i].table].name,
                            ps_get_le64(sr->ids[i] + 8 * k), isnan(vals[at + j]) ? "NaN" : "Inf");
-      memcpy(c->rows.sec[i].values + sr->pos[i][k] * d, vals + at, d * sizeof(float));
+      memcpy(rs->sec[i].values + sr->pos[i][k] * d, vals + at, d * sizeof(float));
     }
   }
   return PS_OK;
@@ -837,18 +862,18 @@ static int read_rows(ps_client *c, int s, const ps_segview *tensor, char *err) {
 /* Shard s's rows' gradients gathered from the caller's sections into the
  * buffer sent (encoded on a 16-bit wire, rounded without error feedback),
  * once per round. PS_EINVAL for a value that cannot go out. */
-static int gather_rows(ps_client *c, int s, char *err) {
-  struct shard_rows *sr = &c->rows.shard[s];
+static int gather_rows(ps_client *c, struct row_set *rs, int s, char *err) {
+  struct shard_rows *sr = &rs->shard[s];
   if (sr->gathered || !sr->values) return PS_OK;
   const size_t vb = ps_wire_value_bytes(c->wire), nv = sr->values;
   if (grow(&sr->grads, &sr->grads_cap, nv * (sizeof(float) + vb)) != PS_OK)
     return ps_seterr(err, PS_ENOMEM, "out of memory for %zu row gradients", nv);
   float *g = sr->grads;
   size_t at = 0;
-  for (int i = 0; i < c->rows.n_sec; i++) {
-    const size_t d = (size_t)c->rows.spec[c->rows.sec[i].table].dim;
+  for (int i = 0; i < rs->n_sec; i++) {
+    const size_t d = (size_t)c->rows.spec[rs->sec[i].table].dim;
     for (size_t k = 0; k < sr->n[i]; k++, at += d)
-      memcpy(g + at, c->rows.sec[i].grads + sr->pos[i][k] * d, d * sizeof(float));
+      memcpy(g + at, rs->sec[i].grads + sr->pos[i][k] * d, d * sizeof(float));
   }
   for (size_t j = 0; j < nv; j++)
     if (!isfinite(g[j]))
@@ -869,6 +894,8 @@ int ps_client_pull(ps_client *c, float *params, uint64_t *versions,
   return ps_client_pull_ex(c, params, versions, min_versions, NULL, NULL, err);
 }
 
+static int push_again(ps_client *c, int s, char *err);
+
 /* Starts shard s's pull on the replica believed primary, which *rep
  * receives. NULL (with a message) when it cannot start. */
 static rpc_request *pull_start(ps_client *c, int s, const uint64_t *min_versions, int *rep,
@@ -881,8 +908,9 @@ static rpc_request *pull_start(ps_client *c, int s, const uint64_t *min_versions
   req.offset = c->shards[s].off;
   req.count = c->shards[s].cnt;
   req.min_version = min_versions ? min_versions[s] : 0;
+  req.push_round = c->push.answered[s];
   Ps__TableRows rm[PS_MAX_TABLES], *rp[PS_MAX_TABLES];
-  req.n_rows = rows_msgs(c, s, rm, rp);
+  req.n_rows = rows_msgs(&c->rows.set[c->rows.cur], s, rm, rp);
   req.rows = rp;
   rpc_msg msg;
   *rep = replica_of(c, s);
@@ -915,9 +943,25 @@ int ps_client_pull_ex(ps_client *c, float *params, uint64_t *versions,
       /* A shard whose primary failed or moved is asked again (in shard
        * order still, while the other shards' calls go on). */
       failover_clock fc = {0};
+      int pushed_again = 0;
       while (c->reqs[s]) {
         detail[0] = 0;
         st = rpc_wait(c->reqs[s], detail, &view);
+        /* The shard lost this worker's last round: it goes again (once
+         * per pull: a second loss is a shard restarting over and over). */
+        if (st == RPC_DATA_LOSS && min_versions && !pushed_again) {
+          rpc_request_free(c->reqs[s]);
+          c->reqs[s] = NULL;
+          pushed_again = 1;
+          char perr[PS_ERRLEN];
+          int prc = push_again(c, s, perr);
+          if (prc != PS_OK) {
+            if (rc == PS_OK) rc = ps_seterr(err, prc, "Pull from shard %d: %s", s, perr);
+            break;
+          }
+          c->reqs[s] = pull_start(c, s, min_versions, &rep[s], err);
+          continue;
+        }
         if (!failover(c, s, rep[s], st, detail, &fc, c->opts.failover_ms)) break;
         rpc_request_free(c->reqs[s]);
         c->reqs[s] = pull_start(c, s, min_versions, &rep[s], err);
@@ -950,7 +994,8 @@ int ps_client_pull_ex(ps_client *c, float *params, uint64_t *versions,
       } else {
         Ps__PullResponse *r = (Ps__PullResponse *)m;
         int bad = PS_OK;
-        size_t row_values = c->rows.n_sec ? c->rows.shard[s].values : 0;
+        const struct row_set *rs = &c->rows.set[c->rows.cur];
+        size_t row_values = rs->n_sec ? rs->shard[s].values : 0;
         if (r->offset != c->shards[s].off || r->count != c->shards[s].cnt ||
             (int)r->encoding != (int)c->wire ||
             tensor.total != (c->shards[s].cnt + row_values) * ps_wire_value_bytes(c->wire)) {
@@ -1005,7 +1050,9 @@ int ps_client_push_begin(ps_client *c, const uint64_t *versions, uint64_t step,
   memcpy(c->push.versions, versions, (size_t)c->nshards * sizeof *versions);
   memset(c->push.state, PUSH_PENDING, (size_t)c->nshards);
   memset(c->push.encoded, 0, (size_t)c->nshards);
-  for (int s = 0; s < c->nshards && c->rows.shard; s++) c->rows.shard[s].gathered = 0;
+  c->push.rows_set = c->rows.cur;
+  for (int s = 0; s < c->nshards && c->rows.set[c->rows.cur].shard; s++)
+    c->rows.set[c->rows.cur].shard[s].gathered = 0;
   memset(&c->push.res, 0, sizeof c->push.res);
   c->push.step = step;
   c->push.batch_size = batch_size;
@@ -1058,10 +1105,12 @@ int ps_client_push_shard(ps_client *c, int s, const float *grads, char *err) {
   if (s < 0 || s >= c->nshards)
     return ps_seterr(err, PS_EINVAL, "no shard %d (%d shards)", s, c->nshards);
   if (c->push.state[s] != PUSH_PENDING) return PS_OK;
+  c->push.grads = grads;
   const void *tensor = NULL;
   size_t bytes = 0;
   int rc = slice_for(c, s, grads, &tensor, &bytes, err);
-  if (rc == PS_OK && c->rows.n_sec) rc = gather_rows(c, s, err);
+  struct row_set *rs = &c->rows.set[c->push.rows_set];
+  if (rc == PS_OK && rs->n_sec) rc = gather_rows(c, rs, s, err);
   if (rc != PS_OK) return rc;
   Ps__RequestHeader h;
   uint8_t sess[PS_SESSION_LEN];
@@ -1075,7 +1124,7 @@ int ps_client_push_shard(ps_client *c, int s, const float *grads, char *err) {
   req.request_id = c->push.request_id;
   req.batch_size = (uint32_t)c->push.batch_size;
   Ps__TableRows rm[PS_MAX_TABLES], *rp[PS_MAX_TABLES];
-  req.n_rows = rows_msgs(c, s, rm, rp);
+  req.n_rows = rows_msgs(rs, s, rm, rp);
   req.rows = rp;
   rpc_msg msg;
   rpc_request *r = NULL;
@@ -1088,7 +1137,7 @@ int ps_client_push_shard(ps_client *c, int s, const float *grads, char *err) {
     atomic_fetch_add(&c->tensors_in_flight, 2);
     wire_part parts[2] = {
         {tensor, bytes, tensor_released, c},
-        {c->rows.shard[s].sent, c->rows.shard[s].values * ps_wire_value_bytes(c->wire),
+        {rs->shard[s].sent, rs->shard[s].values * ps_wire_value_bytes(c->wire),
          tensor_released, c}};
     encoded = wire_encode_parts(&req.base, parts, 2, &msg) == 0; /* releases both on failure */
   } else {
@@ -1138,6 +1187,7 @@ static int push_wait_all(ps_client *c, const float *grads, int *again, char *err
     if (st == RPC_OK) {
       answered(c, s, c->push.rep[s]);
       c->push.state[s] = PUSH_DONE;
+      c->push.answered[s] = c->push.request_id;
       uint8_t small[256];
       if (view.total <= sizeof small && ps_segview_copy(&view, 0, small, view.total) == 0) {
         Ps__PushResponse *r = ps__push_response__unpack(NULL, view.total, small);
@@ -1194,7 +1244,9 @@ static int push_round(ps_client *c, const float *grads, int *again, char *err) {
   return rc;
 }
 
-int ps_client_push_end(ps_client *c, const float *grads, ps_push_result *res, char *err) {
+/* push_end's work: every pending shard pushed and waited for, a shard that
+ * had forgotten this worker registered with again and pushed once more. */
+static int push_finish(ps_client *c, const float *grads, char *err) {
   int again = 0;
   int rc = push_round(c, grads, &again, err);
   /* A shard that had forgotten this worker applied nothing from it:
@@ -1212,8 +1264,30 @@ int ps_client_push_end(ps_client *c, const float *grads, ps_push_result *res, ch
     if (again && c->push.state[s] == PUSH_PENDING)
       rc = ps_seterr(err, PS_EUNAVAIL,
                      "shard %d forgot this worker again after it registered again", s);
+  return rc;
+}
+
+int ps_client_push_end(ps_client *c, const float *grads, ps_push_result *res, char *err) {
+  int rc = push_finish(c, grads, err);
   if (res) *res = c->push.res;
   return rc;
+}
+
+/* Shard s answered a pull with DATA_LOSS: it has not taken the last round
+ * it answered (it restarted from a checkpoint written before it). The
+ * round goes to it again, the same request (its id and bytes: the
+ * caller's gradient, the round's encoding, its rows as gathered). */
+static int push_again(ps_client *c, int s, char *err) {
+  if (!c->push.grads || c->push.answered[s] != c->push.request_id)
+    return ps_seterr(err, PS_EPROTO,
+                     "shard %d asks for push round %" PRIu64 " again, which is not the last "
+                     "round (%" PRIu64 ")",
+                     s, c->push.answered[s], c->push.request_id);
+  PS_WARN("shard %d (%s) lacks push round %" PRIu64 " (it restarted from a checkpoint written "
+          "before it): pushed again",
+          s, c->shards[s].addr[replica_of(c, s)], c->push.request_id);
+  c->push.state[s] = PUSH_PENDING;
+  return push_finish(c, c->push.grads, err);
 }
 
 int ps_client_push_pending(const ps_client *c) {

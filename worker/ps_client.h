@@ -156,7 +156,11 @@ int ps_client_push(ps_client *c, const float *grads, const uint64_t *versions, u
  *     On an error the shards that failed stay pending and those that
  *     applied the gradient are done: calling push_end again (a retry)
  *     pushes only the pending ones, so no shard applies a gradient twice.
- * grads must not change from the first push_shard until push_end returns.
+ * grads must not change from the first push_shard until push_end returns,
+ * and with a pull that waits (min_versions: sync) until that pull returns:
+ * a shard that restarted from a checkpoint written before the round has
+ * lost it, and the pull pushes it the round again (the same bytes; the
+ * rows as they were gathered, also when the next rows are set already).
  * pending: the shards of the round not done yet. */
 int ps_client_push_begin(ps_client *c, const uint64_t *versions, uint64_t step, int batch_size);
 int ps_client_push_shard(ps_client *c, int s, const float *grads, char *err);

@@ -950,21 +950,55 @@ tables_sync)
   # threads) naming overlapping ids; each step applies the mean of the
   # two gradients to every row either named, with the dense step, bit for
   # bit against the optimizer; the workers of a second run (registering
-  # again) go on from there.
+  # again) go on from there. A third run's first step: worker 0's gradient
+  # is in on both shards (worker 1's held back by the gate) when shard 0 is
+  # SIGKILLed and restarted from its checkpoint, which predates the
+  # gradient: worker 0's pull (answered DATA_LOSS) pushes it again, the
+  # restored shard's step waits for both workers to be back, and the rows
+  # still match the reference bit for bit (neither a step that waits
+  # forever nor one made of worker 0's gradient alone).
   ports=$(free_ports 2)
   ps=$(echo $ports | tr ' ' ',')
-  for i in 0 1; do
-    "$build/ps-server" --insecure --job "$here/jobs/tables_sync.json" --ps "$ps" --index $i \
-      >"$out/server-$i.log" 2>&1 &
-    pids+=($!)
-  done
+  IFS=, read -r -a addr <<<"$ps"
+  declare -a spids
+  start_shard() {
+    "$build/ps-server" --insecure --job "$here/jobs/tables_sync.json" --ps "$ps" --index "$1" \
+      --checkpoint-dir "$out/ckpt" --checkpoint-secs 1 >>"$out/server-$1.log" 2>&1 &
+    spids[$1]=$!; pids+=($!)
+  }
+  status_of() { # shard field
+    "$build/ps-server" --insecure --status "${addr[$1]}" 2>/dev/null \
+      | python3 -c "import json,sys; print(json.load(sys.stdin).get('$2', -1))" 2>/dev/null
+  }
+  start_shard 0; start_shard 1
   for phase in 0 1; do
     timeout 120 "$build/table_sync_check" "$here/jobs/tables_sync.json" "${ps%%,*}" "$phase" 15 \
       >"$out/check-$phase.log" 2>&1 \
       || { cat "$out/check-$phase.log"; tail -20 "$out/server-0.log"; fail "table_sync_check (phase $phase)"; }
     grep "^table_sync_check:" "$out/check-$phase.log"
   done
-  for p in "${pids[@]}"; do kill -TERM "$p"; wait "$p" || fail "ps-server did not exit 0 on SIGTERM"; done
+  # A checkpoint set at version 30 (after phases 0 and 1), then steps 30..40
+  # (phase 3 of 10 steps) with worker 1 gated.
+  for _ in $(seq 1 100); do [ "$(status_of 0 checkpoint_set_version)" = 30 ] && break; sleep 0.2; done
+  [ "$(status_of 0 checkpoint_set_version)" = 30 ] || fail "no checkpoint set at version 30 in 20 s"
+  gatef=$out/gate; rm -f "$gatef"
+  timeout 180 "$build/table_sync_check" "$here/jobs/tables_sync.json" "${ps%%,*}" 3 10 "$gatef" \
+    >"$out/check-3.log" 2>&1 &
+  cpid=$!; pids+=($cpid)
+  for _ in $(seq 1 100); do [ "$(status_of 0 sync_pending)" = 1 ] && break; sleep 0.1; done
+  [ "$(status_of 0 sync_pending)" = 1 ] || fail "shard 0 never held worker 0's gradient alone"
+  kill -9 "${spids[0]}"; wait "${spids[0]}" 2>/dev/null || true
+  start_shard 0
+  for _ in $(seq 1 100); do [ "$(status_of 0 version)" = 30 ] && break; sleep 0.1; done
+  [ "$(status_of 0 version)" = 30 ] || fail "shard 0 did not come back at version 30"
+  touch "$gatef"
+  wait "$cpid" || { cat "$out/check-3.log"; tail -20 "$out/server-0.log"; fail "table_sync_check across shard 0's restart"; }
+  grep "^table_sync_check:" "$out/check-3.log"
+  grep -q "lacks push round" "$out/check-3.log" \
+    || fail "worker 0 never pushed its round again: the restart did not lose it"
+  grep -q "steps resume" "$out/server-0.log" || fail "the restored shard 0 did not say its steps resume"
+  echo "tables_sync: shard 0 restarted from its checkpoint lost worker 0's round; pushed again, the step matched the reference"
+  for i in 0 1; do kill -TERM "${spids[$i]}"; wait "${spids[$i]}" || fail "ps-server $i did not exit 0 on SIGTERM"; done
   pids=()
   ;;
 tables_replicated)

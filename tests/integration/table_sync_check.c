@@ -18,8 +18,12 @@
  * name, sync only), worker 1 pushes its first step only once that file
  * exists (60 s at most), so that the step stays pending, worker 0's
  * gradient in, while the caller does something to the shards (a backup
- * that takes a snapshot of the pending step). Exit 0 when every check
- * held. Each call has a deadline; the loops are bounded by STEPS. */
+ * that takes a snapshot of the pending step, or a shard restarted from its
+ * checkpoint, which lost worker 0's gradient: worker 0's pull pushes it
+ * again). As a worker does, the workers set the next step's rows before
+ * each pull, and try a call again while a shard is unavailable or forgot
+ * them (60 s at most). Exit 0 when every check held. Each call has a
+ * deadline; the loops are bounded by STEPS and by time. */
 #include <inttypes.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -104,6 +108,32 @@ typedef struct {
   char err[PS_ERRLEN];
 } worker_ctx;
 
+/* A call's error that a worker waits out (a shard restarting). */
+static int transient(int rc) {
+  return rc == PS_EUNAVAIL || rc == PS_ENOTFOUND || rc == PS_ETIMEDOUT;
+}
+
+/* A pull (sync: waiting for want), tried again for 60 s at most. */
+static int pull_retry(ps_client *c, float *params, uint64_t *versions, const uint64_t *want,
+                      char *err) {
+  const double until = ps_now_s() + 60;
+  int rc;
+  while (transient(rc = ps_client_pull(c, params, versions, want, err)) && ps_now_s() < until)
+    ps_sleep_ms(200);
+  return rc;
+}
+
+/* A push round, its end tried again for 60 s at most (the same round). */
+static int push_retry(ps_client *c, const float *grads, const uint64_t *versions, uint64_t step,
+                      ps_push_result *res, char *err) {
+  int rc = ps_client_push_begin(c, versions, step, 8);
+  if (rc != PS_OK) return ps_seterr(err, rc, "a push is still in flight");
+  const double until = ps_now_s() + 60;
+  while (transient(rc = ps_client_push_end(c, grads, res, err)) && ps_now_s() < until)
+    ps_sleep_ms(200);
+  return rc;
+}
+
 /* Registers through the first address that answers (a killed replica's
  * does not), each tried for 2 s, for 60 s at most. */
 static ps_client *connect_any(const char *who, char *err) {
@@ -136,8 +166,7 @@ static int check_rows(ps_client *c, float *params, uint64_t *versions, int upto,
     goto out;
   }
   ps_client_rows secs[2] = {{0, pool_cat, NCAT, vc, NULL}, {1, pool_hash, NHASH, vh, NULL}};
-  if (ps_client_set_rows(c, secs, 2, err) != 0 ||
-      ps_client_pull(c, params, versions, NULL, err) != 0)
+  if (ps_client_set_rows(c, secs, 2, err) != 0 || pull_retry(c, params, versions, NULL, err) != 0)
     goto out;
   reference(0, upto, rc_);
   reference(1, upto, rh);
@@ -212,15 +241,21 @@ static void *worker_main(void *arg) {
     ps_client_rows secs[2] = {{0, ic, nc, vc, gc}, {1, ih, nh, vh, gh}};
     ps_push_result res;
     if (ps_client_set_rows(c, secs, 2, x->err) != 0 ||
-        ps_client_push(c, grads, versions, (uint64_t)k + 1, 8, &res, x->err) != 0)
+        push_retry(c, grads, versions, (uint64_t)k + 1, &res, x->err) != 0)
       goto out;
     if (res.dropped) {
       snprintf(x->err, PS_ERRLEN, "worker %d: step %d's gradient was dropped", x->w, k);
       goto out;
     }
     for (int s = 0; s < S; s++) want_v[s] = versions[s] + 1;
-    if (ps_client_pull(c, params, versions, job.mode_kind == PS_MODE_SYNC ? want_v : NULL,
-                       x->err) != 0)
+    /* The next step's rows are pulled (the round's stay as they were sent;
+     * their gradients in gc and gh are written again only after the pull). */
+    uint64_t nic[PER_CAT], nih[PER_HASH];
+    size_t nnc = step_ids(0, x->w, k + 1, nic), nnh = step_ids(1, x->w, k + 1, nih);
+    ps_client_rows next[2] = {{0, nic, nnc, vc, gc}, {1, nih, nnh, vh, gh}};
+    if (ps_client_set_rows(c, next, 2, x->err) != 0 ||
+        pull_retry(c, params, versions, job.mode_kind == PS_MODE_SYNC ? want_v : NULL,
+                   x->err) != 0)
       goto out;
   }
   if (check_rows(c, params, versions, first + steps, x->w, x->err) != 0) goto out;
