@@ -47,7 +47,7 @@ static const layer_kind kinds[] = {
     {PS_LAYER_EMBEDDING, "embedding", "type, table, dim, fields, pooling, name"},
     {PS_LAYER_CONCAT, "concat", "type, name, inputs"},
     {PS_LAYER_SIGMOID_XENT, "sigmoid_xent", "type, name, inputs"},
-    {PS_LAYER_FM, "fm", "type, name, inputs"},
+    {PS_LAYER_FM, "fm", "type, sum, name, inputs"},
 };
 #define N_KINDS (sizeof kinds / sizeof kinds[0])
 
@@ -106,6 +106,17 @@ static int get_bias(json_t *obj, const char *where, int *out, char *err) {
   if (!v) return 0;
   if (!json_is_boolean(v))
     return ps_seterr(err, PS_EINVAL, "%s: 'bias' must be true or false", where);
+  *out = json_is_true(v);
+  return 0;
+}
+
+/* An optional boolean field (default 0) into *out; PS_EINVAL otherwise. */
+static int get_flag(json_t *obj, const char *key, const char *where, int *out, char *err) {
+  json_t *v = json_object_get(obj, key);
+  *out = 0;
+  if (!v) return 0;
+  if (!json_is_boolean(v))
+    return ps_seterr(err, PS_EINVAL, "%s: '%s' must be true or false", where, key);
   *out = json_is_true(v);
   return 0;
 }
@@ -569,7 +580,8 @@ int ps_model_spec_from_json(const void *json_obj, ps_model_spec *out, char *err)
                            "%s: input is %dx%dx%d; fm reads [fields >= 2, dim, 1]: an embedding "
                            "layer with pooling \"none\" over 2 or more fields",
                            where, c, h, w);
-        L->out_c = h, L->out_h = L->out_w = 1;
+        rc = get_flag(obj, "sum", where, &L->fm_sum, err);
+        L->out_c = L->fm_sum ? 1 : h, L->out_h = L->out_w = 1;
         break;
       case PS_LAYER_SIGMOID_XENT:
         if (i + 1 != n) return ps_seterr(err, PS_EINVAL, "%s: must be the last layer", where);
@@ -798,6 +810,9 @@ void ps_model_spec_describe(const ps_model_spec *spec, char *buf, size_t len) {
       case PS_LAYER_EMBEDDING:
         APPEND("embedding(%s,%d,f%d-%d%s) ", L->table, L->emb_dim, L->field_lo, L->field_hi,
                L->pooling == PS_POOL_SUM ? ",sum" : L->pooling == PS_POOL_MEAN ? ",mean" : "");
+        break;
+      case PS_LAYER_FM:
+        APPEND("fm%s ", L->fm_sum ? "(sum)" : "");
         break;
       case PS_LAYER_CONCAT:
       case PS_LAYER_ADD:

@@ -120,6 +120,9 @@ typedef struct {
   char table[32];
   int table_index;
   int emb_dim, field_lo, field_hi, pooling;
+  /* fm: 1 when its output is the pairwise term itself (the sum over the
+   * dim components: one value), 0 for the dim components */
+  int fm_sum;
   /* parameters in the flat vector, in this order; count 0 when the layer
    * has none.
    * conv2d:    w (filters, in_c*kernel*kernel), b (filters; 0 without bias)

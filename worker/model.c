@@ -45,6 +45,10 @@ typedef struct {
   int32_t *argmax; /* maxpool: same size as out */
   float *mask;     /* dropout: same size as out */
   float *bn;       /* batchnorm: the batch's mean, variance and invstd (3 x C) */
+  /* fm with "sum": its dim components (max_batch, dim) and their gradient,
+   * summed by a dense op with weights of ones (dim; fm_dw its unused
+   * weight gradient): the ops of every backend, no kernel of its own */
+  float *fm_parts, *fm_dparts, *fm_ones, *fm_dw;
   size_t in_size, out_size; /* per example */
   /* Parameters: the layer reads [p_lo, p_hi) of the flat vector (empty
    * when p_lo == p_hi), and needs [0, need) to have arrived in a staged
@@ -244,6 +248,21 @@ ps_model *ps_model_create(const ps_model_spec *spec, ps_ops *ops, int max_batch,
       if (!s->bn) goto oom;
     } else if (L->type == PS_LAYER_EMBEDDING) {
       if (emb_create(m, i)) goto oom;
+    } else if (L->type == PS_LAYER_FM && L->fm_sum) {
+      const size_t d = (size_t)L->in_h;
+      s->fm_parts = backend_alloc(m, d * (size_t)max_batch * sizeof(float));
+      s->fm_dparts = backend_alloc(m, d * (size_t)max_batch * sizeof(float));
+      s->fm_ones = backend_alloc(m, d * sizeof(float));
+      s->fm_dw = backend_alloc(m, d * sizeof(float));
+      float *ones = malloc(d * sizeof(float));
+      if (!s->fm_parts || !s->fm_dparts || !s->fm_ones || !s->fm_dw || !ones) {
+        free(ones);
+        goto oom;
+      }
+      for (size_t k = 0; k < d; k++) ones[k] = 1.0f;
+      ops->to_device(ops->ctx, s->fm_ones, ones, d * sizeof(float));
+      free(ones);
+      if (no_bias < 1) no_bias = 1; /* its dense op's zero bias and bias gradient */
     }
     if ((L->type == PS_LAYER_CONV2D || L->type == PS_LAYER_DENSE) && L->b_count == 0 &&
         (size_t)L->out_c > no_bias)
@@ -318,6 +337,10 @@ void ps_model_destroy(ps_model *m) {
       backend_free(m, m->ls[i].argmax);
       backend_free(m, m->ls[i].mask);
       backend_free(m, m->ls[i].bn);
+      backend_free(m, m->ls[i].fm_parts);
+      backend_free(m, m->ls[i].fm_dparts);
+      backend_free(m, m->ls[i].fm_ones);
+      backend_free(m, m->ls[i].fm_dw);
       backend_free(m, m->ls[i].grad_acc);
     }
     free(m->ls);
@@ -447,7 +470,12 @@ static const float *forward_layer(ps_model *m, int i, const float *params, const
       return s->out;
     }
     case PS_LAYER_FM:
-      o->fm_forward(o->ctx, n, L->in_c, L->in_h, in, s->out);
+      if (L->fm_sum) {
+        o->fm_forward(o->ctx, n, L->in_c, L->in_h, in, s->fm_parts);
+        o->dense_forward(o->ctx, n, L->in_h, 1, s->fm_parts, s->fm_ones, m->zero_bias, s->out);
+      } else {
+        o->fm_forward(o->ctx, n, L->in_c, L->in_h, in, s->out);
+      }
       return s->out;
     case PS_LAYER_FLATTEN:
       return in; /* NCHW is already (N, C*H*W) in memory */
@@ -832,7 +860,14 @@ static void backward_pass(ps_model *m, const float *params, float *grads,
         if (dxp) o->relu_backward(o->ctx, n_out, s->out, dy, dxp);
         break;
       case PS_LAYER_FM:
-        if (dxp) o->fm_backward(o->ctx, n, L->in_c, L->in_h, in, dy, dxp);
+        if (dxp && L->fm_sum) {
+          /* Each component's gradient is the sum's. */
+          o->dense_backward(o->ctx, n, L->in_h, 1, s->fm_parts, s->fm_ones, dy, s->fm_dparts,
+                            s->fm_dw, m->db_sink);
+          o->fm_backward(o->ctx, n, L->in_c, L->in_h, in, s->fm_dparts, dxp);
+        } else if (dxp) {
+          o->fm_backward(o->ctx, n, L->in_c, L->in_h, in, dy, dxp);
+        }
         break;
       case PS_LAYER_DROPOUT:
         if (dxp) {

@@ -34,6 +34,8 @@ static const char *SPEC =
     " {\"type\": \"dense\", \"units\": 4},"
     " {\"type\": \"dense\", \"units\": 1},"
     " {\"type\": \"sigmoid_xent\"}]}";
+/* The same with the fm's pairwise term summed to one value. */
+static char SPEC_SUM[1024];
 
 #define N 7
 #define NIDS 4
@@ -90,7 +92,10 @@ static void reference(const ps_model_spec *sp, const float *params, const float 
           s += v;
           q += v * v;
         }
-        feat[f++] = 0.5 * (s * s - q);
+        if (sp->layers[4].fm_sum && d > 0)
+          feat[f - 1] += 0.5 * (s * s - q);
+        else
+          feat[f++] = 0.5 * (s * s - q);
       }
     }
     const ps_layer *D1 = &sp->layers[6], *D2 = &sp->layers[7];
@@ -109,10 +114,10 @@ static double loss_of(ps_model *m, const float *params, const float *x, const ui
   return ps_model_evaluate_probs(m, params, x, y, N, NULL, NULL);
 }
 
-static void run_backend(ps_ops *ops, const char *name) {
+static void run_backend(ps_ops *ops, const char *name, const char *spec) {
   char err[512];
   ps_model_spec sp;
-  CHECK(ps_model_spec_parse(SPEC, &sp, err) == 0);
+  CHECK(ps_model_spec_parse(spec, &sp, err) == 0);
   for (int k = 0; k < K; k++) sp.layers[k].table_index = k;
   ps_model *m = ps_model_create(&sp, ops, N, err);
   CHECK_MSG(m != NULL, "%s: %s", name, err);
@@ -277,6 +282,16 @@ static void spec_errors(void) {
             "%s", desc);
   CHECK(sp.layers[0].out_c == 2 && sp.layers[0].out_h == 3);
   CHECK(sp.layers[5].out_c == 3 + 6 + 2 + 2 + 3);
+  CHECK(ps_model_spec_parse(SPEC_SUM, &sp, err) == 0);
+  ps_model_spec_describe(&sp, desc, sizeof desc);
+  CHECK_MSG(strstr(desc, "fm(sum)<-ea") && sp.layers[4].out_c == 1 &&
+                sp.layers[5].out_c == 3 + 6 + 2 + 2 + 1,
+            "%s", desc);
+  expect_error("{\"input\": [2,1,1], \"ids\": 2, \"classes\": 1, \"layers\": ["
+               "{\"type\": \"embedding\", \"table\": \"t\", \"dim\": 2},"
+               "{\"type\": \"fm\", \"sum\": 1}, {\"type\": \"dense\", \"units\": 1}, "
+               "{\"type\": \"sigmoid_xent\"}]}",
+               "'sum' must be true or false");
   expect_error("{\"input\": [2,1,1], \"ids\": 2, \"classes\": 1, \"layers\": ["
                "{\"type\": \"embedding\", \"table\": \"t\", \"dim\": 2, \"pooling\": \"sum\"},"
                "{\"type\": \"fm\"}, {\"type\": \"dense\", \"units\": 1}, {\"type\": \"sigmoid_xent\"}]}",
@@ -284,19 +299,29 @@ static void spec_errors(void) {
 }
 
 int main(void) {
+  const char *at = strstr(SPEC, "{\"type\": \"fm\"");
+  snprintf(SPEC_SUM, sizeof SPEC_SUM, "%.*s{\"type\": \"fm\", \"sum\": true%s", (int)(at - SPEC),
+           SPEC, at + strlen("{\"type\": \"fm\""));
   spec_errors();
-  ps_ops *cpu = ps_ops_cpu_create(1);
-  run_backend(cpu, "cpu");
-  cpu->destroy(cpu);
-  ps_ops *emu = ps_ops_emu_create(1);
-  run_backend(emu, "emu");
-  emu->destroy(emu);
+  const char *specs[2] = {SPEC, SPEC_SUM}, *names[2] = {"", " (fm sum)"};
+  for (int v = 0; v < 2; v++) {
+    char name[32];
+    ps_ops *cpu = ps_ops_cpu_create(1);
+    snprintf(name, sizeof name, "cpu%s", names[v]);
+    run_backend(cpu, name, specs[v]);
+    cpu->destroy(cpu);
+    ps_ops *emu = ps_ops_emu_create(1);
+    snprintf(name, sizeof name, "emu%s", names[v]);
+    run_backend(emu, name, specs[v]);
+    emu->destroy(emu);
 #ifdef PS_HAVE_DNNL
-  ps_ops *dnnl = ps_ops_dnnl_create(1);
-  if (dnnl) {
-    run_backend(dnnl, "dnnl");
-    dnnl->destroy(dnnl);
-  }
+    ps_ops *dnnl = ps_ops_dnnl_create(1);
+    if (dnnl) {
+      snprintf(name, sizeof name, "dnnl%s", names[v]);
+      run_backend(dnnl, name, specs[v]);
+      dnnl->destroy(dnnl);
+    }
 #endif
+  }
   return check_summary();
 }
