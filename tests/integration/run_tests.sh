@@ -2306,7 +2306,7 @@ ctr)
     --timeout 300 --threads 1 "${limit[@]}" -- --log-interval 2 \
     >"$out/cluster.out" 2>&1 || { cat "$out/cluster.out"; fail "the cluster run failed"; }
   auc_near_truth ctr "$out/worker-0.log" 0.03
-  grep -q "model: embedding(w,1,f0-26) embedding(v,8,f0-26) fm concat(input,w,fm) dense(1) sigmoid_xent" \
+  grep -q "model: embedding(w,1,f0-26) embedding(v,8,f0-26) fm(sum) concat(input,w) dense(1) add(linear,fm) sigmoid_xent" \
     "$out/worker-0.log" || fail "the chief did not describe the model"
   python3 - "$out" <<'PY' || fail "Status does not show the rows"
 import json, sys
