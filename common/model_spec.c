@@ -98,22 +98,12 @@ static int require_pos_int(json_t *obj, const char *key, const char *where, int 
   return rc < 0 ? rc : 0;
 }
 
-/* "bias": true (the default) or false: whether conv2d or dense has a bias
- * vector; 1 or 0 into *out, PS_EINVAL for anything else. */
-static int get_bias(json_t *obj, const char *where, int *out, char *err) {
-  json_t *v = json_object_get(obj, "bias");
-  *out = 1;
-  if (!v) return 0;
-  if (!json_is_boolean(v))
-    return ps_seterr(err, PS_EINVAL, "%s: 'bias' must be true or false", where);
-  *out = json_is_true(v);
-  return 0;
-}
-
-/* An optional boolean field (default 0) into *out; PS_EINVAL otherwise. */
-static int get_flag(json_t *obj, const char *key, const char *where, int *out, char *err) {
+/* An optional boolean field (absent: dflt) into *out as 1 or 0; PS_EINVAL
+ * for anything else. */
+static int get_flag(json_t *obj, const char *key, int dflt, const char *where, int *out,
+                    char *err) {
   json_t *v = json_object_get(obj, key);
-  *out = 0;
+  *out = dflt;
   if (!v) return 0;
   if (!json_is_boolean(v))
     return ps_seterr(err, PS_EINVAL, "%s: '%s' must be true or false", where, key);
@@ -185,7 +175,7 @@ static int infer_conv2d(ps_layer *L, json_t *obj, const char *where, char *err) 
       mul_within(fan_in, (size_t)L->filters, MAX_PARAMS, &L->w_count))
     return ps_seterr(err, PS_EINVAL, "%s: too many weights (more than %zu)", where, MAX_PARAMS);
   int bias;
-  if ((rc = get_bias(obj, where, &bias, err))) return rc;
+  if ((rc = get_flag(obj, "bias", 1, where, &bias, err))) return rc;
   L->b_count = bias ? (size_t)L->filters : 0;
   return 0;
 }
@@ -217,7 +207,7 @@ static int infer_dense(ps_layer *L, json_t *obj, const char *where, char *err) {
   if (mul_within((size_t)L->in_c, (size_t)L->units, MAX_PARAMS, &L->w_count))
     return ps_seterr(err, PS_EINVAL, "%s: too many weights (more than %zu)", where, MAX_PARAMS);
   int bias;
-  if ((rc = get_bias(obj, where, &bias, err))) return rc;
+  if ((rc = get_flag(obj, "bias", 1, where, &bias, err))) return rc;
   L->b_count = bias ? (size_t)L->units : 0;
   return 0;
 }
@@ -580,7 +570,7 @@ int ps_model_spec_from_json(const void *json_obj, ps_model_spec *out, char *err)
                            "%s: input is %dx%dx%d; fm reads [fields >= 2, dim, 1]: an embedding "
                            "layer with pooling \"none\" over 2 or more fields",
                            where, c, h, w);
-        rc = get_flag(obj, "sum", where, &L->fm_sum, err);
+        rc = get_flag(obj, "sum", 0, where, &L->fm_sum, err);
         L->out_c = L->fm_sum ? 1 : h, L->out_h = L->out_w = 1;
         break;
       case PS_LAYER_SIGMOID_XENT:

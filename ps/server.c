@@ -56,11 +56,13 @@ static void on_sweep(uv_timer_t *t) {
   ps_server *sv = t->data;
   uint64_t dropped[64];
   int n = sweep_workers(sv, dropped, 64);
-  /* (Also a restored shard's steps, resuming after a heartbeat timeout.) */
-  pthread_mutex_lock(&sv->wait_mu);
-  int waiting_start = !sv->sync_started;
-  pthread_mutex_unlock(&sv->wait_mu);
-  if (sv->job.mode_kind == PS_MODE_SYNC && (n > 0 || waiting_start)) ps_sync_try_step(sv);
+  if (sv->job.mode_kind == PS_MODE_SYNC) {
+    /* (Also a restored shard's steps, resuming after a heartbeat timeout.) */
+    pthread_mutex_lock(&sv->wait_mu);
+    int waiting_start = !sv->sync_started;
+    pthread_mutex_unlock(&sv->wait_mu);
+    if (n > 0 || waiting_start) ps_sync_try_step(sv);
+  }
   ps_waits_recheck(sv); /* deadlines, and pulls the dropped workers held back */
   ps_sync_watch(sv);    /* a shard that makes no progress says what it waits for */
   ps_cut_watch(sv);     /* a checkpoint set that cannot be met does not hold the shard */

@@ -196,10 +196,7 @@ int ps_server_ckpt_restore(ps_server *sv, char *err) {
        * live worker has called) with whoever came back. Not at the first
        * registration: the first worker back would make a step alone, and
        * the others' gradients of it would be dropped as late. */
-      if (got.version > 0)
-        sv->sync_resume_ms = ps_now_ms() + (sv->job.heartbeat_timeout_ms > 0
-                                                ? sv->job.heartbeat_timeout_ms
-                                                : 10000);
+      if (got.version > 0) sv->sync_resume_ms = ps_now_ms() + sv->job.heartbeat_timeout_ms;
       char from[64];
       if (got.set_id)
         snprintf(from, sizeof from, "set %" PRIu64, got.set_id);

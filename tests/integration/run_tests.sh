@@ -967,8 +967,8 @@ tables_sync)
     spids[$1]=$!; pids+=($!)
   }
   status_of() { # shard field
-    "$build/ps-server" --insecure --status "${addr[$1]}" 2>/dev/null \
-      | python3 -c "import json,sys; print(json.load(sys.stdin).get('$2', -1))" 2>/dev/null
+    "$build/ps-server" --insecure --status "${addr[$1]}" >"$out/status-$1.json" 2>/dev/null \
+      && status "$out/status-$1.json" "$2" 2>/dev/null
   }
   start_shard 0; start_shard 1
   for phase in 0 1; do
