@@ -1,6 +1,7 @@
 /* Embedding tables' placement and initial values (see emb.h). */
 #include "emb.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 #include "rng.h"
@@ -30,26 +31,55 @@ uint64_t ps_table_key(const char *name) {
   return mix64(h);
 }
 
-/* A balanced Feistel network over 2*half bits, 4 rounds. */
-static uint64_t feistel(uint64_t key, int half, uint64_t x, int inverse) {
-  const uint64_t mask = (half >= 32) ? 0xffffffffULL : ((1ULL << half) - 1);
-  uint64_t l = (x >> half) & mask, r = x & mask;
+/* A balanced Feistel network over 2*h bits (h <= 32), 4 rounds. Each half
+ * fits 32 bits, so the round function is 32-bit arithmetic (the round's
+ * key xored in, then the "lowbias32" mixer: two odd multipliers and
+ * xor-shifts), which AVX2 computes for 8 ids at once (feistel_avx2):
+ * placing a request's 10,000 ids takes tens of microseconds, where a
+ * 64-bit mixer per round took 0.2 ms. */
+typedef struct {
+  uint32_t k[4];
+  uint32_t mask; /* the low h bits */
+  int h;
+} feistel_keys;
+
+static feistel_keys keys_of(uint64_t key, int h) {
+  feistel_keys f;
+  /* The key is mixed already (ps_table_key): a multiply apiece makes the
+   * rounds' keys differ, cheaply enough for one id at a time. */
+  for (int i = 0; i < 4; i++)
+    f.k[i] = (uint32_t)(((key + 0x9e3779b97f4a7c15ULL * (uint64_t)(i + 1)) *
+                         0xbf58476d1ce4e5b9ULL) >> 32);
+  f.h = h;
+  f.mask = h >= 32 ? 0xffffffffu : (1u << h) - 1u;
+  return f;
+}
+
+static inline uint32_t fround(uint32_t r, uint32_t k) {
+  uint32_t x = r ^ k;
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  return x ^ (x >> 16);
+}
+
+static uint64_t feistel(const feistel_keys *f, uint64_t x, int inverse) {
+  uint32_t l = (uint32_t)(x >> f->h) & f->mask, r = (uint32_t)x & f->mask;
   if (!inverse) {
     for (int round = 0; round < 4; round++) {
-      uint64_t f = mix64(r ^ (key + 0x9e3779b97f4a7c15ULL * (uint64_t)(round + 1))) & mask;
-      uint64_t t = r;
-      r = l ^ f;
+      const uint32_t t = r;
+      r = l ^ (fround(r, f->k[round]) & f->mask);
       l = t;
     }
   } else {
     for (int round = 3; round >= 0; round--) {
-      uint64_t t = l;
-      uint64_t f = mix64(t ^ (key + 0x9e3779b97f4a7c15ULL * (uint64_t)(round + 1))) & mask;
-      l = r ^ f;
+      const uint32_t t = l;
+      l = r ^ (fround(t, f->k[round]) & f->mask);
       r = t;
     }
   }
-  return (l << half) | r;
+  return ((uint64_t)l << f->h) | r;
 }
 
 /* Half the bits of the smallest power of 4 >= n (at least 1): the h in
@@ -62,25 +92,116 @@ static int half_bits(uint64_t n) {
   return h < 1 ? 1 : h;
 }
 
-uint64_t ps_perm_forward(uint64_t key, uint64_t n, uint64_t x) {
-  if (n <= 1) return 0;
-  int h = half_bits(n);
-  /* Cycle-walking: the network permutes [0, 4^h); following it from x
-   * until a value below n is found stays a permutation of [0, n). The
-   * domain is below 4n, so the expected walk is under 4 steps. */
+/* Cycle-walking: the network permutes [0, 4^h); following it from x until
+ * a value below n is found stays a permutation of [0, n). The domain is
+ * below 4n, so the expected walk is under 4 steps. */
+static uint64_t walk(const feistel_keys *f, uint64_t n, uint64_t x, int inverse) {
   do {
-    x = feistel(key, h, x, 0);
+    x = feistel(f, x, inverse);
   } while (x >= n);
   return x;
 }
 
+uint64_t ps_perm_forward(uint64_t key, uint64_t n, uint64_t x) {
+  if (n <= 1) return 0;
+  const feistel_keys f = keys_of(key, half_bits(n));
+  return walk(&f, n, x, 0);
+}
+
 uint64_t ps_perm_inverse(uint64_t key, uint64_t n, uint64_t y) {
   if (n <= 1) return 0;
-  int h = half_bits(n);
-  do {
-    y = feistel(key, h, y, 1);
-  } while (y >= n);
-  return y;
+  const feistel_keys f = keys_of(key, half_bits(n));
+  return walk(&f, n, y, 1);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define PS_HAVE_PERM_AVX2 1
+
+__attribute__((target("avx2"))) static inline __m256i fround8(__m256i r, __m256i k) {
+  __m256i x = _mm256_xor_si256(r, k);
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x846ca68bu));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+/* The halves of 4 values (each below 4^h) as 32-bit lanes in the low 128
+ * bits: the high halves (hi = 1) or the low ones. */
+__attribute__((target("avx2"))) static inline __m256i halves4(__m256i v, __m128i hc,
+                                                              __m256i mask64, int hi) {
+  const __m256i lows = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  return _mm256_permutevar8x32_epi32(_mm256_and_si256(hi ? _mm256_srl_epi64(v, hc) : v, mask64),
+                                     lows);
+}
+
+/* One pass of the network over x[0, m) (m a multiple of 8, each x below
+ * 4^h) into y: the values feistel(f, x, 0) gives, 8 at a time. */
+__attribute__((target("avx2"))) static void feistel_avx2(const feistel_keys *f,
+                                                         const uint64_t *x, uint64_t *y,
+                                                         size_t m) {
+  const __m128i hc = _mm_cvtsi32_si128(f->h);
+  const __m256i mask32 = _mm256_set1_epi32((int)f->mask);
+  const __m256i mask64 = _mm256_set1_epi64x((long long)f->mask);
+  __m256i k[4];
+  for (int i = 0; i < 4; i++) k[i] = _mm256_set1_epi32((int)f->k[i]);
+  for (size_t i = 0; i < m; i += 8) {
+    const __m256i a = _mm256_loadu_si256((const __m256i *)(const void *)(x + i));
+    const __m256i b = _mm256_loadu_si256((const __m256i *)(const void *)(x + i + 4));
+    __m256i l = _mm256_permute2x128_si256(halves4(a, hc, mask64, 1), halves4(b, hc, mask64, 1),
+                                          0x20);
+    __m256i r = _mm256_permute2x128_si256(halves4(a, hc, mask64, 0), halves4(b, hc, mask64, 0),
+                                          0x20);
+    for (int round = 0; round < 4; round++) {
+      const __m256i t = r;
+      r = _mm256_xor_si256(l, _mm256_and_si256(fround8(r, k[round]), mask32));
+      l = t;
+    }
+    const __m256i l0 = _mm256_cvtepu32_epi64(_mm256_castsi256_si128(l));
+    const __m256i l1 = _mm256_cvtepu32_epi64(_mm256_extracti128_si256(l, 1));
+    const __m256i r0 = _mm256_cvtepu32_epi64(_mm256_castsi256_si128(r));
+    const __m256i r1 = _mm256_cvtepu32_epi64(_mm256_extracti128_si256(r, 1));
+    _mm256_storeu_si256((__m256i *)(void *)(y + i),
+                        _mm256_or_si256(_mm256_sll_epi64(l0, hc), r0));
+    _mm256_storeu_si256((__m256i *)(void *)(y + i + 4),
+                        _mm256_or_si256(_mm256_sll_epi64(l1, hc), r1));
+  }
+}
+
+/* Chosen once, at the first call, by what the CPU says it has
+ * (PS_NO_AVX2=1 takes the portable path, for comparing the two). */
+static int use_avx2(void) {
+  static int known = -1; /* a benign race: every thread computes the same */
+  int k = __atomic_load_n(&known, __ATOMIC_RELAXED);
+  if (k < 0) {
+    __builtin_cpu_init();
+    k = __builtin_cpu_supports("avx2") && !getenv("PS_NO_AVX2");
+    __atomic_store_n(&known, k, __ATOMIC_RELAXED);
+  }
+  return k;
+}
+#else
+#define PS_HAVE_PERM_AVX2 0
+#endif
+
+void ps_perm_forward_many(uint64_t key, uint64_t n, const uint64_t *x, uint64_t *y,
+                          size_t count) {
+  if (n <= 1) {
+    memset(y, 0, count * sizeof *y);
+    return;
+  }
+  const feistel_keys f = keys_of(key, half_bits(n));
+  size_t i = 0;
+#if PS_HAVE_PERM_AVX2
+  if (use_avx2()) {
+    i = count / 8 * 8;
+    feistel_avx2(&f, x, y, i);
+    for (size_t j = 0; j < i; j++)
+      if (y[j] >= n) y[j] = walk(&f, n, y[j], 0);
+  }
+#endif
+  for (; i < count; i++) y[i] = walk(&f, n, x[i], 0);
 }
 
 int ps_table_place(const ps_table_spec *t, int S, uint64_t id, uint64_t *local) {
@@ -95,6 +216,41 @@ int ps_table_place(const ps_table_spec *t, int S, uint64_t id, uint64_t *local) 
   uint64_t p = ps_perm_forward(t->key, t->rows, id);
   *local = p / (uint64_t)S;
   return (int)(p % (uint64_t)S);
+}
+
+void ps_table_place_many(const ps_table_spec *t, int S, const uint64_t *ids, size_t n, int *shard,
+                         uint64_t *local) {
+  if (t->rows == 0) {
+    for (size_t i = 0; i < n; i++) {
+      const uint64_t id = ids[i];
+      if (shard) shard[i] = S <= 1 ? 0 : (int)(mix64(id ^ t->key) % (uint64_t)S);
+      local[i] = id;
+    }
+    return;
+  }
+  ps_perm_forward_many(t->key, t->rows, ids, local, n);
+  if (S <= 1) {
+    if (shard) memset(shard, 0, n * sizeof *shard);
+    return;
+  }
+  const uint64_t s64 = (uint64_t)S;
+#ifdef __SIZEOF_INT128__
+  /* p / S for p below 2^32 as a multiplication (exact for every 32-bit p
+   * and S >= 2), a 64-bit division only above. */
+  const uint64_t magic = UINT64_MAX / s64 + 1;
+  for (size_t i = 0; i < n; i++) {
+    const uint64_t p = local[i];
+    const uint64_t q = p >> 32 ? p / s64 : (uint64_t)(((unsigned __int128)magic * p) >> 64);
+    if (shard) shard[i] = (int)(p - q * s64);
+    local[i] = q;
+  }
+#else
+  for (size_t i = 0; i < n; i++) {
+    const uint64_t p = local[i];
+    if (shard) shard[i] = (int)(p % s64);
+    local[i] = p / s64;
+  }
+#endif
 }
 
 uint64_t ps_table_shard_rows(const ps_table_spec *t, int S, int s) {

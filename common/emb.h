@@ -71,6 +71,13 @@ uint64_t ps_table_key(const char *name);
  * (ps_table_id_ok). */
 int ps_table_place(const ps_table_spec *t, int S, uint64_t id, uint64_t *local);
 
+/* ps_table_place of ids[0, n) (each valid) at once: their shards into
+ * shard[0, n) (NULL: not wanted), their local rows into local[0, n), which
+ * may be ids itself. Several times faster per id (8 ids a step where the
+ * CPU has AVX2). */
+void ps_table_place_many(const ps_table_spec *t, int S, const uint64_t *ids, size_t n, int *shard,
+                         uint64_t *local);
+
 /* Rows shard s of S holds of a bounded table (0 for an unbounded one). */
 uint64_t ps_table_shard_rows(const ps_table_spec *t, int S, int s);
 
@@ -89,5 +96,8 @@ void ps_table_init_row(const ps_table_spec *t, uint64_t seed, uint64_t id, float
 /* The keyed permutation of [0, n) itself (n >= 1), and its inverse. */
 uint64_t ps_perm_forward(uint64_t key, uint64_t n, uint64_t x);
 uint64_t ps_perm_inverse(uint64_t key, uint64_t n, uint64_t y);
+/* ps_perm_forward of x[0, count) (each below n) into y (which may be x). */
+void ps_perm_forward_many(uint64_t key, uint64_t n, const uint64_t *x, uint64_t *y,
+                          size_t count);
 
 #endif

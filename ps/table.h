@@ -87,10 +87,13 @@ int ps_table_each_row(ps_table *t, ps_table_row_fn fn, void *user);
 int ps_table_put_row(ps_table *t, uint64_t id, uint32_t tcount, const float *rec, char *err);
 /* Forgets every row (back to the initial values). Write lock held. */
 void ps_table_clear(ps_table *t);
-/* A checksum of every pushed row (the sum of each row's CRC-32C of id, t
- * and record, so independent of the order rows were made in; kept up to
- * date as rows change, so O(1)): equal on shards holding the same rows
+/* A checksum of every pushed row (the sum of each row's
+ * ps_table_row_sum, so independent of the order rows were made in; kept up
+ * to date as rows change, so O(1)): equal on shards holding the same rows
  * bit for bit. Read lock held. */
 uint32_t ps_table_crc(ps_table *t);
+/* A row's checksum: of its id, update count t and record (rec_floats
+ * floats: values, then slots). */
+uint32_t ps_table_row_sum(uint64_t id, uint32_t t, const float *rec, size_t rec_floats);
 
 #endif

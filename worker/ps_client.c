@@ -133,6 +133,9 @@ struct ps_client {
     int cur;   /* the set of the next pulls and push round */
     void *tmp; /* a pull's rows, before they are scattered */
     size_t tmp_cap;
+    int *place_shard; /* a section's placement (several shards) */
+    uint64_t *place_local;
+    size_t place_cap;
   } rows;
   /* The push round in progress (ps_client_push_begin .. push_end). */
   struct {
@@ -596,6 +599,8 @@ void ps_client_destroy(ps_client *c) {
     free(rs->shard);
   }
   free(c->rows.tmp);
+  free(c->rows.place_shard);
+  free(c->rows.place_local);
   ps_free(c->residual);
   ps_free(c->wire_grads);
   free(c->job_json);
@@ -770,9 +775,21 @@ int ps_client_set_rows(ps_client *c, const ps_client_rows *secs, int n_sec, char
   }
   for (int i = 0; i < n_sec; i++) {
     const ps_table_spec *ts = &c->rows.spec[secs[i].table];
+    /* Which shard each id lives on (all on the one shard there is). */
+    if (c->nshards > 1) {
+      if (secs[i].n > c->rows.place_cap) {
+        free(c->rows.place_shard);
+        free(c->rows.place_local);
+        c->rows.place_shard = malloc(secs[i].n * sizeof *c->rows.place_shard);
+        c->rows.place_local = malloc(secs[i].n * sizeof *c->rows.place_local);
+        c->rows.place_cap = c->rows.place_shard && c->rows.place_local ? secs[i].n : 0;
+        if (!c->rows.place_cap) return ps_seterr(err, PS_ENOMEM, "out of memory placing rows");
+      }
+      ps_table_place_many(ts, c->nshards, secs[i].ids, secs[i].n, c->rows.place_shard,
+                          c->rows.place_local);
+    }
     for (size_t j = 0; j < secs[i].n; j++) {
-      uint64_t local;
-      int s = ps_table_place(ts, c->nshards, secs[i].ids[j], &local);
+      const int s = c->nshards > 1 ? c->rows.place_shard[j] : 0;
       struct shard_rows *sr = &rs->shard[s];
       size_t k = sr->n[i];
       if (k == sr->cap[i]) {

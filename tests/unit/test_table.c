@@ -7,7 +7,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../../common/crc32c.h"
 #include "../../common/emb.h"
 #include "../../common/job.h"
 #include "../../common/optim.h"
@@ -53,6 +52,50 @@ static void test_permutation(void) {
   }
   CHECK(same < 50);
   CHECK(moved > 950);
+}
+
+static void test_place_many(void) {
+  /* The batch placement (AVX2 where the CPU has it) gives what placing
+   * each id alone gives: the permutation, then shard and local row, for
+   * counts that are not multiples of 8, small and large tables (h up to
+   * 32, permuted values above 2^32), bounded and unbounded, 1 to 7
+   * shards. */
+  const uint64_t rows[] = {1, 2, 5, 1000, 4000000, 4194304, 4194305, (1ULL << 40) + 17,
+                           UINT64_MAX - 3, 0};
+  const int shards[] = {1, 2, 3, 7};
+  enum { N = 1003 };
+  uint64_t *ids = malloc(N * sizeof *ids), *local = malloc(N * sizeof *local);
+  int *shard = malloc(N * sizeof *shard);
+  int bad = 0;
+  for (size_t r = 0; r < sizeof rows / sizeof rows[0]; r++) {
+    ps_table_spec t = spec_of(r % 2 ? "odd" : "even", rows[r], 4);
+    for (size_t i = 0; i < N; i++) {
+      uint64_t x = ps_splitmix64(i * 31 + r);
+      ids[i] = t.rows ? (i < t.rows ? i : x % t.rows) : x;
+    }
+    for (size_t k = 0; k < sizeof shards / sizeof shards[0]; k++) {
+      const int S = shards[k];
+      const size_t n = N - k; /* 1003, 1002, ...: every tail length */
+      ps_table_place_many(&t, S, ids, n, shard, local);
+      for (size_t i = 0; i < n; i++) {
+        uint64_t l;
+        int s = ps_table_place(&t, S, ids[i], &l);
+        if (s != shard[i] || l != local[i]) bad++;
+      }
+    }
+    if (t.rows > 1) {
+      ps_perm_forward_many(t.key, t.rows, ids, local, N);
+      for (size_t i = 0; i < N; i++) bad += local[i] != ps_perm_forward(t.key, t.rows, ids[i]);
+      /* in place */
+      memcpy(local, ids, N * sizeof *ids);
+      ps_perm_forward_many(t.key, t.rows, local, local, N);
+      for (size_t i = 0; i < N; i++) bad += local[i] != ps_perm_forward(t.key, t.rows, ids[i]);
+    }
+  }
+  CHECK_MSG(bad == 0, "%d placements differ from one-id placement", bad);
+  free(ids);
+  free(local);
+  free(shard);
 }
 
 static void test_placement(void) {
@@ -173,23 +216,46 @@ static int count_row(void *user, uint64_t id, uint32_t t, const float *rec) {
 /* The table's running checksum, recomputed from its rows. */
 typedef struct {
   uint32_t sum;
-  size_t rec_bytes;
+  size_t rec_floats;
 } crc_walk;
 static int crc_row(void *user, uint64_t id, uint32_t t, const float *rec) {
   crc_walk *w = user;
-  uint8_t head[12];
-  ps_put_le64(head, id);
-  ps_put_le32(head + 8, t);
-  w->sum += ps_crc32c(ps_crc32c(0, head, sizeof head), rec, w->rec_bytes);
+  w->sum += ps_table_row_sum(id, t, rec, w->rec_floats);
   return 0;
 }
 static uint32_t crc_again(ps_table *t) {
-  crc_walk w = {0, (size_t)ps_table_spec_of(t)->dim * (size_t)(1 + ps_table_n_slots(t)) *
-                       sizeof(float)};
+  crc_walk w = {0, (size_t)ps_table_spec_of(t)->dim * (size_t)(1 + ps_table_n_slots(t))};
   ps_table_read_lock(t);
   ps_table_each_row(t, crc_row, &w);
   ps_table_unlock(t);
   return w.sum;
+}
+
+static void test_row_sum(void) {
+  /* Any one bit of a row (its id, its count, any value or slot of a
+   * record of even or odd length, the last word included) changes the
+   * row's checksum. */
+  float rec[33];
+  for (int j = 0; j < 33; j++) rec[j] = 0.01f * (float)(j - 16);
+  int same = 0;
+  for (size_t nf = 32; nf <= 33; nf++) {
+    const uint32_t base = ps_table_row_sum(12345, 7, rec, nf);
+    for (int b = 0; b < 64; b++) same += ps_table_row_sum(12345 ^ (1ULL << b), 7, rec, nf) == base;
+    for (int b = 0; b < 32; b++) same += ps_table_row_sum(12345, 7u ^ (1u << b), rec, nf) == base;
+    for (size_t j = 0; j < nf; j++)
+      for (int b = 0; b < 32; b++) {
+        uint32_t u;
+        memcpy(&u, &rec[j], sizeof u);
+        u ^= 1u << b;
+        memcpy(&rec[j], &u, sizeof u);
+        same += ps_table_row_sum(12345, 7, rec, nf) == base;
+        u ^= 1u << b;
+        memcpy(&rec[j], &u, sizeof u);
+      }
+    /* and the length: a record one float shorter */
+    same += ps_table_row_sum(12345, 7, rec, nf - 1) == base;
+  }
+  CHECK_MSG(same == 0, "%d one-bit changes left the checksum as it was", same);
 }
 
 static void test_table_rows(uint64_t rows) {
@@ -566,6 +632,8 @@ static void test_dense_arena(void) {
 int main(void) {
   test_permutation();
   test_placement();
+  test_place_many();
+  test_row_sum();
   test_job();
   test_table_rows(1000);
   test_table_rows(0);
