@@ -293,6 +293,19 @@ static void test_table_rows(uint64_t rows) {
   if (rows) {
     uint64_t far[1] = {rows};
     CHECK(ps_table_check_ids(t, far, 1, NULL, err) == PS_ERANGE && strstr(err, "is not a row"));
+    /* In a larger request (placed 8 at a time) the first refused position
+     * is named, whichever its fault: an id of another shard before an id
+     * out of range, and the other way round. */
+    uint64_t many[40];
+    for (int i = 0; i < 40; i++) many[i] = ids[i % 8];
+    many[13] = other;
+    many[29] = rows + 5;
+    CHECK(ps_table_check_ids(t, many, 40, NULL, err) == PS_EINVAL &&
+          strstr(err, "(position 13) lives on shard 1"));
+    many[13] = ids[5];
+    many[9] = rows + 1;
+    CHECK(ps_table_check_ids(t, many, 40, NULL, err) == PS_ERANGE &&
+          strstr(err, "(position 9) is not a row"));
   }
   /* One push of rows 0..3: lazy Adam with the row's own count. */
   float g[4 * 3];
