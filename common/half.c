@@ -193,6 +193,19 @@ uint16_t ps_half_max_bits(const ps_uhalf *in, size_t n) {
   return (uint16_t)m;
 }
 
+uint32_t ps_f32_max_bits(const ps_ufloat *in, size_t n) {
+  /* As signed 32-bit values (all non-negative), which SSE4.1 and AVX2 max
+   * and SSE2 compares and selects. */
+  int32_t m = 0;
+  for (size_t i = 0; i < n; i++) { /* vectorized */
+    uint32_t u;
+    memcpy(&u, (const void *)(in + i), sizeof u);
+    const int32_t a = (int32_t)(u & 0x7fffffffu);
+    m = a > m ? a : m;
+  }
+  return (uint32_t)m;
+}
+
 size_t ps_half_first_nonfinite(ps_wire wire, const ps_uhalf *in, size_t n) {
   uint16_t lim = ps_half_nonfinite_bits(wire);
   size_t i = 0;

@@ -58,6 +58,11 @@ void ps_half_decode(ps_wire wire, const ps_uhalf *in, float *out, size_t n);
 /* The largest value of in[i] & 0x7fff over i < n (0 when n is 0): at or
  * above ps_half_nonfinite_bits(wire) when some value is Inf or NaN. */
 uint16_t ps_half_max_bits(const ps_uhalf *in, size_t n);
+/* float32 values: the largest |in[i]| over i < n as the float's bits
+ * without the sign (0 when n is 0), one vectorized pass: at or above
+ * PS_F32_NONFINITE_BITS when some value is Inf or NaN. */
+#define PS_F32_NONFINITE_BITS 0x7f800000u
+uint32_t ps_f32_max_bits(const ps_ufloat *in, size_t n);
 /* 0x7f80 (bf16) or 0x7c00 (fp16): magnitudes at or above are Inf or NaN. */
 uint16_t ps_half_nonfinite_bits(ps_wire wire);
 /* The index of the first Inf or NaN in in[0, n), or n. */

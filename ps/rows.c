@@ -172,6 +172,7 @@ typedef struct {
   ps_server *sv;
   const ps_rows_req *rows;
   const float *grad; /* rows->values floats */
+  uint32_t bits[PS_MAX_TABLES]; /* each section's largest magnitude */
   int staged;        /* sections staged (their tables write-locked) */
 } push_ctx;
 
@@ -186,8 +187,8 @@ static int rows_prepare(void *user, float lr_scale, char *err) {
   size_t at = 0;
   for (int i = 0; i < c->rows->n_sec; i++) {
     ps_table *tb = sv->tables[c->rows->sec[i].table];
-    int rc = ps_table_stage(tb, c->rows->sec[i].ids, c->rows->sec[i].locals, c->rows->sec[i].n,
-                            c->grad + at, lr_scale, err);
+    int rc = ps_table_stage_max(tb, c->rows->sec[i].ids, c->rows->sec[i].locals,
+                                c->rows->sec[i].n, c->grad + at, lr_scale, c->bits[i], err);
     if (rc) {
       for (int k = 0; k < i; k++) ps_table_unstage(sv->tables[c->rows->sec[k].table]);
       for (int t = sv->n_tables - 1; t >= 0; t--)
@@ -220,20 +221,51 @@ static void rows_abort(void *user) { rows_finish(user, 0); }
 
 /* The rows' gradient (rows->values floats, malloc'd into *out), decoded
  * out of the request after its dense_bytes (rows are scattered anyway;
- * the dense part is read in place). */
+ * the dense part is read in place), and each section's largest magnitude
+ * (ps_f32_max_bits) into bits[i], measured piece by piece as the pieces
+ * are copied, while they are in the cache. */
+typedef struct {
+  float *to;
+  uint32_t bits;
+} grad_piece_ctx;
+
+static int grad_piece(const ps_ufloat *values, size_t n, size_t first, void *user) {
+  (void)first;
+  grad_piece_ctx *c = user;
+  memcpy(c->to, (const void *)values, n * sizeof(float));
+  const uint32_t b = ps_f32_max_bits(c->to, n);
+  if (b > c->bits) c->bits = b;
+  c->to += n;
+  return 0;
+}
+
 static int rows_grad(ps_server *sv, const ps_rows_req *rows, const ps_segview *tensor,
-                     size_t dense_bytes, float **out, char *err) {
+                     size_t dense_bytes, float **out, uint32_t *bits, char *err) {
   const size_t vb = ps_wire_value_bytes(sv->job.wire), row_bytes = rows->values * vb;
   float *g = malloc((rows->values ? rows->values : 1) * sizeof(float));
   if (!g) return ps_seterr(err, PS_ENOMEM, "out of memory for %zu row values", rows->values);
   int rc = PS_OK;
   if (sv->job.wire == PS_WIRE_FP32) {
-    rc = ps_segview_copy(tensor, dense_bytes, g, row_bytes);
+    size_t at = dense_bytes / sizeof(float);
+    grad_piece_ctx c = {.to = g};
+    for (int i = 0; i < rows->n_sec && rc == PS_OK; i++) {
+      const size_t k = rows->sec[i].n * (size_t)sv->job.tables[rows->sec[i].table].dim;
+      c.bits = 0;
+      rc = ps_segview_each_float_range(tensor, at, k, grad_piece, &c);
+      bits[i] = c.bits;
+      at += k;
+    }
   } else {
     uint16_t *h = malloc((rows->values ? rows->values : 1) * sizeof(uint16_t));
     rc = h ? ps_segview_copy(tensor, dense_bytes, h, row_bytes) : PS_ENOMEM;
     if (rc == PS_OK) ps_half_decode(sv->job.wire, h, g, rows->values);
     free(h);
+    size_t at = 0;
+    for (int i = 0; i < rows->n_sec && rc == PS_OK; i++) {
+      const size_t k = rows->sec[i].n * (size_t)sv->job.tables[rows->sec[i].table].dim;
+      bits[i] = ps_f32_max_bits(g + at, k);
+      at += k;
+    }
   }
   if (rc) {
     free(g);
@@ -295,7 +327,8 @@ int ps_rows_sync_add(ps_server *sv, const ps_rows_req *rows, uint64_t worker,
   if ((rc = dense_part(tensor, dense_bytes, segs, sizeof segs / sizeof segs[0], &dense, err)))
     return rc;
   float *g = NULL;
-  if ((rc = rows_grad(sv, rows, tensor, dense_bytes, &g, err))) return rc;
+  uint32_t bits[PS_MAX_TABLES];
+  if ((rc = rows_grad(sv, rows, tensor, dense_bytes, &g, bits, err))) return rc;
   ps_rows_grad rg = {.n_sec = rows->n_sec, .grad = g};
   for (int i = 0; i < rows->n_sec; i++) {
     rg.sec[i].table = rows->sec[i].table;
@@ -314,15 +347,16 @@ int ps_rows_push(ps_server *sv, const ps_rows_req *rows, uint64_t base_version, 
   int rc = check_sizes(sv, rows, count, tensor, err);
   if (rc) return rc;
   const size_t dense_bytes = count * ps_wire_value_bytes(sv->job.wire);
+  push_ctx c = {.sv = sv, .rows = rows};
   float *g = NULL;
-  if ((rc = rows_grad(sv, rows, tensor, dense_bytes, &g, err))) return rc;
+  if ((rc = rows_grad(sv, rows, tensor, dense_bytes, &g, c.bits, err))) return rc;
+  c.grad = g;
   ps_seg segs[RPC_MAX_SEGS * 4];
   ps_segview dense;
   if ((rc = dense_part(tensor, dense_bytes, segs, sizeof segs / sizeof segs[0], &dense, err))) {
     free(g);
     return rc;
   }
-  push_ctx c = {.sv = sv, .rows = rows, .grad = g};
   ps_shard_extra extra = {rows_prepare, rows_commit, rows_abort, &c};
   rc = ps_shard_push_ex(sv->shard, base_version, offset, count, &dense, &extra, version, staleness,
                         err);

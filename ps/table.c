@@ -851,6 +851,7 @@ static int bounds_finite(const ps_table *t, const ps_optim_bounds *b) {
  * and for an unbounded table where each row is (none: -1). */
 typedef struct {
   ps_table *t;
+  int known;         /* the caller measured the largest magnitude */
   uint32_t gbits[2]; /* per thread */
   size_t fresh[2];   /* unbounded: rows to make */
 } scan_ctx;
@@ -859,8 +860,10 @@ static void scan_share(void *ctx, size_t lo, size_t hi, int who) {
   scan_ctx *c = ctx;
   ps_table *t = c->t;
   const size_t d = (size_t)t->spec.dim;
-  const uint32_t g = max_abs_bits(t->st_grad + lo * d, (hi - lo) * d);
-  if (g > c->gbits[who]) c->gbits[who] = g;
+  if (!c->known) {
+    const uint32_t g = max_abs_bits(t->st_grad + lo * d, (hi - lo) * d);
+    if (g > c->gbits[who]) c->gbits[who] = g;
+  }
   if (t->spec.rows) return;
   block cur, next;
   const uint64_t *ids = t->st_ids;
@@ -942,6 +945,11 @@ static void trial_share(void *ctx, size_t lo, size_t hi, int who) {
 
 int ps_table_stage(ps_table *t, const uint64_t *ids, const uint64_t *locals, size_t n,
                    const ps_ufloat *grad, float lr_scale, char *err) {
+  return ps_table_stage_max(t, ids, locals, n, grad, lr_scale, PS_TABLE_GRAD_UNKNOWN, err);
+}
+
+int ps_table_stage_max(ps_table *t, const uint64_t *ids, const uint64_t *locals, size_t n,
+                       const ps_ufloat *grad, float lr_scale, uint32_t grad_bits, char *err) {
   t->staged = 0;
   int rc = stage_room(t, n, err);
   if (rc) {
@@ -953,10 +961,15 @@ int ps_table_stage(ps_table *t, const uint64_t *ids, const uint64_t *locals, siz
   t->st_grad = grad;
   t->st_lr = t->cfg.lr * lr_scale;
   const size_t d = (size_t)t->spec.dim;
-  scan_ctx sc = {.t = t};
-  share sh = {.n = n, .fn = scan_share, .ctx = &sc};
-  share_all(&sh);
-  const uint32_t gbits = sc.gbits[0] > sc.gbits[1] ? sc.gbits[0] : sc.gbits[1];
+  /* The first pass: the gradient's largest magnitude, unless the caller
+   * measured it, and an unbounded table's rows. */
+  scan_ctx sc = {.t = t, .known = grad_bits != PS_TABLE_GRAD_UNKNOWN};
+  if (!sc.known || !t->spec.rows) {
+    share sh = {.n = n, .fn = scan_share, .ctx = &sc};
+    share_all(&sh);
+  }
+  const uint32_t gbits =
+      sc.known ? grad_bits : sc.gbits[0] > sc.gbits[1] ? sc.gbits[0] : sc.gbits[1];
   if (gbits >= NONFINITE_BITS) {
     size_t v = 0;
     while (v < n * d && isfinite(grad[v])) v++;

@@ -63,6 +63,14 @@ void ps_table_read_rows(ps_table *t, const uint64_t *ids, const uint64_t *locals
  * applied. */
 int ps_table_stage(ps_table *t, const uint64_t *ids, const uint64_t *locals, size_t n,
                    const ps_ufloat *grad, float lr_scale, char *err);
+/* ps_table_stage with the gradient's largest magnitude measured by the
+ * caller: grad_bits is ps_f32_max_bits of grad's n * dim values (the
+ * caller read them anyway, as it copied them out of the request), which
+ * spares a bounded table a pass over them; PS_TABLE_GRAD_UNKNOWN: not
+ * measured. */
+#define PS_TABLE_GRAD_UNKNOWN UINT32_MAX
+int ps_table_stage_max(ps_table *t, const uint64_t *ids, const uint64_t *locals, size_t n,
+                       const ps_ufloat *grad, float lr_scale, uint32_t grad_bits, char *err);
 void ps_table_commit(ps_table *t);
 void ps_table_unstage(ps_table *t);
 

@@ -850,6 +850,27 @@ static int read_rows(ps_client *c, int s, const ps_segview *tensor, char *err) {
   const struct shard_rows *sr = &rs->shard[s];
   const size_t vb = ps_wire_value_bytes(c->wire);
   size_t skip = c->shards[s].cnt * vb, nv = sr->values;
+  if (c->wire == PS_WIRE_FP32 && c->nshards == 1) {
+    /* One shard holds every row, in the sections' order: each section's
+     * values straight into place, then checked in one pass. */
+    size_t at = skip;
+    for (int i = 0; i < rs->n_sec; i++) {
+      const size_t bytes = sr->n[i] * (size_t)c->rows.spec[rs->sec[i].table].dim * sizeof(float);
+      ps_segview_copy(tensor, at, rs->sec[i].values, bytes);
+      at += bytes;
+    }
+    for (int i = 0; i < rs->n_sec; i++) {
+      const size_t d = (size_t)c->rows.spec[rs->sec[i].table].dim;
+      if (ps_f32_max_bits(rs->sec[i].values, sr->n[i] * d) >= PS_F32_NONFINITE_BITS)
+        for (size_t k = 0; k < sr->n[i] * d; k++)
+          if (!isfinite(rs->sec[i].values[k]))
+            return ps_seterr(err, PS_EPROTO,
+                             "Pull from shard %d: table '%s' row %" PRIu64 " arrived with a %s",
+                             s, c->rows.spec[rs->sec[i].table].name, rs->sec[i].ids[k / d],
+                             isnan(rs->sec[i].values[k]) ? "NaN" : "Inf");
+    }
+    return PS_OK;
+  }
   if (grow(&c->rows.tmp, &c->rows.tmp_cap, nv * (sizeof(float) + vb)) != PS_OK)
     return ps_seterr(err, PS_ENOMEM, "out of memory for %zu row values", nv);
   float *vals = c->rows.tmp;
@@ -860,18 +881,24 @@ static int read_rows(ps_client *c, int s, const ps_segview *tensor, char *err) {
     ps_segview_copy(tensor, skip, h, nv * vb);
     ps_half_decode(c->wire, h, vals, nv);
   }
+  if (ps_f32_max_bits(vals, nv) >= PS_F32_NONFINITE_BITS) {
+    size_t at = 0;
+    for (int i = 0; i < rs->n_sec; i++) {
+      const size_t d = (size_t)c->rows.spec[rs->sec[i].table].dim;
+      for (size_t k = 0; k < sr->n[i]; k++, at += d)
+        for (size_t j = 0; j < d; j++)
+          if (!isfinite(vals[at + j]))
+            return ps_seterr(err, PS_EPROTO,
+                             "Pull from shard %d: table '%s' row %" PRIu64 " arrived with a %s",
+                             s, c->rows.spec[rs->sec[i].table].name,
+                             ps_get_le64(sr->ids[i] + 8 * k), isnan(vals[at + j]) ? "NaN" : "Inf");
+    }
+  }
   size_t at = 0;
   for (int i = 0; i < rs->n_sec; i++) {
     const size_t d = (size_t)c->rows.spec[rs->sec[i].table].dim;
-    for (size_t k = 0; k < sr->n[i]; k++, at += d) {
-      for (size_t j = 0; j < d; j++)
-        if (!isfinite(vals[at + j]))
-          return ps_seterr(err, PS_EPROTO,
-                           "Pull from shard %d: table '%s' row %" PRIu64 " arrived with a %s",
-                           s, c->rows.spec[rs->sec[i].table].name,
-                           ps_get_le64(sr->ids[i] + 8 * k), isnan(vals[at + j]) ? "NaN" : "Inf");
+    for (size_t k = 0; k < sr->n[i]; k++, at += d)
       memcpy(rs->sec[i].values + sr->pos[i][k] * d, vals + at, d * sizeof(float));
-    }
   }
   return PS_OK;
 }
@@ -892,10 +919,12 @@ static int gather_rows(ps_client *c, struct row_set *rs, int s, char *err) {
     for (size_t k = 0; k < sr->n[i]; k++, at += d)
       memcpy(g + at, rs->sec[i].grads + sr->pos[i][k] * d, d * sizeof(float));
   }
-  for (size_t j = 0; j < nv; j++)
-    if (!isfinite(g[j]))
-      return ps_seterr(err, PS_EINVAL, "Push to shard %d: a row gradient value is %s; not pushed",
-                       s, isnan(g[j]) ? "NaN" : "Inf");
+  if (ps_f32_max_bits(g, nv) >= PS_F32_NONFINITE_BITS)
+    for (size_t j = 0; j < nv; j++)
+      if (!isfinite(g[j]))
+        return ps_seterr(err, PS_EINVAL,
+                         "Push to shard %d: a row gradient value is %s; not pushed", s,
+                         isnan(g[j]) ? "NaN" : "Inf");
   sr->sent = g;
   if (vb == 2) sr->sent = g + nv;
   if (vb == 2 && ps_half_encode(c->wire, g, sr->sent, nv) >= ps_half_nonfinite_bits(c->wire))

@@ -9,6 +9,7 @@
 
 #include "../../common/emb.h"
 #include "../../common/job.h"
+#include "../../common/half.h"
 #include "../../common/optim.h"
 #include "../../common/util.h"
 #include "../../ps/table.h"
@@ -355,6 +356,12 @@ static void test_table_rows(uint64_t rows) {
   ps_table_write_lock(t);
   CHECK(ps_table_stage(t, two, NULL, 2, gn, 1.0f, err) == PS_EINVAL && strstr(err, "is NaN"));
   ps_table_unstage(t);
+  /* The same with the largest magnitude measured by the caller (as a
+   * server's push does while copying the gradient out): the same refusal,
+   * naming the same value. */
+  CHECK(ps_table_stage_max(t, two, NULL, 2, gn, 1.0f, ps_f32_max_bits(gn, 6), err) == PS_EINVAL &&
+        strstr(err, "gradient value 1 of row") && strstr(err, "(position 1) is NaN"));
+  ps_table_unstage(t);
   ps_table_unlock(t);
   ps_optim_config sgd = {.name = "sgd", .lr = 1.0f};
   ps_table *big = ps_table_create(&sp, &sgd, 9, 0, S, err);
@@ -372,7 +379,7 @@ static void test_table_rows(uint64_t rows) {
   /* The walk: 5 rows pushed, counts 2 + 1 + 1 + 1 + 1. */
   ps_table_stats st;
   ps_table_stats_get(t, &st);
-  CHECK(st.rows_held == 5 && st.rows_pushed == 6 && st.rejected == 1);
+  CHECK(st.rows_held == 5 && st.rows_pushed == 6 && st.rejected == 2);
   uint64_t total = 0;
   ps_table_read_lock(t);
   ps_table_each_row(t, count_row, &total);
