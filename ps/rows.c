@@ -12,6 +12,9 @@
 #include "table.h"
 #include "table_sync.h"
 
+/* The request's buffer in 64-bit words: ids, placements, orders (32-bit). */
+static size_t buf_words(size_t total) { return total ? 2 * total + (total + 1) / 2 : 1; }
+
 int ps_rows_from_msg(ps_server *sv, Ps__TableRows *const *secs, size_t n, ps_rows_req **out,
                      char *err) {
   *out = NULL;
@@ -41,7 +44,7 @@ int ps_rows_from_msg(ps_server *sv, Ps__TableRows *const *secs, size_t n, ps_row
     return ps_seterr(err, PS_ERANGE,
                      "%zu rows in one request (the job's max_rows_per_request is %d)", total,
                      sv->job.max_rows_per_request);
-  ps_rows_req *r = malloc(sizeof *r + (total ? 2 * total : 1) * sizeof(uint64_t));
+  ps_rows_req *r = malloc(sizeof *r + buf_words(total) * sizeof(uint64_t));
   if (!r) return ps_seterr(err, PS_ENOMEM, "out of memory for %zu row ids", total);
   memset(r, 0, sizeof *r);
   size_t at = 0;
@@ -52,10 +55,12 @@ int ps_rows_from_msg(ps_server *sv, Ps__TableRows *const *secs, size_t n, ps_row
     r->sec[i].n = k;
     r->sec[i].ids = r->buf + at;
     r->sec[i].locals = r->buf + total + at;
+    r->sec[i].order = (uint32_t *)(void *)(r->buf + 2 * total) + at;
     for (size_t j = 0; j < k; j++) r->buf[at + j] = ps_get_le64(s->ids.data + 8 * j);
     at += k;
     r->values += k * (size_t)sv->job.tables[s->table].dim;
-    int rc = ps_table_check_ids(sv->tables[s->table], r->sec[i].ids, k, r->sec[i].locals, err);
+    int rc = ps_table_check_ids_order(sv->tables[s->table], r->sec[i].ids, k, r->sec[i].locals,
+                                      r->sec[i].order, err);
     if (rc) {
       free(r);
       return rc;
@@ -69,13 +74,15 @@ int ps_rows_from_msg(ps_server *sv, Ps__TableRows *const *secs, size_t n, ps_row
 
 ps_rows_req *ps_rows_dup(const ps_rows_req *r) {
   if (!r) return NULL;
-  size_t bytes = sizeof *r + (r->total ? 2 * r->total : 1) * sizeof(uint64_t);
+  size_t bytes = sizeof *r + buf_words(r->total) * sizeof(uint64_t);
   ps_rows_req *d = malloc(bytes);
   if (!d) return NULL;
   memcpy(d, r, bytes);
   for (int i = 0; i < r->n_sec; i++) {
     d->sec[i].ids = d->buf + (r->sec[i].ids - r->buf);
     d->sec[i].locals = d->buf + (r->sec[i].locals - r->buf);
+    d->sec[i].order = (uint32_t *)(void *)d->buf +
+                      (r->sec[i].order - (const uint32_t *)(const void *)r->buf);
   }
   return d;
 }
@@ -106,7 +113,8 @@ void ps_rows_serve_pull(ps_server *sv, rpc_call *call, size_t offset, size_t cou
   size_t at = 0;
   for (int i = 0; i < rows->n_sec; i++) {
     ps_table *tb = sv->tables[rows->sec[i].table];
-    ps_table_read_rows(tb, rows->sec[i].ids, rows->sec[i].locals, rows->sec[i].n, vals + at);
+    ps_table_read_rows_order(tb, rows->sec[i].ids, rows->sec[i].locals, rows->sec[i].order,
+                             rows->sec[i].n, vals + at);
     at += rows->sec[i].n * (size_t)ps_table_spec_of(tb)->dim;
   }
   ps_snapshot *snap = NULL;
@@ -187,8 +195,9 @@ static int rows_prepare(void *user, float lr_scale, char *err) {
   size_t at = 0;
   for (int i = 0; i < c->rows->n_sec; i++) {
     ps_table *tb = sv->tables[c->rows->sec[i].table];
-    int rc = ps_table_stage_max(tb, c->rows->sec[i].ids, c->rows->sec[i].locals,
-                                c->rows->sec[i].n, c->grad + at, lr_scale, c->bits[i], err);
+    int rc = ps_table_stage_order(tb, c->rows->sec[i].ids, c->rows->sec[i].locals,
+                                  c->rows->sec[i].order, c->rows->sec[i].n, c->grad + at,
+                                  lr_scale, c->bits[i], err);
     if (rc) {
       for (int k = 0; k < i; k++) ps_table_unstage(sv->tables[c->rows->sec[k].table]);
       for (int t = sv->n_tables - 1; t >= 0; t--)

@@ -193,11 +193,12 @@ struct ps_rows_req {
     int table;
     size_t n;
     uint64_t *ids;
-    uint64_t *locals; /* each id's placement on this shard (ps_table_check_ids) */
+    uint64_t *locals; /* each id's placement on this shard (ps_table_check_ids_order) */
+    uint32_t *order;  /* the positions in the order the table visits their rows */
   } sec[PS_MAX_TABLES];
   size_t total;  /* ids over the sections */
   size_t values; /* floats over the sections (n * dim each) */
-  uint64_t buf[]; /* the ids, then their placements */
+  uint64_t buf[]; /* the ids, then their placements, then the orders */
 };
 
 /* *out NULL when n is 0; PS_EINVAL / PS_ERANGE / PS_ENOMEM with a message. */

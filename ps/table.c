@@ -98,6 +98,7 @@ struct ps_table {
   int64_t *st_where; /* bounded: local row; unbounded: row number, or -1 for a new row */
   uint8_t *st_born;  /* bounded: 1 where the row had never been pushed */
   const uint64_t *st_ids, *st_locals;
+  const uint32_t *st_order; /* the commit's visiting order (bounded tables), or NULL */
   const ps_ufloat *st_grad;
   float st_lr;
   size_t st_new; /* rows made (unbounded) or pushed for the first time (bounded) */
@@ -110,12 +111,13 @@ struct ps_table {
    * without a trial (see ps_table_stage). */
   ps_optim_bounds bounds;
 
-  /* a check's set of the request's local rows (unbounded: ids) */
+  /* a check's set of the request's ids (unbounded tables) */
   uint64_t *set_keys;
   uint8_t *set_used;
   size_t set_cap;
   int *chk_shard;       /* a check's placements: shards */
   uint64_t *chk_local;  /* and local rows, where the caller keeps none */
+  uint32_t *chk_order, *chk_tmp; /* its sort by local row */
   size_t chk_cap;
   pthread_mutex_t set_mu;
 
@@ -266,6 +268,8 @@ void ps_table_destroy(ps_table *t) {
   free(t->set_used);
   free(t->chk_shard);
   free(t->chk_local);
+  free(t->chk_order);
+  free(t->chk_tmp);
   pthread_rwlock_destroy(&t->lock);
   pthread_mutex_destroy(&t->set_mu);
   free(t);
@@ -479,16 +483,22 @@ static inline uint32_t row_crc(const ps_table *t, uint64_t id, const float *row)
  * row), each taking the next SHARE positions from a counter until none
  * are left. On a machine whose cores are busy the helper may start late,
  * or not run for a while: it then takes fewer shares, and the caller waits
- * for one share at most, not for half of the request. */
+ * for one share at most, not for half of the request. It waits spinning,
+ * for a bounded time (SPIN_NS), as the helper's last share ends within
+ * tens of microseconds: waking a thread asleep on a condition variable
+ * took 100-300 microseconds on a virtual machine (measured: a dim-16
+ * push's commit of 1.4 ms had its threads busy 0.85 and 1.05 ms). */
 #define SPLIT_ROWS 2048
-#define SHARE 512
+#define SHARE 256
+#define SPIN_NS 2000000
 
 typedef struct {
   _Atomic size_t next; /* the first position not taken yet */
   size_t n;
   void (*fn)(void *ctx, size_t lo, size_t hi, int who); /* who: 0 caller, 1 helper */
   void *ctx;
-  _Atomic int stop; /* take no more shares */
+  _Atomic int stop;   /* take no more shares */
+  _Atomic int helped; /* 1: the helper took the share up, 2: and finished it */
 } share;
 
 static void share_run(share *sh, int who) {
@@ -522,9 +532,11 @@ static void *helper_main(void *arg) {
     while (!helper.job) pthread_cond_wait(&helper.wake, &helper.mu);
     share *sh = helper.job;
     helper.job = NULL;
+    atomic_store(&sh->helped, 1);
     pthread_mutex_unlock(&helper.mu);
     share_run(sh, 1);
     pthread_mutex_lock(&helper.mu);
+    atomic_store(&sh->helped, 2); /* sh may be gone once this is seen */
     helper.done = 1;
     pthread_cond_signal(&helper.done_cv);
   }
@@ -556,6 +568,16 @@ static void share_all(share *sh) {
   }
   share_run(sh, 0);
   if (!joined) return;
+  /* The helper at work on its last share: its end waited for spinning. */
+  if (atomic_load(&sh->helped) == 1) {
+    const double until = ps_now_s() + SPIN_NS * 1e-9;
+    for (unsigned k = 1; atomic_load(&sh->helped) == 1; k++) {
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+      if (k % 256 == 0 && ps_now_s() > until) break;
+    }
+  }
   pthread_mutex_lock(&helper.mu);
   if (helper.job == sh) { /* not picked up: nothing of it left to do */
     helper.job = NULL;
@@ -575,8 +597,75 @@ static int named_twice(const ps_table *t, const uint64_t *ids, size_t i, char *e
                    t->spec.name, ids[i], i);
 }
 
+/* The positions 0..n-1 sorted by key[position] (keys below 2^bits),
+ * stably: a least-significant-digit radix sort, 11 bits a pass, into out
+ * (tmp: n more). */
+#define RADIX_BITS 11
+static void radix_order(const uint64_t *key, size_t n, int bits, uint32_t *out, uint32_t *tmp) {
+  const int passes = bits <= 0 ? 0 : (bits + RADIX_BITS - 1) / RADIX_BITS;
+  /* the last pass writes out */
+  uint32_t *src = NULL, *dst = passes % 2 ? out : tmp;
+  uint32_t count[1u << RADIX_BITS];
+  for (int p = 0; p < passes; p++) {
+    const int shift = p * RADIX_BITS;
+    memset(count, 0, sizeof count);
+    if (!src)
+      for (size_t i = 0; i < n; i++) count[(key[i] >> shift) & ((1u << RADIX_BITS) - 1)]++;
+    else
+      for (size_t i = 0; i < n; i++) count[(key[src[i]] >> shift) & ((1u << RADIX_BITS) - 1)]++;
+    uint32_t at = 0;
+    for (size_t d = 0; d < (1u << RADIX_BITS); d++) {
+      const uint32_t c = count[d];
+      count[d] = at;
+      at += c;
+    }
+    if (!src)
+      for (size_t i = 0; i < n; i++)
+        dst[count[(key[i] >> shift) & ((1u << RADIX_BITS) - 1)]++] = (uint32_t)i;
+    else
+      for (size_t i = 0; i < n; i++) {
+        const uint32_t q = src[i];
+        dst[count[(key[q] >> shift) & ((1u << RADIX_BITS) - 1)]++] = q;
+      }
+    src = dst;
+    dst = dst == out ? tmp : out;
+  }
+  if (!passes)
+    for (size_t i = 0; i < n; i++) out[i] = (uint32_t)i;
+}
+
+/* Grows the check's scratch to n positions. set_mu held. */
+static int check_room(ps_table *t, size_t n) {
+  if (n <= t->chk_cap) return PS_OK;
+  int *sh = malloc(n * sizeof *sh);
+  uint64_t *lo = malloc(n * sizeof *lo);
+  uint32_t *o1 = malloc(n * sizeof *o1), *o2 = malloc(n * sizeof *o2);
+  if (!sh || !lo || !o1 || !o2) {
+    free(sh);
+    free(lo);
+    free(o1);
+    free(o2);
+    return PS_ENOMEM;
+  }
+  free(t->chk_shard);
+  free(t->chk_local);
+  free(t->chk_order);
+  free(t->chk_tmp);
+  t->chk_shard = sh;
+  t->chk_local = lo;
+  t->chk_order = o1;
+  t->chk_tmp = o2;
+  t->chk_cap = n;
+  return PS_OK;
+}
+
 int ps_table_check_ids(ps_table *t, const uint64_t *ids, size_t n, uint64_t *locals,
                        char *err) {
+  return ps_table_check_ids_order(t, ids, n, locals, NULL, err);
+}
+
+int ps_table_check_ids_order(ps_table *t, const uint64_t *ids, size_t n, uint64_t *locals,
+                             uint32_t *order, char *err) {
   /* The first id that is not a row; those before it are placed (8 at a
    * time, see ps_table_place_many: a request's 10,000 ids in tens of
    * microseconds, on the calling thread) and must be this shard's. */
@@ -588,51 +677,52 @@ int ps_table_check_ids(ps_table *t, const uint64_t *ids, size_t n, uint64_t *loc
         break;
       }
   pthread_mutex_lock(&t->set_mu);
-  if (n > t->chk_cap) {
-    int *sh = malloc(n * sizeof *sh);
-    uint64_t *lo = malloc(n * sizeof *lo);
-    if (!sh || !lo) {
-      free(sh);
-      free(lo);
-      pthread_mutex_unlock(&t->set_mu);
-      return ps_seterr(err, PS_ENOMEM, "out of memory checking %zu ids", n);
-    }
-    free(t->chk_shard);
-    free(t->chk_local);
-    t->chk_shard = sh;
-    t->chk_local = lo;
-    t->chk_cap = n;
+  if (check_room(t, n) != PS_OK) {
+    pthread_mutex_unlock(&t->set_mu);
+    return ps_seterr(err, PS_ENOMEM, "out of memory checking %zu ids", n);
   }
   uint64_t *loc = locals ? locals : t->chk_local;
   ps_table_place_many(&t->spec, t->S, ids, bad, t->S > 1 ? t->chk_shard : NULL, loc);
+  int rc = PS_OK;
   if (t->S > 1)
     for (size_t i = 0; i < bad; i++)
       if (t->chk_shard[i] != t->shard) {
-        pthread_mutex_unlock(&t->set_mu);
-        return ps_seterr(err, PS_EINVAL,
-                         "table '%s': id %" PRIu64 " (position %zu) lives on shard %d, not on "
-                         "shard %d",
-                         t->spec.name, ids[i], i, t->chk_shard[i], t->shard);
+        rc = ps_seterr(err, PS_EINVAL,
+                       "table '%s': id %" PRIu64 " (position %zu) lives on shard %d, not on "
+                       "shard %d",
+                       t->spec.name, ids[i], i, t->chk_shard[i], t->shard);
+        break;
       }
-  if (bad < n) {
+  if (rc == PS_OK && bad < n)
+    rc = ps_seterr(err, PS_ERANGE,
+                   "table '%s': id %" PRIu64 " (position %zu) is not a row (the table has "
+                   "%" PRIu64 ")",
+                   t->spec.name, ids[bad], bad, t->spec.rows);
+  if (rc != PS_OK || n < 2) {
+    if (rc == PS_OK && order && n) order[0] = 0;
     pthread_mutex_unlock(&t->set_mu);
-    return ps_seterr(err, PS_ERANGE,
-                     "table '%s': id %" PRIu64 " (position %zu) is not a row (the table has "
-                     "%" PRIu64 ")",
-                     t->spec.name, ids[bad], bad, t->spec.rows);
+    return rc;
   }
-  if (n < 2) {
+  /* Duplicates. A bounded table's ids are distinct exactly when their
+   * local rows are (the placement is a bijection): the positions sorted
+   * by local row (the order asked for) put equal ones side by side, and
+   * the sort being stable, the later of two is the one named twice. (A
+   * set of the request's ids took three times as long; a bit per local
+   * row as long at 4M rows, and 12 MB and twice the time at 100M.) */
+  if (t->spec.rows) {
+    const uint64_t top = t->local_rows > 1 ? t->local_rows - 1 : 1;
+    uint32_t *ord = order ? order : t->chk_order;
+    radix_order(loc, n, 64 - __builtin_clzll(top), ord, t->chk_tmp);
+    size_t twice = SIZE_MAX;
+    for (size_t k = 1; k < n; k++)
+      if (loc[ord[k]] == loc[ord[k - 1]] && ord[k] < twice) twice = ord[k];
+    if (twice != SIZE_MAX) rc = named_twice(t, ids, twice, err);
     pthread_mutex_unlock(&t->set_mu);
-    return PS_OK;
+    return rc;
   }
-  /* Duplicates: a bounded table's ids are distinct exactly when their
-   * local rows are (the placement is a bijection); an open-addressing set
-   * of the request's local rows (an unbounded table's: of its ids) finds
-   * them, its slots a few hundred kilobytes however large the table (a
-   * bit per local row was as fast at 4M rows, and took 12 MB and twice
-   * the time at 100M). */
-  int rc = PS_OK;
-  const uint64_t *keys = t->spec.rows ? loc : ids;
+  /* An unbounded table's: an open-addressing set of the request's ids. */
+  if (order)
+    for (size_t i = 0; i < n; i++) order[i] = (uint32_t)i;
   size_t cap = 64;
   while (cap < 2 * n) cap *= 2;
   if (cap > t->set_cap) {
@@ -653,14 +743,14 @@ int ps_table_check_ids(ps_table *t, const uint64_t *ids, size_t n, uint64_t *loc
   memset(t->set_used, 0, cap);
   size_t m = cap - 1;
   for (size_t i = 0; i < n && rc == PS_OK; i++) {
-    size_t j = (size_t)mix(keys[i]) & m;
+    size_t j = (size_t)mix(ids[i]) & m;
     for (;; j = (j + 1) & m) {
       if (!t->set_used[j]) {
         t->set_used[j] = 1;
-        t->set_keys[j] = keys[i];
+        t->set_keys[j] = ids[i];
         break;
       }
-      if (t->set_keys[j] == keys[i]) {
+      if (t->set_keys[j] == ids[i]) {
         rc = named_twice(t, ids, i, err);
         break;
       }
@@ -677,6 +767,8 @@ typedef struct {
   const uint64_t *ids, *locals;
   size_t n;
   float *out;
+  const uint32_t *order; /* bounded tables with locals: the visiting order, or NULL */
+  size_t lo;             /* with locals: the first of the order's [lo, lo + n) */
 } read_part;
 
 /* Rows ahead of the work a pass keeps prefetched, for rows of `lines`
@@ -692,20 +784,27 @@ static void read_range(read_part *p) {
   const size_t d = (size_t)t->spec.dim, n = p->n;
   const uint64_t *ids = p->ids, *locals = p->locals;
   if (t->spec.rows && locals) {
-    /* A bounded table's rows where the check placed them: head and
-     * values, prefetched a rolling distance ahead. */
+    /* A bounded table's rows where the check placed them, [lo, hi) of the
+     * visiting order: head and values, prefetched a rolling distance
+     * ahead. */
     const size_t span = HEAD + d, ahead = rows_ahead((span * sizeof(float) + 63) / 64 + 1);
     const float *arena = t->arena;
-    for (size_t j = 0; j < n && j < ahead; j++) prefetch_row(arena + locals[j] * t->stride, span, 0);
-    for (size_t j = 0; j < n; j++) {
-      if (j + ahead < n) prefetch_row(arena + locals[j + ahead] * t->stride, span, 0);
-      const float *row = arena + locals[j] * t->stride;
-      float *o = p->out + j * d;
+    const uint32_t *ord = p->order;
+    const size_t lo = p->lo, hi = p->lo + n;
+#define POS(j) (ord ? (size_t)ord[j] : (j))
+    for (size_t j = lo; j < hi && j < lo + ahead; j++)
+      prefetch_row(arena + locals[POS(j)] * t->stride, span, 0);
+    for (size_t j = lo; j < hi; j++) {
+      if (j + ahead < hi) prefetch_row(arena + locals[POS(j + ahead)] * t->stride, span, 0);
+      const size_t i = POS(j);
+      const float *row = arena + locals[i] * t->stride;
+      float *o = p->out + i * d;
       if (row_count(row))
         memcpy(o, row + HEAD, d * sizeof(float));
       else
-        ps_table_init_row(&t->spec, t->seed, ids[j], o);
+        ps_table_init_row(&t->spec, t->seed, ids[i], o);
     }
+#undef POS
     return;
   }
   block cur, next;
@@ -729,14 +828,27 @@ static void read_range(read_part *p) {
 static void read_share(void *ctx, size_t lo, size_t hi, int who) {
   (void)who;
   const read_part *r = ctx;
+  if (r->t->spec.rows && r->locals) {
+    /* positions of the whole request, visited in order [lo, hi) */
+    read_part p = *r;
+    p.lo = lo;
+    p.n = hi - lo;
+    read_range(&p);
+    return;
+  }
   read_part p = {r->t, r->ids + lo, r->locals ? r->locals + lo : NULL, hi - lo,
-                 r->out + lo * (size_t)r->t->spec.dim};
+                 r->out + lo * (size_t)r->t->spec.dim, NULL, 0};
   read_range(&p);
 }
 
 void ps_table_read_rows(ps_table *t, const uint64_t *ids, const uint64_t *locals, size_t n,
                         float *out) {
-  read_part r = {t, ids, locals, n, out};
+  ps_table_read_rows_order(t, ids, locals, NULL, n, out);
+}
+
+void ps_table_read_rows_order(ps_table *t, const uint64_t *ids, const uint64_t *locals,
+                              const uint32_t *order, size_t n, float *out) {
+  read_part r = {t, ids, locals, n, out, order, 0};
   share sh = {.n = n, .fn = read_share, .ctx = &r};
   share_all(&sh);
   atomic_fetch_add(&t->rows_pulled, (uint64_t)n);
@@ -950,7 +1062,14 @@ int ps_table_stage(ps_table *t, const uint64_t *ids, const uint64_t *locals, siz
 
 int ps_table_stage_max(ps_table *t, const uint64_t *ids, const uint64_t *locals, size_t n,
                        const ps_ufloat *grad, float lr_scale, uint32_t grad_bits, char *err) {
+  return ps_table_stage_order(t, ids, locals, NULL, n, grad, lr_scale, grad_bits, err);
+}
+
+int ps_table_stage_order(ps_table *t, const uint64_t *ids, const uint64_t *locals,
+                         const uint32_t *order, size_t n, const ps_ufloat *grad, float lr_scale,
+                         uint32_t grad_bits, char *err) {
   t->staged = 0;
+  t->st_order = t->spec.rows ? order : NULL;
   int rc = stage_room(t, n, err);
   if (rc) {
     t->rejected++;
@@ -1039,18 +1158,21 @@ static void apply_share(void *ctx, size_t lo, size_t hi, int who) {
   apply_ctx *c = ctx;
   ps_table *t = c->t;
   const uint64_t *ids = t->st_ids, *locals = t->st_locals;
+  const uint32_t *ord = t->st_order; /* [lo, hi) of the visiting order, or positions */
   const size_t d = (size_t)t->spec.dim, st = t->stride;
   float *slots[PS_OPTIM_MAX_SLOTS];
   uint32_t crc = 0;
   size_t born = 0;
+#define POS(j) (ord ? (size_t)ord[j] : (j))
   if (t->spec.rows)
-    for (size_t i = lo; i < hi; i++) t->st_where[i] = (int64_t)local_row(t, ids, locals, i);
+    for (size_t j = lo; j < hi; j++) t->st_where[POS(j)] = (int64_t)local_row(t, ids, locals, POS(j));
   /* Rows are prefetched `ahead` positions before their update: about
    * AHEAD_LINES cache lines in flight. */
   const size_t ahead = rows_ahead((st * sizeof(float) + 63) / 64 + 1);
-  for (size_t i = lo; i < hi && i < lo + ahead; i++) prefetch_row(staged_row(t, i), st, 1);
-  for (size_t i = lo; i < hi; i++) {
-    if (i + ahead < hi) prefetch_row(staged_row(t, i + ahead), st, 1);
+  for (size_t j = lo; j < hi && j < lo + ahead; j++) prefetch_row(staged_row(t, POS(j)), st, 1);
+  for (size_t j = lo; j < hi; j++) {
+    if (j + ahead < hi) prefetch_row(staged_row(t, POS(j + ahead)), st, 1);
+    const size_t i = POS(j);
     float *row = staged_row(t, i);
     if (!t->spec.rows && t->st_where[i] < 0) set_count(row, 0);
     const uint32_t cnt = row_count(row);
@@ -1070,6 +1192,7 @@ static void apply_share(void *ctx, size_t lo, size_t hi, int who) {
     set_crc(row, nc);
     crc += nc - old_crc;
   }
+#undef POS
   c->crc[who] += crc;
   c->born[who] += born;
 }
@@ -1111,6 +1234,7 @@ void ps_table_unstage(ps_table *t) {
   t->staged = 0;
   t->st_ids = NULL;
   t->st_locals = NULL;
+  t->st_order = NULL;
   t->st_grad = NULL;
 }
 

@@ -307,6 +307,35 @@ static void test_table_rows(uint64_t rows) {
     many[9] = rows + 1;
     CHECK(ps_table_check_ids(t, many, 40, NULL, err) == PS_ERANGE &&
           strstr(err, "(position 9) is not a row"));
+    /* Every row of this shard once, in an order of their own: the order
+     * given sorts them by local row; two of them named again, the earlier
+     * repeat named. */
+    uint64_t *all = malloc(rows * sizeof *all), *loc = malloc(rows * sizeof *loc);
+    uint32_t *ord = malloc(rows * sizeof *ord);
+    size_t m = 0;
+    for (uint64_t id = 0; id < rows; id++) {
+      uint64_t l;
+      if (ps_table_place(&sp, S, ps_perm_forward(3, rows, id), &l) == 0)
+        all[m++] = ps_perm_forward(3, rows, id);
+    }
+    CHECK(ps_table_check_ids_order(t, all, m, loc, ord, err) == 0);
+    int sorted = 1;
+    uint8_t *hit = calloc(m, 1);
+    for (size_t k = 0; k < m; k++) {
+      if (ord[k] >= m || hit[ord[k]]) sorted = 0;
+      else hit[ord[k]] = 1;
+      if (k && loc[ord[k]] <= loc[ord[k - 1]]) sorted = 0;
+    }
+    CHECK_MSG(sorted, "the order is not the %zu positions by local row", m);
+    all[m - 10] = all[5];
+    all[m - 50] = all[200];
+    CHECK(ps_table_check_ids_order(t, all, m, loc, ord, err) == PS_EINVAL &&
+          strstr(err, "named twice") && strstr(err, "position") &&
+          strtoull(strstr(err, "(position ") + 10, NULL, 10) == m - 50);
+    free(all);
+    free(loc);
+    free(ord);
+    free(hit);
   }
   /* One push of rows 0..3: lazy Adam with the row's own count. */
   float g[4 * 3];
