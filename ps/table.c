@@ -8,6 +8,8 @@
  * request's rows prefetches ahead of its work (a pull a block of rows at a
  * time, a push's commit row by row, about 48 cache lines ahead), so that
  * the memory system has many rows in flight together. */
+/* sched_getcpu, CPU_SET (the helper kept off the caller's CPU). */
+#define _GNU_SOURCE
 #include "table.h"
 
 #include <errno.h>
@@ -15,6 +17,7 @@
 #include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -521,8 +524,10 @@ static struct {
   int busy;   /* a request holds the helper */
   int done;   /* the helper finished the request's share (or never took it) */
   int ok;     /* the thread runs */
+  pthread_t th;
+  int away_from; /* the CPU the helper was last kept off (-1: none) */
 } helper = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER,
-            NULL, 0, 0, 0};
+            NULL, 0, 0, 0, 0, -1};
 static pthread_once_t helper_once = PTHREAD_ONCE_INIT;
 
 static void *helper_main(void *arg) {
@@ -549,7 +554,27 @@ static void helper_start(void) {
   pthread_attr_init(&a);
   pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
   helper.ok = pthread_create(&th, &a, helper_main, NULL) == 0;
+  helper.th = th;
   pthread_attr_destroy(&a);
+}
+
+/* Keeps the helper off the calling thread's CPU (helper.mu held). Woken,
+ * a thread is put on its waker's CPU where it can, where it takes the CPU
+ * from the waker (which has the larger share of the work); the scheduler
+ * then moves one of them to the idle CPU, which on a virtual machine took
+ * 0.2-0.3 ms of a 1.3 ms commit (measured: two threads each busy a
+ * quarter less than the commit lasted, with the work split evenly). */
+static void helper_away(void) {
+#if defined(__linux__) && defined(CPU_SET)
+  const int cpu = sched_getcpu();
+  if (cpu < 0 || cpu == helper.away_from) return;
+  cpu_set_t all, set;
+  if (sched_getaffinity(0, sizeof all, &all) != 0 || CPU_COUNT(&all) < 2) return;
+  CPU_ZERO(&set);
+  for (int c = 0; c < CPU_SETSIZE; c++)
+    if (c != cpu && CPU_ISSET(c, &all)) CPU_SET(c, &set);
+  if (pthread_setaffinity_np(helper.th, sizeof set, &set) == 0) helper.away_from = cpu;
+#endif
 }
 
 static void share_all(share *sh) {
@@ -558,6 +583,7 @@ static void share_all(share *sh) {
     pthread_once(&helper_once, helper_start);
     pthread_mutex_lock(&helper.mu);
     if (helper.ok && !helper.busy) {
+      helper_away();
       helper.busy = 1;
       helper.done = 0;
       helper.job = sh;
