@@ -4,6 +4,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the wire format is little-endian float32; big-endian hosts are not supported"
@@ -118,7 +119,23 @@ static inline uint64_t ps_fmix64(uint64_t z) {
 }
 
 /* Little-endian integers in byte buffers: the files' and blobs' layouts
- * (checkpoints, lease tables, cut records). */
+ * (checkpoints, lease tables, cut records), and the row ids of requests.
+ * On a little-endian CPU one unaligned load or store each (GCC left the
+ * byte loops as loops: a request's 10,000 ids took 75 us to read). */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+static inline void ps_put_le32(uint8_t *p, uint32_t v) { memcpy(p, &v, sizeof v); }
+static inline void ps_put_le64(uint8_t *p, uint64_t v) { memcpy(p, &v, sizeof v); }
+static inline uint32_t ps_get_le32(const uint8_t *p) {
+  uint32_t v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+static inline uint64_t ps_get_le64(const uint8_t *p) {
+  uint64_t v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+#else
 static inline void ps_put_le32(uint8_t *p, uint32_t v) {
   for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
 }
@@ -135,6 +152,7 @@ static inline uint64_t ps_get_le64(const uint8_t *p) {
   for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
   return v;
 }
+#endif
 
 /* Copies `len` bytes starting at byte `pos` of the view into dst.
  * Returns PS_ERANGE (dst untouched) if pos+len exceeds the view. */

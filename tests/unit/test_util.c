@@ -276,8 +276,25 @@ static void test_log_escapes(void) {
   CHECK(strcmp(clean, "x\xef\xbf\xbdy") == 0);
 }
 
+static void test_little_endian(void) {
+  /* The byte layout of files and requests, whatever the CPU's order, at
+   * any alignment. */
+  uint8_t b[13];
+  for (int off = 0; off < 4; off++) {
+    memset(b, 0xee, sizeof b);
+    ps_put_le64(b + off, 0x0102030405060708ULL);
+    ps_put_le32(b + off + 8, 0x0a0b0c0dU);
+    const uint8_t want[12] = {8, 7, 6, 5, 4, 3, 2, 1, 0x0d, 0x0c, 0x0b, 0x0a};
+    CHECK(memcmp(b + off, want, sizeof want) == 0);
+    CHECK(ps_get_le64(b + off) == 0x0102030405060708ULL);
+    CHECK(ps_get_le32(b + off + 8) == 0x0a0b0c0dU);
+    if (off) CHECK(b[off - 1] == 0xee);
+  }
+}
+
 int main(void) {
   RUN(test_utf8_char_len);
+  RUN(test_little_endian);
   RUN(test_utf8_sanitize);
   RUN(test_log_escapes);
   RUN(test_each_float_range);
