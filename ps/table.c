@@ -103,6 +103,7 @@ struct ps_table {
   const uint64_t *st_ids, *st_locals;
   const uint32_t *st_order; /* the commit's visiting order (bounded tables), or NULL */
   const ps_ufloat *st_grad;
+  const ps_ufloat *const *st_grows; /* or each position's row of it (ps_table_stage_rows) */
   float st_lr;
   size_t st_new; /* rows made (unbounded) or pushed for the first time (bounded) */
   ps_optim_bounds st_bounds; /* the table's bounds once the staged push is applied */
@@ -132,6 +133,11 @@ struct ps_table {
 };
 
 static uint64_t mix(uint64_t z) { return ps_fmix64(z); }
+
+/* The staged gradient's row of position i. */
+static inline const ps_ufloat *grad_of(const ps_table *t, size_t i) {
+  return t->st_grows ? t->st_grows[i] : t->st_grad + i * (size_t)t->spec.dim;
+}
 static void init_bounds(ps_table *t);
 
 /* Zeroed memory for rows, in huge pages where the kernel gives them and
@@ -998,7 +1004,7 @@ static void scan_share(void *ctx, size_t lo, size_t hi, int who) {
   scan_ctx *c = ctx;
   ps_table *t = c->t;
   const size_t d = (size_t)t->spec.dim;
-  if (!c->known) {
+  if (!c->known) { /* (known whenever the gradient comes as rows) */
     const uint32_t g = max_abs_bits(t->st_grad + lo * d, (hi - lo) * d);
     if (g > c->gbits[who]) c->gbits[who] = g;
   }
@@ -1055,7 +1061,7 @@ static int trial_range(ps_table *t, size_t lo, size_t hi, char *err) {
         memcpy(scratch, row + HEAD, t->rec_floats * sizeof(float));
       else
         init_rec(t, ids[i], scratch);
-      t->opt->apply(&t->cfg, next_count(cnt), t->st_lr, scratch, slots, t->st_grad + i * d, d);
+      t->opt->apply(&t->cfg, next_count(cnt), t->st_lr, scratch, slots, grad_of(t, i), d);
       if (max_abs_bits(scratch, t->rec_floats) >= NONFINITE_BITS)
         for (size_t v = 0; v < t->rec_floats; v++)
           if (!isfinite(scratch[v]))
@@ -1094,8 +1100,23 @@ int ps_table_stage_max(ps_table *t, const uint64_t *ids, const uint64_t *locals,
 int ps_table_stage_order(ps_table *t, const uint64_t *ids, const uint64_t *locals,
                          const uint32_t *order, size_t n, const ps_ufloat *grad, float lr_scale,
                          uint32_t grad_bits, char *err) {
+  return ps_table_stage_rows(t, ids, locals, order, n, grad, NULL, lr_scale, grad_bits, err);
+}
+
+int ps_table_stage_rows(ps_table *t, const uint64_t *ids, const uint64_t *locals,
+                        const uint32_t *order, size_t n, const ps_ufloat *grad,
+                        const ps_ufloat *const *grad_rows, float lr_scale, uint32_t grad_bits,
+                        char *err) {
   t->staged = 0;
   t->st_order = t->spec.rows ? order : NULL;
+  t->st_grows = grad_rows;
+  if (grad_rows && grad_bits == PS_TABLE_GRAD_UNKNOWN) {
+    grad_bits = 0;
+    for (size_t i = 0; i < n; i++) {
+      const uint32_t b = max_abs_bits(grad_rows[i], (size_t)t->spec.dim);
+      if (b > grad_bits) grad_bits = b;
+    }
+  }
   int rc = stage_room(t, n, err);
   if (rc) {
     t->rejected++;
@@ -1117,13 +1138,14 @@ int ps_table_stage_order(ps_table *t, const uint64_t *ids, const uint64_t *local
       sc.known ? grad_bits : sc.gbits[0] > sc.gbits[1] ? sc.gbits[0] : sc.gbits[1];
   if (gbits >= NONFINITE_BITS) {
     size_t v = 0;
-    while (v < n * d && isfinite(grad[v])) v++;
+    while (v < n * d && isfinite(grad_of(t, v / d)[v % d])) v++;
     const size_t i = v / d;
+    const float bad = grad_of(t, i)[v % d];
     t->rejected++;
     return ps_seterr(err, PS_EINVAL,
                      "table '%s': gradient value %zu of row %" PRIu64
                      " (position %zu) is %s; nothing applied",
-                     t->spec.name, v % d, ids[i], i, isnan(grad[v]) ? "NaN" : "Inf");
+                     t->spec.name, v % d, ids[i], i, isnan(bad) ? "NaN" : "Inf");
   }
   ps_optim_bounds b = t->bounds;
   t->opt->bound(&t->cfg, 1, t->st_lr, bits_magnitude(gbits), &b);
@@ -1213,7 +1235,7 @@ static void apply_share(void *ctx, size_t lo, size_t hi, int who) {
     set_count(row, next_count(cnt));
     float *rec = row + HEAD;
     for (int k = 0; k < t->n_slots; k++) slots[k] = rec + (size_t)(k + 1) * d;
-    t->opt->apply(&t->cfg, row_count(row), t->st_lr, rec, slots, t->st_grad + i * d, d);
+    t->opt->apply(&t->cfg, row_count(row), t->st_lr, rec, slots, grad_of(t, i), d);
     const uint32_t nc = row_crc(t, ids[i], row);
     set_crc(row, nc);
     crc += nc - old_crc;
@@ -1262,6 +1284,7 @@ void ps_table_unstage(ps_table *t) {
   t->st_locals = NULL;
   t->st_order = NULL;
   t->st_grad = NULL;
+  t->st_grows = NULL;
 }
 
 void ps_table_stats_get(ps_table *t, ps_table_stats *out) {

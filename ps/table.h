@@ -89,6 +89,14 @@ int ps_table_stage_max(ps_table *t, const uint64_t *ids, const uint64_t *locals,
 int ps_table_stage_order(ps_table *t, const uint64_t *ids, const uint64_t *locals,
                          const uint32_t *order, size_t n, const ps_ufloat *grad, float lr_scale,
                          uint32_t grad_bits, char *err);
+/* ps_table_stage_order with the gradient's rows wherever they lie:
+ * grad_rows[i] holds position i's dim values (any alignment; kept until
+ * the commit), in place of grad (NULL then). A server's push points them
+ * into the request's own bytes, which are not copied. */
+int ps_table_stage_rows(ps_table *t, const uint64_t *ids, const uint64_t *locals,
+                        const uint32_t *order, size_t n, const ps_ufloat *grad,
+                        const ps_ufloat *const *grad_rows, float lr_scale, uint32_t grad_bits,
+                        char *err);
 void ps_table_commit(ps_table *t);
 void ps_table_unstage(ps_table *t);
 

@@ -470,6 +470,42 @@ int main(int argc, char **argv) {
   printf("control: a valid push of the same 4 rows applied (version %" PRIu64 " -> %" PRIu64
          ")\n", st0[0].version, after.version);
 
+  /* A large push, many times the size of a gRPC slice on each shard: the
+   * shards read its rows' gradients where they lie in the request, rows
+   * split between two slices put together. Every row moved by exactly one
+   * step, bit for bit. */
+  {
+    enum { NBIG = 40000 };
+    uint64_t *big = malloc(NBIG * sizeof *big);
+    float *vb = malloc((size_t)NBIG * dc * sizeof(float)), *gb = malloc((size_t)NBIG * dc * sizeof(float));
+    float *wb = malloc((size_t)NBIG * dc * sizeof(float));
+    const ps_optimizer *opt = ps_optimizer_find(job.table_optim[0].name);
+    for (int i = 0; i < NBIG; i++) {
+      big[i] = 5000 + 2 * (uint64_t)i; /* above every id pushed so far */
+      float rec[PS_TABLE_MAX_DIM * 3];
+      ps_table_init_row(&job.tables[0], job.seed, big[i], rec);
+      float *sl[2] = {rec + dc, rec + 2 * dc};
+      for (int k = 0; k < opt->n_slots; k++)
+        for (int j = 0; j < dc; j++) sl[k][j] = opt->slot_init(&job.table_optim[0], k);
+      for (int j = 0; j < dc; j++) gb[(size_t)i * dc + j] = 0.001f * (float)((i * 7 + j) % 19 - 9);
+      opt->apply(&job.table_optim[0], 1, job.table_optim[0].lr, rec, sl, gb + (size_t)i * dc,
+                 (size_t)dc);
+      memcpy(wb + (size_t)i * dc, rec, (size_t)dc * sizeof(float));
+    }
+    ps_client_rows bs = {0, big, NBIG, vb, gb};
+    CHECK_MSG(ps_client_set_rows(c, &bs, 1, err) == 0, "%s", err);
+    CHECK_MSG(ps_client_pull(c, params, versions, NULL, err) == 0, "pull: %s", err);
+    memset(grads, 0, P * sizeof(float));
+    CHECK_MSG(ps_client_push(c, grads, versions, 2, 32, &res, err) == 0, "big push: %s", err);
+    memset(vb, 0, (size_t)NBIG * dc * sizeof(float));
+    CHECK_MSG(ps_client_pull(c, params, v2, NULL, err) == 0, "pull: %s", err);
+    CHECK_MSG(memcmp(vb, wb, (size_t)NBIG * dc * sizeof(float)) == 0,
+              "a push of %d rows: rows differ from one adagrad step", NBIG);
+    printf("a push of %d rows (%zu bytes of gradient): each moved by one step, bit for bit\n",
+           NBIG, (size_t)NBIG * dc * sizeof(float));
+    free(big), free(vb), free(gb), free(wb);
+  }
+
   ps_client_leave(c);
   ps_client_destroy(c);
   for (int s = 0; s < S; s++) {
