@@ -1,15 +1,17 @@
+/* sched_getcpu, CPU_SET (the helper kept off the caller's CPU). */
+#define _GNU_SOURCE
 /* A shard's part of an embedding table (see table.h).
  *
  * Speed. A request names thousands of rows scattered over a table of
  * hundreds of megabytes: each row costs a cache miss and, with 4 KiB
  * pages, a TLB miss, which one at a time would dominate everything. So a
  * stored row keeps its update count beside its values (one miss, not two),
- * the row arrays ask for transparent huge pages, and every pass over a
- * request's rows prefetches ahead of its work (a pull a block of rows at a
- * time, a push's commit row by row, about 48 cache lines ahead), so that
- * the memory system has many rows in flight together. */
-/* sched_getcpu, CPU_SET (the helper kept off the caller's CPU). */
-#define _GNU_SOURCE
+ * the row arrays ask for transparent huge pages, a request's rows are
+ * visited in the order of their addresses (the check sorts them), and
+ * every pass over them prefetches a rolling distance ahead of its work
+ * (about 48 cache lines), so that the memory system has many rows in
+ * flight together; a large request's passes are shared with a helper
+ * thread. */
 #include "table.h"
 
 #include <errno.h>
