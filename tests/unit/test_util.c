@@ -279,7 +279,7 @@ static void test_log_escapes(void) {
 static void test_little_endian(void) {
   /* The byte layout of files and requests, whatever the CPU's order, at
    * any alignment. */
-  uint8_t b[13];
+  uint8_t b[16];
   for (int off = 0; off < 4; off++) {
     memset(b, 0xee, sizeof b);
     ps_put_le64(b + off, 0x0102030405060708ULL);
