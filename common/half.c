@@ -194,10 +194,33 @@ uint16_t ps_half_max_bits(const ps_uhalf *in, size_t n) {
 }
 
 uint32_t ps_f32_max_bits(const ps_ufloat *in, size_t n) {
-  /* As signed 32-bit values (all non-negative), which SSE4.1 and AVX2 max
-   * and SSE2 compares and selects. */
+  /* As signed 32-bit values (all non-negative): 16 at a time in four
+   * vectors of 4 lanes, maxed side by side (compare and select, which
+   * SSE2 has; one vector's chain took 4 cycles a vector, 2.2 GB/s). GCC's
+   * and Clang's vector types, which other targets lower to what they have. */
+  typedef int32_t v4 __attribute__((vector_size(16)));
+  const v4 mask = {0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff};
+  v4 m0 = {0, 0, 0, 0}, m1 = m0, m2 = m0, m3 = m0;
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    v4 x[4];
+    memcpy(x, (const void *)(in + i), sizeof x);
+    x[0] &= mask;
+    x[1] &= mask;
+    x[2] &= mask;
+    x[3] &= mask;
+    v4 g0 = x[0] > m0, g1 = x[1] > m1, g2 = x[2] > m2, g3 = x[3] > m3;
+    m0 = (x[0] & g0) | (m0 & ~g0);
+    m1 = (x[1] & g1) | (m1 & ~g1);
+    m2 = (x[2] & g2) | (m2 & ~g2);
+    m3 = (x[3] & g3) | (m3 & ~g3);
+  }
   int32_t m = 0;
-  for (size_t i = 0; i < n; i++) { /* vectorized */
+  for (int j = 0; j < 4; j++) {
+    const int32_t c[4] = {m0[j], m1[j], m2[j], m3[j]};
+    for (int k = 0; k < 4; k++) m = c[k] > m ? c[k] : m;
+  }
+  for (; i < n; i++) {
     uint32_t u;
     memcpy(&u, (const void *)(in + i), sizeof u);
     const int32_t a = (int32_t)(u & 0x7fffffffu);

@@ -916,6 +916,11 @@ static int gather_rows(ps_client *c, struct row_set *rs, int s, char *err) {
   size_t at = 0;
   for (int i = 0; i < rs->n_sec; i++) {
     const size_t d = (size_t)c->rows.spec[rs->sec[i].table].dim;
+    if (c->nshards == 1) { /* every row here, in the section's order */
+      memcpy(g + at, rs->sec[i].grads, sr->n[i] * d * sizeof(float));
+      at += sr->n[i] * d;
+      continue;
+    }
     for (size_t k = 0; k < sr->n[i]; k++, at += d)
       memcpy(g + at, rs->sec[i].grads + sr->pos[i][k] * d, d * sizeof(float));
   }

@@ -26,7 +26,12 @@
  * ADDRS lists them all) and checks every value bit for bit.
  *
  *   table_check --save FILE JOB ADDRS
- *   table_check --compare FILE JOB ADDRS */
+ *   table_check --compare FILE JOB ADDRS
+ *
+ * --big pushes 40,000 rows (as the end of the checks does) to shards of
+ * any number and checks each moved by one step, bit for bit.
+ *
+ *   table_check --big JOB ADDRS */
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -211,6 +216,48 @@ static int save_or_compare(int save, const char *file, const char *list) {
   return check_summary();
 }
 
+/* A large push, many times the size of a gRPC slice on each shard: the
+ * shards read its rows' gradients where they lie in the request, rows
+ * split between two slices put together. Every row moved by exactly one
+ * step, bit for bit. Rows 5000 + 2i of "cat", none pushed before. */
+static void big_push(ps_client *c, size_t P, float *params, float *grads, uint64_t *versions,
+                     uint64_t *v2) {
+  enum { NBIG = 40000 };
+  char err[PS_ERRLEN];
+  const int dc = job.tables[0].dim;
+  ps_push_result res;
+  uint64_t *big = malloc(NBIG * sizeof *big);
+  float *vb = malloc((size_t)NBIG * dc * sizeof(float)), *gb = malloc((size_t)NBIG * dc * sizeof(float));
+  float *wb = malloc((size_t)NBIG * dc * sizeof(float));
+  const ps_optimizer *opt = ps_optimizer_find(job.table_optim[0].name);
+  for (int i = 0; i < NBIG; i++) {
+    big[i] = 5000 + 2 * (uint64_t)i;
+    float rec[PS_TABLE_MAX_DIM * 3];
+    ps_table_init_row(&job.tables[0], job.seed, big[i], rec);
+    float *sl[2] = {rec + dc, rec + 2 * dc};
+    for (int k = 0; k < opt->n_slots; k++)
+      for (int j = 0; j < dc; j++) sl[k][j] = opt->slot_init(&job.table_optim[0], k);
+    for (int j = 0; j < dc; j++) gb[(size_t)i * dc + j] = 0.001f * (float)((i * 7 + j) % 19 - 9);
+    opt->apply(&job.table_optim[0], 1, job.table_optim[0].lr, rec, sl, gb + (size_t)i * dc,
+               (size_t)dc);
+    memcpy(wb + (size_t)i * dc, rec, (size_t)dc * sizeof(float));
+  }
+  ps_client_rows bs = {0, big, NBIG, vb, gb};
+  CHECK_MSG(ps_client_set_rows(c, &bs, 1, err) == 0, "%s", err);
+  CHECK_MSG(ps_client_pull(c, params, versions, NULL, err) == 0, "pull: %s", err);
+  memset(grads, 0, P * sizeof(float));
+  CHECK_MSG(ps_client_push(c, grads, versions, 2, 32, &res, err) == 0, "big push: %s", err);
+  memset(vb, 0, (size_t)NBIG * dc * sizeof(float));
+  CHECK_MSG(ps_client_pull(c, params, v2, NULL, err) == 0, "pull: %s", err);
+  CHECK_MSG(memcmp(vb, wb, (size_t)NBIG * dc * sizeof(float)) == 0,
+            "a push of %d rows to %d shard(s): rows differ from one adagrad step", NBIG,
+            ps_client_num_shards(c));
+  printf("a push of %d rows (%zu bytes of gradient) to %d shard(s): each moved by one step, "
+         "bit for bit\n",
+         NBIG, (size_t)NBIG * dc * sizeof(float), ps_client_num_shards(c));
+  free(big), free(vb), free(gb), free(wb);
+}
+
 int main(int argc, char **argv) {
   if (argc == 5 && (strcmp(argv[1], "--save") == 0 || strcmp(argv[1], "--compare") == 0)) {
     char err[PS_ERRLEN];
@@ -222,8 +269,36 @@ int main(int argc, char **argv) {
     if (env_token_load(&token, &tok)) return 2;
     return save_or_compare(argv[1][2] == 's', argv[2], argv[4]);
   }
+  if (argc == 4 && strcmp(argv[1], "--big") == 0) {
+    /* The large push alone, on shards of any number (one: the worker
+     * reads and sends each section whole). */
+    char err[PS_ERRLEN];
+    if (ps_job_load(argv[2], &job, NULL, err) != 0) {
+      fprintf(stderr, "%s\n", err);
+      return 2;
+    }
+    rpc_global_init();
+    if (env_token_load(&token, &tok)) return 2;
+    ps_client_opts o = {.host = "table-check", .role = "worker", .task_index = -1,
+                        .timeout_ms = 20000, .connect_timeout_ms = 30000, .token = tok};
+    ps_client *c = ps_client_connect(argv[3], &o, err);
+    if (!c) {
+      fprintf(stderr, "connect: %s\n", err);
+      return 1;
+    }
+    const size_t P = ps_client_param_count(c);
+    const int ns = ps_client_num_shards(c);
+    float *params = calloc(P, sizeof(float)), *grads = calloc(P, sizeof(float));
+    uint64_t *versions = calloc((size_t)ns, sizeof *versions), *v2 = calloc((size_t)ns, sizeof *v2);
+    big_push(c, P, params, grads, versions, v2);
+    ps_client_leave(c);
+    ps_client_destroy(c);
+    free(params), free(grads), free(versions), free(v2);
+    return check_summary();
+  }
   if (argc != 3) {
     fprintf(stderr, "usage: table_check JOB HOST:PORT0,HOST:PORT1\n"
+                    "       table_check --big JOB HOST:PORT,...\n"
                     "       table_check --save|--compare FILE JOB HOST:PORT,...\n");
     return 2;
   }
@@ -470,41 +545,7 @@ int main(int argc, char **argv) {
   printf("control: a valid push of the same 4 rows applied (version %" PRIu64 " -> %" PRIu64
          ")\n", st0[0].version, after.version);
 
-  /* A large push, many times the size of a gRPC slice on each shard: the
-   * shards read its rows' gradients where they lie in the request, rows
-   * split between two slices put together. Every row moved by exactly one
-   * step, bit for bit. */
-  {
-    enum { NBIG = 40000 };
-    uint64_t *big = malloc(NBIG * sizeof *big);
-    float *vb = malloc((size_t)NBIG * dc * sizeof(float)), *gb = malloc((size_t)NBIG * dc * sizeof(float));
-    float *wb = malloc((size_t)NBIG * dc * sizeof(float));
-    const ps_optimizer *opt = ps_optimizer_find(job.table_optim[0].name);
-    for (int i = 0; i < NBIG; i++) {
-      big[i] = 5000 + 2 * (uint64_t)i; /* above every id pushed so far */
-      float rec[PS_TABLE_MAX_DIM * 3];
-      ps_table_init_row(&job.tables[0], job.seed, big[i], rec);
-      float *sl[2] = {rec + dc, rec + 2 * dc};
-      for (int k = 0; k < opt->n_slots; k++)
-        for (int j = 0; j < dc; j++) sl[k][j] = opt->slot_init(&job.table_optim[0], k);
-      for (int j = 0; j < dc; j++) gb[(size_t)i * dc + j] = 0.001f * (float)((i * 7 + j) % 19 - 9);
-      opt->apply(&job.table_optim[0], 1, job.table_optim[0].lr, rec, sl, gb + (size_t)i * dc,
-                 (size_t)dc);
-      memcpy(wb + (size_t)i * dc, rec, (size_t)dc * sizeof(float));
-    }
-    ps_client_rows bs = {0, big, NBIG, vb, gb};
-    CHECK_MSG(ps_client_set_rows(c, &bs, 1, err) == 0, "%s", err);
-    CHECK_MSG(ps_client_pull(c, params, versions, NULL, err) == 0, "pull: %s", err);
-    memset(grads, 0, P * sizeof(float));
-    CHECK_MSG(ps_client_push(c, grads, versions, 2, 32, &res, err) == 0, "big push: %s", err);
-    memset(vb, 0, (size_t)NBIG * dc * sizeof(float));
-    CHECK_MSG(ps_client_pull(c, params, v2, NULL, err) == 0, "pull: %s", err);
-    CHECK_MSG(memcmp(vb, wb, (size_t)NBIG * dc * sizeof(float)) == 0,
-              "a push of %d rows: rows differ from one adagrad step", NBIG);
-    printf("a push of %d rows (%zu bytes of gradient): each moved by one step, bit for bit\n",
-           NBIG, (size_t)NBIG * dc * sizeof(float));
-    free(big), free(vb), free(gb), free(wb);
-  }
+  big_push(c, P, params, grads, versions, v2);
 
   ps_client_leave(c);
   ps_client_destroy(c);

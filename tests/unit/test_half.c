@@ -343,6 +343,44 @@ static void test_segments(void) {
   }
 }
 
+static void test_f32_max_bits(void) {
+  /* The largest magnitude's bits of float32 values, against one value at a
+   * time: every length to 70 (each tail after the 16-value steps), any
+   * alignment, the largest anywhere, and NaN, Inf, -0 and subnormals. */
+  uint8_t buf[4 * 80 + 4];
+  float v[80];
+  uint64_t x = 12345;
+  int bad = 0;
+  for (int len = 0; len <= 70; len++)
+    for (int off = 0; off < 4; off++)
+      for (int kind = 0; kind < 5; kind++) {
+        for (int i = 0; i < len; i++) {
+          x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+          v[i] = (float)((int64_t)(x >> 33) - (1LL << 30)) * 1e-9f;
+        }
+        if (len) {
+          const int at = (int)(x % (uint64_t)len);
+          v[at] = kind == 0 ? -3e38f : kind == 1 ? NAN : kind == 2 ? -INFINITY
+                  : kind == 3 ? -0.0f : 1e-42f;
+          if (kind == 4)
+            for (int i = 0; i < len; i++) v[i] = i == at ? v[i] : 0.0f;
+        }
+        memcpy(buf + off, v, (size_t)len * sizeof(float));
+        uint32_t want = 0;
+        for (int i = 0; i < len; i++) {
+          uint32_t u;
+          memcpy(&u, &v[i], sizeof u);
+          if ((u & 0x7fffffffu) > want) want = u & 0x7fffffffu;
+        }
+        bad += ps_f32_max_bits((const ps_ufloat *)(const void *)(buf + off), (size_t)len) != want;
+      }
+  CHECK_MSG(bad == 0, "%d of %d cases differ from the one-value maximum", bad, 71 * 4 * 5);
+  const float inf[3] = {1.0f, INFINITY, 2.0f};
+  CHECK(ps_f32_max_bits(inf, 3) >= PS_F32_NONFINITE_BITS);
+  const float fin[3] = {1.0f, -3.4e38f, 2.0f};
+  CHECK(ps_f32_max_bits(fin, 3) < PS_F32_NONFINITE_BITS);
+}
+
 int main(void) {
   printf("fp16 loops: %s\n", ps_half_fp16_hardware() ? "F16C" : "portable");
   RUN(test_exhaustive);
@@ -352,5 +390,6 @@ int main(void) {
   RUN(test_loops);
   RUN(test_feedback);
   RUN(test_segments);
+  RUN(test_f32_max_bits);
   return check_summary();
 }
