@@ -1124,6 +1124,13 @@ int ps_table_stage_rows(ps_table *t, const uint64_t *ids, const uint64_t *locals
     t->rejected++;
     return rc;
   }
+  if (t->spec.rows && !locals) {
+    /* Placed here, 8 at a time, rather than one by one in the passes (a
+     * sync step's sum comes without placements): into st_where, which
+     * the commit would fill with the same local rows. */
+    ps_table_place_many(&t->spec, t->S, ids, n, NULL, (uint64_t *)(void *)t->st_where);
+    locals = (const uint64_t *)(const void *)t->st_where;
+  }
   t->st_ids = ids;
   t->st_locals = locals;
   t->st_grad = grad;
