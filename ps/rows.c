@@ -234,24 +234,8 @@ static void rows_abort(void *user) { rows_finish(user, 0); }
 
 /* The rows' gradient (rows->values floats, malloc'd into *out), decoded
  * out of the request after its dense_bytes (rows are scattered anyway;
- * the dense part is read in place), and each section's largest magnitude
- * (ps_f32_max_bits) into bits[i], measured piece by piece as the pieces
- * are copied, while they are in the cache. */
-typedef struct {
-  float *to;
-  uint32_t bits;
-} grad_piece_ctx;
-
-static int grad_piece(const ps_ufloat *values, size_t n, size_t first, void *user) {
-  (void)first;
-  grad_piece_ctx *c = user;
-  memcpy(c->to, (const void *)values, n * sizeof(float));
-  const uint32_t b = ps_f32_max_bits(c->to, n);
-  if (b > c->bits) c->bits = b;
-  c->to += n;
-  return 0;
-}
-
+ * the dense part is read in place), and, when bits is not NULL, each
+ * section's largest magnitude (ps_f32_max_bits) into bits[i]. */
 static int rows_grad(ps_server *sv, const ps_rows_req *rows, const ps_segview *tensor,
                      size_t dense_bytes, float **out, uint32_t *bits, char *err) {
   const size_t vb = ps_wire_value_bytes(sv->job.wire), row_bytes = rows->values * vb;
@@ -259,30 +243,22 @@ static int rows_grad(ps_server *sv, const ps_rows_req *rows, const ps_segview *t
   if (!g) return ps_seterr(err, PS_ENOMEM, "out of memory for %zu row values", rows->values);
   int rc = PS_OK;
   if (sv->job.wire == PS_WIRE_FP32) {
-    size_t at = dense_bytes / sizeof(float);
-    grad_piece_ctx c = {.to = g};
-    for (int i = 0; i < rows->n_sec && rc == PS_OK; i++) {
-      const size_t k = rows->sec[i].n * (size_t)sv->job.tables[rows->sec[i].table].dim;
-      c.bits = 0;
-      rc = ps_segview_each_float_range(tensor, at, k, grad_piece, &c);
-      bits[i] = c.bits;
-      at += k;
-    }
+    rc = ps_segview_copy(tensor, dense_bytes, g, row_bytes);
   } else {
     uint16_t *h = malloc((rows->values ? rows->values : 1) * sizeof(uint16_t));
     rc = h ? ps_segview_copy(tensor, dense_bytes, h, row_bytes) : PS_ENOMEM;
     if (rc == PS_OK) ps_half_decode(sv->job.wire, h, g, rows->values);
     free(h);
-    size_t at = 0;
-    for (int i = 0; i < rows->n_sec && rc == PS_OK; i++) {
-      const size_t k = rows->sec[i].n * (size_t)sv->job.tables[rows->sec[i].table].dim;
-      bits[i] = ps_f32_max_bits(g + at, k);
-      at += k;
-    }
   }
   if (rc) {
     free(g);
     return ps_seterr(err, rc, "could not read the rows' gradient");
+  }
+  size_t at = 0;
+  for (int i = 0; i < rows->n_sec && bits; i++) {
+    const size_t k = rows->sec[i].n * (size_t)sv->job.tables[rows->sec[i].table].dim;
+    bits[i] = ps_f32_max_bits(g + at, k);
+    at += k;
   }
   *out = g;
   return PS_OK;
@@ -412,8 +388,7 @@ int ps_rows_sync_add(ps_server *sv, const ps_rows_req *rows, uint64_t worker,
   if ((rc = dense_part(tensor, dense_bytes, segs, sizeof segs / sizeof segs[0], &dense, err)))
     return rc;
   float *g = NULL;
-  uint32_t bits[PS_MAX_TABLES];
-  if ((rc = rows_grad(sv, rows, tensor, dense_bytes, &g, bits, err))) return rc;
+  if ((rc = rows_grad(sv, rows, tensor, dense_bytes, &g, NULL, err))) return rc;
   ps_rows_grad rg = {.n_sec = rows->n_sec, .grad = g};
   for (int i = 0; i < rows->n_sec; i++) {
     rg.sec[i].table = rows->sec[i].table;

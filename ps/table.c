@@ -100,7 +100,8 @@ struct ps_table {
    * per position) */
   size_t st_n, st_cap;
   float *st_rows;
-  int64_t *st_where; /* bounded: local row; unbounded: row number, or -1 for a new row */
+  int64_t *st_where; /* unbounded: row number, or -1 for a new row; bounded: room for
+                      * st_locals when the caller kept none */
   uint8_t *st_born;  /* bounded: 1 where the row had never been pushed */
   const uint64_t *st_ids, *st_locals;
   const uint32_t *st_order; /* the commit's visiting order (bounded tables), or NULL */
@@ -1091,18 +1092,8 @@ static void trial_share(void *ctx, size_t lo, size_t hi, int who) {
 
 int ps_table_stage(ps_table *t, const uint64_t *ids, const uint64_t *locals, size_t n,
                    const ps_ufloat *grad, float lr_scale, char *err) {
-  return ps_table_stage_max(t, ids, locals, n, grad, lr_scale, PS_TABLE_GRAD_UNKNOWN, err);
-}
-
-int ps_table_stage_max(ps_table *t, const uint64_t *ids, const uint64_t *locals, size_t n,
-                       const ps_ufloat *grad, float lr_scale, uint32_t grad_bits, char *err) {
-  return ps_table_stage_order(t, ids, locals, NULL, n, grad, lr_scale, grad_bits, err);
-}
-
-int ps_table_stage_order(ps_table *t, const uint64_t *ids, const uint64_t *locals,
-                         const uint32_t *order, size_t n, const ps_ufloat *grad, float lr_scale,
-                         uint32_t grad_bits, char *err) {
-  return ps_table_stage_rows(t, ids, locals, order, n, grad, NULL, lr_scale, grad_bits, err);
+  return ps_table_stage_rows(t, ids, locals, NULL, n, grad, NULL, lr_scale, PS_TABLE_GRAD_UNKNOWN,
+                             err);
 }
 
 int ps_table_stage_rows(ps_table *t, const uint64_t *ids, const uint64_t *locals,
@@ -1126,8 +1117,7 @@ int ps_table_stage_rows(ps_table *t, const uint64_t *ids, const uint64_t *locals
   }
   if (t->spec.rows && !locals) {
     /* Placed here, 8 at a time, rather than one by one in the passes (a
-     * sync step's sum comes without placements): into st_where, which
-     * the commit would fill with the same local rows. */
+     * sync step's sum comes without placements), into st_where's room. */
     ps_table_place_many(&t->spec, t->S, ids, n, NULL, (uint64_t *)(void *)t->st_where);
     locals = (const uint64_t *)(const void *)t->st_where;
   }
@@ -1206,23 +1196,21 @@ typedef struct {
 /* The stored row of staged position i (an unbounded table's new row: its
  * record built in st_rows). */
 static float *staged_row(const ps_table *t, size_t i) {
+  if (t->spec.rows) return t->arena + (size_t)t->st_locals[i] * t->stride;
   const int64_t r = t->st_where[i];
-  if (t->spec.rows) return t->arena + (size_t)r * t->stride;
   return r >= 0 ? urow(t, (size_t)r) : t->st_rows + i * t->stride;
 }
 
 static void apply_share(void *ctx, size_t lo, size_t hi, int who) {
   apply_ctx *c = ctx;
   ps_table *t = c->t;
-  const uint64_t *ids = t->st_ids, *locals = t->st_locals;
+  const uint64_t *ids = t->st_ids;
   const uint32_t *ord = t->st_order; /* [lo, hi) of the visiting order, or positions */
   const size_t d = (size_t)t->spec.dim, st = t->stride;
   float *slots[PS_OPTIM_MAX_SLOTS];
   uint32_t crc = 0;
   size_t born = 0;
 #define POS(j) (ord ? (size_t)ord[j] : (j))
-  if (t->spec.rows)
-    for (size_t j = lo; j < hi; j++) t->st_where[POS(j)] = (int64_t)local_row(t, ids, locals, POS(j));
   /* Rows are prefetched `ahead` positions before their update: about
    * AHEAD_LINES cache lines in flight. */
   const size_t ahead = rows_ahead((st * sizeof(float) + 63) / 64 + 1);
@@ -1266,7 +1254,7 @@ void ps_table_commit(ps_table *t) {
   share_all(&sh);
   if (t->spec.rows) t->st_new = c.born[0] + c.born[1];
   for (size_t i = 0; i < t->st_n && t->st_new; i++) {
-    int64_t r = t->st_where[i];
+    int64_t r = t->spec.rows ? (int64_t)t->st_locals[i] : t->st_where[i];
     if (t->spec.rows) {
       if (t->st_born[i]) {
         t->touched[r >> 6] |= 1ULL << (r & 63);

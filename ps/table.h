@@ -70,29 +70,23 @@ void ps_table_read_rows_order(ps_table *t, const uint64_t *ids, const uint64_t *
  * an unbounded table, more rows than max_rows_per_shard or no memory for
  * the new ones (PS_EINVAL, PS_ERANGE, PS_ENOMEM with a message naming the
  * table, the id and the value). On success ps_table_commit applies it and
- * cannot fail; ps_table_unstage drops it instead. ids and grad (not
- * locals) must stay as they are until then. Write lock held from here to
+ * cannot fail; ps_table_unstage drops it instead. ids, locals and grad
+ * must stay as they are until then. Write lock held from here to
  * the commit or ps_table_unstage, so that no pull sees a push half
  * applied. */
 int ps_table_stage(ps_table *t, const uint64_t *ids, const uint64_t *locals, size_t n,
                    const ps_ufloat *grad, float lr_scale, char *err);
-/* ps_table_stage with the gradient's largest magnitude measured by the
- * caller: grad_bits is ps_f32_max_bits of grad's n * dim values (the
- * caller read them anyway, as it copied them out of the request), which
- * spares a bounded table a pass over them; PS_TABLE_GRAD_UNKNOWN: not
- * measured. */
+/* ps_table_stage with more of the push known:
+ * - order (from ps_table_check_ids_order, kept until the commit; NULL: as
+ *   the rows come): the commit visits the rows in it;
+ * - grad_rows, in place of grad (NULL then): grad_rows[i] holds position
+ *   i's dim values (any alignment; kept until the commit). A server's push
+ *   points them into the request's own bytes, which are not copied;
+ * - grad_bits: the gradient's largest magnitude, ps_f32_max_bits of its
+ *   n * dim values (the caller read them anyway, as it copied or pointed
+ *   at them), which spares a bounded table a pass over them;
+ *   PS_TABLE_GRAD_UNKNOWN: not measured. */
 #define PS_TABLE_GRAD_UNKNOWN UINT32_MAX
-int ps_table_stage_max(ps_table *t, const uint64_t *ids, const uint64_t *locals, size_t n,
-                       const ps_ufloat *grad, float lr_scale, uint32_t grad_bits, char *err);
-/* ps_table_stage_max whose commit visits the rows in order (from
- * ps_table_check_ids_order, kept until the commit; NULL: as they come). */
-int ps_table_stage_order(ps_table *t, const uint64_t *ids, const uint64_t *locals,
-                         const uint32_t *order, size_t n, const ps_ufloat *grad, float lr_scale,
-                         uint32_t grad_bits, char *err);
-/* ps_table_stage_order with the gradient's rows wherever they lie:
- * grad_rows[i] holds position i's dim values (any alignment; kept until
- * the commit), in place of grad (NULL then). A server's push points them
- * into the request's own bytes, which are not copied. */
 int ps_table_stage_rows(ps_table *t, const uint64_t *ids, const uint64_t *locals,
                         const uint32_t *order, size_t n, const ps_ufloat *grad,
                         const ps_ufloat *const *grad_rows, float lr_scale, uint32_t grad_bits,

@@ -388,7 +388,8 @@ static void test_table_rows(uint64_t rows) {
   /* The same with the largest magnitude measured by the caller (as a
    * server's push does while copying the gradient out): the same refusal,
    * naming the same value. */
-  CHECK(ps_table_stage_max(t, two, NULL, 2, gn, 1.0f, ps_f32_max_bits(gn, 6), err) == PS_EINVAL &&
+  CHECK(ps_table_stage_rows(t, two, NULL, NULL, 2, gn, NULL, 1.0f, ps_f32_max_bits(gn, 6), err) ==
+            PS_EINVAL &&
         strstr(err, "gradient value 1 of row") && strstr(err, "(position 1) is NaN"));
   ps_table_unstage(t);
   ps_table_unlock(t);
