@@ -830,15 +830,19 @@ tables)
   grep -q "table 'cat': rows of 8 values placed on shard 0 of 2: 50000 of 100000" \
     "$out/server-0.log" || fail "shard 0 did not say which rows it holds"
   # The same large push to one shard (the worker then reads and sends each
-  # section whole), bit for bit.
-  one=$(free_ports 1)
-  "$build/ps-server" --insecure --job "$here/jobs/tables.json" --ps "$one" --index 0 \
-    >"$out/server-one.log" 2>&1 &
-  onepid=$!
-  timeout 120 "$build/table_check" --big "$here/jobs/tables.json" "$one" >"$out/big-one.log" 2>&1 \
-    || { cat "$out/big-one.log"; tail -20 "$out/server-one.log"; fail "table_check --big on one shard"; }
-  cat "$out/big-one.log"
-  kill "$onepid"; wait "$onepid" 2>/dev/null || true
+  # section whole), bit for bit; and with the job's values on a bf16 wire
+  # (the shard decodes the rows' gradients and measures them there).
+  python3 -c 'import json,sys; j=json.load(open(sys.argv[1])); j["wire"]="bf16"; json.dump(j, open(sys.argv[2], "w"))' \
+    "$here/jobs/tables.json" "$out/tables-bf16.json"
+  for j in "$here/jobs/tables.json" "$out/tables-bf16.json"; do
+    one=$(free_ports 1)
+    "$build/ps-server" --insecure --job "$j" --ps "$one" --index 0 >"$out/server-one.log" 2>&1 &
+    onepid=$!
+    timeout 120 "$build/table_check" --big "$j" "$one" >"$out/big-one.log" 2>&1 \
+      || { cat "$out/big-one.log"; tail -20 "$out/server-one.log"; fail "table_check --big on one shard ($j)"; }
+    cat "$out/big-one.log"
+    kill "$onepid"; wait "$onepid" 2>/dev/null || true
+  done
   "$build/ps-server" --insecure --status "$ps" >"$out/status.json" \
     || fail "no Status from the shards"
   python3 - "$out/status.json" <<'PY' || fail "Status does not show the tables"

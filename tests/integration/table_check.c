@@ -29,7 +29,8 @@
  *   table_check --compare FILE JOB ADDRS
  *
  * --big pushes 40,000 rows (as the end of the checks does) to shards of
- * any number and checks each moved by one step, bit for bit.
+ * any number and checks each moved by one step, bit for bit (on a 16-bit
+ * wire: the step of the gradient as it travels, read back as it travels).
  *
  *   table_check --big JOB ADDRS */
 #include <inttypes.h>
@@ -40,6 +41,7 @@
 
 #include "../../common/cluster.h"
 #include "../../common/emb.h"
+#include "../../common/half.h"
 #include "../../common/job.h"
 #include "../../common/optim.h"
 #include "../../common/util.h"
@@ -220,6 +222,17 @@ static int save_or_compare(int save, const char *file, const char *list) {
  * shards read its rows' gradients where they lie in the request, rows
  * split between two slices put together. Every row moved by exactly one
  * step, bit for bit. Rows 5000 + 2i of "cat", none pushed before. */
+/* out = in as the job's wire carries it (float32: as it is). */
+static void round_wire(const float *in, float *out, int n) {
+  if (job.wire == PS_WIRE_FP32) {
+    memcpy(out, in, (size_t)n * sizeof(float));
+    return;
+  }
+  uint16_t h[PS_TABLE_MAX_DIM];
+  ps_half_encode(job.wire, in, h, (size_t)n);
+  ps_half_decode(job.wire, h, out, (size_t)n);
+}
+
 static void big_push(ps_client *c, size_t P, float *params, float *grads, uint64_t *versions,
                      uint64_t *v2) {
   enum { NBIG = 40000 };
@@ -238,11 +251,15 @@ static void big_push(ps_client *c, size_t P, float *params, float *grads, uint64
     for (int k = 0; k < opt->n_slots; k++)
       for (int j = 0; j < dc; j++) sl[k][j] = opt->slot_init(&job.table_optim[0], k);
     for (int j = 0; j < dc; j++) gb[(size_t)i * dc + j] = 0.001f * (float)((i * 7 + j) % 19 - 9);
-    opt->apply(&job.table_optim[0], 1, job.table_optim[0].lr, rec, sl, gb + (size_t)i * dc,
-               (size_t)dc);
-    memcpy(wb + (size_t)i * dc, rec, (size_t)dc * sizeof(float));
+    /* On a 16-bit wire the shard takes the gradient as the worker rounds
+     * it, and the rows come back rounded the same way. */
+    float gr[PS_TABLE_MAX_DIM];
+    round_wire(gb + (size_t)i * dc, gr, dc);
+    opt->apply(&job.table_optim[0], 1, job.table_optim[0].lr, rec, sl, gr, (size_t)dc);
+    round_wire(rec, wb + (size_t)i * dc, dc);
   }
   ps_client_rows bs = {0, big, NBIG, vb, gb};
+  CHECK_MSG(ps_client_set_wire(c, job.wire, err) == 0, "%s", err);
   CHECK_MSG(ps_client_set_rows(c, &bs, 1, err) == 0, "%s", err);
   CHECK_MSG(ps_client_pull(c, params, versions, NULL, err) == 0, "pull: %s", err);
   memset(grads, 0, P * sizeof(float));
@@ -250,11 +267,11 @@ static void big_push(ps_client *c, size_t P, float *params, float *grads, uint64
   memset(vb, 0, (size_t)NBIG * dc * sizeof(float));
   CHECK_MSG(ps_client_pull(c, params, v2, NULL, err) == 0, "pull: %s", err);
   CHECK_MSG(memcmp(vb, wb, (size_t)NBIG * dc * sizeof(float)) == 0,
-            "a push of %d rows to %d shard(s): rows differ from one adagrad step", NBIG,
-            ps_client_num_shards(c));
-  printf("a push of %d rows (%zu bytes of gradient) to %d shard(s): each moved by one step, "
+            "a push of %d rows to %d shard(s) (%s): rows differ from one adagrad step", NBIG,
+            ps_client_num_shards(c), ps_wire_name(job.wire));
+  printf("a push of %d rows (%zu gradient values) to %d shard(s) (%s): each moved by one step, "
          "bit for bit\n",
-         NBIG, (size_t)NBIG * dc * sizeof(float), ps_client_num_shards(c));
+         NBIG, (size_t)NBIG * dc, ps_client_num_shards(c), ps_wire_name(job.wire));
   free(big), free(vb), free(gb), free(wb);
 }
 
