@@ -1211,12 +1211,23 @@ static void apply_share(void *ctx, size_t lo, size_t hi, int who) {
   uint32_t crc = 0;
   size_t born = 0;
 #define POS(j) (ord ? (size_t)ord[j] : (j))
-  /* Rows are prefetched `ahead` positions before their update: about
-   * AHEAD_LINES cache lines in flight. */
-  const size_t ahead = rows_ahead((st * sizeof(float) + 63) / 64 + 1);
-  for (size_t j = lo; j < hi && j < lo + ahead; j++) prefetch_row(staged_row(t, POS(j)), st, 1);
+  /* Rows, and their gradient's rows, are prefetched `ahead` positions
+   * before their update: about AHEAD_LINES cache lines in flight. The
+   * gradient is read in the rows' address order, a position here and one
+   * there over the request's bytes: unprefetched, its loads were half the
+   * update's time (perf: a dim-16 push's commit went from 0.42 to 0.35 ms
+   * with them prefetched). */
+  const size_t gl = (d * sizeof(ps_ufloat) + 63) / 64 + 1;
+  const size_t ahead = rows_ahead((st * sizeof(float) + 63) / 64 + 1 + gl);
+  for (size_t j = lo; j < hi && j < lo + ahead; j++) {
+    prefetch_row(staged_row(t, POS(j)), st, 1);
+    prefetch_row((const float *)grad_of(t, POS(j)), d, 0);
+  }
   for (size_t j = lo; j < hi; j++) {
-    if (j + ahead < hi) prefetch_row(staged_row(t, POS(j + ahead)), st, 1);
+    if (j + ahead < hi) {
+      prefetch_row(staged_row(t, POS(j + ahead)), st, 1);
+      prefetch_row((const float *)grad_of(t, POS(j + ahead)), d, 0);
+    }
     const size_t i = POS(j);
     float *row = staged_row(t, i);
     if (!t->spec.rows && t->st_where[i] < 0) set_count(row, 0);
