@@ -23,7 +23,11 @@
 #   checkpoints: examples/s of the quickstart CNN with 2 servers + 1 worker,
 #              with a checkpoint set every second against none, and how long
 #              shard 0 took for each set
-#   tests/bench/run.sh [transport|wire|wire_accuracy|training|pipeline|tls|checkpoints|all]
+#   rows:      embedding rows against dense values: 10,000 distinct rows per
+#              request (dim 16 and 64) pulled and pushed, rounds alternating
+#              with a dense shard of as many values (bench_rows; medians of
+#              BENCH_ROUNDS, default 300)
+#   tests/bench/run.sh [rows|transport|wire|wire_accuracy|training|pipeline|tls|checkpoints|all]
 #       [BUILD_DIR]
 set -euo pipefail
 what=${1:-all}
@@ -92,7 +96,7 @@ rows() {
   "$build/ps-server" --insecure --job "$root/tests/bench/jobs_rows_dense64.json" \
     --ps "127.0.0.1:$p64" --index 0 >"$out/server-dense64.log" 2>&1 &
   pids+=($!)
-  "$build/bench_rows" "127.0.0.1:$pr" "127.0.0.1:$p16" "127.0.0.1:$p64" "${BENCH_ROUNDS:-20}" \
+  "$build/bench_rows" "127.0.0.1:$pr" "127.0.0.1:$p16" "127.0.0.1:$p64" "${BENCH_ROUNDS:-300}" \
     "${BENCH_IDS:-10000}" | tee "$out/rows.txt"
 }
 
