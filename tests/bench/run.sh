@@ -27,7 +27,10 @@
 #              request (dim 16 and 64) pulled and pushed, rounds alternating
 #              with a dense shard of as many values (bench_rows; medians of
 #              BENCH_ROUNDS, default 300)
-#   tests/bench/run.sh [rows|transport|wire|wire_accuracy|training|pipeline|tls|checkpoints|all]
+#   pslite:    the rows bench beside dmlc ps-lite's key-value store (dense
+#              values and rows) on the same machine: PSLITE_SRC, a ps-lite
+#              checkout, is built into BUILD_DIR/pslite (tests/bench/pslite_kv.cc)
+#   tests/bench/run.sh [rows|pslite|transport|wire|wire_accuracy|training|pipeline|tls|checkpoints|all]
 #       [BUILD_DIR]
 set -euo pipefail
 what=${1:-all}
@@ -98,6 +101,94 @@ rows() {
   pids+=($!)
   "$build/bench_rows" "127.0.0.1:$pr" "127.0.0.1:$p16" "127.0.0.1:$p64" "${BENCH_ROUNDS:-300}" \
     "${BENCH_IDS:-10000}" | tee "$out/rows.txt"
+}
+
+pslite() {
+  # The rows bench beside dmlc ps-lite's key-value store on the same machine
+  # (tests/bench/pslite_kv.cc): PSLITE_SRC, a ps-lite checkout
+  # (https://github.com/dmlc/ps-lite), is built into BUILD_DIR/pslite (reused
+  # when there); it needs libzmq3-dev, libprotobuf-dev and protobuf-compiler.
+  # BENCH_RUNS (default 3) runs of each, alternating.
+  local src=${PSLITE_SRC:-} pl=$build/pslite
+  [ -n "$src" ] && [ -f "$src/include/ps/kv_app.h" ] ||
+    { echo "PSLITE_SRC must name a ps-lite checkout (https://github.com/dmlc/ps-lite)" >&2; exit 2; }
+  if [ ! -x "$pl/pslite_kv" ]; then
+    cmake -S "$src" -B "$pl/build" -DCMAKE_BUILD_TYPE=Release >"$out/pslite-cmake.log" 2>&1
+    cmake --build "$pl/build" -j2 --target pslite >"$out/pslite-build.log" 2>&1
+    g++ -O2 -std=c++14 -I "$src/include" -I "$pl/build" "$root/tests/bench/pslite_kv.cc" \
+      "$pl/build/libpslite.a" -lzmq -lprotobuf -lpthread -o "$pl/pslite_kv"
+  fi
+  kv() { # the worker's JSON line; a start that fails (ps-lite's scheduler
+    # aborted now and then here) is tried again, on another port
+    local try line
+    for try in 1 2 3; do
+      line=$(kv_once "$@")
+      [ -n "$line" ] && { echo "$line"; return 0; }
+      echo "ps-lite: $* failed to start (try $try)" >&2
+    done
+    return 1
+  }
+  kv_once() { # scheduler, one server, one worker on loopback
+    local sp; sp=$(port)
+    local e=(env DMLC_NUM_SERVER=1 DMLC_NUM_WORKER=1 DMLC_PS_ROOT_URI=127.0.0.1
+             DMLC_PS_ROOT_PORT="$sp" DMLC_NODE_HOST=127.0.0.1)
+    "${e[@]}" DMLC_ROLE=scheduler "$pl/pslite_kv" "$@" >/dev/null 2>&1 &
+    local a=$!
+    "${e[@]}" DMLC_ROLE=server "$pl/pslite_kv" "$@" >/dev/null 2>&1 &
+    local b=$!
+    timeout 300 "${e[@]}" DMLC_ROLE=worker "$pl/pslite_kv" "$@" 2>/dev/null | tail -1 || true
+    kill "$a" "$b" 2>/dev/null || true
+    wait "$a" "$b" 2>/dev/null || true
+  }
+  local r pr p16 p64 s1 s2 s3 rounds=${BENCH_ROUNDS:-300}
+  : >"$out/pslite.jsonl"
+  for r in $(seq 1 "${BENCH_RUNS:-3}"); do
+    pr=$(port); p16=$(port); p64=$(port)
+    "$build/ps-server" --insecure --job "$root/tests/bench/jobs_rows.json" --ps "127.0.0.1:$pr" \
+      --index 0 >"$out/server-rows.log" 2>&1 &
+    s1=$!
+    "$build/ps-server" --insecure --job "$root/tests/bench/jobs_rows_dense16.json" \
+      --ps "127.0.0.1:$p16" --index 0 >"$out/server-dense16.log" 2>&1 &
+    s2=$!
+    "$build/ps-server" --insecure --job "$root/tests/bench/jobs_rows_dense64.json" \
+      --ps "127.0.0.1:$p64" --index 0 >"$out/server-dense64.log" 2>&1 &
+    s3=$!
+    pids+=("$s1" "$s2" "$s3")
+    echo "{\"ours\": $("$build/bench_rows" "127.0.0.1:$pr" "127.0.0.1:$p16" "127.0.0.1:$p64" \
+      "$rounds" 10000 | tail -1)}" >>"$out/pslite.jsonl"
+    kill "$s1" "$s2" "$s3"; wait "$s1" "$s2" "$s3" 2>/dev/null || true
+    for d in 16 64; do
+      local n=$((d == 16 ? 161202 : 642402)) rows=$((d == 16 ? 4000000 : 1000000))
+      echo "{\"dim\": $d, \"dense1\": $(kv dense1 "$n" "$rounds"), \"dense\": $(kv dense "$n" "$rounds"), \"rows\": $(kv rows "$d" "$rows" "$rounds" 10000)}" >>"$out/pslite.jsonl"
+    done
+  done
+  python3 - "$out/pslite.jsonl" <<'PY'
+import json, sys
+runs = [json.loads(l) for l in open(sys.argv[1])]
+ours = [r["ours"] for r in runs if "ours" in r]
+peer = {16: [r for r in runs if r.get("dim") == 16], 64: [r for r in runs if r.get("dim") == 64]}
+print("rows: 10,000 distinct ids per request; rates are value bytes/s (4 bytes a value)")
+print("| run | dim | ours: rows pull, push (ms) | ps-lite: rows pull, push | ps-lite dense, 1 key: pull, push | ps-lite dense, a key a value: pull, push | ours / ps-lite dense (best form): pull, push |")
+print("|---|---|---|---|---|---|---|")
+for i, o in enumerate(ours):
+    for d in (16, 64):
+        if i >= len(peer[d]):
+            continue
+        p = peer[d][i]; m = o["dim%d" % d]
+        rb = 10000 * d * 4
+        def rate(values, ms): return values * 4 / ms
+        ours_pull, ours_push = rate(10000 * d, m["rows_pull_ms"]), rate(10000 * d, m["rows_push_ms"])
+        best_pull = max(rate(p[k]["values"], p[k]["pull_ms"]) for k in ("dense", "dense1"))
+        best_push = max(rate(p[k]["values"], p[k]["push_ms"]) for k in ("dense", "dense1"))
+        print(f"| {i + 1} | {d} | {m['rows_pull_ms']:.3f}, {m['rows_push_ms']:.3f} | "
+              f"{p['rows']['pull_ms']:.3f}, {p['rows']['push_ms']:.3f} | "
+              f"{p['dense']['pull_ms']:.3f}, {p['dense']['push_ms']:.3f} | "
+              f"{p['dense1']['pull_ms']:.3f}, {p['dense1']['push_ms']:.3f} | "
+              f"x{ours_pull / best_pull:.3f}, x{ours_push / best_push:.3f} |")
+print("ours against our dense shard (bench_rows): " + "; ".join(
+    f"run {i + 1}: dim 16 x{o['dim16']['pull_ratio']:.3f}, x{o['dim16']['push_ratio']:.3f}, "
+    f"dim 64 x{o['dim64']['pull_ratio']:.3f}, x{o['dim64']['push_ratio']:.3f}" for i, o in enumerate(ours)))
+PY
 }
 
 wire() {
@@ -310,11 +401,12 @@ case "$what" in
   transport) transport ;;
   wire) wire ;;
   rows) rows ;;
+  pslite) pslite ;;
   wire_accuracy) wire_accuracy ;;
   training) training ;;
   pipeline) pipeline ;;
   tls) tls ;;
   checkpoints) checkpoints ;;
   all) transport; wire; training; pipeline; tls; checkpoints ;;
-  *) echo "usage: tests/bench/run.sh [transport|rows|wire|wire_accuracy|training|pipeline|tls|checkpoints|all] [BUILD_DIR]" >&2; exit 2 ;;
+  *) echo "usage: tests/bench/run.sh [transport|rows|pslite|wire|wire_accuracy|training|pipeline|tls|checkpoints|all] [BUILD_DIR]" >&2; exit 2 ;;
 esac
