@@ -91,6 +91,12 @@ def main():
         job["lease_chunk"] = a.lease_chunk
     if a.mode:
         job["mode"] = a.mode
+    if job.get("mode") == "sync":
+        # Every step holds every worker's push (the checks below count on
+        # it): steps begin once all have registered, not with the first
+        # (min_workers 1 let a step go with one worker's gradient when the
+        # other registered a moment later, and the run made 251 steps).
+        job["min_workers"] = a.workers
     job_path = os.path.join(a.out, "job.json")
     json.dump(job, open(job_path, "w"))
     ckpt = os.path.join(a.out, "ckpt")
