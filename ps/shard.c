@@ -241,33 +241,9 @@ static int split_run(helper_thread *h, int (*fn)(void *), void *a, void *b) {
 #define NONFINITE_BITS 0x7f800000u /* |x| as bits at or above this: Inf or NaN */
 
 /* The largest |v[i]| as float bits without the sign: at least
- * NONFINITE_BITS when a value is Inf or NaN. In blocks of a fixed size,
- * which GCC vectorizes at -O2 (a max of non-negative ints); blocks of 64
- * rather than 16 leave one horizontal max per 64 values, which keeps the
- * scan of a push as fast as the plain search for NaN and Inf it replaced
- * (10M values on two threads: within 0.3 ms). */
-static uint32_t max_abs_bits(const ps_ufloat *v, size_t n) {
-  enum { BLOCK = 64 };
-  int32_t m = 0;
-  size_t i = 0;
-  for (; i + BLOCK <= n; i += BLOCK) {
-    int32_t bm = 0;
-    for (int j = 0; j < BLOCK; j++) {
-      uint32_t u;
-      memcpy(&u, &v[i + j], 4);
-      int32_t a = (int32_t)(u & 0x7fffffffu);
-      bm = a > bm ? a : bm;
-    }
-    m = bm > m ? bm : m;
-  }
-  for (; i < n; i++) {
-    uint32_t u;
-    memcpy(&u, &v[i], 4);
-    int32_t a = (int32_t)(u & 0x7fffffffu);
-    m = a > m ? a : m;
-  }
-  return (uint32_t)m;
-}
+ * NONFINITE_BITS when a value is Inf or NaN (common/half.c's vectorized
+ * pass, shared with the tables and the worker's checks). */
+static inline uint32_t max_abs_bits(const ps_ufloat *v, size_t n) { return ps_f32_max_bits(v, n); }
 
 /* The magnitude such bits stand for: +Inf for Inf and NaN. */
 static double bits_magnitude(uint32_t bits) {

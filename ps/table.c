@@ -32,6 +32,7 @@
 #define MADV_COLLAPSE 25
 #endif
 
+#include "../common/half.h"
 #include "../common/optim.h"
 #include "../common/util.h"
 
@@ -923,19 +924,9 @@ static inline uint32_t next_count(uint32_t c) { return c < UINT32_MAX ? c + 1 : 
 #define NONFINITE_BITS 0x7f800000u
 
 /* The largest |v[i]| as float bits without the sign (NaN and Inf at or
- * above NONFINITE_BITS, and so above every finite value), in one pass the
- * compiler vectorizes (this file is built with GCC's "cheap" cost model,
- * see cmake/tables.cmake; unit.table_vectorized checks it). */
-static uint32_t max_abs_bits(const ps_ufloat *v, size_t n) {
-  int32_t m = 0;
-  for (size_t i = 0; i < n; i++) { /* vectorized */
-    uint32_t u;
-    memcpy(&u, (const void *)(v + i), sizeof u);
-    const int32_t a = (int32_t)(u & 0x7fffffffu);
-    m = a > m ? a : m;
-  }
-  return (uint32_t)m;
-}
+ * above NONFINITE_BITS, and so above every finite value): common/half.c's
+ * vectorized pass, which the worker's checks use too. */
+static inline uint32_t max_abs_bits(const ps_ufloat *v, size_t n) { return ps_f32_max_bits(v, n); }
 
 static double bits_magnitude(uint32_t bits) {
   if (bits >= NONFINITE_BITS) return INFINITY;
