@@ -117,6 +117,10 @@ for ((k = 0; k < workers; k++)); do
   if [ "$straggler" -gt 0 ] && [ "$k" -eq $((workers - 1)) ] && [ "$workers" -gt 1 ]; then
     args+=(--straggle-ms "$straggler")
   fi
+  # The log exists before the worker starts, so that the tail below finds
+  # it (the worker's redirection runs in the background: a tail started
+  # first found no file, gave up, and the terminal showed nothing).
+  : >"$out/worker-$k.log"
   (
     [ -z "$vmem_mb" ] || ulimit -v $((vmem_mb * 1024))
     exec "$bin/ps-worker" "${client_sec[@]}" "${args[@]}"

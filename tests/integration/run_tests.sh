@@ -160,6 +160,10 @@ synthetic)
   echo "synthetic: final test accuracy $acc in $(( $(date +%s) - start )) s"
   [ -n "$acc" ] || fail "no final accuracy in the chief's log"
   at_least "$acc" 0.90 || fail "accuracy $acc below 0.90"
+  # The terminal shows the chief's progress and result (local-cluster.sh
+  # tails its log: a tail started before the log existed showed nothing).
+  grep -q "final test accuracy" "$out/cluster.out" \
+    || { cat "$out/cluster.out"; fail "local-cluster.sh did not show the chief's log"; }
   # The servers' own records: every push of both workers applied, with staleness recorded.
   steps=$(( 2 * 3 * 1024 / 32 ))
   python3 - "$out" "$steps" <<'PY' || fail "server records do not match"
