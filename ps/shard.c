@@ -238,16 +238,13 @@ static int split_run(helper_thread *h, int (*fn)(void *), void *a, void *b) {
 
 /* ---------------------------------------------------------------- bounds */
 
-#define NONFINITE_BITS 0x7f800000u /* |x| as bits at or above this: Inf or NaN */
-
-/* The largest |v[i]| as float bits without the sign: at least
- * NONFINITE_BITS when a value is Inf or NaN (common/half.c's vectorized
- * pass, shared with the tables and the worker's checks). */
-static inline uint32_t max_abs_bits(const ps_ufloat *v, size_t n) { return ps_f32_max_bits(v, n); }
+/* Largest magnitudes are measured as float bits without the sign
+ * (ps_f32_max_bits, common/half.c): NaN and Inf at or above
+ * PS_F32_NONFINITE_BITS, and so above every finite value. */
 
 /* The magnitude such bits stand for: +Inf for Inf and NaN. */
 static double bits_magnitude(uint32_t bits) {
-  if (bits >= NONFINITE_BITS) return INFINITY;
+  if (bits >= PS_F32_NONFINITE_BITS) return INFINITY;
   float f;
   memcpy(&f, &bits, 4);
   return f;
@@ -264,9 +261,9 @@ static size_t first_nonfinite(const ps_ufloat *v, size_t n) {
  * with apply_mu held, or before the shard is shared. */
 static void measure_bounds(ps_shard *s) {
   size_t n = s->end - s->begin;
-  s->bounds = (ps_optim_bounds){.param = bits_magnitude(max_abs_bits(s->current->values, n))};
+  s->bounds = (ps_optim_bounds){.param = bits_magnitude(ps_f32_max_bits(s->current->values, n))};
   for (int k = 0; k < s->opt->n_slots; k++) {
-    s->bounds.slot[k] = bits_magnitude(max_abs_bits(s->slots[k], n));
+    s->bounds.slot[k] = bits_magnitude(ps_f32_max_bits(s->slots[k], n));
     int nonneg = 1;
     for (size_t i = 0; i < n; i++) nonneg &= !(s->slots[k][i] < 0.0f);
     if (nonneg) s->bounds.slot_nonneg |= 1u << k;
@@ -504,14 +501,14 @@ typedef struct {
   int found;
   size_t bad_index; /* index within the push of the first non-finite value */
   float bad_value;
-  uint32_t max_bits; /* the largest |value| seen, as bits (max_abs_bits) */
+  uint32_t max_bits; /* the largest |value| seen, as bits (ps_f32_max_bits) */
 } finite_scan;
 
 /* Stops at the first NaN or Inf; notes the largest magnitude. */
 static int scan_finite_piece(const ps_ufloat *values, size_t n, size_t first, void *user) {
   finite_scan *fs = user;
-  uint32_t m = max_abs_bits(values, n);
-  if (m >= NONFINITE_BITS) {
+  uint32_t m = ps_f32_max_bits(values, n);
+  if (m >= PS_F32_NONFINITE_BITS) {
     size_t j = first_nonfinite(values, n);
     fs->found = 1;
     fs->bad_index = first + j;
@@ -580,9 +577,9 @@ static int trial_piece(const ps_ufloat *values, size_t n, size_t first, void *us
                           s->begin + at, s->moving, s->n_moving);
     size_t bad = k;
     for (int q = 0; q <= ns; q++) {
-      uint32_t m = max_abs_bits(res[q], k);
+      uint32_t m = ps_f32_max_bits(res[q], k);
       if (m > t->max_bits[q]) t->max_bits[q] = m;
-      size_t i = m >= NONFINITE_BITS ? first_nonfinite(res[q], k) : k;
+      size_t i = m >= PS_F32_NONFINITE_BITS ? first_nonfinite(res[q], k) : k;
       if (i < bad) {
         bad = i;
         t->bad_slot = q - 1;
@@ -651,8 +648,8 @@ static int sum_trial_piece(const ps_ufloat *values, size_t n, size_t first, void
     size_t k = n - done < APPLY_CHUNK ? n - done : APPLY_CHUNK;
     const float *in = c->sum + first + done;
     for (size_t i = 0; i < k; i++) c->area[i] = in[i] + values[done + i];
-    uint32_t m = max_abs_bits(c->area, k);
-    if (m >= NONFINITE_BITS) {
+    uint32_t m = ps_f32_max_bits(c->area, k);
+    if (m >= PS_F32_NONFINITE_BITS) {
       size_t i = first_nonfinite(c->area, k);
       c->bad_index = first + done + i;
       c->bad_value = c->area[i];

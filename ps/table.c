@@ -921,15 +921,12 @@ static inline uint32_t next_count(uint32_t c) { return c < UINT32_MAX ? c + 1 : 
 
 /* ---- bounds ---- */
 
-#define NONFINITE_BITS 0x7f800000u
-
-/* The largest |v[i]| as float bits without the sign (NaN and Inf at or
- * above NONFINITE_BITS, and so above every finite value): common/half.c's
- * vectorized pass, which the worker's checks use too. */
-static inline uint32_t max_abs_bits(const ps_ufloat *v, size_t n) { return ps_f32_max_bits(v, n); }
+/* Largest magnitudes are measured as float bits without the sign
+ * (ps_f32_max_bits, common/half.c): NaN and Inf at or above
+ * PS_F32_NONFINITE_BITS, and so above every finite value. */
 
 static double bits_magnitude(uint32_t bits) {
-  if (bits >= NONFINITE_BITS) return INFINITY;
+  if (bits >= PS_F32_NONFINITE_BITS) return INFINITY;
   float f;
   memcpy(&f, &bits, sizeof f);
   return f;
@@ -955,11 +952,11 @@ static void init_bounds(ps_table *t) {
 /* Widens the bounds to a record put in (a restore). */
 static void widen_bounds(ps_table *t, const float *rec) {
   const size_t d = (size_t)t->spec.dim;
-  const double p = bits_magnitude(max_abs_bits(rec, d));
+  const double p = bits_magnitude(ps_f32_max_bits(rec, d));
   if (p > t->bounds.param) t->bounds.param = p;
   for (int k = 0; k < t->n_slots; k++) {
     const float *sl = rec + (size_t)(k + 1) * d;
-    const double m = bits_magnitude(max_abs_bits(sl, d));
+    const double m = bits_magnitude(ps_f32_max_bits(sl, d));
     if (m > t->bounds.slot[k]) t->bounds.slot[k] = m;
     for (size_t j = 0; j < d; j++)
       if (sl[j] < 0.0f) t->bounds.slot_nonneg &= ~(1u << k);
@@ -999,7 +996,7 @@ static void scan_share(void *ctx, size_t lo, size_t hi, int who) {
   ps_table *t = c->t;
   const size_t d = (size_t)t->spec.dim;
   if (!c->known) { /* (known whenever the gradient comes as rows) */
-    const uint32_t g = max_abs_bits(t->st_grad + lo * d, (hi - lo) * d);
+    const uint32_t g = ps_f32_max_bits(t->st_grad + lo * d, (hi - lo) * d);
     if (g > c->gbits[who]) c->gbits[who] = g;
   }
   if (t->spec.rows) return;
@@ -1056,7 +1053,7 @@ static int trial_range(ps_table *t, size_t lo, size_t hi, char *err) {
       else
         init_rec(t, ids[i], scratch);
       t->opt->apply(&t->cfg, next_count(cnt), t->st_lr, scratch, slots, grad_of(t, i), d);
-      if (max_abs_bits(scratch, t->rec_floats) >= NONFINITE_BITS)
+      if (ps_f32_max_bits(scratch, t->rec_floats) >= PS_F32_NONFINITE_BITS)
         for (size_t v = 0; v < t->rec_floats; v++)
           if (!isfinite(scratch[v]))
             return ps_seterr(err, PS_EINVAL,
@@ -1097,7 +1094,7 @@ int ps_table_stage_rows(ps_table *t, const uint64_t *ids, const uint64_t *locals
   if (grad_rows && grad_bits == PS_TABLE_GRAD_UNKNOWN) {
     grad_bits = 0;
     for (size_t i = 0; i < n; i++) {
-      const uint32_t b = max_abs_bits(grad_rows[i], (size_t)t->spec.dim);
+      const uint32_t b = ps_f32_max_bits(grad_rows[i], (size_t)t->spec.dim);
       if (b > grad_bits) grad_bits = b;
     }
   }
@@ -1126,7 +1123,7 @@ int ps_table_stage_rows(ps_table *t, const uint64_t *ids, const uint64_t *locals
   }
   const uint32_t gbits =
       sc.known ? grad_bits : sc.gbits[0] > sc.gbits[1] ? sc.gbits[0] : sc.gbits[1];
-  if (gbits >= NONFINITE_BITS) {
+  if (gbits >= PS_F32_NONFINITE_BITS) {
     size_t v = 0;
     while (v < n * d && isfinite(grad_of(t, v / d)[v % d])) v++;
     const size_t i = v / d;
