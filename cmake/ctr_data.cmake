@@ -1,9 +1,9 @@
 # Click-through data: the Criteo TSV reader and the synthetic click logs
-# (worker/data_ctr.c), ROC AUC and log-loss (common/auc.c), the generator
+# (worker/data/data_ctr.c), ROC AUC and log-loss (common/auc.c), the generator
 # program ps-ctr-gen and their unit test.
-target_sources(ps_workerlib PRIVATE ${CMAKE_SOURCE_DIR}/worker/data_ctr.c
+target_sources(ps_workerlib PRIVATE ${CMAKE_SOURCE_DIR}/worker/data/data_ctr.c
                                     ${CMAKE_SOURCE_DIR}/common/auc.c)
-add_executable(ps-ctr-gen worker/ctr_gen_main.c)
+add_executable(ps-ctr-gen tools/ctr_gen/ctr_gen_main.c)
 target_link_libraries(ps-ctr-gen ps_workerlib)
 ps_unit_test(test_ctr_data ps_workerlib)
 # Installed beside the other programs (bin/). GNUInstallDirs is included

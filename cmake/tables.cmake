@@ -1,9 +1,9 @@
-# Embedding tables on the shards (ps/table.c) and their tests.
-target_sources(ps_shardlib PRIVATE ${CMAKE_SOURCE_DIR}/ps/table.c)
+# Embedding tables on the shards (ps/state/table.c) and their tests.
+target_sources(ps_shardlib PRIVATE ${CMAKE_SOURCE_DIR}/ps/state/table.c)
 ps_unit_test(test_table ps_shardlib)
-# Their rows in checkpoints (ps/table_ckpt.c): saved, restored onto any
+# Their rows in checkpoints (ps/ckpt/table_ckpt.c): saved, restored onto any
 # number of shards, exported as .npy.
-target_sources(ps_shardlib PRIVATE ${CMAKE_SOURCE_DIR}/ps/table_ckpt.c)
+target_sources(ps_shardlib PRIVATE ${CMAKE_SOURCE_DIR}/ps/ckpt/table_ckpt.c)
 ps_unit_test(test_table_ckpt ps_shardlib)
 if(EXISTS ${CMAKE_SOURCE_DIR}/tests/integration/table_check.c)
   add_executable(table_check tests/integration/table_check.c)
@@ -14,7 +14,7 @@ if(EXISTS ${CMAKE_SOURCE_DIR}/tests/bench/bench_rows.c)
   target_link_libraries(bench_rows ps_workerlib)
 endif()
 # Sync steps' embedding rows (a sparse sum beside the dense one).
-target_sources(ps_shardlib PRIVATE ${CMAKE_SOURCE_DIR}/ps/table_sync.c)
+target_sources(ps_shardlib PRIVATE ${CMAKE_SOURCE_DIR}/ps/state/table_sync.c)
 ps_unit_test(test_table_sync ps_shardlib)
 if(EXISTS ${CMAKE_SOURCE_DIR}/tests/integration/table_sync_check.c)
   add_executable(table_sync_check tests/integration/table_sync_check.c)

@@ -29,7 +29,7 @@
  *    "test_x": "c.npy", "test_y": "d.npy", "layout": "nchw"}
  * relative paths are under "dir" (or --data-dir) when one is given;
  * Click logs, for a binary model with ids (model_spec.h), input [dense
- * fields, 1, 1] and "ids" the categorical fields (worker/data_ctr.h):
+ * fields, 1, 1] and "ids" the categorical fields (worker/data/data_ctr.h):
  *   {"name": "ctr-synthetic", "train_size": 1000000, "test_size": 100000,
  *    "vocab": 100000, "zipf": 1.05, "data_seed": 1}
  *                     examples [0, train_size) and the next test_size of
@@ -108,7 +108,7 @@ typedef struct {
   int heartbeat_timeout_ms;
   int max_workers;     /* registered at once on a shard (evaluators included); default 256 */
   ps_wire wire;        /* how pulled parameters and pushed gradients travel; default fp32 */
-  /* Replicated shards (ps/replica.h): replicas per shard (1: none), a
+  /* Replicated shards (ps/repl/replica.h): replicas per shard (1: none), a
    * primary's heartbeat to its backups, and the silence after which a
    * backup runs for primary or a primary drops a backup. */
   int replicas_per_shard;   /* default 1, at most PS_MAX_REPLICAS */

@@ -1,5 +1,5 @@
 /* What the CUDA runtime sees. Built only with WITH_CUDA; callers guard
- * their use with #ifdef PS_WITH_CUDA (see worker/device.c). */
+ * their use with #ifdef PS_WITH_CUDA (see worker/model/device.c). */
 #ifndef PS_KERNELS_CUDA_DEVICE_H
 #define PS_KERNELS_CUDA_DEVICE_H
 

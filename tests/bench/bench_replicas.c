@@ -26,8 +26,8 @@
 #include "../../common/job.h"
 #include "../../common/util.h"
 #include "../../kernels/ops.h"
-#include "../../worker/model.h"
-#include "../../worker/replicas.h"
+#include "worker/model/model.h"
+#include "worker/model/replicas.h"
 
 static double now_s(void) {
   struct timespec ts;

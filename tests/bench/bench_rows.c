@@ -25,7 +25,7 @@
 #include "../../common/rpc.h"
 #include "../../common/security.h"
 #include "../../common/util.h"
-#include "../../worker/ps_client.h"
+#include "worker/client/ps_client.h"
 
 /* The pause after a table's first pass. */
 #define SETTLE_MS 3000
@@ -151,7 +151,7 @@ int main(int argc, char **argv) {
            "push %.2f ms per %zu rows\n",
            d, W, fresh_pull / fresh_rounds * 1e3, fresh_push / fresh_rounds * 1e3, ids_n);
     /* A table's arena above 512 MiB that has become dense is collapsed
-     * into huge pages by a thread of the shard's, once (ps/table.c,
+     * into huge pages by a thread of the shard's, once (ps/state/table.c,
      * arena_dense): the rounds measure the steady state after it. */
     ps_sleep_ms(SETTLE_MS);
     for (int r = 0; r < rounds; r++) {

@@ -24,7 +24,7 @@
 #include "../../common/rpc.h"
 #include "../../common/security.h"
 #include "../../common/util.h"
-#include "../../worker/ps_client.h"
+#include "worker/client/ps_client.h"
 
 static int cmp_double(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;

@@ -16,7 +16,7 @@
 #include "../../common/auth.h"
 #include "../../common/util.h"
 #include "../../common/wire.h"
-#include "../../ps/membership.h"
+#include "ps/state/membership.h"
 #include "fuzz_util.h"
 #include "proto/ps.pb-c.h"
 

@@ -15,7 +15,7 @@
 #include <unistd.h>
 
 #include "../../common/util.h"
-#include "../../ps/checkpoint.h"
+#include "ps/ckpt/checkpoint.h"
 #include "fuzz_util.h"
 
 static char dir[256];

@@ -12,7 +12,7 @@
 #include <zlib.h>
 
 #include "../../common/util.h"
-#include "../../worker/data.h"
+#include "worker/data/data.h"
 #include "fuzz_util.h"
 
 static char dir[256];

@@ -12,7 +12,7 @@
 #include <string.h>
 
 #include "../../common/util.h"
-#include "../../ps/leases.h"
+#include "ps/state/leases.h"
 #include "fuzz_util.h"
 
 static void load_or_refuse(const void *buf, size_t len) {

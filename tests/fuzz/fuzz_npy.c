@@ -8,7 +8,7 @@
 #include <stdlib.h>
 
 #include "../../common/util.h"
-#include "../../worker/data.h"
+#include "worker/data/data.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (size < 2) return 0;

@@ -21,7 +21,7 @@
 #include "../../common/rpc.h"
 #include "../../common/security.h"
 #include "../../common/util.h"
-#include "../../worker/ps_client.h"
+#include "worker/client/ps_client.h"
 #include "../unit/check.h"
 
 typedef struct {

@@ -14,7 +14,7 @@
  * variance), what ONNX's BatchNormalization and Keras's predict compute;
  * a conv2d or dense without a bias adds zeros.
  *
- * The forward pass is the worker's layer by layer (worker/model.c's
+ * The forward pass is the worker's layer by layer (worker/model/model.c's
  * forward_layer with training off) through the same ops table, since the
  * model does not hand out its probabilities; so that the two cannot drift
  * apart, the mean loss and the number of examples classified right are
@@ -31,9 +31,9 @@
 #include "../../common/job.h"
 #include "../../common/util.h"
 #include "../../kernels/ops.h"
-#include "../../ps/checkpoint.h"
-#include "../../worker/data.h"
-#include "../../worker/model.h"
+#include "ps/ckpt/checkpoint.h"
+#include "worker/data/data.h"
+#include "worker/model/model.h"
 
 #define BATCH 128
 
@@ -89,7 +89,7 @@ static int load_test(const check_opts *o, const ps_job *job, ps_dataset *ds, cha
 }
 
 /* The forward pass on ops for up to BATCH examples: a buffer per layer
- * (worker/model.c's layout) and the convolutions' scratch space. */
+ * (worker/model/model.c's layout) and the convolutions' scratch space. */
 typedef struct {
   ps_ops *ops;
   const ps_model_spec *spec;
@@ -153,7 +153,7 @@ static int forward_init(forward_pass *f, ps_ops *ops, const ps_model_spec *spec)
 }
 
 /* Forward without dropout over n <= BATCH examples x into probs (n,
- * classes), layer by layer as worker/model.c runs it; returns the mean
+ * classes), layer by layer as worker/model/model.c runs it; returns the mean
  * loss over the labels y. */
 static float forward_run(forward_pass *f, const float *params, const float *x, const uint8_t *y,
                          int n, float *probs) {

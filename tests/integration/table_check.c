@@ -45,7 +45,7 @@
 #include "../../common/job.h"
 #include "../../common/optim.h"
 #include "../../common/util.h"
-#include "../../worker/ps_client.h"
+#include "worker/client/ps_client.h"
 #include "../unit/check.h"
 #include "raw_client.h"
 #include "env_token.h"

@@ -36,7 +36,7 @@
 #include "../../common/optim.h"
 #include "../../common/rpc.h"
 #include "../../common/util.h"
-#include "../../worker/ps_client.h"
+#include "worker/client/ps_client.h"
 #include "../unit/check.h"
 #include "env_token.h"
 

@@ -25,7 +25,7 @@
 #include "../../common/rpc.h"
 #include "../../common/util.h"
 #include "../../common/wire.h"
-#include "../../worker/ps_client.h"
+#include "worker/client/ps_client.h"
 #include "../unit/check.h"
 #include "proto/ps.pb-c.h"
 #include "raw_client.h"

@@ -6,7 +6,7 @@
 #include <string.h>
 
 #include "common/job.h"
-#include "ps/shard.h"
+#include "ps/state/shard.h"
 
 static inline ps_job fixture_job(const char *job_id, const char *spec, const char *optimizer,
                                  int sync) {

@@ -1,4 +1,4 @@
-/* Shard checkpoints (ps/checkpoint.c): the byte layout, round trips,
+/* Shard checkpoints (ps/ckpt/checkpoint.c): the byte layout, round trips,
  * retention, refusal of damaged files with a message that says so, the
  * search for the newest usable checkpoint, restoring onto another number of
  * shards, failed writes that leave nothing behind, and the .npy export;
@@ -23,7 +23,7 @@
 #include "common/crc32c.h"
 #include "common/model_spec.h"
 #include "common/util.h"
-#include "ps/checkpoint.h"
+#include "ps/ckpt/checkpoint.h"
 
 static char g_root[256]; /* the test's temporary directory */
 

@@ -1,4 +1,4 @@
-/* Tests of the click-through data (worker/data_ctr.c) and the metrics of
+/* Tests of the click-through data (worker/data/data_ctr.c) and the metrics of
  * common/auc.c: Criteo TSV lines valid and broken, the generator's
  * determinism, its Zipf frequencies and its ground truth, the round trip
  * synthetic -> TSV (plain and gzip) -> reader, and AUC by hand. */
@@ -15,7 +15,7 @@
 #include "common/util.h"
 #include "tests/unit/check.h"
 #include "tests/unit/tmp_tree.h"
-#include "worker/data_ctr.h"
+#include "worker/data/data_ctr.h"
 
 static char tmpdir[64];
 

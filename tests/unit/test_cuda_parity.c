@@ -1239,7 +1239,7 @@ static const char *CNN_JSON =
 enum { CNN_BATCH = 32, CNN_STEPS = 20, CNN_BATCHES = 4 };
 static const float CNN_LR = 0.02f;
 
-/* A model on one side, as worker/model.c builds it (which is host-only):
+/* A model on one side, as worker/model/model.c builds it (which is host-only):
  * per-layer outputs, argmax and masks, gradient ping-pong buffers. */
 typedef struct {
   const side *sd;
@@ -1252,7 +1252,7 @@ typedef struct {
   int32_t *argmax[PS_MAX_LAYERS];
   float *bn[PS_MAX_LAYERS]; /* batchnorm: the batch's mean, var, invstd (3 x C) */
   /* conv2d and dense without a bias (b_count 0): a zero bias, and a place
-   * for its gradient that nobody reads (as worker/model.c) */
+   * for its gradient that nobody reads (as worker/model/model.c) */
   float *zero_bias, *db_sink;
   ps_conv_shape conv[PS_MAX_LAYERS];
   ps_pool_shape pool[PS_MAX_LAYERS];

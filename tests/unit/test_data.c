@@ -1,4 +1,4 @@
-/* Tests of worker/data.c: IDX reading (plain, gzip, broken files), the named
+/* Tests of worker/data/data.c: IDX reading (plain, gzip, broken files), the named
  * sets, the synthetic set, and the batcher's sharding, shuffling and
  * shutdown. */
 #include <dirent.h>
@@ -14,7 +14,7 @@
 #include "common/util.h"
 #include "tests/unit/check.h"
 #include "tests/unit/tmp_tree.h"
-#include "worker/data.h"
+#include "worker/data/data.h"
 
 #define FASHION_DIR "/usr/share/datasets/fashion-mnist"
 

@@ -16,7 +16,7 @@
 #include "common/util.h"
 #include "tests/unit/check.h"
 #include "tests/unit/tmp_tree.h"
-#include "worker/data.h"
+#include "worker/data/data.h"
 
 static char tmpdir[64];
 

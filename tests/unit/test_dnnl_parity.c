@@ -976,7 +976,7 @@ static void test_softmax_xent(void) {
  *
  * conv(c_in -> c1) -> relu -> maxpool 2 -> conv(c1 -> c2) -> relu ->
  * maxpool 2 -> flatten -> dense(out) -> (dy) and back (with `avg`: avgpool
- * 2 for the first pooling, global_avgpool for the second), as worker/model.c
+ * 2 for the first pooling, global_avgpool for the second), as worker/model/model.c
  * calls them: every activation and gradient in a buffer of the backend's
  * alloc (so held blocked between ops where the channels allow), the
  * gradient buffers used in turn for several layers, and the first layer

@@ -1,4 +1,4 @@
-/* The ONNX export (ps/export_onnx.c), read back with the same generated
+/* The ONNX export (tools/export/export_onnx.c), read back with the same generated
  * decoder: the model's header, the graph's input and output with the
  * symbolic batch, the node sequence and attributes of every layer type
  * (conv "same" and "valid" with strides, maxpool, avgpool, global_avgpool,
@@ -24,7 +24,7 @@
 #include "common/model_spec.h"
 #include "common/util.h"
 #include "proto/onnx.pb-c.h"
-#include "ps/export_onnx.h"
+#include "tools/export/export_onnx.h"
 
 static char g_dir[64];
 

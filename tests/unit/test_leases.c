@@ -1,4 +1,4 @@
-/* The data-lease table (ps/leases.c): epochs and permutations, several
+/* The data-lease table (ps/state/leases.c): epochs and permutations, several
  * workers, release, expiry and renewal, late and lost completions, the
  * wait/full/finished answers, the kept records, checkpoint blobs (round trip
  * and corrupt ones, the previous version's), lost completions counted as
@@ -13,7 +13,7 @@
 #include "common/crc32c.h"
 #include "common/rng.h"
 #include "common/util.h"
-#include "ps/leases.h"
+#include "ps/state/leases.h"
 
 static ps_leases *make(uint64_t n, uint32_t chunk, uint32_t epochs, uint64_t seed,
                        uint32_t max_per_worker) {
@@ -664,7 +664,7 @@ static void test_load_corrupt(void) {
   }
 
   /* Well-formed blobs (right length and checksum) that say impossible
-   * things. Offsets: see the layout in ps/leases.c. */
+   * things. Offsets: see the layout in ps/state/leases.c. */
   size_t state_at = 80 + REC + HIST * (REC + K);
   size_t counts_at = state_at + K;
   size_t redone_at = counts_at + K;

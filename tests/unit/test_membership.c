@@ -1,11 +1,11 @@
-/* The table of workers (ps/membership.c): add, touch, push counts, remove,
+/* The table of workers (ps/state/membership.c): add, touch, push counts, remove,
  * time-outs, listing, and the ids it hands out. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "check.h"
 #include "common/util.h"
-#include "ps/membership.h"
+#include "ps/state/membership.h"
 
 static void test_add_list(void) {
   ps_membership *m = ps_membership_create();

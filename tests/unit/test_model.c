@@ -1,5 +1,5 @@
-/* worker/model.h on the CPU backend, its device path on a emulated device,
- * and the device chooser (worker/device.h).
+/* worker/model/model.h on the CPU backend, its device path on a emulated device,
+ * and the device chooser (worker/model/device.h).
  *
  *  - Gradient: ps_model_train_step's gradient of every parameter of three
  *    small models (one starting with a convolution, one with flatten, one
@@ -60,9 +60,9 @@
 #include "../../common/model_spec.h"
 #include "../../common/util.h"
 #include "../../kernels/ops.h"
-#include "../../worker/data.h"
-#include "../../worker/device.h"
-#include "../../worker/model.h"
+#include "worker/data/data.h"
+#include "worker/model/device.h"
+#include "worker/model/model.h"
 #include "check.h"
 #ifdef PS_WITH_CUDA
 #include "../../kernels/cuda/cuda_device.h"
@@ -577,7 +577,7 @@ static void test_sgd_lowers_loss(void) {
 }
 
 /* A small CNN with both average poolings learns the synthetic set
- * (worker/data.h: a random template per class plus noise) on the CPU
+ * (worker/data/data.h: a random template per class plus noise) on the CPU
  * backend: momentum SGD over 3 epochs of 1024 examples, then the test
  * split's accuracy well above chance (1/4). The second convolution (4x4,
  * "valid") sees most of the 6x6 map, so the plane its 3x3 outputs are

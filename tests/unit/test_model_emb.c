@@ -1,4 +1,4 @@
-/* Embedding models end to end through ps_model (worker/model.c): the
+/* Embedding models end to end through ps_model (worker/model/model.c): the
  * model spec's embedding, concat and sigmoid_xent layers, on the cpu
  * backend (rows read in place) and the emulated device (rows, plans and
  * labels copied in, row gradients copied out), and oneDNN where built.
@@ -16,7 +16,7 @@
 
 #include "../../common/model_spec.h"
 #include "../../kernels/emu/ops_emu.h"
-#include "../../worker/model.h"
+#include "worker/model/model.h"
 #include "check.h"
 #ifdef PS_HAVE_DNNL
 #include "../../kernels/dnnl/ops_dnnl.h"

@@ -1,4 +1,4 @@
-/* Mirrored replicas (worker/replicas.h) against one model
+/* Mirrored replicas (worker/model/replicas.h) against one model
  * (ps_model_train_step on a one-thread CPU backend) on the same batch.
  *
  * Tolerances. R == 1, and any split in which only replica 0 has examples,
@@ -31,9 +31,9 @@
 #include "../../common/model_spec.h"
 #include "../../common/util.h"
 #include "../../kernels/ops.h"
-#include "../../worker/data.h"
-#include "../../worker/model.h"
-#include "../../worker/replicas.h"
+#include "worker/data/data.h"
+#include "worker/model/model.h"
+#include "worker/model/replicas.h"
 #include "check.h"
 #ifdef PS_WITH_CUDA
 #include "../../kernels/cuda/cuda_device.h"

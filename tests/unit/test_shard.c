@@ -1,4 +1,4 @@
-/* The shard's state (ps/shard.c): creation, pushes given as scattered
+/* The shard's state (ps/state/shard.c): creation, pushes given as scattered
  * segments, versions and staleness, statistics, shared snapshots, and the
  * refusal of bad input without any change of state. */
 #include <float.h>
@@ -10,7 +10,7 @@
 #include "check.h"
 #include "common/half.h"
 #include "common/model_spec.h"
-#include "ps/shard.h"
+#include "ps/state/shard.h"
 #include "shard_fixture.h"
 
 /* 8x8 inputs, one dense layer of 16: P = 64*16 + 16 = 1040. With S = 2 the

@@ -1,5 +1,5 @@
 /* Embedding tables: placement (common/emb.c), the job's "embeddings", and
- * a shard's part of a table (ps/table.c): pulls, lazy per-row optimizer
+ * a shard's part of a table (ps/state/table.c): pulls, lazy per-row optimizer
  * updates, refused input leaving every row as it was, checkpoint walks. */
 #include <float.h>
 #include <inttypes.h>
@@ -12,7 +12,7 @@
 #include "../../common/half.h"
 #include "../../common/optim.h"
 #include "../../common/util.h"
-#include "../../ps/table.h"
+#include "ps/state/table.h"
 #include "check.h"
 
 static ps_table_spec spec_of(const char *name, uint64_t rows, int dim) {

@@ -1,5 +1,5 @@
-/* Embedding rows in checkpoints (ps/table_ckpt.c, the tables section of
- * ps/checkpoint.c): two shards with rows of a bounded and an unbounded
+/* Embedding rows in checkpoints (ps/ckpt/table_ckpt.c, the tables section of
+ * ps/ckpt/checkpoint.c): two shards with rows of a bounded and an unbounded
  * table write a checkpoint set; it is restored onto 1, 2 and 3 shards and
  * every row (id, update count, values, slots) compared bit for bit with
  * the rows written, each on the shard placement gives it; a corrupt or
@@ -19,9 +19,9 @@
 #include "../../common/emb.h"
 #include "../../common/job.h"
 #include "../../common/util.h"
-#include "../../ps/checkpoint.h"
-#include "../../ps/table.h"
-#include "../../ps/table_ckpt.h"
+#include "ps/ckpt/checkpoint.h"
+#include "ps/state/table.h"
+#include "ps/ckpt/table_ckpt.h"
 #include "check.h"
 #include "tmp_tree.h"
 

@@ -1,4 +1,4 @@
-/* Embedding rows in sync mode (ps/table_sync.c through the shard's hooks):
+/* Embedding rows in sync mode (ps/state/table_sync.c through the shard's hooks):
  * two workers' rows with overlapping ids make one step with the mean
  * gradient, bit for bit against the optimizer itself; a late (dropped)
  * gradient's rows are not applied; a NaN row, a sum that would overflow
@@ -12,8 +12,8 @@
 #include "../../common/emb.h"
 #include "../../common/optim.h"
 #include "../../common/util.h"
-#include "../../ps/table.h"
-#include "../../ps/table_sync.h"
+#include "ps/state/table.h"
+#include "ps/state/table_sync.h"
 #include "check.h"
 #include "shard_fixture.h"
 

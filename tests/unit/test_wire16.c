@@ -1,4 +1,4 @@
-/* 16-bit values on the wire, at the shard (ps/shard.c with a job whose
+/* 16-bit values on the wire, at the shard (ps/state/shard.c with a job whose
  * "wire" is bf16 or fp16) and in the job file:
  *  - a 16-bit push is applied exactly as a float32 push of the decoded
  *    values (async, split over two threads for a large shard, sync), from
@@ -19,7 +19,7 @@
 #include "common/half.h"
 #include "common/job.h"
 #include "common/model_spec.h"
-#include "ps/shard.h"
+#include "ps/state/shard.h"
 #include "shard_fixture.h"
 
 /* 8x8 inputs, one dense layer of 16: P = 1040, one shard. */
