@@ -41,6 +41,15 @@ static const ProtobufCFieldDescriptor *tensor_field(const ProtobufCMessageDescri
 /* On error nothing is released: the caller still owns `tensor`. A tensor of
  * 0 bytes is not written at all (as protobuf-c omits an empty proto3 bytes
  * field) and its release, if any, is called before returning. */
+void wire_reply(rpc_call *call, const ProtobufCMessage *m) {
+  rpc_msg out;
+  if (wire_encode(m, NULL, 0, NULL, NULL, &out) != 0) {
+    rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory encoding the reply");
+    return;
+  }
+  rpc_call_reply(call, &out);
+}
+
 int wire_encode(const ProtobufCMessage *hdr, const void *tensor, size_t tensor_bytes,
                 void (*release)(void *user), void *user, rpc_msg *out) {
   if (hdr == NULL || out == NULL || (tensor == NULL && tensor_bytes > 0))

@@ -52,6 +52,11 @@ typedef struct {
 int wire_encode_parts(const ProtobufCMessage *hdr, const wire_part *parts, int nparts,
                       rpc_msg *out);
 
+/* Answers call with the small message m (no field 15), packed into a
+ * fresh buffer; RESOURCE_EXHAUSTED when it cannot be encoded. The call is
+ * answered in every case. */
+void wire_reply(rpc_call *call, const ProtobufCMessage *m);
+
 /* Decodes `msg`: every field but 15 is unpacked by protobuf-c with `desc`
  * (the returned message, free with protobuf_c_message_free_unpacked(m, NULL));
  * the bytes of field 15 (the last occurrence, as protobuf specifies) are

@@ -39,7 +39,9 @@
 
 #include "common/wire.h"
 #include "proto/ps.pb-c.h"
-#include "ps/core/server.h"
+#include "ps/ckpt/cut.h"
+#include "ps/ckpt/capture.h"
+#include "ps/core/rows.h"
 
 enum { CUT_NONE = 0, CUT_HOLD = 1, CUT_TAKING = 2 };
 
@@ -208,7 +210,7 @@ static int cut_round_of(const ps_cut *c, uint64_t worker, uint64_t *round) {
 static void held_free(held_push *h) {
   if (!h) return;
   ps_free(h->grad);
-  ps_rows_free((ps_rows_req *)(uintptr_t)h->a.rows);
+  ps_rows_free((ps_rows_req *)(uintptr_t)h->a.u.rows);
   free(h);
 }
 
@@ -217,21 +219,21 @@ static int hold(ps_cut *c, const ps_push_args *a) {
   held_push *h = calloc(1, sizeof *h);
   if (!h) return PS_ENOMEM;
   h->a = *a;
-  size_t bytes = a->tensor->total;
+  size_t bytes = a->u.gradient->total;
   h->grad = ps_alloc(bytes ? bytes : 1);
   if (!h->grad) {
     free(h);
     return PS_ENOMEM;
   }
   size_t at = 0;
-  for (int i = 0; i < a->tensor->nsegs; i++) {
-    memcpy((uint8_t *)h->grad + at, a->tensor->segs[i].ptr, a->tensor->segs[i].len);
-    at += a->tensor->segs[i].len;
+  for (int i = 0; i < a->u.gradient->nsegs; i++) {
+    memcpy((uint8_t *)h->grad + at, a->u.gradient->segs[i].ptr, a->u.gradient->segs[i].len);
+    at += a->u.gradient->segs[i].len;
   }
   h->seg = (ps_seg){.ptr = (const uint8_t *)h->grad, .len = bytes};
   h->view = (ps_segview){.segs = &h->seg, .nsegs = 1, .total = bytes};
-  h->a.tensor = &h->view;
-  if (a->rows && !(h->a.rows = ps_rows_dup(a->rows))) {
+  h->a.u.gradient = &h->view;
+  if (a->u.rows && !(h->a.u.rows = ps_rows_dup(a->u.rows))) {
     ps_free(h->grad);
     free(h);
     return PS_ENOMEM;
@@ -252,7 +254,7 @@ int ps_cut_push_enter(ps_server *sv, const ps_push_args *a) {
   int held = 0;
   uint64_t at;
   if (c->phase == CUT_HOLD || (c->phase == CUT_TAKING && sv->job.mode_kind != PS_MODE_SYNC &&
-                               !(cut_round_of(c, a->worker, &at) && a->request_id <= at)))
+                               !(cut_round_of(c, a->u.worker, &at) && a->u.request_id <= at)))
     held = 1;
   int rc = 0;
   if (held)
@@ -299,13 +301,13 @@ static void release(ps_server *sv, held_push *list) {
   int n = 0;
   while (list) {
     held_push *next = list->next;
-    ps_service_apply_push(sv, &list->a);
+    sv->hooks.apply_push(sv, &list->a);
     held_free(list);
     list = next;
     n++;
   }
   if (n) PS_DEBUG("checkpoint set: %d held push(es) applied", n);
-  if (sv->job.mode_kind == PS_MODE_SYNC) ps_sync_try_step(sv);
+  if (sv->job.mode_kind == PS_MODE_SYNC) sv->hooks.sync_step(sv);
 }
 
 /* Ends the phase under the lock: returns the held list for release(). */
@@ -347,7 +349,7 @@ static int cut_met(ps_server *sv, ps_cut *c, int *missed) {
     if (r >= c->cut_round[i]) continue;
     int later = 0; /* a later round held: the one at the cut was answered here already */
     for (held_push *h = c->held; h && !later; h = h->next)
-      later = h->a.worker == c->cut_worker[i] && h->a.request_id > c->cut_round[i];
+      later = h->a.u.worker == c->cut_worker[i] && h->a.u.request_id > c->cut_round[i];
     if (!later) missing++;
   }
   /* Rounds still on their way here (sent before the PREPARE, applied
@@ -381,7 +383,7 @@ static void try_take(ps_server *sv) {
     return;
   }
   ps_ckpt *ck = &c->state;
-  int rc = ps_server_ckpt_capture(sv, ck);
+  int rc = ps_ckpt_capture(sv, ck);
   if (rc == PS_OK) {
     ck->meta.set_id = c->set_id;
     rc = record_encode(sv->job.mode_kind == PS_MODE_SYNC, ck->meta.version, c->cut_worker,
@@ -391,7 +393,7 @@ static void try_take(ps_server *sv) {
   if (rc == PS_OK) {
     c->ready = 1;
   } else {
-    ps_server_ckpt_state_free(ck);
+    ps_ckpt_state_free(ck);
     call = c->call;
     c->call = NULL;
   }
@@ -446,7 +448,7 @@ static void write_done(uv_work_t *w, int status) {
     c->last_set_version = version;
   }
   pthread_mutex_unlock(&c->mu);
-  ps_server_note_ckpt(sv, c->rc);
+  ps_ckpt_note_written(sv, c->rc);
   if (c->rc == PS_OK) {
     PS_INFO("checkpoint set %" PRIu64 ": version %" PRIu64 " written to %s", id, version, c->path);
     sv->ckpt_last_version = version;
@@ -458,12 +460,12 @@ static void write_done(uv_work_t *w, int status) {
       Ps__CheckpointResponse resp = PS__CHECKPOINT_RESPONSE__INIT;
       resp.version = version;
       resp.file = c->path;
-      ps_service_reply(call, &resp.base);
+      wire_reply(call, &resp.base);
     } else {
       rpc_call_fail(call, RPC_INTERNAL, "shard %d: %s", sv->index, c->err);
     }
   }
-  ps_server_ckpt_state_free(&c->state);
+  ps_ckpt_state_free(&c->state);
 }
 
 /* The loop: a copy is ready to be written. */
@@ -545,7 +547,7 @@ static void answer_prepare(ps_server *sv, rpc_call *call, uint64_t set_id) {
     resp.version = st.version;
     resp.n_applied = (size_t)k;
     resp.applied = wrp;
-    ps_service_reply(call, &resp.base);
+    wire_reply(call, &resp.base);
   }
   free(ids);
   free(rounds);
@@ -601,7 +603,7 @@ static void start_cut(ps_server *sv, rpc_call *call, const Ps__CheckpointRequest
     next = h->next;
     h->next = NULL;
     uint64_t at;
-    int in_cut = cut_round_of(c, h->a.worker, &at) && h->a.request_id <= at;
+    int in_cut = cut_round_of(c, h->a.u.worker, &at) && h->a.u.request_id <= at;
     held_push **head = in_cut ? &go : &keep, **last = in_cut ? &go_last : &keep_last;
     if (*last)
       (*last)->next = h;
@@ -617,12 +619,12 @@ static void start_cut(ps_server *sv, rpc_call *call, const Ps__CheckpointRequest
   pthread_mutex_unlock(&c->mu);
   while (go) {
     held_push *next = go->next;
-    ps_service_apply_push(sv, &go->a);
+    sv->hooks.apply_push(sv, &go->a);
     held_free(go);
     go = next;
     ps_cut_leave(sv);
   }
-  if (sv->job.mode_kind == PS_MODE_SYNC) ps_sync_try_step(sv);
+  if (sv->job.mode_kind == PS_MODE_SYNC) sv->hooks.sync_step(sv);
   try_take(sv);
 }
 
@@ -640,7 +642,7 @@ static void abort_set(ps_server *sv, rpc_call *call, uint64_t set_id) {
   if (pending) rpc_call_fail(pending, RPC_ABORTED, "set %" PRIu64 " aborted", set_id);
   release(sv, list);
   Ps__CheckpointResponse resp = PS__CHECKPOINT_RESPONSE__INIT;
-  ps_service_reply(call, &resp.base);
+  wire_reply(call, &resp.base);
 }
 
 void ps_cut_handle(ps_server *sv, rpc_call *call, const void *request) {
@@ -997,7 +999,7 @@ void ps_cut_free(ps_server *sv) {
   if (!c) return;
   for (int s = 0; s < PS_MAX_TASKS; s++)
     if (c->ch[s]) rpc_channel_destroy(c->ch[s]);
-  ps_server_ckpt_state_free(&c->state);
+  ps_ckpt_state_free(&c->state);
   pthread_mutex_destroy(&c->mu);
   pthread_cond_destroy(&c->quiet);
   free(c);

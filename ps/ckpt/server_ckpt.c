@@ -1,7 +1,7 @@
 /* When and what ps-server checkpoints: a copy of the shard (and shard 0's
  * data leases), taken at a set's cut (cut.c, started here by shard 0's
- * timer) or written alone at shutdown; and the restore at start. The file
- * format is checkpoint.c's. */
+ * timer) or written alone at shutdown; and the restore at start. The copy
+ * is capture.c's, the file format checkpoint.c's. */
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
@@ -10,63 +10,11 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "ps/core/server.h"
+#include "ps/ckpt/server_ckpt.h"
+#include "ps/ckpt/capture.h"
+#include "ps/ckpt/cut.h"
 #include "ps/ckpt/table_ckpt.h"
-
-/* The embedding rows, taken under the shard's update lock (with the dense
- * copy): of the same version. */
-typedef struct {
-  ps_server *sv;
-  ps_ckpt *ck;
-  char err[PS_ERRLEN];
-} capture_rows;
-
-static int capture_tables(void *user) {
-  capture_rows *c = user;
-  return ps_table_ckpt_save(&c->sv->job, c->sv->tables, &c->ck->tables, &c->ck->tables_len,
-                            c->err);
-}
-
-int ps_server_ckpt_capture(ps_server *sv, ps_ckpt *ck) {
-  memset(ck, 0, sizeof *ck);
-  size_t n = ps_shard_end(sv->shard) - ps_shard_begin(sv->shard);
-  ck->n_slots = ps_shard_n_slots(sv->shard);
-  ck->params = ps_alloc((n ? n : 1) * sizeof(float));
-  int ok = ck->params != NULL;
-  for (int k = 0; k < ck->n_slots; k++) {
-    ck->slots[k] = ps_alloc((n ? n : 1) * sizeof(float));
-    ok = ok && ck->slots[k];
-  }
-  if (!ok) return PS_ENOMEM;
-  capture_rows rows = {.sv = sv, .ck = ck};
-  int trc = ps_shard_export_state_with(sv->shard, ck->params, ck->slots, &ck->meta.version,
-                                       sv->n_tables ? capture_tables : NULL, &rows);
-  if (trc) {
-    PS_ERROR("checkpoint: %s", rows.err);
-    return trc;
-  }
-  ck->meta.index = sv->index;
-  ck->meta.num_shards = sv->cluster.n_ps;
-  ck->meta.P = sv->job.model.n_params;
-  ck->meta.begin = ps_shard_begin(sv->shard);
-  ck->meta.end = ps_shard_end(sv->shard);
-  snprintf(ck->meta.optimizer, sizeof ck->meta.optimizer, "%s", ps_shard_optimizer(sv->shard));
-  snprintf(ck->meta.job_id, sizeof ck->meta.job_id, "%s", sv->job.job_id);
-  /* Shard 0 keeps the data-lease state with its parameters. */
-  pthread_mutex_lock(&sv->lease_mu);
-  int rc = sv->leases ? ps_leases_save(sv->leases, &ck->extra, &ck->extra_len) : PS_OK;
-  pthread_mutex_unlock(&sv->lease_mu);
-  return rc;
-}
-
-void ps_server_ckpt_state_free(ps_ckpt *ck) {
-  ps_free(ck->params);
-  for (int k = 0; k < PS_CKPT_MAX_SLOTS; k++) ps_free(ck->slots[k]);
-  free(ck->extra);
-  free(ck->cut);
-  free(ck->tables);
-  memset(ck, 0, sizeof *ck);
-}
+#include "ps/repl/replica.h"
 
 /* Writes a checkpoint now, on the calling thread: a file written alone,
  * with the cut record of what the shard has applied. */
@@ -74,17 +22,17 @@ int ps_server_ckpt_write_now(ps_server *sv) {
   ps_ckpt ck;
   char path[PS_CKPT_PATHLEN], err[PS_ERRLEN];
   double t0 = ps_now_s();
-  int rc = ps_server_ckpt_capture(sv, &ck);
+  int rc = ps_ckpt_capture(sv, &ck);
   if (rc == 0) rc = ps_cut_record_now(sv, &ck.cut, &ck.cut_len);
   if (rc == 0) rc = ps_ckpt_write(sv->ckpt_dir, &ck, sv->ckpt_keep, path, err);
   else snprintf(err, sizeof err, "out of memory for the checkpoint's copy");
-  ps_server_note_ckpt(sv, rc);
+  ps_ckpt_note_written(sv, rc);
   if (rc == 0)
     PS_INFO("checkpoint: version %" PRIu64 " written to %s (%.0f ms)", ck.meta.version, path,
             (ps_now_s() - t0) * 1e3);
   else
     PS_ERROR("checkpoint failed: %s", err);
-  ps_server_ckpt_state_free(&ck);
+  ps_ckpt_state_free(&ck);
   return rc;
 }
 

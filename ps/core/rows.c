@@ -1,14 +1,14 @@
-/* Embedding rows in Pull and Push (see server.h, ps_rows_*): the ids a
- * request names, read out of it and checked; a pull's rows read beside the
- * dense snapshot; a push's rows staged, then applied with the dense range
- * as one update. */
+/* Embedding rows in Pull and Push (rows.h): the ids a request names, read
+ * out of it and checked; a push's rows staged, then applied with the dense
+ * range as one update. (A pull's rows are read beside the dense snapshot
+ * in ps/rpc/pull.c.) */
 #include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/half.h"
 #include "common/wire.h"
-#include "ps/core/server.h"
+#include "ps/core/rows.h"
 #include "ps/state/table.h"
 #include "ps/state/table_sync.h"
 
@@ -88,91 +88,6 @@ ps_rows_req *ps_rows_dup(const ps_rows_req *r) {
 }
 
 void ps_rows_free(ps_rows_req *r) { free(r); }
-
-/* ---- pulls ---- */
-
-static void release_snap(void *user) { ps_snapshot_unref(user); }
-
-void ps_rows_serve_pull(ps_server *sv, rpc_call *call, size_t offset, size_t count,
-                        ps_rows_req *rows) {
-  char err[PS_ERRLEN];
-  const size_t vb = ps_wire_value_bytes(sv->job.wire);
-  float *vals = malloc((rows->values ? rows->values : 1) * sizeof(float));
-  if (!vals) {
-    rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory for %zu row values", rows->values);
-    ps_rows_free(rows);
-    return;
-  }
-  /* The rows and the dense snapshot at one version: no push commits rows
-   * while the read locks are held, and a push's dense values are applied
-   * only with its rows. */
-  uint32_t locked = 0;
-  for (int i = 0; i < rows->n_sec; i++) locked |= 1u << rows->sec[i].table;
-  for (int t = 0; t < sv->n_tables; t++)
-    if (locked & (1u << t)) ps_table_read_lock(sv->tables[t]);
-  size_t at = 0;
-  for (int i = 0; i < rows->n_sec; i++) {
-    ps_table *tb = sv->tables[rows->sec[i].table];
-    ps_table_read_rows_order(tb, rows->sec[i].ids, rows->sec[i].locals, rows->sec[i].order,
-                             rows->sec[i].n, vals + at);
-    at += rows->sec[i].n * (size_t)ps_table_spec_of(tb)->dim;
-  }
-  ps_snapshot *snap = NULL;
-  uint64_t version = 0;
-  if (count > 0) {
-    snap = ps_shard_pull(sv->shard, offset, count, err);
-  } else {
-    ps_shard_stats st;
-    ps_shard_stats_get(sv->shard, &st);
-    version = st.version;
-  }
-  for (int t = sv->n_tables - 1; t >= 0; t--)
-    if (locked & (1u << t)) ps_table_unlock(sv->tables[t]);
-  ps_rows_free(rows);
-  if (count > 0 && !snap) {
-    free(vals);
-    rpc_call_fail(call, RPC_OUT_OF_RANGE, "%s", err);
-    return;
-  }
-  Ps__PullResponse resp = PS__PULL_RESPONSE__INIT;
-  resp.version = snap ? snap->version : version;
-  resp.offset = snap ? snap->begin : offset;
-  resp.count = snap ? snap->count : 0;
-  resp.encoding = (Ps__Encoding)sv->job.wire;
-  wire_part parts[2];
-  int np = 0;
-  if (snap) {
-    const void *dense = snap->values;
-    if (sv->job.wire != PS_WIRE_FP32) dense = ps_service_encode_snapshot(sv, snap);
-    if (!dense) {
-      ps_snapshot_unref(snap);
-      free(vals);
-      rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory encoding the reply");
-      return;
-    }
-    parts[np++] = (wire_part){dense, snap->count * vb, release_snap, snap};
-  }
-  void *rbytes = vals;
-  if (sv->job.wire != PS_WIRE_FP32) {
-    uint16_t *h = malloc((at ? at : 1) * sizeof(uint16_t));
-    if (!h) {
-      if (snap) ps_snapshot_unref(snap);
-      free(vals);
-      rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory encoding the reply");
-      return;
-    }
-    ps_half_encode(sv->job.wire, vals, h, at);
-    free(vals);
-    rbytes = h;
-  }
-  parts[np++] = (wire_part){rbytes, at * vb, free, rbytes};
-  rpc_msg out;
-  if (wire_encode_parts(&resp.base, parts, np, &out) != 0) {
-    rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory encoding the reply");
-    return;
-  }
-  ps_service_reply_pull(sv, call, &out);
-}
 
 /* ---- pushes ---- */
 

@@ -25,7 +25,7 @@
 #include <unistd.h>
 
 #include "common/util.h"
-#include "ps/core/server.h"
+#include "ps/main/server_run.h"
 
 static pthread_mutex_t guard_mu = PTHREAD_MUTEX_INITIALIZER;
 static int spare = -1;

@@ -3,7 +3,15 @@
  * methods), runs the libuv loop on the main thread (the timers that drop
  * silent workers, print progress lines and metrics, and write checkpoints;
  * SIGINT/SIGTERM stop it) and shuts down in order. */
-#include "ps/core/server.h"
+#include "ps/main/server_run.h"
+
+#include "ps/ckpt/cut.h"
+#include "ps/ckpt/server_ckpt.h"
+#include "ps/core/rows.h"
+#include "ps/core/update.h"
+#include "ps/repl/replica.h"
+#include "ps/rpc/service.h"
+#include "ps/rpc/sync.h"
 #include "ps/state/table_sync.h"
 
 #include <inttypes.h>
@@ -26,27 +34,33 @@
 static int sweep_workers(ps_server *sv, uint64_t *dropped, int max) {
   if (ps_replica_lock(sv) != 0) return 0;
   int64_t now = ps_now_ms();
+  char err[PS_ERRLEN];
   int n = ps_membership_sweep(sv->members, now, sv->job.heartbeat_timeout_ms, dropped, max);
   for (int i = 0; i < n && i < max; i++) {
     PS_WARN("worker %016" PRIx64 " silent for more than %d ms: dropped; %d live", dropped[i],
             sv->job.heartbeat_timeout_ms, ps_membership_count(sv->members));
-    ps_service_release_leases(sv, dropped[i]);
-    ps_replica_update u = {.kind = PS__REPLICA_ENTRY__KIND__LEAVE, .worker = dropped[i]};
+    /* Gone from the table already: the update gives its leases back, and
+     * is what the backups apply. */
+    ps_update u = {.kind = PS_UPDATE_LEAVE, .worker = dropped[i]};
+    ps_update_result res = {0};
+    ps_update_apply(sv, &u, 0, &res, err);
     if (sv->repl && ps_replica_append(sv, &u, NULL, NULL, 0, 0) != PS_OK)
       ps_replica_diverged(sv);
   }
   pthread_mutex_lock(&sv->lease_mu);
-  ps_leases *t = sv->leases;
+  const int leasing = sv->leases != NULL;
   pthread_mutex_unlock(&sv->lease_mu);
-  if (t) {
-    const int64_t timeout = 2 * (int64_t)sv->job.heartbeat_timeout_ms;
-    int e = ps_leases_expire(t, now, timeout);
-    if (e > 0) PS_WARN("leases: %d chunk(s) not renewed in time: back in the pool", e);
-    ps_replica_update u = {.kind = PS__REPLICA_ENTRY__KIND__LEASE_EXPIRE,
-                           .now_ms = now,
-                           .timeout_ms = timeout};
-    if (e > 0 && sv->repl && ps_replica_append(sv, &u, NULL, NULL, 0, 0) != PS_OK)
-      ps_replica_diverged(sv);
+  if (leasing) {
+    ps_update u = {.kind = PS_UPDATE_LEASE_EXPIRE,
+                   .now_ms = now,
+                   .timeout_ms = 2 * (int64_t)sv->job.heartbeat_timeout_ms};
+    ps_update_result res = {0};
+    ps_update_apply(sv, &u, 0, &res, err);
+    if (res.changed > 0) {
+      PS_WARN("leases: %d chunk(s) not renewed in time: back in the pool", res.changed);
+      if (sv->repl && ps_replica_append(sv, &u, NULL, NULL, 0, 0) != PS_OK)
+        ps_replica_diverged(sv);
+    }
   }
   ps_replica_unlock(sv);
   return n;
@@ -443,8 +457,22 @@ static int shut_down(ps_server *sv) {
   return exit_code;
 }
 
+/* The hook replication calls when this replica becomes its shard's
+ * primary: the step may be complete already (every gradient came in
+ * before the old primary fell) and nothing else would try it; pulls may
+ * go; shard 0's new primary starts a checkpoint set at once. */
+static void on_became_primary(ps_server *sv) {
+  if (sv->job.mode_kind == PS_MODE_SYNC) ps_sync_try_step(sv);
+  ps_waits_recheck(sv);
+  if (sv->index == 0) ps_cut_kick(sv);
+}
+
 int ps_server_run(const ps_server_opts *o) {
   static ps_server sv;
+  /* What the lower parts ask of the upper ones (ps/core/server.h). */
+  sv.hooks = (ps_server_hooks){.apply_push = ps_service_apply_push,
+                               .sync_step = ps_sync_try_step,
+                               .became_primary = on_became_primary};
   int rc = resolve_cluster(&sv, o);
   if (rc == 0) rc = build_shard(&sv, o);
   if (rc == 0) rc = start_rpc(&sv, o);

@@ -8,7 +8,9 @@
 
 #include "common/options.h"
 #include "common/util.h"
-#include "ps/core/server.h"
+#include "ps/ckpt/cut.h"
+#include "ps/main/server_run.h"
+#include "tools/status/status_cli.h"
 
 #define O(field) offsetof(ps_server_opts, field)
 

@@ -8,27 +8,8 @@
 #include <string.h>
 
 #include "common/prom.h"
-#include "ps/core/server.h"
-
-const double ps_wait_bounds[PS_WAIT_BUCKETS] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-                                                0.1,   0.25,   0.5,   1,    2.5,   10};
-
-void ps_server_note_wait(ps_server *sv, int64_t ms) {
-  double s = (double)ms / 1e3;
-  int i = 0;
-  while (i < PS_WAIT_BUCKETS && s > ps_wait_bounds[i]) i++;
-  sv->wait_hist[i]++;
-  sv->wait_ms_total += (double)ms;
-}
-
-void ps_server_note_ckpt(ps_server *sv, int rc) {
-  if (rc == 0) {
-    atomic_fetch_add(&sv->ckpt_written, 1);
-    atomic_store(&sv->ckpt_last_ok_ms, (int_fast64_t)(ps_wall_s() * 1e3));
-  } else {
-    atomic_fetch_add(&sv->ckpt_failed, 1);
-  }
-}
+#include "ps/ckpt/cut.h"
+#include "ps/main/server_run.h"
 
 static void collect(ps_prom_buf *b, void *user) {
   ps_server *sv = user;

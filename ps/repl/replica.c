@@ -17,7 +17,9 @@
 #include "common/optim.h"
 #include "common/wire.h"
 #include "proto/ps.pb-c.h"
+#include "ps/core/rows.h"
 #include "ps/core/server.h"
+#include "ps/core/update.h"
 #include "ps/state/table_sync.h"
 
 enum { FOLLOWER = 0, PRIMARY = 1 };
@@ -308,7 +310,7 @@ void ps_replica_handle_vote(ps_server *sv, rpc_call *call, const void *request) 
   resp.granted = granted;
   resp.promised = promised;
   resp.accepted = &am;
-  ps_service_reply(call, &resp.base);
+  wire_reply(call, &resp.base);
 }
 
 /* ------------------------------------------------------------ log */
@@ -438,7 +440,7 @@ void ps_replica_unlock(ps_server *sv) {
   if (sv->repl) pthread_mutex_unlock(&sv->repl->mu);
 }
 
-int ps_replica_append(ps_server *sv, const ps_replica_update *u, rpc_call *call,
+int ps_replica_append(ps_server *sv, const ps_update *u, rpc_call *call,
                       const ProtobufCMessage *reply, int rec_kind, uint64_t rid) {
   ps_replica *rp = sv->repl;
   size_t rlen = reply ? protobuf_c_message_get_packed_size(reply) : 0;
@@ -613,86 +615,102 @@ static int record_answer(ps_server *sv, const Ps__ReplicaEntry *e, int kind,
   return PS_OK;
 }
 
-/* Applies one entry on a backup, as the primary did. 0, or PS_ESTATE when
- * this state cannot take it (it has diverged: a snapshot mends it). */
+/* The update an entry carries, as its primary applied it (the pointers
+ * borrowed from the entry; rows: its embedding rows, read and checked). */
+static ps_update entry_update(const Ps__ReplicaEntry *e, ps_segview *view, const ps_rows_req *rows) {
+  return (ps_update){.kind = (int)e->kind,
+                     .worker = e->worker_id,
+                     .request_id = e->request_id,
+                     .base_version = e->base_version,
+                     .offset = e->offset,
+                     .count = e->count,
+                     .step = e->step,
+                     .host = e->host,
+                     .role = e->role,
+                     .task_index = e->task_index,
+                     .session = e->session.len == PS_SESSION_LEN ? e->session.data : NULL,
+                     .reader = e->reader,
+                     .idle = e->idle,
+                     .gradient = view,
+                     .rows = rows,
+                     .now_ms = e->now_ms,
+                     .timeout_ms = e->timeout_ms,
+                     .complete_lease = e->complete_lease,
+                     .dataset_size = e->dataset_size,
+                     .want_next = e->want_next,
+                     .names_leases = e->names_leases,
+                     .leases = e->leases,
+                     .n_leases = e->n_leases,
+                     .done_chunks = e->done_chunks,
+                     .n_done = e->n_done_chunks,
+                     .quorum = e->quorum,
+                     .result = e->result};
+}
+
+/* Applies one entry on a backup, as the primary did: the same update,
+ * through the same ps_update_apply. 0, or PS_ESTATE when this state cannot
+ * take it (it has diverged: a snapshot mends it). */
 static int apply_entry(ps_server *sv, const Ps__ReplicaEntry *e) {
   char err[PS_ERRLEN];
-  int64_t now = ps_now_ms();
+  ps_seg seg = {.ptr = e->gradient.data, .len = e->gradient.len};
+  ps_segview view = {.segs = &seg, .nsegs = 1, .total = e->gradient.len};
+  ps_rows_req *rows = NULL;
   switch (e->kind) {
     case PS__REPLICA_ENTRY__KIND__PUSH: {
-      ps_seg seg = {.ptr = e->gradient.data, .len = e->gradient.len};
-      ps_segview view = {.segs = &seg, .nsegs = 1, .total = e->gradient.len};
-      Ps__PushResponse resp = PS__PUSH_RESPONSE__INIT;
       uint64_t round = 0;
       if (ps_membership_round(sv->members, e->worker_id, &round) != PS_OK) {
         PS_WARN("replication: entry %" PRIu64 " names worker %016" PRIx64 ", unknown here",
                 e->seq, e->worker_id);
         return PS_ESTATE;
       }
-      ps_rows_req *rows = NULL;
       if (ps_rows_from_msg(sv, e->rows, e->n_rows, &rows, err) != PS_OK) {
         PS_WARN("replication: entry %" PRIu64 " (a push) names rows refused here: %s", e->seq,
                 err);
         return PS_ESTATE;
       }
-      int rc = ps_service_push_step(sv, e->worker_id, e->request_id, e->base_version, e->offset,
-                                    e->count, e->step, &view, rows, &resp, err);
-      ps_rows_free(rows);
-      if (rc != 0) {
-        PS_WARN("replication: entry %" PRIu64 " (a push) refused here: %s", e->seq, err);
-        return PS_ESTATE;
-      }
-      return record_answer(sv, e, PS_METHOD_PUSH, &resp.base);
-    }
-    case PS__REPLICA_ENTRY__KIND__SYNC_STEP: {
-      uint64_t v = 0;
-      int rc = ps_shard_sync_try_apply(sv->shard, e->quorum, &v, err);
-      if (rc != e->result) {
-        PS_WARN("replication: entry %" PRIu64 " (a sync step) gives %d here, %d on the primary",
-                e->seq, rc, e->result);
-        return PS_ESTATE;
-      }
-      return PS_OK;
-    }
-    case PS__REPLICA_ENTRY__KIND__LEASE: {
-      Ps__LeaseResponse resp = PS__LEASE_RESPONSE__INIT;
-      if (ps_service_lease_step(sv, e->worker_id, e->dataset_size, e->complete_lease,
-                                e->want_next, e->now_ms, &resp, 1, err) != RPC_OK) {
-        PS_WARN("replication: entry %" PRIu64 " (a Lease) failed here: %s", e->seq, err);
-        return PS_ESTATE;
-      }
-      return record_answer(sv, e, PS_METHOD_LEASE, &resp.base);
-    }
-    case PS__REPLICA_ENTRY__KIND__LEASE_RENEW:
-    case PS__REPLICA_ENTRY__KIND__LEASE_EXPIRE: {
-      pthread_mutex_lock(&sv->lease_mu);
-      ps_leases *t = sv->leases;
-      if (t && e->kind == PS__REPLICA_ENTRY__KIND__LEASE_EXPIRE)
-        ps_leases_expire(t, e->now_ms, e->timeout_ms);
-      else if (t && e->names_leases)
-        ps_leases_renew_named(t, e->worker_id, e->leases, e->n_leases, e->now_ms);
-      else if (t)
-        ps_leases_renew(t, e->worker_id, e->now_ms);
-      pthread_mutex_unlock(&sv->lease_mu);
-      return PS_OK;
+      break;
     }
     case PS__REPLICA_ENTRY__KIND__REGISTER:
       if (e->session.len != PS_SESSION_LEN) return PS_ESTATE;
-      if (ps_membership_install(sv->members, e->worker_id, e->host ? e->host : "",
-                                e->role ? e->role : "", e->task_index, now, e->session.data,
-                                e->reader, NULL) != PS_OK)
-        return PS_ESTATE;
-      if (e->n_done_chunks) ps_service_note_redone(sv, e->worker_id, e->done_chunks, e->n_done_chunks);
-      return PS_OK;
+      break;
+    case PS__REPLICA_ENTRY__KIND__SYNC_STEP:
+    case PS__REPLICA_ENTRY__KIND__LEASE:
+    case PS__REPLICA_ENTRY__KIND__LEASE_RENEW:
+    case PS__REPLICA_ENTRY__KIND__LEASE_EXPIRE:
     case PS__REPLICA_ENTRY__KIND__LEAVE:
-      ps_membership_remove(sv->members, e->worker_id);
-      ps_service_release_leases(sv, e->worker_id);
-      return PS_OK;
     case PS__REPLICA_ENTRY__KIND__IDLE:
-      ps_membership_set_idle(sv->members, e->worker_id, e->idle);
-      return PS_OK;
+      break;
     default:
       return PS_ESTATE;
+  }
+  const ps_update u = entry_update(e, &view, rows);
+  ps_update_result res = {.lease = PS__LEASE_RESPONSE__INIT};
+  int rc = ps_update_apply(sv, &u, 1, &res, err);
+  ps_rows_free(rows);
+  if (rc != 0) {
+    PS_WARN("replication: entry %" PRIu64 " (kind %d) refused here: %s", e->seq, (int)e->kind,
+            err);
+    return PS_ESTATE;
+  }
+  switch (e->kind) {
+    case PS__REPLICA_ENTRY__KIND__PUSH: {
+      Ps__PushResponse resp = PS__PUSH_RESPONSE__INIT;
+      resp.version = res.version;
+      resp.staleness = res.staleness;
+      resp.dropped = res.dropped;
+      return record_answer(sv, e, PS_METHOD_PUSH, &resp.base);
+    }
+    case PS__REPLICA_ENTRY__KIND__SYNC_STEP:
+      if (res.step != e->result) {
+        PS_WARN("replication: entry %" PRIu64 " (a sync step) gives %d here, %d on the primary",
+                e->seq, res.step, e->result);
+        return PS_ESTATE;
+      }
+      return PS_OK;
+    case PS__REPLICA_ENTRY__KIND__LEASE:
+      return record_answer(sv, e, PS_METHOD_LEASE, &res.lease.base);
+    default:
+      return PS_OK;
   }
 }
 
@@ -1197,7 +1215,7 @@ void ps_replica_handle_replicate(ps_server *sv, rpc_call *call, const void *requ
   pos.seq = rp->pos.seq;
   pthread_mutex_unlock(&rp->mu);
   resp.position = &pos;
-  ps_service_reply(call, &resp.base);
+  wire_reply(call, &resp.base);
 }
 
 /* ------------------------------------------------------------ senders */
@@ -1245,6 +1263,78 @@ static ProtobufCMessage *call_peer(rpc_queue *q, rpc_channel *ch, const char *me
     snprintf(why, PS_ERRLEN, "malformed answer");
   }
   return m;
+}
+
+/* An entry of the log as the Replicate call sends it (pointing into the
+ * entry, which must outlive the call's message). */
+static void entry_to_msg(const rentry *e, Ps__ReplicaEntry *m) {
+  ps__replica_entry__init(m);
+  m->kind = (Ps__ReplicaEntry__Kind)e->kind;
+  m->seq = e->pos.seq;
+  m->term = e->pos.term;
+  m->worker_id = e->worker;
+  m->request_id = e->request_id;
+  m->base_version = e->base_version;
+  m->offset = e->offset;
+  m->count = e->count;
+  m->step = e->step;
+  m->host = (char *)e->host;
+  m->role = (char *)e->role;
+  m->task_index = e->task_index;
+  m->session = (ProtobufCBinaryData){
+      .len = e->kind == PS__REPLICA_ENTRY__KIND__REGISTER ? PS_SESSION_LEN : 0,
+      .data = (uint8_t *)e->session};
+  m->reader = e->reader;
+  m->idle = e->idle;
+  m->gradient = (ProtobufCBinaryData){.len = e->grad_len, .data = e->grad};
+  m->now_ms = e->now_ms;
+  m->timeout_ms = e->timeout_ms;
+  m->complete_lease = e->complete_lease;
+  m->dataset_size = e->dataset_size;
+  m->want_next = e->want_next;
+  m->names_leases = e->names_leases;
+  m->quorum = e->quorum;
+  m->result = e->result;
+  if (e->kind == PS__REPLICA_ENTRY__KIND__LEASE_RENEW) {
+    m->n_leases = e->n_ids;
+    m->leases = e->ids;
+  } else if (e->kind == PS__REPLICA_ENTRY__KIND__REGISTER) {
+    m->n_done_chunks = e->n_ids;
+    m->done_chunks = e->ids;
+  }
+  if (e->kind == PS__REPLICA_ENTRY__KIND__PUSH || e->kind == PS__REPLICA_ENTRY__KIND__LEASE)
+    m->reply = (ProtobufCBinaryData){.len = e->reply_len, .data = e->reply};
+  m->n_rows = e->n_rows;
+  m->rows = e->n_rows ? (Ps__TableRows **)e->rows_p : NULL;
+}
+
+/* A replica's answer to a Replicate call of term `term` (mu held): a newer
+ * term deposes this primary; a position not in this history asks for the
+ * whole state; an applied batch moves the replica on and may commit
+ * entries. snapshot, probe: what the call was; last: the last seq sent. */
+static void take_answer(peer_t *p, const Ps__ReplicateResponse *resp, uint64_t term,
+                        int snapshot, int probe, uint64_t last) {
+  ps_replica *rp = p->rp;
+  if (rp->term == term && rp->role == PRIMARY) {
+    p->last_ok_ms = ps_now_ms();
+    if (resp->result == PS__REPLICATE_RESPONSE__RESULT__STALE_TERM) {
+      step_down(rp, resp->term, "a replica knows a newer term");
+    } else if (resp->result == PS__REPLICATE_RESPONSE__RESULT__MISMATCH) {
+      if (!p->need_snapshot || snapshot)
+        PS_INFO("replication: replica %d is at update %" PRIu64 " of term %" PRIu64
+                ", not in this history: sending it the whole state",
+                p->r, resp->position ? resp->position->seq : 0,
+                resp->position ? resp->position->term : 0);
+      p->need_snapshot = 1;
+      p->matched = 0;
+    } else {
+      if (snapshot || probe) p->need_snapshot = 0;
+      p->matched = !p->need_snapshot; /* an append that ran out of memory wants one */
+      p->acked = last;
+      p->next = last + 1;
+      advance_commit(rp);
+    }
+  }
 }
 
 static void *sender_main(void *arg) {
@@ -1319,45 +1409,7 @@ static void *sender_main(void *arg) {
     req.prev = &pm;
     Ps__ReplicaEntry em[BATCH_ENTRIES], *ep[BATCH_ENTRIES];
     for (int i = 0; i < nb; i++) {
-      const rentry *e = batch[i];
-      ps__replica_entry__init(&em[i]);
-      em[i].kind = (Ps__ReplicaEntry__Kind)e->kind;
-      em[i].seq = e->pos.seq;
-      em[i].term = e->pos.term;
-      em[i].worker_id = e->worker;
-      em[i].request_id = e->request_id;
-      em[i].base_version = e->base_version;
-      em[i].offset = e->offset;
-      em[i].count = e->count;
-      em[i].step = e->step;
-      em[i].host = (char *)e->host;
-      em[i].role = (char *)e->role;
-      em[i].task_index = e->task_index;
-      em[i].session = (ProtobufCBinaryData){
-          .len = e->kind == PS__REPLICA_ENTRY__KIND__REGISTER ? PS_SESSION_LEN : 0,
-          .data = (uint8_t *)e->session};
-      em[i].reader = e->reader;
-      em[i].idle = e->idle;
-      em[i].gradient = (ProtobufCBinaryData){.len = e->grad_len, .data = e->grad};
-      em[i].now_ms = e->now_ms;
-      em[i].timeout_ms = e->timeout_ms;
-      em[i].complete_lease = e->complete_lease;
-      em[i].dataset_size = e->dataset_size;
-      em[i].want_next = e->want_next;
-      em[i].names_leases = e->names_leases;
-      em[i].quorum = e->quorum;
-      em[i].result = e->result;
-      if (e->kind == PS__REPLICA_ENTRY__KIND__LEASE_RENEW) {
-        em[i].n_leases = e->n_ids;
-        em[i].leases = e->ids;
-      } else if (e->kind == PS__REPLICA_ENTRY__KIND__REGISTER) {
-        em[i].n_done_chunks = e->n_ids;
-        em[i].done_chunks = e->ids;
-      }
-      if (e->kind == PS__REPLICA_ENTRY__KIND__PUSH || e->kind == PS__REPLICA_ENTRY__KIND__LEASE)
-        em[i].reply = (ProtobufCBinaryData){.len = e->reply_len, .data = e->reply};
-      em[i].n_rows = e->n_rows;
-      em[i].rows = e->n_rows ? (Ps__TableRows **)e->rows_p : NULL;
+      entry_to_msg(batch[i], &em[i]);
       ep[i] = &em[i];
     }
     req.n_entries = (size_t)nb;
@@ -1392,26 +1444,7 @@ static void *sender_main(void *arg) {
     }
     if (quiet) PS_INFO("replication: replica %d answers again", p->r);
     quiet = 0;
-    if (rp->term == term && rp->role == PRIMARY) {
-      p->last_ok_ms = ps_now_ms();
-      if (resp->result == PS__REPLICATE_RESPONSE__RESULT__STALE_TERM) {
-        step_down(rp, resp->term, "a replica knows a newer term");
-      } else if (resp->result == PS__REPLICATE_RESPONSE__RESULT__MISMATCH) {
-        if (!p->need_snapshot || snapshot)
-          PS_INFO("replication: replica %d is at update %" PRIu64 " of term %" PRIu64
-                  ", not in this history: sending it the whole state",
-                  p->r, resp->position ? resp->position->seq : 0,
-                  resp->position ? resp->position->term : 0);
-        p->need_snapshot = 1;
-        p->matched = 0;
-      } else {
-        if (snapshot || probe) p->need_snapshot = 0;
-        p->matched = !p->need_snapshot; /* an append that ran out of memory wants one */
-        p->acked = last;
-        p->next = last + 1;
-        advance_commit(rp);
-      }
-    }
+    take_answer(p, resp, term, snapshot, probe, last);
     protobuf_c_message_free_unpacked(&resp->base, NULL);
   }
   pthread_mutex_unlock(&rp->mu);
@@ -1644,10 +1677,10 @@ static int run_term(ps_replica *rp, uint32_t members, const char *why) {
         ps_membership_touch(sv->members, list[i].id, UINT64_MAX, now);
         if (!lt) continue;
         /* Their leases too, logged, so that the backups expire the same. */
-        ps_leases_renew(lt, list[i].id, now);
-        ps_replica_update u = {.kind = PS__REPLICA_ENTRY__KIND__LEASE_RENEW,
-                               .worker = list[i].id,
-                               .now_ms = now};
+        ps_update u = {.kind = PS_UPDATE_LEASE_RENEW, .worker = list[i].id, .now_ms = now};
+        ps_update_result res = {0};
+        char err[PS_ERRLEN];
+        ps_update_apply(sv, &u, 0, &res, err);
         if (ps_replica_append(sv, &u, NULL, NULL, 0, 0) != PS_OK) ps_replica_diverged(sv);
       }
       free(list);
@@ -1697,11 +1730,10 @@ static void *manager_main(void *arg) {
       if (won) {
         /* The step may be complete already (every gradient came in before
          * the old primary fell): nothing else would try it. */
-        if (sv->job.mode_kind == PS_MODE_SYNC) ps_sync_try_step(sv);
-        ps_waits_recheck(sv);
-        /* Shard 0's new primary coordinates the checkpoint sets: one at
-         * once gives up a set the old one left held on the shards. */
-        if (sv->index == 0) ps_cut_kick(sv);
+        /* Shard 0's new primary also coordinates the checkpoint sets: one
+         * at once gives up a set the old one left held on the shards. The
+         * server's hook does both. */
+        sv->hooks.became_primary(sv);
       }
       pthread_mutex_lock(&rp->mu);
       if (!won) {

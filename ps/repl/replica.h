@@ -48,32 +48,13 @@
 #include <stdint.h>
 
 #include "common/rpc.h"
+#include "ps/core/update.h"
 
 struct ps_server;
 struct ProtobufCMessage;
 
 typedef struct ps_replica ps_replica;
 
-/* What an update is, as the primary applied it (ps_replica_append). */
-typedef struct {
-  int kind; /* PS__REPLICA_ENTRY__KIND__* */
-  uint64_t worker, request_id, base_version, offset, count, step;
-  const char *host, *role;
-  int task_index;
-  const uint8_t *session; /* PS_SESSION_LEN bytes (REGISTER) */
-  int reader, idle;
-  const ps_segview *gradient; /* PUSH: the pushed bytes (copied) */
-  /* shard 0's data leases */
-  int64_t now_ms, timeout_ms;
-  uint64_t complete_lease, dataset_size;
-  int want_next, names_leases;
-  const uint64_t *leases; /* LEASE_RENEW: the named ones (copied) */
-  size_t n_leases;
-  const uint64_t *done_chunks; /* REGISTER: a returning worker's (copied) */
-  size_t n_done;
-  int quorum, result; /* SYNC_STEP */
-  const struct ps_rows_req *rows; /* PUSH: its embedding rows (copied), or NULL */
-} ps_replica_update;
 
 /* Sets up replication for a server whose job has replicas_per_shard R > 1
  * (sv->replica, sv->server_index and the address list set): reads (or
@@ -95,13 +76,14 @@ void ps_replica_free(struct ps_server *sv);
  * Without replication (sv->repl NULL): 0, and unlock does nothing. */
 int ps_replica_lock(struct ps_server *sv);
 void ps_replica_unlock(struct ps_server *sv);
-/* With the lock held, after the update was applied: logs it for the
- * backups. call (may be NULL) is answered with reply (packed here) once
+/* With the lock held, after the update was applied (ps_update_apply):
+ * logs the same record for the backups, which apply it with the same
+ * function. call (may be NULL) is answered with reply (packed here) once
  * every member has it; rid != 0: the worker's request (kind rec_kind) was
  * staged in the membership table and is settled with that answer then.
  * PS_ENOMEM: nothing logged (the caller fails the call; the update stays
  * applied here, which a backup's snapshot then carries). */
-int ps_replica_append(struct ps_server *sv, const ps_replica_update *u, rpc_call *call,
+int ps_replica_append(struct ps_server *sv, const ps_update *u, rpc_call *call,
                       const struct ProtobufCMessage *reply, int rec_kind, uint64_t rid);
 /* The primary changed its state without logging it (out of memory, a
  * call that failed halfway): every backup takes the whole state next. */

@@ -1,10 +1,12 @@
 /* ps-server's RPC handlers (Register, Heartbeat, Leave, Pull, Push, Status,
  * Lease): each decodes its request, checks the header and answers. They run
- * on gRPC's server threads, against the thread-safe shard and membership;
- * pulls that must wait are handed to sync.c. Also the table that registers
- * them on the RPC server, and the release of a departed worker's leases. */
+ * on gRPC's server threads, against the thread-safe shard and membership.
+ * Each handler that changes the state builds an update (ps/core/update.h)
+ * and applies it with ps_update_apply; a replicated shard's primary does
+ * so under its ordering lock and hands the same record to its log. Pulls
+ * that must wait are handed to sync.c, and answered by pull.c. Also the
+ * table that registers the methods on the RPC server. */
 #include <inttypes.h>
-#include <jansson.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,7 +16,13 @@
 #include "common/half.h"
 #include "common/wire.h"
 #include "proto/ps.pb-c.h"
-#include "ps/core/server.h"
+#include "ps/ckpt/cut.h"
+#include "ps/core/rows.h"
+#include "ps/core/update.h"
+#include "ps/repl/replica.h"
+#include "ps/rpc/pull.h"
+#include "ps/rpc/service.h"
+#include "ps/rpc/sync.h"
 
 /* One call, decoded and checked, as a handler sees it. */
 typedef struct {
@@ -120,14 +128,6 @@ static int check_header(ps_server *sv, rpc_call *call, const Ps__RequestHeader *
   return 0;
 }
 
-void ps_service_reply(rpc_call *call, const ProtobufCMessage *m) {
-  rpc_msg out;
-  if (wire_encode(m, NULL, 0, NULL, NULL, &out) != 0) {
-    rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory encoding the reply");
-    return;
-  }
-  rpc_call_reply(call, &out);
-}
 
 /* A mutation the worker may retry (Push, Lease) with request id rid != 0:
  * answers a repeat from the worker's recent requests and returns 1 (the
@@ -174,7 +174,7 @@ static void reply_recorded(const request *q, uint64_t worker, uint64_t rid,
     ps_membership_request_end(q->sv->members, worker, q->kind, rid, buf,
                               len <= sizeof buf ? len : 0);
   }
-  ps_service_reply(q->call, m);
+  wire_reply(q->call, m);
 }
 
 /* A request rid that was refused: a retry may try it again. */
@@ -182,31 +182,6 @@ static void forget_request(const request *q, uint64_t worker, uint64_t rid) {
   if (rid) ps_membership_request_end(q->sv->members, worker, q->kind, rid, NULL, 0);
 }
 
-/* A worker registering again names the chunks whose completion this shard
- * acknowledged to it: those the lease table does not hold as done were
- * lost with a restart and will be trained again, which the epoch's record
- * counts. */
-void ps_service_note_redone(ps_server *sv, uint64_t worker, const uint64_t *done, size_t n) {
-  pthread_mutex_lock(&sv->lease_mu);
-  ps_leases *t = sv->index == 0 ? sv->leases : NULL;
-  int counted = 0;
-  uint64_t examples = 0;
-  if (t) {
-    /* An honest worker names a chunk once per epoch, or a few times
-     * (done again after a restart): no more names than the table has
-     * chunks are looked at. */
-    ps_lease_stats st;
-    ps_leases_stats(t, &st);
-    if (n > st.chunks) n = st.chunks;
-    counted = ps_leases_note_redone(t, done, n, &examples);
-  }
-  pthread_mutex_unlock(&sv->lease_mu);
-  if (counted > 0)
-    PS_INFO("worker %016" PRIx64 " registered again: %d chunk(s) (%" PRIu64
-            " examples) it completed were lost with this shard's restart and will be trained "
-            "again",
-            worker, counted, examples);
-}
 
 /* The replicas of every shard, for a Register answer (R > 1). */
 static void fill_replicas(ps_server *sv, Ps__RegisterResponse *resp, char **all) {
@@ -234,7 +209,7 @@ static void first_contact_elsewhere(ps_server *sv, rpc_call *call) {
   resp.param_count = sv->job.model.n_params;
   resp.job_id = sv->job.job_id;
   fill_replicas(sv, &resp, all);
-  ps_service_reply(call, &resp.base);
+  wire_reply(call, &resp.base);
 }
 
 static void handle_register(const request *q) {
@@ -269,7 +244,7 @@ static void handle_register(const request *q) {
   resp.job_id = sv->job.job_id;
   if (id == 0 && sv->index != 0) {
     /* Ids come from shard 0: send the worker there. */
-    ps_service_reply(call, &resp.base);
+    wire_reply(call, &resp.base);
     return;
   }
   uint64_t new_id = 0;
@@ -312,7 +287,7 @@ static void handle_register(const request *q) {
           new_id, r->host ? r->host : "?", r->role ? r->role : "?", r->task_index, rank,
           ps_membership_count(sv->members));
   if (id != 0 && !q->reader && r->n_done_chunks > 0)
-    ps_service_note_redone(sv, new_id, r->done_chunks, r->n_done_chunks);
+    ps_update_note_redone(sv, new_id, r->done_chunks, r->n_done_chunks);
   resp.worker_id = new_id;
   resp.worker_rank = (uint32_t)rank;
   resp.session = (ProtobufCBinaryData){.len = PS_SESSION_LEN, .data = session};
@@ -320,7 +295,7 @@ static void handle_register(const request *q) {
   if (sv->repl) {
     int reader = 0;
     ps_membership_authorize(sv->members, new_id, session, PS_SESSION_LEN, &reader);
-    ps_replica_update u = {.kind = PS__REPLICA_ENTRY__KIND__REGISTER,
+    ps_update u = {.kind = PS_UPDATE_REGISTER,
                            .worker = new_id,
                            .host = r->host,
                            .role = role,
@@ -335,20 +310,22 @@ static void handle_register(const request *q) {
     if (sv->job.mode_kind == PS_MODE_SYNC) ps_sync_try_step(sv);
     return;
   }
-  ps_service_reply(call, &resp.base);
+  wire_reply(call, &resp.base);
   if (sv->job.mode_kind == PS_MODE_SYNC) ps_sync_try_step(sv);
 }
 
-/* The worker's idle flag, logged for the backups when it changed. */
+/* The worker's idle flag, logged for the backups when it changed. 1 when
+ * it changed. */
 static int set_idle(ps_server *sv, uint64_t wid, int idle) {
   if (ps_replica_lock(sv) != 0) return 0;
-  int rc = ps_membership_set_idle(sv->members, wid, idle);
-  if (rc == 1 && sv->repl) {
-    ps_replica_update u = {.kind = PS__REPLICA_ENTRY__KIND__IDLE, .worker = wid, .idle = idle};
+  ps_update u = {.kind = PS_UPDATE_IDLE, .worker = wid, .idle = idle};
+  ps_update_result res = {0};
+  char err[PS_ERRLEN];
+  ps_update_apply(sv, &u, 0, &res, err);
+  if (res.changed && sv->repl)
     ps_replica_append(sv, &u, NULL, NULL, 0, 0); /* no memory: a snapshot carries it */
-  }
   ps_replica_unlock(sv);
-  return rc;
+  return res.changed;
 }
 
 static void handle_heartbeat(const request *q) {
@@ -357,22 +334,21 @@ static void handle_heartbeat(const request *q) {
   const Ps__HeartbeatRequest *r = (const Ps__HeartbeatRequest *)q->msg;
   const uint64_t wid = r->header->worker_id;
   if (ps_replica_lock(sv) == 0) { /* a replicated shard 0 logs the renewal */
-    int64_t now = ps_now_ms();
     pthread_mutex_lock(&sv->lease_mu);
-    ps_leases *t = sv->leases;
-    if (t && r->names_leases)
-      ps_leases_renew_named(t, wid, r->leases, r->n_leases, now);
-    else if (t)
-      ps_leases_renew(t, wid, now);
+    const int leasing = sv->leases != NULL;
     pthread_mutex_unlock(&sv->lease_mu);
-    if (t && sv->repl) {
-      ps_replica_update u = {.kind = PS__REPLICA_ENTRY__KIND__LEASE_RENEW,
-                             .worker = wid,
-                             .now_ms = now,
-                             .leases = r->leases,
-                             .n_leases = r->n_leases,
-                             .names_leases = r->names_leases};
-      ps_replica_append(sv, &u, NULL, NULL, 0, 0); /* no memory: it diverged, a snapshot mends */
+    if (leasing) {
+      ps_update u = {.kind = PS_UPDATE_LEASE_RENEW,
+                     .worker = wid,
+                     .now_ms = ps_now_ms(),
+                     .leases = r->leases,
+                     .n_leases = r->n_leases,
+                     .names_leases = r->names_leases};
+      ps_update_result res = {0};
+      char err[PS_ERRLEN];
+      ps_update_apply(sv, &u, 0, &res, err);
+      if (sv->repl)
+        ps_replica_append(sv, &u, NULL, NULL, 0, 0); /* no memory: it diverged, a snapshot mends */
     }
     ps_replica_unlock(sv);
   }
@@ -389,97 +365,34 @@ static void handle_heartbeat(const request *q) {
   ps_shard_stats_get(sv->shard, &st);
   Ps__HeartbeatResponse resp = PS__HEARTBEAT_RESPONSE__INIT;
   resp.version = st.version;
-  ps_service_reply(call, &resp.base);
+  wire_reply(call, &resp.base);
 }
 
 static void handle_leave(const request *q) {
   ps_server *sv = q->sv;
   rpc_call *call = q->call;
   const Ps__LeaveRequest *r = (const Ps__LeaveRequest *)q->msg;
-  if (sv->repl) {
-    if (ps_replica_lock(sv) != 0) {
-      ps_replica_redirect(sv, call, "Leave");
-      return;
-    }
-    ps_membership_remove(sv->members, r->header->worker_id);
-    ps_service_release_leases(sv, r->header->worker_id);
-    ps_replica_update u = {.kind = PS__REPLICA_ENTRY__KIND__LEAVE, .worker = r->header->worker_id};
-    Ps__LeaveResponse resp = PS__LEAVE_RESPONSE__INIT;
-    PS_INFO("worker %016" PRIx64 " left; %d live", r->header->worker_id,
-            ps_membership_count(sv->members));
-    if (ps_replica_append(sv, &u, call, &resp.base, 0, 0) != PS_OK)
-      rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "shard %d: out of memory", sv->index);
-    ps_replica_unlock(sv);
-    if (sv->job.mode_kind == PS_MODE_SYNC) ps_sync_try_step(sv);
-    ps_waits_recheck(sv);
+  /* A replicated shard's primary removes the worker and logs it under its
+   * ordering lock, and answers once every replica has it. */
+  if (ps_replica_lock(sv) != 0) {
+    ps_replica_redirect(sv, call, "Leave");
     return;
   }
-  ps_membership_remove(sv->members, r->header->worker_id);
-  ps_service_release_leases(sv, r->header->worker_id);
+  ps_update u = {.kind = PS_UPDATE_LEAVE, .worker = r->header->worker_id};
+  ps_update_result res = {0};
+  char err[PS_ERRLEN];
+  ps_update_apply(sv, &u, 0, &res, err);
   PS_INFO("worker %016" PRIx64 " left; %d live", r->header->worker_id,
           ps_membership_count(sv->members));
   Ps__LeaveResponse resp = PS__LEAVE_RESPONSE__INIT;
-  ps_service_reply(call, &resp.base);
+  if (!sv->repl)
+    wire_reply(call, &resp.base);
+  else if (ps_replica_append(sv, &u, call, &resp.base, 0, 0) != PS_OK)
+    rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "shard %d: out of memory", sv->index);
+  ps_replica_unlock(sv);
   /* One fewer worker: a smaller quorum, or a new slowest clock. */
   if (sv->job.mode_kind == PS_MODE_SYNC) ps_sync_try_step(sv);
   ps_waits_recheck(sv);
-}
-
-static void release_snapshot(void *user) { ps_snapshot_unref(user); }
-
-/* The snapshot's values in the job's 16-bit encoding, kept with the
- * snapshot (NULL: out of memory). A parameter beyond fp16's range goes out
- * as Inf, which the worker refuses, saying why; the shard says it once
- * too. */
-const uint16_t *ps_service_encode_snapshot(ps_server *sv, ps_snapshot *snap) {
-  size_t i = snap->count;
-  const uint16_t *h = ps_shard_snapshot_encoded(sv->shard, snap, &i);
-  if (h && i < snap->count && atomic_exchange(&sv->wire_range_warned, 1) == 0) {
-    PS_WARN("parameter %zu (global index) is %g, beyond %s's range: pulls send it as Inf, which "
-            "workers refuse (a job whose parameters grow this large cannot use \"wire\": "
-            "\"%s\"); said once",
-            snap->begin + i, (double)snap->values[i], ps_wire_name(sv->job.wire),
-            ps_wire_name(sv->job.wire));
-  }
-  return h;
-}
-
-/* Answers a pull with the current snapshot, sent without a copy (fp32), or
- * encoded in 16 bits. */
-void ps_service_serve_pull(ps_server *sv, rpc_call *call, size_t offset, size_t count) {
-  char err[PS_ERRLEN];
-  ps_snapshot *snap = ps_shard_pull(sv->shard, offset, count, err);
-  if (!snap) {
-    rpc_call_fail(call, RPC_OUT_OF_RANGE, "%s", err);
-    return;
-  }
-  Ps__PullResponse resp = PS__PULL_RESPONSE__INIT;
-  resp.version = snap->version;
-  resp.offset = snap->begin;
-  resp.count = snap->count;
-  resp.encoding = (Ps__Encoding)sv->job.wire;
-  /* gRPC drops the reference when it has sent the values (float32, or
-   * their 16-bit encoding kept with the snapshot). */
-  const void *values = snap->values;
-  size_t bytes = snap->count * sizeof(float);
-  if (sv->job.wire != PS_WIRE_FP32) {
-    values = ps_service_encode_snapshot(sv, snap);
-    bytes = snap->count * sizeof(uint16_t);
-  }
-  rpc_msg out;
-  if (!values || wire_encode(&resp.base, values, bytes, release_snapshot, snap, &out) != 0) {
-    ps_snapshot_unref(snap);
-    rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory encoding the reply");
-    return;
-  }
-  ps_service_reply_pull(sv, call, &out);
-}
-
-void ps_service_reply_pull(ps_server *sv, rpc_call *call, rpc_msg *out) {
-  size_t sent = 0;
-  for (int i = 0; i < out->nseg; i++) sent += out->seg[i].len;
-  atomic_fetch_add(&sv->pull_bytes, sent);
-  rpc_call_reply(call, out);
 }
 
 static void handle_pull(const request *q) {
@@ -514,9 +427,9 @@ static void handle_pull(const request *q) {
                         r->count, rows);
   if (rc != PS_PULL_NOW && rc != PS_PULL_WAITS) ps_rows_free(rows);
   if (rc == PS_PULL_NOW && rows)
-    ps_rows_serve_pull(sv, call, r->offset, r->count, rows);
+    ps_pull_serve_rows(sv, call, r->offset, r->count, rows);
   else if (rc == PS_PULL_NOW)
-    ps_service_serve_pull(sv, call, r->offset, r->count);
+    ps_pull_serve(sv, call, r->offset, r->count);
   else if (rc == PS_ENOTFOUND)
     rpc_call_fail(call, RPC_NOT_FOUND, "worker %016" PRIx64 " is not registered with shard %d",
                   r->header->worker_id, sv->index);
@@ -534,69 +447,47 @@ static void handle_pull(const request *q) {
     rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
 }
 
-/* A replicated shard's push (async, ssp): applied under the ordering lock,
- * logged, answered once every replica has it. */
-int ps_service_push_step(ps_server *sv, uint64_t worker, uint64_t request_id,
-                         uint64_t base_version, uint64_t offset, uint64_t count, uint64_t step,
-                         const ps_segview *tensor, const ps_rows_req *rows,
-                         Ps__PushResponse *resp, char *err) {
-  uint64_t version = 0, staleness = 0;
-  int dropped = 0, have = 0, rc;
-  if (sv->job.mode_kind == PS_MODE_SYNC) {
-    rc = ps_rows_sync_add(sv, rows, worker, base_version, offset, count, tensor, &dropped, &have,
-                          err);
-    if (rc == 0) {
-      ps_shard_stats st;
-      ps_shard_stats_get(sv->shard, &st);
-      version = st.version;
-    }
-  } else if (rows) {
-    rc = ps_rows_push(sv, rows, base_version, offset, count, tensor, &version, &staleness, err);
-  } else {
-    rc = ps_shard_push(sv->shard, base_version, offset, count, tensor, &version, &staleness, err);
-  }
-  if (rc != 0) return rc;
-  ps_membership_note_round(sv->members, worker, request_id);
-  ps_membership_note_push(sv->members, worker, step, ps_now_ms());
-  resp->version = version;
-  resp->staleness = staleness;
-  resp->dropped = dropped;
-  return 0;
-}
-
-/* A replicated shard's push: applied (async, ssp) or added to the step
- * (sync) under the ordering lock, logged, answered once every replica has
- * it. */
-static void apply_push_replicated(ps_server *sv, const ps_push_args *a) {
-  const request q = {.sv = sv, .call = a->call, .kind = a->kind};
-  const uint64_t wid = a->worker;
+/* The one path of a push on this shard: the update applied (async, ssp:
+ * to the shard; sync: to the step's sum) with ps_update_apply, then
+ * answered and kept under its request id. A replicated shard's primary
+ * applies it under its ordering lock and hands the same record to its log,
+ * which answers the call once every replica has it. */
+void ps_service_apply_push(ps_server *sv, const ps_push_args *a) {
+  const request q = {.sv = sv, .call = a->call, .kind = a->rec_kind};
+  const ps_update *u = &a->u;
+  const uint64_t wid = u->worker;
   char err[PS_ERRLEN];
   if (ps_replica_lock(sv) != 0) {
-    forget_request(&q, wid, a->request_id);
+    forget_request(&q, wid, u->request_id);
     ps_replica_redirect(sv, a->call, "Push");
     return;
   }
-  Ps__PushResponse resp = PS__PUSH_RESPONSE__INIT;
-  int rc = ps_service_push_step(sv, wid, a->request_id, a->base_version, a->offset, a->count,
-                                a->step, a->tensor, a->rows, &resp, err);
+  double t0 = ps_now_s();
+  ps_update_result res = {0};
+  int rc = ps_update_apply(sv, u, 0, &res, err);
   if (rc != 0) {
     ps_replica_unlock(sv);
     PS_WARN("push from worker %016" PRIx64 " refused: %s", wid, err);
-    forget_request(&q, wid, a->request_id);
-    rpc_call_fail(a->call, rc == PS_ERANGE ? RPC_OUT_OF_RANGE : RPC_INVALID_ARGUMENT, "%s", err);
+    forget_request(&q, wid, u->request_id);
+    rpc_call_fail(a->call, res.rpc_status, "%s", err);
     return;
   }
-  ps_replica_update u = {.kind = PS__REPLICA_ENTRY__KIND__PUSH,
-                         .worker = wid,
-                         .request_id = a->request_id,
-                         .base_version = a->base_version,
-                         .offset = a->offset,
-                         .count = a->count,
-                         .step = a->step,
-                         .gradient = a->tensor,
-                         .rows = a->rows};
-  if (ps_replica_append(sv, &u, a->call, &resp.base, a->kind, a->request_id) != PS_OK) {
-    forget_request(&q, wid, a->request_id);
+  if (res.dropped)
+    PS_DEBUG("dropped a late gradient of step %" PRIu64 " from worker %016" PRIx64
+             " (step %" PRIu64 " is under way)",
+             u->base_version, wid, res.version);
+  PS_DEBUG("push of %" PRIu64 " values (step %" PRIu64 ", base version %" PRIu64
+           ") from worker %016" PRIx64 " in %d slices: %s in %.2f ms (%d in this step)",
+           u->count, u->step, u->base_version, wid, u->gradient->nsegs,
+           res.dropped ? "dropped" : "taken", (ps_now_s() - t0) * 1e3, res.have);
+  Ps__PushResponse resp = PS__PUSH_RESPONSE__INIT;
+  resp.version = res.version;
+  resp.staleness = res.staleness;
+  resp.dropped = res.dropped;
+  if (!sv->repl) {
+    reply_recorded(&q, wid, u->request_id, &resp.base);
+  } else if (ps_replica_append(sv, u, a->call, &resp.base, a->rec_kind, u->request_id) != PS_OK) {
+    forget_request(&q, wid, u->request_id);
     rpc_call_fail(a->call, RPC_RESOURCE_EXHAUSTED,
                   "shard %d: out of memory logging a push for the backups", sv->index);
   }
@@ -605,59 +496,6 @@ static void apply_push_replicated(ps_server *sv, const ps_push_args *a) {
     ps_sync_try_step(sv);
   else if (sv->job.mode_kind == PS_MODE_SSP)
     ps_waits_recheck(sv); /* a clock moved */
-}
-
-void ps_service_apply_push(ps_server *sv, const ps_push_args *a) {
-  if (sv->repl) {
-    apply_push_replicated(sv, a);
-    return;
-  }
-  const request q = {.sv = sv, .call = a->call, .kind = a->kind};
-  const uint64_t wid = a->worker;
-  char err[PS_ERRLEN];
-  uint64_t version = 0, staleness = 0;
-  double t0 = ps_now_s();
-  int dropped = 0, have = 0, rc;
-  if (sv->job.mode_kind == PS_MODE_SYNC) {
-    rc = ps_rows_sync_add(sv, a->rows, wid, a->base_version, a->offset, a->count, a->tensor,
-                          &dropped, &have, err);
-    if (rc == 0) {
-      ps_shard_stats st;
-      ps_shard_stats_get(sv->shard, &st);
-      version = st.version;
-      if (dropped)
-        PS_DEBUG("dropped a late gradient of step %" PRIu64 " from worker %016" PRIx64
-                 " (step %" PRIu64 " is under way)",
-                 a->base_version, wid, version);
-    }
-  } else if (a->rows) {
-    rc = ps_rows_push(sv, a->rows, a->base_version, a->offset, a->count, a->tensor, &version,
-                      &staleness, err);
-  } else {
-    rc = ps_shard_push(sv->shard, a->base_version, a->offset, a->count, a->tensor, &version,
-                       &staleness, err);
-  }
-  if (rc == 0) ps_membership_note_round(sv->members, wid, a->request_id);
-  PS_DEBUG("push of %" PRIu64 " values (step %" PRIu64 ", base version %" PRIu64
-           ") from worker %016" PRIx64 " in %d slices: %s in %.2f ms (%d in this step)",
-           a->count, a->step, a->base_version, wid, a->tensor->nsegs,
-           dropped ? "dropped" : "taken", (ps_now_s() - t0) * 1e3, have);
-  if (rc != 0) {
-    PS_WARN("push from worker %016" PRIx64 " refused: %s", wid, err);
-    forget_request(&q, wid, a->request_id);
-    rpc_call_fail(a->call, rc == PS_ERANGE ? RPC_OUT_OF_RANGE : RPC_INVALID_ARGUMENT, "%s", err);
-  } else {
-    ps_membership_note_push(sv->members, wid, a->step, ps_now_ms());
-    Ps__PushResponse resp = PS__PUSH_RESPONSE__INIT;
-    resp.version = version;
-    resp.staleness = staleness;
-    resp.dropped = dropped;
-    reply_recorded(&q, wid, a->request_id, &resp.base);
-    if (sv->job.mode_kind == PS_MODE_SYNC)
-      ps_sync_try_step(sv);
-    else if (sv->job.mode_kind == PS_MODE_SSP)
-      ps_waits_recheck(sv); /* a clock moved */
-  }
 }
 
 static void handle_push(const request *q) {
@@ -693,15 +531,16 @@ static void handle_push(const request *q) {
     return;
   }
   ps_push_args a = {.call = q->call,
-                    .kind = q->kind,
-                    .worker = wid,
-                    .request_id = r->request_id,
-                    .base_version = r->base_version,
-                    .offset = r->offset,
-                    .count = r->count,
-                    .step = r->step,
-                    .tensor = q->tensor,
-                    .rows = rows};
+                    .rec_kind = q->kind,
+                    .u = {.kind = PS_UPDATE_PUSH,
+                          .worker = wid,
+                          .request_id = r->request_id,
+                          .base_version = r->base_version,
+                          .offset = r->offset,
+                          .count = r->count,
+                          .step = r->step,
+                          .gradient = q->tensor,
+                          .rows = rows}};
   /* Under sync only steps wait for a checkpoint cut; async and ssp
    * pushes pass its gate (or wait there, answered later). */
   if (q->sv->job.mode_kind == PS_MODE_SYNC) {
@@ -906,7 +745,7 @@ static void handle_status(const request *q) {
     }
     resp.n_workers = (size_t)n;
     resp.workers = wp;
-    ps_service_reply(call, &resp.base);
+    wire_reply(call, &resp.base);
   }
   free(mem);
   free(wi);
@@ -914,103 +753,7 @@ static void handle_status(const request *q) {
   free(held);
 }
 
-/* An epoch of leases just finished: its summary goes to the log and the
- * metrics file, which keep every epoch of a long run (Status keeps the
- * last few). */
-static void record_epoch(ps_server *sv, ps_leases *t, uint32_t epoch) {
-  ps_lease_epoch_record e;
-  if (ps_leases_epoch_record(t, epoch, &e, NULL, 0) < 0) return;
-  PS_INFO("leases: epoch %u done in %.1f s: %u chunks, %u completed once, %" PRIu64
-          " examples completed, %" PRIu64 " handed out (%" PRIu64 " again after %" PRIu64
-          " reclaims), %" PRIu64 " redone after a restart lost their completion",
-          e.epoch, e.end_ms >= 0 && e.start_ms >= 0 ? (double)(e.end_ms - e.start_ms) / 1e3 : 0.0,
-          e.chunks, e.chunks_once, e.examples_completed, e.examples_handed_out,
-          e.examples_rehanded, e.reclaims, e.examples_redone);
-  if (!sv->metrics) return;
-  json_t *rec = json_pack("{s:i,s:i,s:i,s:i,s:i,s:I,s:I,s:I,s:I,s:I}", "shard", sv->index,
-                          "lease_epoch", (int)e.epoch, "chunks", (int)e.chunks,
-                          "chunks_completed", (int)e.chunks_completed, "chunks_once",
-                          (int)e.chunks_once, "examples_completed",
-                          (json_int_t)e.examples_completed, "examples_handed_out",
-                          (json_int_t)e.examples_handed_out, "examples_rehanded",
-                          (json_int_t)e.examples_rehanded, "reclaims", (json_int_t)e.reclaims,
-                          "examples_redone", (json_int_t)e.examples_redone);
-  ps_metrics_write(sv->metrics, rec);
-  json_decref(rec);
-}
 
-int ps_service_lease_step(ps_server *sv, uint64_t wid, uint64_t dataset_size,
-                          uint64_t complete_lease, int want_next, int64_t now,
-                          Ps__LeaseResponse *resp, int quiet, char *err) {
-  pthread_mutex_lock(&sv->lease_mu);
-  if (!sv->leases && dataset_size > 0) {
-    ps_lease_config cfg = {.n_examples = dataset_size,
-                           .chunk_size = (uint32_t)sv->job.lease_chunk,
-                           .epochs = (uint32_t)sv->job.epochs,
-                           .seed = sv->job.seed,
-                           .max_per_worker = 2};
-    char why[PS_ERRLEN];
-    sv->leases = ps_leases_create(&cfg, why);
-    if (!sv->leases) {
-      pthread_mutex_unlock(&sv->lease_mu);
-      snprintf(err, PS_ERRLEN, "cannot lease %" PRIu64 " examples: %.180s", dataset_size, why);
-      return RPC_INVALID_ARGUMENT;
-    }
-    if (!quiet)
-      PS_INFO("leases: %" PRIu64 " examples in chunks of %d, %d epoch(s)", dataset_size,
-              sv->job.lease_chunk, sv->job.epochs);
-  }
-  ps_leases *t = sv->leases;
-  pthread_mutex_unlock(&sv->lease_mu);
-  if (!t) {
-    snprintf(err, PS_ERRLEN, "the first Lease request must give dataset_size");
-    return RPC_INVALID_ARGUMENT;
-  }
-  ps_lease_stats st;
-  ps_leases_stats(t, &st);
-  if (dataset_size && dataset_size != st.config.n_examples) {
-    snprintf(err, PS_ERRLEN,
-             "this worker's data set has %" PRIu64 " training examples, the lease table %" PRIu64,
-             dataset_size, st.config.n_examples);
-    return RPC_FAILED_PRECONDITION;
-  }
-  if (complete_lease) {
-    /* Under lease_mu, so that the epoch a completion finishes is recorded
-     * once. */
-    pthread_mutex_lock(&sv->lease_mu);
-    ps_lease_stats before;
-    ps_leases_stats(t, &before);
-    int rc = ps_leases_complete(t, wid, complete_lease, now);
-    ps_lease_stats after;
-    ps_leases_stats(t, &after);
-    if (!quiet && (after.epoch != before.epoch || after.finished != before.finished))
-      record_epoch(sv, t, before.epoch);
-    pthread_mutex_unlock(&sv->lease_mu);
-    resp->completed_counted = rc == PS_OK;
-    if (rc != PS_OK && !quiet)
-      PS_INFO("lease %" PRIx64 " of worker %016" PRIx64 " finished but not counted: %s",
-              complete_lease, wid, ps_leases_strerror(rc));
-  }
-  resp->status = 1;
-  if (want_next) {
-    ps_lease l;
-    int rc = ps_leases_acquire(t, wid, now, &l);
-    if (rc == PS_OK) {
-      resp->status = 0;
-      resp->lease_id = l.lease_id;
-      resp->epoch = l.epoch;
-      resp->chunk = l.chunk;
-      resp->begin = l.begin;
-      resp->count = l.count;
-    } else if (rc == PS_LEASE_FINISHED) {
-      resp->status = 2;
-    } else if (rc < 0) {
-      snprintf(err, PS_ERRLEN, "lease: %s", ps_leases_strerror(rc));
-      return RPC_RESOURCE_EXHAUSTED;
-    } /* WAIT and FULL: ask again later */
-  }
-  return RPC_OK;
-}
 
 static void handle_lease(const request *q) {
   ps_server *sv = q->sv;
@@ -1037,45 +780,33 @@ static void handle_lease(const request *q) {
     ps_replica_redirect(sv, call, "Lease");
     return;
   }
-  int64_t now = ps_now_ms();
-  Ps__LeaseResponse resp = PS__LEASE_RESPONSE__INIT;
+  ps_update u = {.kind = PS_UPDATE_LEASE,
+                 .worker = wid,
+                 .request_id = r->request_id,
+                 .now_ms = ps_now_ms(),
+                 .complete_lease = r->complete_lease,
+                 .want_next = r->want_next,
+                 .dataset_size = r->dataset_size};
+  ps_update_result res = {.lease = PS__LEASE_RESPONSE__INIT};
   char err[PS_ERRLEN];
-  int st = ps_service_lease_step(sv, wid, r->dataset_size, r->complete_lease, r->want_next, now,
-                                 &resp, 0, err);
-  if (st != RPC_OK) {
+  if (ps_update_apply(sv, &u, 0, &res, err) != 0) {
     if (sv->repl) ps_replica_diverged(sv); /* a completion may have counted */
     ps_replica_unlock(sv);
     forget_request(q, wid, r->request_id);
-    rpc_call_fail(call, st, "%s", err);
+    rpc_call_fail(call, res.rpc_status, "%s", err);
     return;
   }
   if (sv->repl) {
-    ps_replica_update u = {.kind = PS__REPLICA_ENTRY__KIND__LEASE,
-                           .worker = wid,
-                           .request_id = r->request_id,
-                           .now_ms = now,
-                           .complete_lease = r->complete_lease,
-                           .want_next = r->want_next,
-                           .dataset_size = r->dataset_size};
-    if (ps_replica_append(sv, &u, call, &resp.base, q->kind, r->request_id) != PS_OK) {
+    if (ps_replica_append(sv, &u, call, &res.lease.base, q->kind, r->request_id) != PS_OK) {
       forget_request(q, wid, r->request_id);
       rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "shard 0: out of memory");
     }
     ps_replica_unlock(sv);
     return;
   }
-  reply_recorded(q, wid, r->request_id, &resp.base);
+  reply_recorded(q, wid, r->request_id, &res.lease.base);
 }
 
-/* Gives the data a departed worker held back to the others. */
-void ps_service_release_leases(ps_server *sv, uint64_t worker) {
-  pthread_mutex_lock(&sv->lease_mu);
-  ps_leases *t = sv->leases;
-  pthread_mutex_unlock(&sv->lease_mu);
-  if (!t) return;
-  int n = ps_leases_release_worker(t, worker);
-  if (n > 0) PS_INFO("leases: %d chunk(s) of worker %016" PRIx64 " back in the pool", n, worker);
-}
 
 /* The methods: what each needs of its caller, and its handler. */
 struct ps_method {

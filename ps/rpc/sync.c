@@ -7,7 +7,25 @@
 #include <stdlib.h>
 
 #include "proto/ps.pb-c.h"
-#include "ps/core/server.h"
+#include "ps/rpc/sync.h"
+#include "ps/ckpt/cut.h"
+#include "ps/core/rows.h"
+#include "ps/core/update.h"
+#include "ps/repl/replica.h"
+#include "ps/rpc/pull.h"
+
+const double ps_wait_bounds[PS_WAIT_BUCKETS] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                                                0.1,   0.25,   0.5,   1,    2.5,   10};
+
+/* A pull that waited ms milliseconds, counted under wait_mu (Status and
+ * the metrics endpoint read the histogram). */
+static void note_wait(ps_server *sv, int64_t ms) {
+  double s = (double)ms / 1e3;
+  int i = 0;
+  while (i < PS_WAIT_BUCKETS && s > ps_wait_bounds[i]) i++;
+  sv->wait_hist[i]++;
+  sv->wait_ms_total += (double)ms;
+}
 
 /* A pull that waits on the server (ssp: for the slowest worker to catch
  * up; sync: for the step to be applied). */
@@ -79,7 +97,7 @@ void ps_waits_recheck(ps_server *sv) {
       w->next = *dest;
       *dest = w;
       sv->n_waiting--;
-      ps_server_note_wait(sv, now - w->since_ms);
+      note_wait(sv, now - w->since_ms);
     } else {
       pp = &w->next;
     }
@@ -89,9 +107,9 @@ void ps_waits_recheck(ps_server *sv) {
     ps_waiter *w = go;
     go = w->next;
     if (w->rows)
-      ps_rows_serve_pull(sv, w->call, w->offset, w->count, w->rows);
+      ps_pull_serve_rows(sv, w->call, w->offset, w->count, w->rows);
     else
-      ps_service_serve_pull(sv, w->call, w->offset, w->count);
+      ps_pull_serve(sv, w->call, w->offset, w->count);
     free(w);
   }
   while (gone) {
@@ -157,7 +175,7 @@ int ps_waits_add(ps_server *sv, rpc_call *call, uint64_t worker, uint64_t min_ve
       old->next = superseded;
       superseded = old;
       sv->n_waiting--;
-      ps_server_note_wait(sv, now - old->since_ms);
+      note_wait(sv, now - old->since_ms);
     }
   }
   /* More waiting than twice the registrations allowed (workers dropped
@@ -201,7 +219,7 @@ void ps_waits_fail_all(ps_server *sv, int status, const char *why) {
   pthread_mutex_lock(&sv->wait_mu);
   ps_waiter *all = sv->waiters;
   int64_t now = ps_now_ms();
-  for (ps_waiter *w = all; w; w = w->next) ps_server_note_wait(sv, now - w->since_ms);
+  for (ps_waiter *w = all; w; w = w->next) note_wait(sv, now - w->since_ms);
   sv->waiters = NULL;
   sv->n_waiting = 0;
   pthread_mutex_unlock(&sv->wait_mu);
@@ -297,9 +315,13 @@ void ps_sync_try_step(ps_server *sv) {
     return;
   }
   if (quorum < 1) quorum = 1;
-  int rc = ps_shard_sync_try_apply(sv->shard, quorum, &v, err);
+  ps_update u = {.kind = PS_UPDATE_SYNC_STEP, .quorum = quorum};
+  ps_update_result res = {0};
+  ps_update_apply(sv, &u, 0, &res, err);
+  int rc = res.step;
+  v = res.version;
   if (sv->repl && (rc == 1 || rc == PS_EINVAL)) {
-    ps_replica_update u = {.kind = PS__REPLICA_ENTRY__KIND__SYNC_STEP, .quorum = quorum, .result = rc};
+    u.result = rc;
     if (ps_replica_append(sv, &u, NULL, NULL, 0, 0) != PS_OK) ps_replica_diverged(sv);
   }
   ps_replica_unlock(sv);
