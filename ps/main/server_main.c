@@ -10,7 +10,7 @@
 #include "common/util.h"
 #include "ps/ckpt/cut.h"
 #include "ps/main/server_run.h"
-#include "tools/status/status_cli.h"
+#include "ps/main/status_cli.h"
 
 #define O(field) offsetof(ps_server_opts, field)
 

@@ -30,7 +30,12 @@
 #   pslite:    the rows bench beside dmlc ps-lite's key-value store (dense
 #              values and rows) on the same machine: PSLITE_SRC, a ps-lite
 #              checkout, is built into BUILD_DIR/pslite (tests/bench/pslite_kv.cc)
-#   tests/bench/run.sh [rows|pslite|transport|wire|wire_accuracy|training|pipeline|tls|checkpoints|all]
+#   versus:    this build's ps-server against another build's (BENCH_BASE, a
+#              build directory of an earlier version), the transport's 10M-value
+#              pull and push, rounds alternating between the two servers in one
+#              run (bench_transport --compare), each order BENCH_REPEATS times
+#              (default 2): the median ratios of this build's times to the other's
+#   tests/bench/run.sh [versus|rows|pslite|transport|wire|wire_accuracy|training|pipeline|tls|checkpoints|all]
 #       [BUILD_DIR]
 set -euo pipefail
 what=${1:-all}
@@ -397,7 +402,41 @@ print(f"pipeline, medians over {n} rounds: on {statistics.median(on):.0f} exampl
 PY
 }
 
+versus() {
+  local base=${BENCH_BASE:?BENCH_BASE: the build directory of the ps-server to compare with}
+  base=$(cd "$base" && pwd)
+  local pa pb
+  pa=$(port); pb=$(port)
+  "$base/ps-server" --insecure --job "$root/tests/bench/jobs_transport.json" --ps "127.0.0.1:$pa" \
+    --index 0 >"$out/server-base.log" 2>&1 &
+  pids+=($!)
+  "$build/ps-server" --insecure --job "$root/tests/bench/jobs_transport.json" --ps "127.0.0.1:$pb" \
+    --index 0 >"$out/server-this.log" 2>&1 &
+  pids+=($!)
+  local i
+  for ((i = 0; i < ${BENCH_REPEATS:-2}; i++)); do
+    # The ratios are the second server's times over the first's: this
+    # build second, then first (its ratios inverted below).
+    "$build/bench_transport" --compare "127.0.0.1:$pb" "127.0.0.1:$pa" 40 | tail -1 >>"$out/this-second.txt"
+    "$build/bench_transport" --compare "127.0.0.1:$pa" "127.0.0.1:$pb" 40 | tail -1 >>"$out/this-first.txt"
+  done
+  python3 - "$out" "$base" <<'PY'
+import json, statistics, sys
+out, base = sys.argv[1], sys.argv[2]
+pull, push = [], []
+for name, inv in (("this-second.txt", False), ("this-first.txt", True)):
+    for line in open(f"{out}/{name}"):
+        r = json.loads(line)
+        pull.append(1 / r["pull_ratio"] if inv else r["pull_ratio"])
+        push.append(1 / r["push_ratio"] if inv else r["push_ratio"])
+print(f"this ps-server's time / {base}'s, 10M values, {len(pull)} runs of 40 alternating rounds:")
+print(f"  pull x{statistics.median(pull):.3f} (runs {', '.join(f'{x:.3f}' for x in pull)})")
+print(f"  push x{statistics.median(push):.3f} (runs {', '.join(f'{x:.3f}' for x in push)})")
+PY
+}
+
 case "$what" in
+  versus) versus ;;
   transport) transport ;;
   wire) wire ;;
   rows) rows ;;
@@ -408,5 +447,5 @@ case "$what" in
   tls) tls ;;
   checkpoints) checkpoints ;;
   all) transport; wire; training; pipeline; tls; checkpoints ;;
-  *) echo "usage: tests/bench/run.sh [transport|rows|pslite|wire|wire_accuracy|training|pipeline|tls|checkpoints|all] [BUILD_DIR]" >&2; exit 2 ;;
+  *) echo "usage: tests/bench/run.sh [versus|transport|rows|pslite|wire|wire_accuracy|training|pipeline|tls|checkpoints|all] [BUILD_DIR]" >&2; exit 2 ;;
 esac

@@ -21,7 +21,7 @@
 #include "common/cluster.h"
 #include "common/wire.h"
 #include "proto/ps.pb-c.h"
-#include "tools/status/status_cli.h"
+#include "ps/main/status_cli.h"
 
 /* ---------------- the client: channels, queue, fetch ---------------- */
 

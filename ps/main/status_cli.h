@@ -1,8 +1,9 @@
 /* The `ps-server --status` client: every shard's Status at once, as JSON
- * or as the --watch table. A client of the service (proto/ps.proto), not
- * a part of the server. */
-#ifndef PS_TOOLS_STATUS_STATUS_CLI_H
-#define PS_TOOLS_STATUS_STATUS_CLI_H
+ * or as the --watch table. It speaks to the servers over the service
+ * (proto/ps.proto) like any client, and calls nothing of the server's
+ * parts: it lives with the program that runs it. */
+#ifndef PS_PS_MAIN_STATUS_CLI_H
+#define PS_PS_MAIN_STATUS_CLI_H
 
 #include "common/security.h"
 
