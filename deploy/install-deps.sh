@@ -17,6 +17,7 @@ if [ "${1:-}" = --tests ]; then
     python3-venv                          # the tensorboard and Kubernetes checks' venvs
     prometheus                            # integration.prometheus
     dpkg-dev file help2man                # deploy.deb: cpack -G DEB, Depends:, man pages
+    patchelf                              # gpu.bundle: the GPU bundle's RUNPATHs
     slurmctld slurmd slurm-client munge   # deploy.slurm: a Slurm cluster of its own
   )
 fi
