@@ -180,7 +180,7 @@ void ps_options_help(const ps_optspec *s, FILE *f) {
     wrap(f, text, COL, n);
   }
   fputs("  --help", f);
-  wrap(f, "this text; --help-markdown: the flag table in Markdown, as in the README", COL, 8);
+  wrap(f, "this text; --help-markdown: the flag table in Markdown, as in docs/flags.md", COL, 8);
   if (s->footer) fprintf(f, "\n%s\n", s->footer);
 }
 

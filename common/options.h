@@ -1,8 +1,8 @@
 /* Command-line flags described once: a program lists its flags in one
  * table (name, argument, kind and bounds, default, help text), and that
- * table drives parsing, `--help`, and the Markdown flag table of the README
- * (`--help-markdown` prints it; a test checks the README holds exactly
- * that). Adding a flag is adding one row.
+ * table drives parsing, `--help`, and the Markdown flag table of
+ * docs/flags.md (`--help-markdown` prints it; a test checks docs/flags.md
+ * holds exactly that). Adding a flag is adding one row.
  *
  * Values are written into the program's options struct at each row's
  * offset, so the table needs no parsing code of its own. */
@@ -62,8 +62,8 @@ int ps_options_parse(const ps_optspec *s, int argc, char **argv, void *out);
 /* --help: the synopsis, one entry per flag with its default, the footer. */
 void ps_options_help(const ps_optspec *s, FILE *f);
 
-/* The flag table in Markdown (| flag | default | meaning |), as the
- * README holds it. */
+/* The flag table in Markdown (| flag | default | meaning |), as
+ * docs/flags.md holds it. */
 void ps_options_markdown(const ps_optspec *s, FILE *f);
 
 #endif

@@ -1,7 +1,7 @@
 /* ps-server: one shard of the model's parameters. This file is the command
- * line: the flag table (which drives parsing, --help and the README's
- * table), the --status client's dispatch, then the server's run (server.c;
- * server.h says which file holds what). */
+ * line: the flag table (which drives parsing, --help and docs/flags.md),
+ * the --status client's dispatch (status_cli.c), then the server's run
+ * (server.c; ps/README.md says which folder holds what). */
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
