@@ -463,13 +463,8 @@ static int parse_input(json_t *root, ps_model_spec *out, char *err) {
   return 0;
 }
 
-int ps_model_spec_from_json(const void *json_obj, ps_model_spec *out, char *err) {
-  json_t *root = (json_t *)json_obj;
-  memset(out, 0, sizeof *out);
-  if (!json_is_object(root)) return ps_seterr(err, PS_EINVAL, "model: must be a JSON object");
-  int rc;
-  if ((rc = check_keys(root, "input, ids, classes, layers", "model", err))) return rc;
-  if ((rc = parse_input(root, out, err))) return rc;
+/* 'ids': the categorical ids per example (0 when absent). */
+static int parse_ids(json_t *root, ps_model_spec *out, char *err) {
   json_t *ids = json_object_get(root, "ids");
   if (ids && (!json_is_integer(ids) || json_integer_value(ids) < 0 ||
               json_integer_value(ids) > PS_MAX_IDS))
@@ -477,6 +472,11 @@ int ps_model_spec_from_json(const void *json_obj, ps_model_spec *out, char *err)
                      "model: 'ids' must be an integer in 0..%d (categorical ids per example)",
                      PS_MAX_IDS);
   out->n_ids = ids ? (int)json_integer_value(ids) : 0;
+  return 0;
+}
+
+/* 'classes': 2..MAX_CLASSES, or 1 for a binary model. */
+static int parse_classes(json_t *root, ps_model_spec *out, char *err) {
   json_t *cl = json_object_get(root, "classes");
   if (!cl)
     return ps_seterr(err, PS_EINVAL,
@@ -489,157 +489,220 @@ int ps_model_spec_from_json(const void *json_obj, ps_model_spec *out, char *err)
                      "binary model ending in sigmoid_xent)",
                      MAX_CLASSES);
   out->classes = (int)json_integer_value(cl);
+  return 0;
+}
 
-  json_t *layers = json_object_get(root, "layers");
-  if (!json_is_array(layers) || json_array_size(layers) == 0)
+/* 'layers': a non-empty array of at most PS_MAX_LAYERS, into *layers. */
+static int get_layer_list(json_t *root, json_t **layers, char *err) {
+  *layers = json_object_get(root, "layers");
+  if (!json_is_array(*layers) || json_array_size(*layers) == 0)
     return ps_seterr(err, PS_EINVAL, "model: 'layers' must be a non-empty array");
-  if (json_array_size(layers) > PS_MAX_LAYERS)
+  if (json_array_size(*layers) > PS_MAX_LAYERS)
     return ps_seterr(err, PS_EINVAL, "model: %zu layers, at most %d are supported",
-                     json_array_size(layers), PS_MAX_LAYERS);
+                     json_array_size(*layers), PS_MAX_LAYERS);
+  return 0;
+}
 
-  size_t off = 0;
-  size_t n = json_array_size(layers);
-  for (size_t i = 0; i < n; i++) {
-    json_t *obj = json_array_get(layers, i);
-    ps_layer *L = &out->layers[i];
-    char where[64];
-    if (!json_is_object(obj))
-      return ps_seterr(err, PS_EINVAL, "layer %zu: must be a JSON object", i);
-    const char *type = json_string_value(json_object_get(obj, "type"));
-    if (!type) return ps_seterr(err, PS_EINVAL, "layer %zu: 'type' is required (a string)", i);
-    size_t k = 0;
-    while (k < N_KINDS && strcmp(kinds[k].name, type) != 0) k++;
-    if (k == N_KINDS)
-      return ps_seterr(err, PS_EINVAL,
-                       "layer %zu: unknown type '%.40s' (known: conv2d, maxpool, avgpool, "
-                       "global_avgpool, dense, batchnorm, relu, dropout, flatten, add, "
-                       "embedding, concat, fm, softmax_xent, sigmoid_xent)",
-                       i, type);
-    snprintf(where, sizeof where, "layer %zu (%s)", i, kinds[k].name);
-    if ((rc = check_keys(obj, kinds[k].keys, where, err))) return rc;
+/* The entry of kinds[] that layer i (obj) names in its 'type', into *k. */
+static int find_layer_kind(json_t *obj, size_t i, size_t *k, char *err) {
+  if (!json_is_object(obj)) return ps_seterr(err, PS_EINVAL, "layer %zu: must be a JSON object", i);
+  const char *type = json_string_value(json_object_get(obj, "type"));
+  if (!type) return ps_seterr(err, PS_EINVAL, "layer %zu: 'type' is required (a string)", i);
+  *k = 0;
+  while (*k < N_KINDS && strcmp(kinds[*k].name, type) != 0) (*k)++;
+  if (*k == N_KINDS)
+    return ps_seterr(err, PS_EINVAL,
+                     "layer %zu: unknown type '%.40s' (known: conv2d, maxpool, avgpool, "
+                     "global_avgpool, dense, batchnorm, relu, dropout, flatten, add, "
+                     "embedding, concat, fm, softmax_xent, sigmoid_xent)",
+                     i, type);
+  return 0;
+}
 
-    L->type = kinds[k].type;
-    const char *given = json_string_value(json_object_get(obj, "name"));
-    if (given) snprintf(where, sizeof where, "layer %zu (%s '%.31s')", i, kinds[k].name, given);
-    if ((rc = parse_name(layers, i, out, where, err))) return rc;
-    if ((rc = parse_inputs(layers, i, out, where, err))) return rc;
-    int c = 0, h = 1, w = 1;
-    if (L->n_inputs > 0) output_shape(out, L->inputs[0], &c, &h, &w);
-    L->in_c = c, L->in_h = h, L->in_w = w;
-    switch (L->type) {
-      case PS_LAYER_CONV2D:
-        rc = infer_conv2d(L, obj, where, err);
-        break;
-      case PS_LAYER_MAXPOOL:
-      case PS_LAYER_AVGPOOL:
-        rc = infer_pool(L, obj, where, err);
-        break;
-      case PS_LAYER_GLOBAL_AVGPOOL:
-        L->out_c = c, L->out_h = L->out_w = 1;
-        break;
-      case PS_LAYER_DENSE:
-        rc = infer_dense(L, obj, where, err);
-        break;
-      case PS_LAYER_DROPOUT:
-        rc = infer_dropout(L, obj, where, err);
-        break;
-      case PS_LAYER_BATCHNORM:
-        rc = infer_batchnorm(L, obj, where, err);
-        break;
-      case PS_LAYER_RELU:
-        L->out_c = c, L->out_h = h, L->out_w = w;
-        break;
-      case PS_LAYER_ADD:
-        rc = check_add_shapes(out, L, where, err);
-        L->out_c = c, L->out_h = h, L->out_w = w;
-        break;
-      case PS_LAYER_FLATTEN:
-        L->out_c = c * h * w; /* fits: activations checked <= MAX_ACT */
-        L->out_h = L->out_w = 1;
-        break;
-      case PS_LAYER_EMBEDDING:
-        rc = infer_embedding(L, obj, out->n_ids, where, err);
-        break;
-      case PS_LAYER_CONCAT:
-        rc = infer_concat(out, L, err, where);
-        break;
-      case PS_LAYER_FM:
-        if (L->inputs[0] < 0 || out->layers[L->inputs[0]].type != PS_LAYER_EMBEDDING ||
-            out->layers[L->inputs[0]].pooling != PS_POOL_NONE || w != 1 || c < 2)
-          return ps_seterr(err, PS_EINVAL,
-                           "%s: input is %dx%dx%d; fm reads [fields >= 2, dim, 1]: an embedding "
-                           "layer with pooling \"none\" over 2 or more fields",
-                           where, c, h, w);
-        rc = get_flag(obj, "sum", 0, where, &L->fm_sum, err);
-        L->out_c = L->fm_sum ? 1 : h, L->out_h = L->out_w = 1;
-        break;
-      case PS_LAYER_SIGMOID_XENT:
-        if (i + 1 != n) return ps_seterr(err, PS_EINVAL, "%s: must be the last layer", where);
-        if (out->classes != 1)
-          return ps_seterr(err, PS_EINVAL,
-                           "%s: a binary loss, but 'classes' is %d (set it to 1; labels 0 and 1)",
-                           where, out->classes);
-        if ((size_t)c * h * w != 1)
-          return ps_seterr(err, PS_EINVAL, "%s: input has %zu features (one logit expected)",
-                           where, (size_t)c * h * w);
-        L->out_c = c, L->out_h = h, L->out_w = w;
-        break;
-      case PS_LAYER_SOFTMAX_XENT:
-        if (i + 1 != n) return ps_seterr(err, PS_EINVAL, "%s: must be the last layer", where);
-        if (out->classes < 2)
-          return ps_seterr(err, PS_EINVAL,
-                           "%s: 'classes' is 1 (a binary model ends in sigmoid_xent)", where);
-        if ((size_t)c * h * w != (size_t)out->classes)
-          return ps_seterr(err, PS_EINVAL, "%s: input has %zu features but 'classes' is %d", where,
-                           (size_t)c * h * w, out->classes);
-        L->out_c = c, L->out_h = h, L->out_w = w;
-        break;
-    }
-    if (rc) return rc;
+/* fm: reads an unpooled embedding of 2 or more fields, [fields, dim, 1]. */
+static int infer_fm(const ps_model_spec *spec, ps_layer *L, json_t *obj, const char *where,
+                    char *err) {
+  int c = L->in_c, h = L->in_h, w = L->in_w;
+  if (L->inputs[0] < 0 || spec->layers[L->inputs[0]].type != PS_LAYER_EMBEDDING ||
+      spec->layers[L->inputs[0]].pooling != PS_POOL_NONE || w != 1 || c < 2)
+    return ps_seterr(err, PS_EINVAL,
+                     "%s: input is %dx%dx%d; fm reads [fields >= 2, dim, 1]: an embedding "
+                     "layer with pooling \"none\" over 2 or more fields",
+                     where, c, h, w);
+  int rc = get_flag(obj, "sum", 0, where, &L->fm_sum, err);
+  L->out_c = L->fm_sum ? 1 : h, L->out_h = L->out_w = 1;
+  return rc;
+}
 
-    size_t act;
-    if (mul_within((size_t)L->out_c, (size_t)L->out_h, MAX_ACT, &act) ||
-        mul_within(act, (size_t)L->out_w, MAX_ACT, &act))
-      return ps_seterr(err, PS_EINVAL, "%s: output has more than %zu values per example", where,
-                       MAX_ACT);
-    if (L->w_count) {
-      /* The counts are <= MAX_PARAMS each, so the sums below cannot wrap. */
-      if (L->w_count + L->b_count + L->s_count > MAX_PARAMS - off)
-        return ps_seterr(err, PS_EINVAL, "%s: the model has more than %zu parameters", where,
-                         MAX_PARAMS);
-      L->w_off = off;
-      L->b_off = off + L->w_count;
-      L->s_off = L->b_off + L->b_count;
-      off += L->w_count + L->b_count + L->s_count;
-    }
+/* sigmoid_xent: the last layer of a binary model, on one logit. */
+static int infer_sigmoid_xent(const ps_model_spec *spec, ps_layer *L, int last, const char *where,
+                              char *err) {
+  int c = L->in_c, h = L->in_h, w = L->in_w;
+  if (!last) return ps_seterr(err, PS_EINVAL, "%s: must be the last layer", where);
+  if (spec->classes != 1)
+    return ps_seterr(err, PS_EINVAL,
+                     "%s: a binary loss, but 'classes' is %d (set it to 1; labels 0 and 1)", where,
+                     spec->classes);
+  if ((size_t)c * h * w != 1)
+    return ps_seterr(err, PS_EINVAL, "%s: input has %zu features (one logit expected)", where,
+                     (size_t)c * h * w);
+  L->out_c = c, L->out_h = h, L->out_w = w;
+  return 0;
+}
+
+/* softmax_xent: the last layer, on one logit per class. */
+static int infer_softmax_xent(const ps_model_spec *spec, ps_layer *L, int last, const char *where,
+                              char *err) {
+  int c = L->in_c, h = L->in_h, w = L->in_w;
+  if (!last) return ps_seterr(err, PS_EINVAL, "%s: must be the last layer", where);
+  if (spec->classes < 2)
+    return ps_seterr(err, PS_EINVAL, "%s: 'classes' is 1 (a binary model ends in sigmoid_xent)",
+                     where);
+  if ((size_t)c * h * w != (size_t)spec->classes)
+    return ps_seterr(err, PS_EINVAL, "%s: input has %zu features but 'classes' is %d", where,
+                     (size_t)c * h * w, spec->classes);
+  L->out_c = c, L->out_h = h, L->out_w = w;
+  return 0;
+}
+
+/* Layer L's output shape (and its parameter counts) from its input shape
+ * (L->in_*) and its keys in obj; last: it is the model's last layer. */
+static int infer_layer(const ps_model_spec *spec, ps_layer *L, json_t *obj, int last,
+                       const char *where, char *err) {
+  int c = L->in_c, h = L->in_h, w = L->in_w;
+  int rc = 0;
+  switch (L->type) {
+    case PS_LAYER_CONV2D: rc = infer_conv2d(L, obj, where, err); break;
+    case PS_LAYER_MAXPOOL:
+    case PS_LAYER_AVGPOOL: rc = infer_pool(L, obj, where, err); break;
+    case PS_LAYER_GLOBAL_AVGPOOL: L->out_c = c, L->out_h = L->out_w = 1; break;
+    case PS_LAYER_DENSE: rc = infer_dense(L, obj, where, err); break;
+    case PS_LAYER_DROPOUT: rc = infer_dropout(L, obj, where, err); break;
+    case PS_LAYER_BATCHNORM: rc = infer_batchnorm(L, obj, where, err); break;
+    case PS_LAYER_RELU: L->out_c = c, L->out_h = h, L->out_w = w; break;
+    case PS_LAYER_ADD:
+      rc = check_add_shapes(spec, L, where, err);
+      L->out_c = c, L->out_h = h, L->out_w = w;
+      break;
+    case PS_LAYER_FLATTEN:
+      L->out_c = c * h * w; /* fits: activations checked <= MAX_ACT */
+      L->out_h = L->out_w = 1;
+      break;
+    case PS_LAYER_EMBEDDING: rc = infer_embedding(L, obj, spec->n_ids, where, err); break;
+    case PS_LAYER_CONCAT: rc = infer_concat(spec, L, err, where); break;
+    case PS_LAYER_FM: rc = infer_fm(spec, L, obj, where, err); break;
+    case PS_LAYER_SIGMOID_XENT: rc = infer_sigmoid_xent(spec, L, last, where, err); break;
+    case PS_LAYER_SOFTMAX_XENT: rc = infer_softmax_xent(spec, L, last, where, err); break;
   }
-  if (out->layers[n - 1].type != PS_LAYER_SOFTMAX_XENT &&
-      out->layers[n - 1].type != PS_LAYER_SIGMOID_XENT)
+  return rc;
+}
+
+/* Layer L's output within MAX_ACT values per example, and its parameters
+ * placed at *off in the flat vector (*off moves past them). */
+static int place_layer(ps_layer *L, size_t *off, const char *where, char *err) {
+  size_t act;
+  if (mul_within((size_t)L->out_c, (size_t)L->out_h, MAX_ACT, &act) ||
+      mul_within(act, (size_t)L->out_w, MAX_ACT, &act))
+    return ps_seterr(err, PS_EINVAL, "%s: output has more than %zu values per example", where,
+                     MAX_ACT);
+  if (L->w_count) {
+    /* The counts are <= MAX_PARAMS each, so the sums below cannot wrap. */
+    if (L->w_count + L->b_count + L->s_count > MAX_PARAMS - *off)
+      return ps_seterr(err, PS_EINVAL, "%s: the model has more than %zu parameters", where,
+                       MAX_PARAMS);
+    L->w_off = *off;
+    L->b_off = *off + L->w_count;
+    L->s_off = L->b_off + L->b_count;
+    *off += L->w_count + L->b_count + L->s_count;
+  }
+  return 0;
+}
+
+/* Layer i of layers into out->layers[i]: its kind, keys, name and inputs,
+ * its shapes, and its parameters placed at *off. */
+static int parse_layer(json_t *layers, size_t i, ps_model_spec *out, size_t *off, char *err) {
+  json_t *obj = json_array_get(layers, i);
+  ps_layer *L = &out->layers[i];
+  char where[64];
+  size_t k;
+  int rc;
+  if ((rc = find_layer_kind(obj, i, &k, err))) return rc;
+  snprintf(where, sizeof where, "layer %zu (%s)", i, kinds[k].name);
+  if ((rc = check_keys(obj, kinds[k].keys, where, err))) return rc;
+
+  L->type = kinds[k].type;
+  const char *given = json_string_value(json_object_get(obj, "name"));
+  if (given) snprintf(where, sizeof where, "layer %zu (%s '%.31s')", i, kinds[k].name, given);
+  if ((rc = parse_name(layers, i, out, where, err))) return rc;
+  if ((rc = parse_inputs(layers, i, out, where, err))) return rc;
+  int c = 0, h = 1, w = 1;
+  if (L->n_inputs > 0) output_shape(out, L->inputs[0], &c, &h, &w);
+  L->in_c = c, L->in_h = h, L->in_w = w;
+  int last = i + 1 == json_array_size(layers);
+  if ((rc = infer_layer(out, L, obj, last, where, err))) return rc;
+  return place_layer(L, off, where, err);
+}
+
+/* The model ends in its loss: softmax_xent or sigmoid_xent. */
+static int check_ends_in_loss(const ps_model_spec *spec, size_t n, char *err) {
+  if (spec->layers[n - 1].type != PS_LAYER_SOFTMAX_XENT &&
+      spec->layers[n - 1].type != PS_LAYER_SIGMOID_XENT)
     return ps_seterr(err, PS_EINVAL,
                      "model: the last layer must be softmax_xent or sigmoid_xent (layer %zu is "
                      "%s)",
-                     n - 1, kind_name(out->layers[n - 1].type));
-  /* Two layers on one table would send its ids twice in one request. */
+                     n - 1, kind_name(spec->layers[n - 1].type));
+  return 0;
+}
+
+/* Two layers on one table would send its ids twice in one request. */
+static int check_one_layer_per_table(const ps_model_spec *spec, size_t n, char *err) {
   for (size_t i = 0; i < n; i++)
     for (size_t j = 0; j < i; j++)
-      if (out->layers[i].type == PS_LAYER_EMBEDDING &&
-          out->layers[j].type == PS_LAYER_EMBEDDING &&
-          strcmp(out->layers[i].table, out->layers[j].table) == 0)
+      if (spec->layers[i].type == PS_LAYER_EMBEDDING &&
+          spec->layers[j].type == PS_LAYER_EMBEDDING &&
+          strcmp(spec->layers[i].table, spec->layers[j].table) == 0)
         return ps_seterr(err, PS_EINVAL,
                          "layer %zu (%s): table '%s' is read by layer %zu (%s) already (one "
                          "embedding layer per table; one layer may read several fields)",
-                         i, out->layers[i].name, out->layers[i].table, j, out->layers[j].name);
-  /* An output nothing reads would leave its layer's gradient unset. */
+                         i, spec->layers[i].name, spec->layers[i].table, j, spec->layers[j].name);
+  return 0;
+}
+
+/* An output nothing reads would leave its layer's gradient unset. */
+static int check_every_output_read(const ps_model_spec *spec, size_t n, char *err) {
   for (size_t i = 0; i + 1 < n; i++) {
     int read = 0;
     for (size_t j = i + 1; !read && j < n; j++)
-      for (int a = 0; a < out->layers[j].n_inputs; a++) read |= out->layers[j].inputs[a] == (int)i;
+      for (int a = 0; a < spec->layers[j].n_inputs; a++)
+        read |= spec->layers[j].inputs[a] == (int)i;
     if (!read)
       return ps_seterr(err, PS_EINVAL,
                        "layer %zu (%s): no later layer reads its output (every layer but the "
                        "last must feed one)",
-                       i, out->layers[i].name);
+                       i, spec->layers[i].name);
   }
+  return 0;
+}
+
+int ps_model_spec_from_json(const void *json_obj, ps_model_spec *out, char *err) {
+  json_t *root = (json_t *)json_obj;
+  memset(out, 0, sizeof *out);
+  if (!json_is_object(root)) return ps_seterr(err, PS_EINVAL, "model: must be a JSON object");
+  int rc;
+  json_t *layers;
+  if ((rc = check_keys(root, "input, ids, classes, layers", "model", err))) return rc;
+  if ((rc = parse_input(root, out, err))) return rc;
+  if ((rc = parse_ids(root, out, err))) return rc;
+  if ((rc = parse_classes(root, out, err))) return rc;
+  if ((rc = get_layer_list(root, &layers, err))) return rc;
+
+  size_t off = 0;
+  size_t n = json_array_size(layers);
+  for (size_t i = 0; i < n; i++)
+    if ((rc = parse_layer(layers, i, out, &off, err))) return rc;
+  if ((rc = check_ends_in_loss(out, n, err))) return rc;
+  if ((rc = check_one_layer_per_table(out, n, err))) return rc;
+  if ((rc = check_every_output_read(out, n, err))) return rc;
   if (off == 0)
     return ps_seterr(err, PS_EINVAL, "model: no layer has parameters (add conv2d or dense)");
   out->n_layers = (int)n;

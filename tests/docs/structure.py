@@ -20,6 +20,8 @@ Prints every problem, then a summary line, and exits 1 when there is any, 0 othe
   tests/docs/structure.py --graph      the folder-level graph as Markdown (docs/ARCHITECTURE.md)
   tests/docs/structure.py --dot        the same as Graphviz dot:  ... --dot | dot -Tsvg >s.svg
   tests/docs/structure.py --root DIR   check another tree (tests/docs/structure_selftest.py)
+  tests/docs/structure.py --doc F [--fix]  also check (or rewrite) the folder table in F
+                                       between <!-- structure graph --> markers
 
 A rough reader of C (comments, strings and preprocessor lines dropped, braces counted), not a
 compiler: good enough to see a knot. Standard library only."""
@@ -382,23 +384,57 @@ def folder_graph(sources, uses):
     return folders, edges
 
 
-def print_graph(sources, uses, comps):
+def graph_table(sources, uses, counts=True):
+    """The folder graph as a Markdown table: each folder, its rank, and the folders it uses
+    (with counts of files and functions unless counts is false: the form docs keep)."""
     folders, edges = folder_graph(sources, uses)
-    in_circle = {f for c in comps for f in c}
-    print("| folder | rank | uses (files · functions) |")
-    print("|---|---:|---|")
+    rows = ["| folder | rank | uses" + (" (files · functions)" if counts else "") + " |",
+            "|---|---:|---|"]
     for f in folders:
         outs = sorted(((fb, e) for (fa, fb), e in edges.items() if fa == f),
                       key=lambda x: (-(LAYERS.get(x[0], -1)), x[0]))
         cells = []
         for fb, e in outs:
             mark = f" **{'/'.join(sorted(e[2]))}**" if e[2] else ""
-            cells.append(f"`{fb}` ({e[0]} · {len(e[1])}){mark}")
-        print(f"| `{f}` | {LAYERS.get(f, '?')} | {', '.join(cells) or '—'} |")
+            cells.append(f"`{fb}`" + (f" ({e[0]} · {len(e[1])})" if counts else "") + mark)
+        rows.append(f"| `{f}` | {LAYERS.get(f, '?')} | {', '.join(cells) or '—'} |")
+    return rows, folders, edges
+
+
+def print_graph(sources, uses, comps):
+    rows, folders, edges = graph_table(sources, uses)
+    in_circle = {f for c in comps for f in c}
+    print("\n".join(rows))
     n_files = sum(1 for s in sources if s.path in in_circle)
     print()
     print(f"{len(folders)} folders, {len(edges)} folder uses; "
           f"{len(comps)} circles ({n_files} files)")
+
+
+DOC_BEGIN, DOC_END = "<!-- structure graph -->", "<!-- end structure graph -->"
+
+
+def check_doc(path, sources, uses, fix):
+    """The table between DOC_BEGIN and DOC_END in path is graph_table's without counts: 0 when
+    it is (or was rewritten, with fix), 1 when it differs."""
+    text = open(path).read()
+    if DOC_BEGIN not in text or DOC_END not in text:
+        print(f"structure: {path} has no '{DOC_BEGIN}' ... '{DOC_END}' block")
+        return 1
+    head, rest = text.split(DOC_BEGIN, 1)
+    old, tail = rest.split(DOC_END, 1)
+    want = "\n" + "\n".join(graph_table(sources, uses, counts=False)[0]) + "\n"
+    if old == want:
+        print(f"structure: {path}'s folder table is the code's")
+        return 0
+    if fix:
+        open(path, "w").write(head + DOC_BEGIN + want + DOC_END + tail)
+        print(f"structure: rewrote {path}'s folder table")
+        return 0
+    print(f"structure: {path}'s folder table is not the code's; the code's is:")
+    print(want.strip())
+    print(f"structure: tests/docs/structure.py --doc {path} --fix rewrites it")
+    return 1
 
 
 def print_dot(sources, uses):
@@ -427,6 +463,9 @@ def main(argv=None):
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--graph", action="store_true", help="print the folder graph as Markdown")
     g.add_argument("--dot", action="store_true", help="print the folder graph as Graphviz dot")
+    ap.add_argument("--doc", metavar="FILE",
+                    help="also check the folder table of FILE (docs/ARCHITECTURE.md) against the code")
+    ap.add_argument("--fix", action="store_true", help="with --doc: rewrite FILE's table")
     args = ap.parse_args(argv)
 
     sources = read_tree(args.root)
@@ -443,6 +482,7 @@ def main(argv=None):
     if args.dot:
         print_dot(sources, uses)
         return 0
+    doc_problems = check_doc(args.doc, sources, uses, args.fix) if args.doc else 0
 
     n_uses = sum(len(bs) for bs in uses.values())
     problems = 0
@@ -502,7 +542,7 @@ def main(argv=None):
     print(f"structure: {len(sources)} files, {n_uses} uses; {len(comps)} circles, "
           f"{len(bad)} upward calls, {len(long_bad)} long functions ({len(long_ok)} allowed)"
           f"{extra}")
-    return 1 if problems else 0
+    return 1 if problems or doc_problems else 0
 
 
 if __name__ == "__main__":

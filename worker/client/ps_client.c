@@ -39,6 +39,8 @@
 #define FAILOVER_PAUSE_FIRST_MS 20
 #define FAILOVER_PAUSE_MAX_MS 100
 #define DEFAULT_FAILOVER_MS 15000
+/* The room for one server's address (host:port). */
+#define SERVER_ADDR_LEN 128
 
 typedef struct {
   /* The shard's servers: its replicas in replica order (one without
@@ -46,7 +48,7 @@ typedef struct {
    * changed after, so that any thread may use them. cur is the replica
    * believed primary; any thread moves it (after a failure, or a replica
    * naming another), so it is read once per call. */
-  char addr[PS_MAX_REPLICAS][128];
+  char addr[PS_MAX_REPLICAS][SERVER_ADDR_LEN];
   rpc_channel *ch[PS_MAX_REPLICAS];
   atomic_int cur;
   atomic_int answered; /* the replica that answered last (-1: none yet): for the log */
@@ -349,12 +351,10 @@ static int register_with(ps_client *c, rpc_queue *q, int s, int timeout_ms, int 
   return rc;
 }
 
-ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char *err) {
-  ps_client *c = calloc(1, sizeof *c);
-  if (!c) {
-    ps_seterr(err, PS_ENOMEM, "out of memory");
-    return NULL;
-  }
+/* The client's own fields from opts, its locks and its completion queues;
+ * nothing is connected yet. 0, or a code with a message (the caller
+ * destroys c either way). */
+static int client_init(ps_client *c, const ps_client_opts *opts, char *err) {
   c->opts = *opts;
   if (c->opts.timeout_ms <= 0) c->opts.timeout_ms = 30000;
   if (c->opts.connect_timeout_ms <= 0) c->opts.connect_timeout_ms = 60000;
@@ -371,24 +371,78 @@ ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char 
   pthread_mutex_init(&c->lease_mu, NULL);
   pthread_mutex_init(&c->done_mu, NULL);
   c->done_epoch = -1;
-  if (!c->q || !c->hb_q || !c->lease_q) {
-    ps_seterr(err, PS_ENOMEM, "cannot create completion queues");
-    goto fail;
-  }
+  if (!c->q || !c->hb_q || !c->lease_q)
+    return ps_seterr(err, PS_ENOMEM, "cannot create completion queues");
+  return PS_OK;
+}
 
-  rpc_channel_opts chan_opts = {.keepalive_ms = RPC_DEFAULT_KEEPALIVE_MS, .tls = opts->tls};
-  /* First contact: any shard; one that is not shard 0 names shard 0.
-   * With replicated shards a replica of shard 0 that is not its primary
-   * answers the same way, naming the primary when it knows it and listing
-   * every replica: the worker follows the names (up to R + 2 hops in a
-   * row), and when none is named, a replica fails, or the names go round
-   * (replicas that disagree during an election), tries shard 0's replicas
-   * in turn after a pause, for at most connect_timeout_ms in all. Without
-   * replication: at most two calls, as the first answer names shard 0. */
-  char target[128];
-  snprintf(target, sizeof target, "%s", addr);
+/* The first Register, with the server at ch (any shard, or a replica of
+ * one): no job and no session yet. Returns the gRPC status; the answer in
+ * *m, the failure's message in detail. */
+static int register_first(ps_client *c, rpc_channel *ch, int call_ms, int wait_ready,
+                          ProtobufCMessage **m, char *detail) {
+  Ps__RequestHeader h;
+  ps__request_header__init(&h);
+  h.protocol_version = PS_PROTOCOL_VERSION;
+  h.job_id = "";
+  h.token = (ProtobufCBinaryData){.len = c->token.len, .data = c->token.bytes};
+  Ps__RegisterRequest req = PS__REGISTER_REQUEST__INIT;
+  req.header = &h;
+  req.host = c->host;
+  req.role = c->role;
+  req.task_index = c->opts.task_index;
+  return small_call(c->q, ch, M_REGISTER, &req.base, &ps__register_response__descriptor, m, call_ms,
+                    wait_ready, detail);
+}
+
+/* The error of a first Register with target that ended with status st:
+ * after a deadline, why nothing may have answered (a name that does not
+ * resolve, or TLS on one side only). Returns the code. */
+static int first_register_error(const char *target, int st, const char *detail, char *err) {
+  char dns[PS_ERRLEN] = "", why[PS_ERRLEN + 8] = "";
+  if (st == RPC_DEADLINE_EXCEEDED && ps_addr_resolve(target, dns) == PS_EUNAVAIL)
+    snprintf(why, sizeof why, " (%.200s)", dns);
+  else if (st == RPC_DEADLINE_EXCEEDED)
+    snprintf(why, sizeof why,
+             " (nothing answered: is the server up, and does it talk TLS "
+             "(--tls-ca) or plaintext (--insecure) as this worker does?)");
+  return ps_seterr(err, st == RPC_DEADLINE_EXCEEDED ? PS_EUNAVAIL : PS_EPROTO,
+                   "Register with %s: %s: %s%s", target, rpc_status_name(st), detail, why);
+}
+
+/* Moves target to the replica of shard 0 after the one it names (the
+ * first when it names none of them: zero holds the nzero replicas), after
+ * a pause that doubles up to FAILOVER_PAUSE_MAX_MS: an election may be
+ * under way. */
+static void next_replica_of_shard0(char *target, char zero[][SERVER_ADDR_LEN], int nzero,
+                                   failover_clock *fc) {
+  int k = 0;
+  while (k < nzero && strcmp(zero[k], target) != 0) k++;
+  memcpy(target, zero[k < nzero ? (k + 1) % nzero : 0], SERVER_ADDR_LEN);
+  if (!fc->pause_ms) fc->pause_ms = FAILOVER_PAUSE_FIRST_MS;
+  ps_sleep_ms(fc->pause_ms);
+  fc->pause_ms =
+      fc->pause_ms * 2 < FAILOVER_PAUSE_MAX_MS ? fc->pause_ms * 2 : FAILOVER_PAUSE_MAX_MS;
+}
+
+/* First contact: registers this worker with shard 0, starting at the
+ * server at addr (any shard); one that is not shard 0 names shard 0.
+ * With replicated shards a replica of shard 0 that is not its primary
+ * answers the same way, naming the primary when it knows it and listing
+ * every replica: the worker follows the names (up to R + 2 hops in a
+ * row), and when none is named, a replica fails, or the names go round
+ * (replicas that disagree during an election), tries shard 0's replicas
+ * in turn after a pause, for at most connect_timeout_ms in all. Without
+ * replication: at most two calls, as the first answer names shard 0.
+ * Returns shard 0's answer (the caller frees it), with target (of
+ * SERVER_ADDR_LEN bytes) the server that gave it; or NULL with a
+ * message. */
+static Ps__RegisterResponse *register_with_shard0(ps_client *c, const char *addr,
+                                                  const rpc_channel_opts *chan_opts, char *target,
+                                                  char *err) {
+  snprintf(target, SERVER_ADDR_LEN, "%s", addr);
   Ps__RegisterResponse *r = NULL;
-  char zero[PS_MAX_REPLICAS][sizeof target]; /* shard 0's replicas, once an answer listed them */
+  char zero[PS_MAX_REPLICAS][SERVER_ADDR_LEN]; /* shard 0's replicas, once an answer listed them */
   int nzero = 0;
   int hops = 0; /* names followed in a row */
   failover_clock fc = {0};
@@ -400,37 +454,19 @@ ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char 
       call_ms -= (int)((ps_now_s() - t0) * 1000);
       if (call_ms < 1) call_ms = 1;
     }
-    rpc_channel *ch = rpc_channel_create(target, &chan_opts, err);
-    if (!ch) goto fail;
-    Ps__RequestHeader h;
-    ps__request_header__init(&h);
-    h.protocol_version = PS_PROTOCOL_VERSION;
-    h.job_id = "";
-    h.token = (ProtobufCBinaryData){.len = c->token.len, .data = c->token.bytes};
-    Ps__RegisterRequest req = PS__REGISTER_REQUEST__INIT;
-    req.header = &h;
-    req.host = c->host;
-    req.role = c->role;
-    req.task_index = opts->task_index;
+    rpc_channel *ch = rpc_channel_create(target, chan_opts, err);
+    if (!ch) return NULL;
     ProtobufCMessage *m = NULL;
     char detail[PS_ERRLEN] = "";
-    int st = small_call(c->q, ch, M_REGISTER, &req.base, &ps__register_response__descriptor, &m,
-                        call_ms, nzero > 1 ? 0 : 1, detail);
+    int st = register_first(c, ch, call_ms, nzero > 1 ? 0 : 1, &m, detail);
     rpc_channel_destroy(ch);
     int in_time = (ps_now_s() - t0) * 1000 < c->opts.connect_timeout_ms;
     const char *next = NULL; /* the server named to ask next; NULL: shard 0's next replica */
     if (st != RPC_OK && nzero > 1 && in_time) {
       next = NULL; /* a replica of shard 0 that is down, or not primary: the next one */
     } else if (st != RPC_OK) {
-      char dns[PS_ERRLEN] = "", why[PS_ERRLEN + 8] = "";
-      if (st == RPC_DEADLINE_EXCEEDED && ps_addr_resolve(target, dns) == PS_EUNAVAIL)
-        snprintf(why, sizeof why, " (%.200s)", dns);
-      else if (st == RPC_DEADLINE_EXCEEDED)
-        snprintf(why, sizeof why, " (nothing answered: is the server up, and does it talk TLS "
-                                  "(--tls-ca) or plaintext (--insecure) as this worker does?)");
-      ps_seterr(err, st == RPC_DEADLINE_EXCEEDED ? PS_EUNAVAIL : PS_EPROTO,
-                "Register with %s: %s: %s%s", target, rpc_status_name(st), detail, why);
-      goto fail;
+      first_register_error(target, st, detail, err);
+      return NULL;
     } else {
       r = (Ps__RegisterResponse *)m;
       if (r->worker_id != 0 || r->n_shards == 0) break;
@@ -455,19 +491,10 @@ ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char 
       }
     }
     if (!next) {
-      /* The replica of shard 0 after the one just asked (the first when
-       * that was none of them), after a pause: an election may be under
-       * way. */
-      int k = 0;
-      while (k < nzero && strcmp(zero[k], target) != 0) k++;
-      memcpy(target, zero[k < nzero ? (k + 1) % nzero : 0], sizeof target);
+      next_replica_of_shard0(target, zero, nzero, &fc);
       hops = 0;
-      if (!fc.pause_ms) fc.pause_ms = FAILOVER_PAUSE_FIRST_MS;
-      ps_sleep_ms(fc.pause_ms);
-      fc.pause_ms =
-          fc.pause_ms * 2 < FAILOVER_PAUSE_MAX_MS ? fc.pause_ms * 2 : FAILOVER_PAUSE_MAX_MS;
     } else {
-      snprintf(target, sizeof target, "%s", next);
+      snprintf(target, SERVER_ADDR_LEN, "%s", next);
     }
     if (r) protobuf_c_message_free_unpacked(&r->base, NULL);
     r = NULL;
@@ -475,25 +502,15 @@ ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char 
   if (!r || r->worker_id == 0 || r->n_shards == 0 || !r->job_json) {
     ps_seterr(err, PS_EPROTO, "server at %s did not register this worker", target);
     if (r) protobuf_c_message_free_unpacked(&r->base, NULL);
-    goto fail;
+    return NULL;
   }
-  /* Replicated shards: R addresses per shard, in shard order. */
-  int nrep = r->replicas_per_shard > 1 ? (int)r->replicas_per_shard : 1;
-  if (nrep > PS_MAX_REPLICAS || (nrep > 1 && r->n_replicas != r->n_shards * (size_t)nrep)) {
-    ps_seterr(err, PS_EPROTO,
-              "server at %s lists %zu replicas for %zu shards of %d replicas each (at most %d)",
-              target, r->n_replicas, r->n_shards, nrep, PS_MAX_REPLICAS);
-    protobuf_c_message_free_unpacked(&r->base, NULL);
-    goto fail;
-  }
-  c->nrep = nrep;
-  c->worker_id = r->worker_id;
-  c->rank = (int)r->worker_rank;
-  c->P = r->param_count;
-  c->hb_timeout_ms = r->heartbeat_timeout_ms ? (int)r->heartbeat_timeout_ms : 10000;
-  snprintf(c->job_id, sizeof c->job_id, "%s", r->job_id ? r->job_id : "");
-  c->job_json = strdup(r->job_json);
-  c->nshards = (int)r->n_shards;
+  return r;
+}
+
+/* The arrays of c->nshards entries: the shards' connections and each
+ * shard's state of a push round. 0, or -1 when out of memory (what was
+ * allocated is freed by ps_client_destroy). */
+static int alloc_per_shard(ps_client *c) {
   c->shards = calloc((size_t)c->nshards, sizeof *c->shards);
   c->reqs = calloc((size_t)c->nshards, sizeof *c->reqs);
   c->push.versions = calloc((size_t)c->nshards, sizeof *c->push.versions);
@@ -502,12 +519,16 @@ ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char 
   c->push.reqs = calloc((size_t)c->nshards, sizeof *c->push.reqs);
   c->push.rep = calloc((size_t)c->nshards, sizeof *c->push.rep);
   c->push.answered = calloc((size_t)c->nshards, sizeof *c->push.answered);
-  if (!c->job_json || !c->shards || !c->reqs || !c->push.versions || !c->push.state ||
-      !c->push.encoded || !c->push.reqs || !c->push.rep || !c->push.answered) {
-    protobuf_c_message_free_unpacked(&r->base, NULL);
-    ps_seterr(err, PS_ENOMEM, "out of memory");
-    goto fail;
-  }
+  return !c->shards || !c->reqs || !c->push.versions || !c->push.state || !c->push.encoded ||
+                 !c->push.reqs || !c->push.rep || !c->push.answered
+             ? -1
+             : 0;
+}
+
+/* Each shard's addresses, from shard 0's answer r (given by the server at
+ * target), and the replica of each believed primary. */
+static void place_shard_replicas(ps_client *c, const Ps__RegisterResponse *r, const char *target) {
+  int nrep = c->nrep;
   for (int s = 0; s < c->nshards; s++) {
     shard_conn *sc = &c->shards[s];
     int cur = 0;
@@ -534,39 +555,89 @@ ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char 
   if (nrep > 1)
     PS_INFO("shards have %d replicas each; shard 0's primary is replica %d (%s)", nrep,
             atomic_load(&c->shards[0].cur), c->shards[0].addr[atomic_load(&c->shards[0].cur)]);
+}
+
+/* Takes in shard 0's answer r (given by the server at target): who this
+ * worker is, the job, the model's size, the shards and their replicas,
+ * and shard 0's range and session. 0, or a code with a message. */
+static int adopt_registration(ps_client *c, const Ps__RegisterResponse *r, const char *target,
+                              char *err) {
+  /* Replicated shards: R addresses per shard, in shard order. */
+  int nrep = r->replicas_per_shard > 1 ? (int)r->replicas_per_shard : 1;
+  if (nrep > PS_MAX_REPLICAS || (nrep > 1 && r->n_replicas != r->n_shards * (size_t)nrep))
+    return ps_seterr(err, PS_EPROTO,
+                     "server at %s lists %zu replicas for %zu shards of %d replicas each (at "
+                     "most %d)",
+                     target, r->n_replicas, r->n_shards, nrep, PS_MAX_REPLICAS);
+  c->nrep = nrep;
+  c->worker_id = r->worker_id;
+  c->rank = (int)r->worker_rank;
+  c->P = r->param_count;
+  c->hb_timeout_ms = r->heartbeat_timeout_ms ? (int)r->heartbeat_timeout_ms : 10000;
+  snprintf(c->job_id, sizeof c->job_id, "%s", r->job_id ? r->job_id : "");
+  c->job_json = strdup(r->job_json);
+  c->nshards = (int)r->n_shards;
+  int allocated = alloc_per_shard(c);
+  if (!c->job_json || allocated != 0) return ps_seterr(err, PS_ENOMEM, "out of memory");
+  place_shard_replicas(c, r, target);
   c->shards[0].off = r->range_offset;
   c->shards[0].cnt = r->range_count;
-  int kept = keep_session(c, 0, r, err);
-  protobuf_c_message_free_unpacked(&r->base, NULL);
-  if (kept != 0) goto fail;
+  return keep_session(c, 0, r, err);
+}
 
+/* A channel to every replica of every shard, and the registration with
+ * shards 1 and on (shard 0 registered this worker already). 0, or
+ * non-zero with a message. */
+static int connect_shards(ps_client *c, const rpc_channel_opts *chan_opts, char *err) {
+  rpc_channel_opts shard_opts = *chan_opts;
   /* A replica that comes back (and may be the next primary) is reached
    * within a failover pause, not after gRPC's reconnect back-off. */
-  if (nrep > 1) chan_opts.reconnect_ms = FAILOVER_PAUSE_MAX_MS;
+  if (c->nrep > 1) shard_opts.reconnect_ms = FAILOVER_PAUSE_MAX_MS;
   for (int s = 0; s < c->nshards; s++)
-    for (int k = 0; k < nrep; k++) {
-      c->shards[s].ch[k] = rpc_channel_create(c->shards[s].addr[k], &chan_opts, err);
-      if (!c->shards[s].ch[k]) goto fail;
+    for (int k = 0; k < c->nrep; k++) {
+      c->shards[s].ch[k] = rpc_channel_create(c->shards[s].addr[k], &shard_opts, err);
+      if (!c->shards[s].ch[k]) return -1;
     }
-  for (int s = 1; s < c->nshards; s++)
-    if (register_with(c, c->q, s, c->opts.connect_timeout_ms, 1, 0, c->opts.connect_timeout_ms,
-                      err) != 0)
-      goto fail;
-  /* The ranges must tile [0, P) in shard order. */
+  for (int s = 1; s < c->nshards; s++) {
+    int rc = register_with(c, c->q, s, c->opts.connect_timeout_ms, 1, 0, c->opts.connect_timeout_ms,
+                           err);
+    if (rc != 0) return rc;
+  }
+  return PS_OK;
+}
+
+/* The shards' ranges must tile [0, P) in shard order. 0, or PS_EPROTO with
+ * a message. */
+static int check_shard_ranges(ps_client *c, char *err) {
   size_t next = 0;
   for (int s = 0; s < c->nshards; s++) {
-    if (c->shards[s].off != next) {
-      ps_seterr(err, PS_EPROTO, "shard %d (%s) holds [%zu, %zu), expected it to start at %zu", s,
-                c->shards[s].addr[replica_of(c, s)], c->shards[s].off,
-                c->shards[s].off + c->shards[s].cnt, next);
-      goto fail;
-    }
+    if (c->shards[s].off != next)
+      return ps_seterr(err, PS_EPROTO,
+                       "shard %d (%s) holds [%zu, %zu), expected it to start at %zu", s,
+                       c->shards[s].addr[replica_of(c, s)], c->shards[s].off,
+                       c->shards[s].off + c->shards[s].cnt, next);
     next += c->shards[s].cnt;
   }
-  if (next != c->P) {
-    ps_seterr(err, PS_EPROTO, "shards hold %zu values, the model has %zu", next, c->P);
-    goto fail;
+  if (next != c->P)
+    return ps_seterr(err, PS_EPROTO, "shards hold %zu values, the model has %zu", next, c->P);
+  return PS_OK;
+}
+
+ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char *err) {
+  ps_client *c = calloc(1, sizeof *c);
+  if (!c) {
+    ps_seterr(err, PS_ENOMEM, "out of memory");
+    return NULL;
   }
+  if (client_init(c, opts, err) != 0) goto fail;
+  rpc_channel_opts chan_opts = {.keepalive_ms = RPC_DEFAULT_KEEPALIVE_MS, .tls = opts->tls};
+  char target[SERVER_ADDR_LEN]; /* the server that registered this worker */
+  Ps__RegisterResponse *r = register_with_shard0(c, addr, &chan_opts, target, err);
+  if (!r) goto fail;
+  int adopted = adopt_registration(c, r, target, err);
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  if (adopted != 0 || connect_shards(c, &chan_opts, err) != 0 || check_shard_ranges(c, err) != 0)
+    goto fail;
   return c;
 fail:
   ps_client_destroy(c);

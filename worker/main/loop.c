@@ -2,10 +2,11 @@
  * (the blocking heartbeat calls run on libuv's work queue) and
  * SIGINT/SIGTERM (the training loop stops after the current step and the
  * worker leaves cleanly). */
+#include "worker/main/loop.h"
+
 #include <inttypes.h>
 
 #include "common/util.h"
-#include "worker/train/worker.h"
 
 static void hb_run(uv_work_t *req) {
   ps_worker *w = req->data;

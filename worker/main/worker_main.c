@@ -1,8 +1,11 @@
 /* ps-worker: pulls the parameters, computes gradients on its share of the
  * data, pushes them to the shards; the chief also evaluates the test split.
- * The parts are in worker.h; the flags in worker_options.c. */
+ * The parts are in worker/train/worker.h, built in setup.c; the flags in
+ * worker_options.c. */
 #include "common/rpc.h"
 #include "common/util.h"
+#include "worker/main/loop.h"
+#include "worker/main/setup.h"
 #include "worker/train/worker.h"
 
 int main(int argc, char **argv) {

@@ -1,10 +1,20 @@
-/* One ps-worker process: its parts, built by ps_worker_setup from the
- * options, and the helpers the step kinds share.
+/* One ps-worker process: the context every part of the worker reads
+ * (ps_worker, its parts built by ps_worker_setup in worker/main/setup.c),
+ * and what worker/train offers: the training loop and the evaluation
+ * (train.c, evaluate.c), the embedding rows (emb_rows.c), the Prometheus
+ * endpoint (worker_prom.c), and the helpers the step kinds share
+ * (worker.c: retries, pull, the end of a push, host buffers).
+ *
+ * Layers: worker/main (the process) calls down into worker/train, which
+ * calls down into worker/client, worker/model and worker/data (peers that
+ * do not call each other), which call kernels/ and common/. Nothing here
+ * calls worker/main: what the process does is declared in
+ * worker/main/setup.h and worker/main/loop.h.
  *
  * Threads: the training thread runs the loop (train.c) and the steps
- * (step_*.c); the loop thread (loop.c) owns the heartbeat timer and the
- * signals; the input pipeline fills batches on a third (source.c); the
- * overlapped step has a communication thread of its own. */
+ * (step_*.c); the loop thread (worker/main/loop.c) owns the heartbeat
+ * timer and the signals; the input pipeline fills batches on a third
+ * (source.c); the overlapped step has a communication thread of its own. */
 #ifndef PS_WORKER_WORKER_H
 #define PS_WORKER_WORKER_H
 
@@ -110,33 +120,7 @@ typedef struct ps_worker {
   } ev;
 } ps_worker;
 
-/* Builds the parts from the options: the device, the job (from the
- * servers, or the file with --local), the data, the models, the buffers,
- * metrics and the data source. Returns 0, or the process's exit code with
- * the message printed (PS_WORKER_EXIT_UNREACHABLE: kept for the last
- * line); what was built is freed by ps_worker_teardown either way. */
-int ps_worker_setup(ps_worker *w);
-
-/* The process's exit code for rc, what the set-up or the run returned
- * (PS_WORKER_EXIT_ERROR after a retry gave up becomes
- * PS_WORKER_EXIT_UNREACHABLE), with a last line on stderr that says what
- * it means (none for PS_WORKER_EXIT_DONE). Call it last, after the
- * tear-down. */
-int ps_worker_exit_code(ps_worker *w, int rc);
-
-/* Records that the servers did not answer for waited_s seconds (err says
- * which): the exit code becomes PS_WORKER_EXIT_UNREACHABLE. The first
- * record counts; any thread. */
-void ps_worker_note_gave_up(ps_worker *w, double waited_s, const char *err);
-
-/* Stops the threads in order (the data source's before the client it
- * uses), leaves the servers, frees everything. Safe on a partial setup. */
-void ps_worker_teardown(ps_worker *w);
-
-/* The loop thread: heartbeats (not with --local) and SIGINT/SIGTERM,
- * which set w->stop. 0, or -1 when the thread cannot start. */
-int ps_worker_loop_start(ps_worker *w);
-void ps_worker_loop_stop(ps_worker *w);
+/* ---------------- train.c, evaluate.c ---------------- */
 
 /* Training: steps until the data or max_steps is done or a signal came;
  * then the final pull, --save-params and the chief's final evaluation.
@@ -180,10 +164,17 @@ int ps_worker_prom_start(ps_worker *w);
 void ps_worker_prom_eval(ps_worker *w, double accuracy, double loss);
 void ps_worker_prom_stop(ps_worker *w);
 
+/* ---------------- worker.c: the helpers the steps share ---------------- */
+
 /* --tensorboard (w->tb set): one Event at step of n scalars. The first
  * write that fails is logged as a warning; the later ones write nothing. */
 void ps_worker_tb_write(ps_worker *w, int64_t step, int n, const char *const *tags,
                         const float *values);
+
+/* Records that the servers did not answer for waited_s seconds (err says
+ * which): the exit code (ps_worker_exit_code, worker/main/setup.h) becomes
+ * PS_WORKER_EXIT_UNREACHABLE. The first record counts; any thread. */
+void ps_worker_note_gave_up(ps_worker *w, double waited_s, const char *err);
 
 /* Retries op(ctx, err) with exponential backoff and jitter while the
  * servers are unreachable (or a shard gave up holding a pull back), for
