@@ -100,6 +100,10 @@ typedef struct {
   double *loss_dev;                   /* 1 value: the summed loss */
   ps_precision precision;             /* of convolutions and dense layers */
   bool capturing;                     /* between graph_begin and graph_end */
+  /* The marks recorded into the graph being captured, and into the graph
+   * instantiated: its replays record them again (as external event
+   * records), so a launch counts them as recorded for marks_read. */
+  bool capture_marks[PS_MARKS], graph_marks[PS_MARKS];
   cudaGraphExec_t graph;              /* the last capture, ready to launch */
   void *blas_work;                    /* cuBLAS's workspace: none allocated in a capture */
   __nv_bfloat16 *half;                /* bf16: the operands' bfloat16 copies */
@@ -1497,7 +1501,11 @@ static void cuda_mark(void *ctx, int i) {
   if (i < 0 || i >= PS_MARKS) return;
   CUDA_CHECK(cudaEventRecordWithFlags(be->marks[i], be->stream,
                                       be->capturing ? cudaEventRecordExternal : 0));
-  be->marked[i] = true;
+  /* Recorded while capturing, the event is recorded when the graph runs. */
+  if (be->capturing)
+    be->capture_marks[i] = true;
+  else
+    be->marked[i] = true;
 }
 
 /* ---- graphs ----
@@ -1514,6 +1522,7 @@ static int cuda_graph_begin(void *ctx) {
     return PS_EUNAVAIL;
   }
   be->capturing = true;
+  for (int i = 0; i < PS_MARKS; i++) be->capture_marks[i] = false;
   return 0;
 }
 
@@ -1539,6 +1548,7 @@ static int cuda_graph_end(void *ctx) {
     be->graph = NULL;
     return PS_EUNAVAIL;
   }
+  for (int i = 0; i < PS_MARKS; i++) be->graph_marks[i] = be->capture_marks[i];
   return 0;
 }
 
@@ -1546,6 +1556,10 @@ static int cuda_graph_launch(void *ctx) {
   cuda_backend *be = enter(ctx);
   if (!be->graph) return PS_ESTATE;
   CUDA_CHECK(cudaGraphLaunch(be->graph, be->stream));
+  /* Its marks are recorded again by this launch: a step replayed from the
+   * graph reports its phases as a step run op by op does (without this,
+   * marks_read gave -1 for them and the phases came out negative). */
+  for (int i = 0; i < PS_MARKS; i++) be->marked[i] = be->marked[i] || be->graph_marks[i];
   return 0;
 }
 

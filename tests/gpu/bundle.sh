@@ -27,7 +27,8 @@ grep -q '^WITH_CUDA:BOOL=ON' "$build/CMakeCache.txt" || { echo "bundle: $build h
 stage=$(mktemp -d /tmp/ps-gpu-bundle.XXXXXX)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/bin" "$stage/lib" "$stage/data"
-progs=(ps-server ps-worker ps-export test_cuda_parity test_model test_replicas bench_replicas client_rounds)
+progs=(ps-server ps-worker ps-export test_cuda_parity test_model test_replicas bench_replicas client_rounds
+       cublas_race)
 cmake --build "$build" -j"$(nproc)" --target "${progs[@]}" >/dev/null
 for p in "${progs[@]}"; do
   cp "$build/$p" "$stage/bin/"
