@@ -122,6 +122,13 @@ struct ps_ops {
    * ps_rng_uniform(seed, stream, i) so a step can be replayed. */
   void (*dropout_forward)(void *ctx, size_t n, float rate, uint64_t seed, uint64_t stream,
                           const float *x, float *y, float *mask);
+  /* A base the dropout streams start from, kept on the device: from now
+   * on dropout_forward(stream) draws from stream base + stream, the base
+   * read when the op runs, not when it is recorded (graph_begin), so that a
+   * step recorded once replays with each step's own masks. Call it outside
+   * a recording. NULL: dropout_forward's stream is used as given (and a
+   * model with dropout is not recorded). */
+  void (*set_rng_step)(void *ctx, uint64_t base);
   void (*dropout_backward)(void *ctx, size_t n, const float *mask, const float *dy, float *dx);
 
   /* probs (n, k) = softmax(logits); returns mean cross-entropy over the n

@@ -98,6 +98,7 @@ typedef struct {
   int n_plans, cap_plans;
   cudnnTensorDescriptor_t probs_desc; /* (n, k, 1, 1), set per call */
   double *loss_dev;                   /* 1 value: the summed loss */
+  uint64_t *rng_base_dev;             /* set_rng_step's base of the dropout streams */
   ps_precision precision;             /* of convolutions and dense layers */
   bool capturing;                     /* between graph_begin and graph_end */
   /* The marks recorded into the graph being captured, and into the graph
@@ -225,15 +226,16 @@ static void from_bf16(cuda_backend *be, const __nv_bfloat16 *x, float *y, size_t
 /* ---- the counter-based RNG of common/rng.c, on both sides ----
  *
  * The same splitmix64 finalizer, so ps_rng_uniform(seed, stream, i) is the
- * same float here as on the CPU. The key depends only on (seed, stream) and
- * is computed once on the host. */
+ * same float here as on the CPU. The key depends only on (seed, stream):
+ * computed once, on the host, or by the dropout kernel from the stream
+ * base set_rng_step keeps on the device. */
 __host__ __device__ static inline uint64_t rng_mix64(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
   return z ^ (z >> 31);
 }
 
-static uint64_t rng_key(uint64_t seed, uint64_t stream) {
+__host__ __device__ static inline uint64_t rng_key(uint64_t seed, uint64_t stream) {
   return rng_mix64(seed + 0x9e3779b97f4a7c15ULL * (stream + 1));
 }
 
@@ -428,14 +430,22 @@ static __global__ void add_kernel(size_t n, const float *a, const float *b, floa
   GRID_STRIDE(i, n) y[i] = __fadd_rn(a[i], b[i]);
 }
 
-static __global__ void dropout_forward_kernel(size_t n, float rate, float scale, uint64_t key,
-                                              const float *x, float *y, float *mask) {
+/* Inverted dropout with ps_rng_uniform(seed, base + stream, i), the stream's
+ * base read from the device when the kernel runs: a step recorded once
+ * replays with the masks of the step set_rng_step named. */
+static __global__ void dropout_forward_base_kernel(size_t n, float rate, float scale,
+                                                   uint64_t seed, uint64_t stream,
+                                                   const uint64_t *base, const float *x, float *y,
+                                                   float *mask) {
+  const uint64_t key = rng_key(seed, *base + stream);
   GRID_STRIDE(i, n) {
     const float keep = rng_uniform(key, i) >= rate ? scale : 0.0f;
     mask[i] = keep;
     y[i] = __fmul_rn(x[i], keep);
   }
 }
+
+static __global__ void set_u64_kernel(uint64_t *p, uint64_t v) { *p = v; }
 
 static __global__ void dropout_backward_kernel(size_t n, const float *mask, const float *dy,
                                                float *dx) {
@@ -1175,8 +1185,17 @@ static void cuda_dropout_forward(void *ctx, size_t n, float rate, uint64_t seed,
   if (n == 0) return;
   /* The CPU's scale, computed the same way on the host. */
   const float scale = rate >= 1.0f ? 0.0f : rate <= 0.0f ? 1.0f : 1.0f / (1.0f - rate);
-  dropout_forward_kernel<<<blocks_for(n), THREADS, 0, be->stream>>>(
-      n, rate, scale, rng_key(seed, stream), x, y, mask);
+  dropout_forward_base_kernel<<<blocks_for(n), THREADS, 0, be->stream>>>(
+      n, rate, scale, seed, stream, be->rng_base_dev, x, y, mask);
+  CUDA_CHECK_LAUNCH();
+}
+
+/* The base, written by a kernel on the stream (its value an argument, so no
+ * host buffer is read after the call returns), in order with the ops. */
+static void cuda_set_rng_step(void *ctx, uint64_t base) {
+  cuda_backend *be = enter(ctx);
+  if (be->capturing) PS_CUDA_FATAL("set_rng_step while a graph is being recorded");
+  set_u64_kernel<<<1, 1, 0, be->stream>>>(be->rng_base_dev, base);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -1703,6 +1722,7 @@ static void cuda_free_backend(cuda_backend *be, bool strict) {
   if (be->work) RELEASE(CUDA_CHECK, cudaFree(be->work));
   if (be->stage) RELEASE(CUDA_CHECK, cudaFree(be->stage));
   if (be->loss_dev) RELEASE(CUDA_CHECK, cudaFree(be->loss_dev));
+  if (be->rng_base_dev) RELEASE(CUDA_CHECK, cudaFree(be->rng_base_dev));
   if (be->loss_host) RELEASE(CUDA_CHECK, cudaFreeHost(be->loss_host));
   if (be->probs_desc) RELEASE(CUDNN_CHECK, cudnnDestroyTensorDescriptor(be->probs_desc));
   if (be->cublas) RELEASE(CUBLAS_CHECK, cublasDestroy(be->cublas));
@@ -1836,6 +1856,8 @@ extern "C" ps_ops *ps_ops_cuda_create(int device, char *err) {
   TRY(cublasSetWorkspace(be->cublas, be->blas_work, BLAS_WORKSPACE));
   TRY(cudnnCreateTensorDescriptor(&be->probs_desc));
   TRY(cudaMalloc((void **)&be->loss_dev, sizeof(double)));
+  TRY(cudaMalloc((void **)&be->rng_base_dev, sizeof(uint64_t)));
+  TRY(cudaMemset(be->rng_base_dev, 0, sizeof(uint64_t)));
   TRY(cudaMallocHost((void **)&be->loss_host, sizeof(double)));
 #undef TRY
   be->ops.name = "cuda";
@@ -1858,6 +1880,7 @@ extern "C" ps_ops *ps_ops_cuda_create(int device, char *err) {
   be->ops.relu_backward = cuda_relu_backward;
   be->ops.add = cuda_add;
   be->ops.dropout_forward = cuda_dropout_forward;
+  be->ops.set_rng_step = cuda_set_rng_step;
   be->ops.dropout_backward = cuda_dropout_backward;
   be->ops.softmax_xent_forward = cuda_softmax_xent_forward;
   be->ops.softmax_xent_backward = cuda_softmax_xent_backward;

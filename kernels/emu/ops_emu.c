@@ -63,6 +63,9 @@ typedef struct {
   struct em_call *rec, *graph;
   int n_rec, cap_rec, n_graph;
   int graphs, launches; /* graphs recorded and launched */
+  /* set_rng_step's base: on the device, read by dropout when it runs (a
+   * replayed graph's dropout takes the base of its replay) */
+  uint64_t rng_base;
   int allocs;  /* alloc calls so far */
   int fail_at; /* the alloc call that fails (0-based); -1: none */
 } emu_dev;
@@ -158,7 +161,8 @@ static void run_call(emu_dev *f, const em_call *c) {
     case OP_RELU_BWD: o->relu_backward(ctx, c->len, c->p[0], c->p[1], c->q[0]); break;
     case OP_ADD: o->add(ctx, c->len, c->p[0], c->p[1], c->q[0]); break;
     case OP_DROP_FWD:
-      o->dropout_forward(ctx, c->len, c->rate, c->seed, c->stream, c->p[0], c->q[0], c->q[1]);
+      o->dropout_forward(ctx, c->len, c->rate, c->seed, f->rng_base + c->stream, c->p[0], c->q[0],
+                         c->q[1]);
       break;
     case OP_DROP_BWD: o->dropout_backward(ctx, c->len, c->p[0], c->p[1], c->q[0]); break;
     case OP_XENT_STATS:
@@ -461,6 +465,12 @@ static void em_dropout_forward(void *ctx, size_t n, float rate, uint64_t seed, u
   need(f, mask, n * F4, 0, "dropout mask");
   call(f, (em_call){.op = OP_DROP_FWD, .len = n, .rate = rate, .seed = seed, .stream = stream,
                      .p = {x}, .q = {y, mask}});
+}
+
+static void em_set_rng_step(void *ctx, uint64_t base) {
+  emu_dev *f = enter(ctx);
+  not_recording(f, "set_rng_step"); /* a copy to the device: outside a recording */
+  f->rng_base = base;
 }
 
 static void em_dropout_backward(void *ctx, size_t n, const float *mask, const float *dy,
@@ -852,6 +862,7 @@ static void emu_init(emu_dev *f, ps_ops *cpu) {
       .relu_backward = em_relu_backward,
       .add = em_add,
       .dropout_forward = em_dropout_forward,
+      .set_rng_step = em_set_rng_step,
       .dropout_backward = em_dropout_backward,
       .softmax_xent_forward = em_softmax_xent_forward,
       .softmax_xent_backward = em_softmax_xent_backward,

@@ -543,27 +543,34 @@ PY
   done
   # Graphs on the emulated device (recorded ops, checked as a GPU's stream
   # capture would be): replayed steps, and the short last batch of each
-  # epoch run op by op, end bit for bit where the reference backend ends.
-  for g in on off; do
-    "$build/ps-worker" --local --job "$here/jobs/graphs.json" --device emu --cuda-graphs "$g" \
-      --save-params "$out/graphs-$g.bin" >"$out/graphs-$g.log" 2>&1 \
-      || { tail -5 "$out/graphs-$g.log"; fail "the emu run with --cuda-graphs $g failed"; }
-  done
+  # epoch run op by op, end bit for bit where the reference backend ends;
+  # with a dropout layer too (each replay draws its step's masks: the
+  # stream's base is read on the device when the op runs).
   ref=cpu # the reference backend: cpu-ref where --device cpu is another
   # (grep -c reads all of --help: grep -q would stop early, and the
   # worker's SIGPIPE fail the pipeline under pipefail)
   "$build/ps-worker" --help | grep -c "cpu-ref" >/dev/null && ref=cpu-ref
-  "$build/ps-worker" --local --job "$here/jobs/graphs.json" --device "$ref" \
-    --save-params "$out/graphs-cpu.bin" >"$out/graphs-cpu.log" 2>&1 || fail "the $ref run failed"
-  grep -q "recorded once and replayed" "$out/graphs-on.log" || fail "no graph was recorded"
-  launches=$(sed -n 's/.*graph(s) recorded, \([0-9]*\) launch.*/\1/p' "$out/graphs-on.log")
-  steps=$(sed -n 's/^trained \([0-9]*\) steps.*/\1/p' "$out/graphs-on.log")
-  echo "device_paths: graphs: $launches of $steps steps launched from the recording"
-  [ "${launches:-0}" -ge $((steps - 5)) ] || fail "only ${launches:-0} of $steps steps were replayed"
-  [ "$launches" -lt "$steps" ] || fail "every step replayed: the short batches did not run op by op"
-  cmp -s "$out/graphs-on.bin" "$out/graphs-off.bin" || fail "graphs on and off ended apart"
-  cmp -s "$out/graphs-on.bin" "$out/graphs-cpu.bin" || fail "graphs on the emu device and $ref ended apart"
-  echo "device_paths: graphs on == off == $ref, bit for bit"
+  for gj in graphs graphs_dropout; do
+    for g in on off; do
+      "$build/ps-worker" --local --job "$here/jobs/$gj.json" --device emu --cuda-graphs "$g" \
+        --save-params "$out/$gj-$g.bin" >"$out/$gj-$g.log" 2>&1 \
+        || { tail -5 "$out/$gj-$g.log"; fail "$gj: the emu run with --cuda-graphs $g failed"; }
+    done
+    "$build/ps-worker" --local --job "$here/jobs/$gj.json" --device "$ref" \
+      --save-params "$out/$gj-cpu.bin" >"$out/$gj-cpu.log" 2>&1 || fail "$gj: the $ref run failed"
+    grep -q "recorded once and replayed" "$out/$gj-on.log" || fail "$gj: no graph was recorded"
+    launches=$(sed -n 's/.*graph(s) recorded, \([0-9]*\) launch.*/\1/p' "$out/$gj-on.log")
+    steps=$(sed -n 's/^trained \([0-9]*\) steps.*/\1/p' "$out/$gj-on.log")
+    echo "device_paths: $gj: $launches of $steps steps launched from the recording"
+    [ "${launches:-0}" -ge $((steps - 5)) ] || fail "$gj: only ${launches:-0} of $steps steps were replayed"
+    [ "$launches" -lt "$steps" ] || fail "$gj: every step replayed: the short batches did not run op by op"
+    cmp -s "$out/$gj-on.bin" "$out/$gj-off.bin" || fail "$gj: graphs on and off ended apart"
+    cmp -s "$out/$gj-on.bin" "$out/$gj-cpu.bin" || fail "$gj: graphs on the emu device and $ref ended apart"
+    echo "device_paths: $gj: graphs on == off == $ref, bit for bit"
+  done
+  # Dropout changes the run (were it a no-op, its on == off would prove
+  # nothing about replayed masks).
+  cmp -s "$out/graphs-on.bin" "$out/graphs_dropout-on.bin" && fail "dropout changed nothing"
   for pair in "cpu emu-pipeline" "cpu emu-plain" "cpu-replicas emu-replicas" \
               "cpu-overlap emu-overlap"; do
     set -- $pair

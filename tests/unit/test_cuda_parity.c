@@ -48,6 +48,7 @@
  *    sums of K random-signed terms then err by a few times that relative to
  *    the largest output: atol 5e-3 (tf32) and 2e-2 (bf16) of max|want|,
  *    rtol 1e-2 and 5e-2. A wrong index or transpose is still O(1). */
+#include <inttypes.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -889,6 +890,32 @@ static void test_dropout(void) {
     check_bits(what, y, y_ref, n);
     snprintf(what, sizeof what, "dropout dx n%zu rate%g", n, (double)rate);
     check_bits(what, dx, dx_ref, n);
+
+    /* The stream's base kept on the device (set_rng_step), and a graph
+     * recorded under one base and replayed under another: the mask of the
+     * base of the replay. */
+    const uint64_t base = k->stream / 2, rest = k->stream - base;
+    float *d_m2 = s_nans(&dut, n), *m2 = NULL;
+    dut.ops->set_rng_step(dut.ops->ctx, base);
+    dut.ops->dropout_forward(dut.ops->ctx, n, k->rate, k->seed, rest, d_x, d_y, d_m2);
+    m2 = s_fetch(&dut, d_m2, bytes);
+    snprintf(what, sizeof what, "dropout mask with base %" PRIu64 " n%zu rate%g", base, n,
+             (double)rate);
+    check_bits(what, m2, m_want, n);
+    free(m2);
+    dut.ops->set_rng_step(dut.ops->ctx, 12345);
+    CHECK(dut.ops->graph_begin(dut.ops->ctx) == 0);
+    dut.ops->dropout_forward(dut.ops->ctx, n, k->rate, k->seed, rest, d_x, d_y, d_m2);
+    CHECK(dut.ops->graph_end(dut.ops->ctx) == 0);
+    dut.ops->set_rng_step(dut.ops->ctx, base);
+    CHECK(dut.ops->graph_launch(dut.ops->ctx) == 0);
+    m2 = s_fetch(&dut, d_m2, bytes);
+    snprintf(what, sizeof what, "dropout mask replayed with base %" PRIu64 " n%zu rate%g", base,
+             n, (double)rate);
+    check_bits(what, m2, m_want, n);
+    dut.ops->set_rng_step(dut.ops->ctx, 0);
+    free(m2);
+    s_free(&dut, d_m2);
 
     free(x), free(dy), free(y_ref), free(m_ref), free(dx_ref), free(y), free(m), free(dx),
         free(m_want);

@@ -383,6 +383,13 @@ static float *bias_grad_of(const ps_model *m, const ps_layer *L, float *grads) {
   return L->b_count ? grads + L->b_off : m->db_sink;
 }
 
+/* A dropout layer that drops anything. */
+static int has_dropout(const ps_model *m) {
+  for (int i = 0; i < m->spec.n_layers; i++)
+    if (m->spec.layers[i].type == PS_LAYER_DROPOUT && m->spec.layers[i].rate > 0.0f) return 1;
+  return 0;
+}
+
 /* Runs layer i forward on n examples of the batch x (backend memory);
  * returns the layer's output (its input for flatten; NULL for the loss
  * layer, which the caller handles). training: dropout active with masks
@@ -439,9 +446,12 @@ static const float *forward_layer(ps_model *m, int i, const float *params, const
       return s->out;
     case PS_LAYER_DROPOUT:
       if (training && L->rate > 0.0f) {
-        /* One stream per (step, layer): a step can be replayed exactly. */
-        o->dropout_forward(o->ctx, n_out, L->rate, seed, step * PS_MAX_LAYERS + (uint64_t)i, in,
-                           s->out, s->mask);
+        /* One stream per (step, layer): a step can be replayed exactly. A
+         * backend that keeps the step's base on its device (set at the
+         * step's beginning) adds it when the op runs, so that a recorded
+         * step replays with each step's own masks. */
+        const uint64_t stream = o->set_rng_step ? (uint64_t)i : step * PS_MAX_LAYERS + (uint64_t)i;
+        o->dropout_forward(o->ctx, n_out, L->rate, seed, stream, in, s->out, s->mask);
       } else {
         o->copy(o->ctx, s->out, in, n_out * sizeof(float));
       }
@@ -603,6 +613,7 @@ void ps_model_step_begin(ps_model *m, const float *x, const uint8_t *y, int n, u
   m->st.seed = seed;
   m->st.step = step;
   ps_ops *o = m->ops;
+  if (o->set_rng_step && has_dropout(m)) o->set_rng_step(o->ctx, step * PS_MAX_LAYERS);
   emb_in(m);
   if (o->host_memory) {
     batch_in(m, x, y, n, &m->st.x, &m->st.y);
@@ -653,9 +664,8 @@ int ps_model_graph_able(const ps_model *m, char *why, size_t why_len) {
     no = "the backend reads the loss back inside the step";
   else if (m->n_emb)
     no = "the embedding rows differ in number every step";
-  for (int i = 0; !no && i < m->spec.n_layers; i++)
-    if (m->spec.layers[i].type == PS_LAYER_DROPOUT && m->spec.layers[i].rate > 0.0f)
-      no = "dropout draws new masks every step (its seed would be recorded)";
+  if (!no && has_dropout(m) && !o->set_rng_step)
+    no = "dropout draws new masks every step, and the backend cannot replay them";
   if (why && why_len) snprintf(why, why_len, "%s", no ? no : "");
   return no == NULL;
 }

@@ -95,8 +95,13 @@ float ps_compute_step(ps_worker *w, int64_t step, const ps_batch *b, int *correc
     if (marks) {
       double ms[PS_MARKS];
       o->marks_read(o->ctx, ms, PS_MARKS);
-      w->phase_ok = ms[PS_MARK_D2H] >= 0;
-      for (int i = 0; i < 4; i++) w->phase_ms[i] = ms[i + 1] - ms[i];
+      /* Every mark recorded, in order: a mark the backend did not record
+       * reads -1, and a phase made from it would be nonsense (negative). */
+      w->phase_ok = ms[PS_MARK_BEGIN] >= 0;
+      for (int i = 0; i < 4; i++) {
+        w->phase_ms[i] = ms[i + 1] - ms[i];
+        if (ms[i + 1] < 0 || w->phase_ms[i] < 0) w->phase_ok = 0;
+      }
     }
   }
   if (w->o.straggle_ms > 0) ps_sleep_ms(w->o.straggle_ms); /* an artificial straggler */
