@@ -116,9 +116,10 @@ static const ps_option worker_flags[] = {
     {"pipeline", "MODE", PS_OPT_CHOICE, O(pipeline), .choices = pipeline_choices, .def = "auto",
      .help = "`on`, `off` or `auto`: pipeline each step shard by shard (the first layers compute "
      "while later shards arrive; a shard's gradient goes out while earlier layers compute). "
-     "`auto` is on for a GPU worker, whose host cores are free while the device computes, and "
-     "off on the cpu, where shards on the same host applying early pushes compete with the "
-     "backward pass for the cores. Either way the same gradients and parameters, bit for bit"},
+     "`auto` times both on a GPU worker's first 29 steps and keeps the faster (a small model's "
+     "replayed CUDA graph can beat the pipeline), and is off on the cpu, where shards on the "
+     "same host applying early pushes compete with the backward pass for the cores. Either way "
+     "the same gradients and parameters, bit for bit"},
     {"cuda-graphs", "MODE", PS_OPT_CHOICE, O(cuda_graphs), .choices = onoff_choices, .def = "on",
      .help = "`on` or `off`: on a GPU, record a step that is not pipelined (forward, loss, "
      "backward) as a CUDA Graph after one step of its batch size and replay it, launching it "

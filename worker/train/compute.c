@@ -23,14 +23,15 @@ const ps_step_kind *ps_step_choose(ps_worker *w) {
     overlap = 0;
   }
   if (overlap) return &ps_step_overlap;
-  /* auto: on where the compute leaves the host's cores free (a GPU); on
-   * the cpu the shards applying early pushes would compete with the
-   * backward pass for the cores when they share the host (measured: no
-   * gain, up to 7% loss with 4 local shards on 2 cores). Replicas compute
-   * a whole step at a time, so they take the plain step. */
-  int want = w->o.pipeline == PS_PIPELINE_AUTO ? !w->ops->host_memory
-                                               : w->o.pipeline == PS_PIPELINE_ON;
-  if (want && !w->reps) return &ps_step_pipeline;
+  /* Replicas compute a whole step at a time, so they take the plain step.
+   * auto: on the cpu plain, since the shards applying early pushes would
+   * compete with the backward pass for the cores when they share the host
+   * (measured: no gain, up to 7% loss with 4 local shards on 2 cores); on
+   * a device both are timed on the first steps and the faster is kept
+   * (step_auto.c: a small model's replayed graph can beat the pipeline). */
+  if (w->reps) return &ps_step_plain;
+  if (w->o.pipeline == PS_PIPELINE_ON) return &ps_step_pipeline;
+  if (w->o.pipeline == PS_PIPELINE_AUTO && !w->ops->host_memory) return &ps_step_auto;
   return &ps_step_plain;
 }
 

@@ -8,6 +8,9 @@
  *   overlap   push and pull of step t on a second thread
  *             while step t+1 computes                     step_overlap.c
  *   local     no servers: the optimizer runs here         step_local.c
+ *   auto      plain and pipeline timed on the first
+ *             steps, the faster kept (--pipeline auto
+ *             on a device)                                step_auto.c
  *
  * How a step computes (one model, or mirrored replicas summed before the
  * push) is the compute's business (compute.c), so replicas go with plain,
@@ -52,7 +55,8 @@ typedef struct {
  * (worker_prom.c; nothing without one). */
 void ps_worker_prom_step(ps_worker *w, const ps_step_result *r, int n, int epoch);
 
-extern const ps_step_kind ps_step_plain, ps_step_pipeline, ps_step_overlap, ps_step_local;
+extern const ps_step_kind ps_step_plain, ps_step_pipeline, ps_step_overlap, ps_step_local,
+    ps_step_auto;
 
 /* The kind for this worker's options, job and backend (logging why when
  * a choice was overruled). */
