@@ -512,6 +512,11 @@ device_paths)
   pipeline_run emu-replicas --device emu --replicas 2
   pipeline_run cpu-overlap --device cpu-ref --overlap
   pipeline_run emu-overlap --device emu --overlap
+  # --pipeline auto on a device: both kinds timed on the first steps, the
+  # faster kept, the parameters the plain step's either way.
+  pipeline_run emu-auto --device emu --pipeline auto
+  grep -q "pipeline auto: a step took .* ms plain, .* ms pipelined" "$out/emu-auto/worker-0.log" \
+    || fail "--pipeline auto on the emulated device did not time both steps"
   grep -q "device: emu" "$out/emu-pipeline/worker-0.log" || fail "the emulated device was not used"
   grep -q "pipeline: each shard" "$out/emu-pipeline/worker-0.log" || fail "no pipelined step"
   grep -q "replicas: 2, on devices" "$out/emu-replicas/worker-0.log" || fail "no device replicas"
@@ -571,7 +576,7 @@ PY
   # Dropout changes the run (were it a no-op, its on == off would prove
   # nothing about replayed masks).
   cmp -s "$out/graphs-on.bin" "$out/graphs_dropout-on.bin" && fail "dropout changed nothing"
-  for pair in "cpu emu-pipeline" "cpu emu-plain" "cpu-replicas emu-replicas" \
+  for pair in "cpu emu-pipeline" "cpu emu-plain" "cpu emu-auto" "cpu-replicas emu-replicas" \
               "cpu-overlap emu-overlap"; do
     set -- $pair
     cmp -s "$out/$1.bin" "$out/$2.bin" || fail "$2 ended with other parameters than $1"

@@ -123,8 +123,9 @@ static const ps_option worker_flags[] = {
     {"cuda-graphs", "MODE", PS_OPT_CHOICE, O(cuda_graphs), .choices = onoff_choices, .def = "on",
      .help = "`on` or `off`: on a GPU, record a step that is not pipelined (forward, loss, "
      "backward) as a CUDA Graph after one step of its batch size and replay it, launching it "
-     "whole instead of op by op. Models with dropout, and recordings that fail, run op by op "
-     "(the log says why); the same results either way"},
+     "whole instead of op by op (dropout draws each replay's own masks). Models with embedding "
+     "layers, and recordings that fail, run op by op (the log says why); the same results "
+     "either way"},
     {"straggle-ms", "N", PS_OPT_INT, O(straggle_ms), 0, 3600000, .def = "0",
      .help = "sleep N ms in every step: an artificial straggler, for comparing consistency modes"},
     {"log-level", "L", PS_OPT_CHOICE, O(log_level), .choices = level_choices, .def = "info",
