@@ -13,30 +13,42 @@
 #include "ps/core/rows.h"
 #include "ps/core/server.h"
 
-/* A worker registering again names the chunks whose completion this shard
- * acknowledged to it: those the lease table does not hold as done were
- * lost with a restart and will be trained again, which the epoch's record
- * counts. */
-void ps_update_note_redone(ps_server *sv, uint64_t worker, const uint64_t *done, size_t n) {
+static void record_epoch(ps_server *sv, ps_leases *t, uint32_t epoch);
+
+/* A worker registering again names what it did under leases of shard 0's
+ * earlier life (its acknowledged completions, the leases it holds): what
+ * the restored table lacks is taken back or recorded (ps_leases_rejoin). */
+void ps_update_rejoin(ps_server *sv, uint64_t worker, const uint64_t *done, size_t n_done,
+                      const ps_lease_held *held, size_t n_held, int quiet) {
   pthread_mutex_lock(&sv->lease_mu);
   ps_leases *t = sv->index == 0 ? sv->leases : NULL;
-  int counted = 0;
-  uint64_t examples = 0;
+  ps_lease_rejoin r = {0};
   if (t) {
     /* An honest worker names a chunk once per epoch, or a few times
-     * (done again after a restart): no more names than the table has
-     * chunks are looked at. */
+     * (done again after a restart), and holds a few leases: no more names
+     * than the table has chunks are looked at. */
     ps_lease_stats st;
     ps_leases_stats(t, &st);
-    if (n > st.chunks) n = st.chunks;
-    counted = ps_leases_note_redone(t, done, n, &examples);
+    if (n_done > st.chunks) n_done = st.chunks;
+    if (n_held > st.chunks) n_held = st.chunks;
+    ps_leases_rejoin(t, worker, done, n_done, held, n_held, ps_now_ms(), &r);
+    ps_lease_stats after; /* a chunk taken as done may end the epoch */
+    ps_leases_stats(t, &after);
+    if (!quiet && (after.epoch != st.epoch || after.finished != st.finished))
+      record_epoch(sv, t, st.epoch);
   }
   pthread_mutex_unlock(&sv->lease_mu);
-  if (counted > 0)
+  if (quiet) return;
+  if (r.accepted > 0 || r.adopted > 0)
     PS_INFO("worker %016" PRIx64 " registered again: %d chunk(s) (%" PRIu64
-            " examples) it completed were lost with this shard's restart and will be trained "
-            "again",
-            worker, counted, examples);
+            " examples) it finished under this shard's earlier life taken as done, %d lease(s) "
+            "it holds taken back",
+            worker, r.accepted, r.examples_accepted, r.adopted);
+  if (r.redone > 0)
+    PS_INFO("worker %016" PRIx64 " registered again: %d chunk(s) (%" PRIu64
+            " examples) it completed were lost with this shard's restart and went to other "
+            "workers: trained again",
+            worker, r.redone, r.examples_redone);
 }
 
 /* An epoch of leases just finished: its summary goes to the log and the
@@ -47,19 +59,23 @@ static void record_epoch(ps_server *sv, ps_leases *t, uint32_t epoch) {
   if (ps_leases_epoch_record(t, epoch, &e, NULL, 0) < 0) return;
   PS_INFO("leases: epoch %u done in %.1f s: %u chunks, %u completed once, %" PRIu64
           " examples completed, %" PRIu64 " handed out (%" PRIu64 " again after %" PRIu64
-          " reclaims), %" PRIu64 " redone after a restart lost their completion",
+          " reclaims), %" PRIu64 " redone after a restart lost their completion, %" PRIu64
+          " recovered after a restart, %" PRIu64 " trained under leases not counted",
           e.epoch, e.end_ms >= 0 && e.start_ms >= 0 ? (double)(e.end_ms - e.start_ms) / 1e3 : 0.0,
           e.chunks, e.chunks_once, e.examples_completed, e.examples_handed_out,
-          e.examples_rehanded, e.reclaims, e.examples_redone);
+          e.examples_rehanded, e.reclaims, e.examples_redone, e.examples_recovered,
+          e.examples_wasted);
   if (!sv->metrics) return;
-  json_t *rec = json_pack("{s:i,s:i,s:i,s:i,s:i,s:I,s:I,s:I,s:I,s:I}", "shard", sv->index,
+  json_t *rec = json_pack("{s:i,s:i,s:i,s:i,s:i,s:I,s:I,s:I,s:I,s:I,s:I,s:I}", "shard", sv->index,
                           "lease_epoch", (int)e.epoch, "chunks", (int)e.chunks,
                           "chunks_completed", (int)e.chunks_completed, "chunks_once",
                           (int)e.chunks_once, "examples_completed",
                           (json_int_t)e.examples_completed, "examples_handed_out",
                           (json_int_t)e.examples_handed_out, "examples_rehanded",
                           (json_int_t)e.examples_rehanded, "reclaims", (json_int_t)e.reclaims,
-                          "examples_redone", (json_int_t)e.examples_redone);
+                          "examples_redone", (json_int_t)e.examples_redone,
+                          "examples_recovered", (json_int_t)e.examples_recovered,
+                          "examples_wasted", (json_int_t)e.examples_wasted);
   ps_metrics_write(sv->metrics, rec);
   json_decref(rec);
 }
@@ -69,7 +85,8 @@ static void record_epoch(ps_server *sv, ps_leases *t, uint32_t epoch) {
  * resp gets the answer. RPC_OK, or the status to fail the call with and a
  * message in err. quiet: no log lines or metrics (a backup's replay). */
 static int lease_step(ps_server *sv, uint64_t wid, uint64_t dataset_size, uint64_t complete_lease,
-                      int want_next, int64_t now, Ps__LeaseResponse *resp, int quiet, char *err) {
+                      uint64_t trained, int want_next, int64_t now, Ps__LeaseResponse *resp,
+                      int quiet, char *err) {
   pthread_mutex_lock(&sv->lease_mu);
   if (!sv->leases && dataset_size > 0) {
     ps_lease_config cfg = {.n_examples = dataset_size,
@@ -109,6 +126,9 @@ static int lease_step(ps_server *sv, uint64_t wid, uint64_t dataset_size, uint64
     ps_lease_stats before;
     ps_leases_stats(t, &before);
     int rc = ps_leases_complete(t, wid, complete_lease, now);
+    /* Not counted: what the worker trained of it is trained again (or was
+     * already) by another, which the record says. */
+    if (rc != PS_OK) ps_leases_note_wasted(t, trained);
     ps_lease_stats after;
     ps_leases_stats(t, &after);
     if (!quiet && (after.epoch != before.epoch || after.finished != before.finished))
@@ -204,7 +224,7 @@ int ps_update_apply(ps_server *sv, const ps_update *u, int replay, ps_update_res
       res->step = ps_shard_sync_try_apply(sv->shard, u->quorum, &res->version, err);
       return 0;
     case PS_UPDATE_LEASE: {
-      int st = lease_step(sv, u->worker, u->dataset_size, u->complete_lease, u->want_next,
+      int st = lease_step(sv, u->worker, u->dataset_size, u->complete_lease, u->trained, u->want_next,
                           u->now_ms, &res->lease, replay, err);
       if (st == RPC_OK) return 0;
       res->rpc_status = st;
@@ -222,7 +242,8 @@ int ps_update_apply(ps_server *sv, const ps_update *u, int replay, ps_update_res
         res->rpc_status = RPC_RESOURCE_EXHAUSTED;
         return PS_ESTATE;
       }
-      if (u->n_done) ps_update_note_redone(sv, u->worker, u->done_chunks, u->n_done);
+      if (u->n_done || u->n_held)
+        ps_update_rejoin(sv, u->worker, u->done_chunks, u->n_done, u->held, u->n_held, replay);
       return 0;
     case PS_UPDATE_LEAVE:
       ps_membership_remove(sv->members, u->worker);

@@ -17,9 +17,14 @@
 #include "common/rpc.h"
 #include "common/util.h"
 #include "proto/ps.pb-c.h"
+#include "ps/state/leases.h"
 
 struct ps_server;
 struct ps_rows_req;
+
+/* The most leases of a returning worker a Register names that are read
+ * (a worker holds the job's max_per_worker, 2, and the one it completes). */
+#define PS_HELD_NAMED 16
 
 /* What an update does; the values are the replication log's entry kinds
  * (proto/ps.proto, ReplicaEntry.Kind), so that a record and an entry name
@@ -56,6 +61,9 @@ typedef struct ps_update {
   size_t n_leases;
   const uint64_t *done_chunks; /* REGISTER: chunks a returning worker finished */
   size_t n_done;
+  const ps_lease_held *held; /* REGISTER: the leases a returning worker holds */
+  size_t n_held;
+  uint64_t trained; /* LEASE: examples the worker trained of the lease it completes */
   int quorum, result; /* SYNC_STEP: the quorum, and (in the log) what applying it gave */
 } ps_update;
 
@@ -85,9 +93,12 @@ int ps_update_apply(struct ps_server *sv, const ps_update *u, int replay, ps_upd
                     char *err);
 
 /* A worker registering again names the chunks shard 0 acknowledged as
- * done: those the lease table lacks (lost with a restart) are counted as
- * redone in the epoch's record. Nothing without a lease table. */
-void ps_update_note_redone(struct ps_server *sv, uint64_t worker, const uint64_t *done, size_t n);
+ * done and the leases it holds: what the lease table lacks (lost with a
+ * restart) is taken back, or recorded in the epoch's record
+ * (ps_leases_rejoin). Nothing without a lease table. quiet: no log lines
+ * (a backup's replay). */
+void ps_update_rejoin(struct ps_server *sv, uint64_t worker, const uint64_t *done, size_t n_done,
+                      const ps_lease_held *held, size_t n_held, int quiet);
 
 /* Gives the data leases a departed worker held back to the pool (logged).
  * Nothing when the shard has no lease table or the worker held none. */

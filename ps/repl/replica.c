@@ -58,6 +58,11 @@ typedef struct rentry {
   int quorum, result; /* SYNC_STEP */
   uint64_t *ids; /* LEASE_RENEW: the leases named; REGISTER: the chunks named done */
   size_t n_ids;
+  /* REGISTER: the leases a returning worker named (one allocation: n_held
+   * messages, then their pointers) */
+  Ps__HeldLease *held, **held_p;
+  size_t n_held;
+  uint64_t trained; /* LEASE: examples trained of the lease completed */
   /* PUSH: the push's embedding rows, as the entry sends them */
   Ps__TableRows rows[PS_MAX_TABLES], *rows_p[PS_MAX_TABLES];
   size_t n_rows;
@@ -318,6 +323,7 @@ void ps_replica_handle_vote(ps_server *sv, rpc_call *call, const void *request) 
 static void entry_unref(rentry *e) {
   if (!e || --e->refs > 0) return;
   free(e->ids);
+  free(e->held);
   free(e->grad);
   free(e->row_ids);
   free(e->reply);
@@ -452,8 +458,11 @@ int ps_replica_append(ps_server *sv, const ps_update *u, rpc_call *call,
   uint64_t *ids = n_ids ? malloc(n_ids * sizeof *ids) : NULL;
   size_t n_row_ids = u->rows ? u->rows->total : 0;
   uint8_t *row_ids = n_row_ids ? malloc(8 * n_row_ids) : NULL;
+  const size_t n_held = u->n_held < PS_HELD_NAMED ? u->n_held : PS_HELD_NAMED;
+  Ps__HeldLease *held = n_held ? malloc(n_held * (sizeof *held + sizeof(Ps__HeldLease *))) : NULL;
   if (!e || !rb || (u->gradient && u->gradient->total && !g) || (n_ids && !ids) ||
-      (n_row_ids && !row_ids)) {
+      (n_row_ids && !row_ids) || (n_held && !held)) {
+    free(held);
     free(e);
     free(rb);
     free(g);
@@ -485,6 +494,18 @@ int ps_replica_append(ps_server *sv, const ps_update *u, rpc_call *call,
   if (n_ids) memcpy(ids, ids_in, n_ids * sizeof *ids);
   e->ids = ids;
   e->n_ids = n_ids;
+  e->held = held;
+  e->held_p = held ? (Ps__HeldLease **)(void *)(held + n_held) : NULL;
+  e->n_held = n_held;
+  for (size_t i = 0; i < e->n_held; i++) {
+    ps__held_lease__init(&e->held[i]);
+    e->held[i].lease_id = u->held[i].lease_id;
+    e->held[i].epoch = u->held[i].epoch;
+    e->held[i].chunk = u->held[i].chunk;
+    e->held[i].finished = u->held[i].finished;
+    e->held_p[i] = &e->held[i];
+  }
+  e->trained = u->trained;
   if (u->rows) {
     size_t at = 0;
     for (int i = 0; i < u->rows->n_sec; i++) {
@@ -617,7 +638,14 @@ static int record_answer(ps_server *sv, const Ps__ReplicaEntry *e, int kind,
 
 /* The update an entry carries, as its primary applied it (the pointers
  * borrowed from the entry; rows: its embedding rows, read and checked). */
-static ps_update entry_update(const Ps__ReplicaEntry *e, ps_segview *view, const ps_rows_req *rows) {
+static ps_update entry_update(const Ps__ReplicaEntry *e, ps_segview *view, const ps_rows_req *rows,
+                              ps_lease_held *held) {
+  size_t n_held = 0;
+  for (size_t i = 0; i < e->n_held_leases && n_held < PS_HELD_NAMED; i++) {
+    const Ps__HeldLease *h = e->held_leases[i];
+    held[n_held++] = (ps_lease_held){
+        .lease_id = h->lease_id, .epoch = h->epoch, .chunk = h->chunk, .finished = h->finished};
+  }
   return (ps_update){.kind = (int)e->kind,
                      .worker = e->worker_id,
                      .request_id = e->request_id,
@@ -643,6 +671,9 @@ static ps_update entry_update(const Ps__ReplicaEntry *e, ps_segview *view, const
                      .n_leases = e->n_leases,
                      .done_chunks = e->done_chunks,
                      .n_done = e->n_done_chunks,
+                     .held = held,
+                     .n_held = n_held,
+                     .trained = e->trained_examples,
                      .quorum = e->quorum,
                      .result = e->result};
 }
@@ -683,7 +714,8 @@ static int apply_entry(ps_server *sv, const Ps__ReplicaEntry *e) {
     default:
       return PS_ESTATE;
   }
-  const ps_update u = entry_update(e, &view, rows);
+  ps_lease_held held[PS_HELD_NAMED];
+  const ps_update u = entry_update(e, &view, rows, held);
   ps_update_result res = {.lease = PS__LEASE_RESPONSE__INIT};
   int rc = ps_update_apply(sv, &u, 1, &res, err);
   ps_rows_free(rows);
@@ -1301,11 +1333,14 @@ static void entry_to_msg(const rentry *e, Ps__ReplicaEntry *m) {
   } else if (e->kind == PS__REPLICA_ENTRY__KIND__REGISTER) {
     m->n_done_chunks = e->n_ids;
     m->done_chunks = e->ids;
+    m->n_held_leases = e->n_held;
+    m->held_leases = e->n_held ? e->held_p : NULL;
   }
   if (e->kind == PS__REPLICA_ENTRY__KIND__PUSH || e->kind == PS__REPLICA_ENTRY__KIND__LEASE)
     m->reply = (ProtobufCBinaryData){.len = e->reply_len, .data = e->reply};
   m->n_rows = e->n_rows;
   m->rows = e->n_rows ? (Ps__TableRows **)e->rows_p : NULL;
+  m->trained_examples = e->trained;
 }
 
 /* A replica's answer to a Replicate call of term `term` (mu held): a newer

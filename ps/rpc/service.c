@@ -286,8 +286,19 @@ static void handle_register(const request *q) {
   PS_INFO("worker %016" PRIx64 " registered (host %s, role %s, task %d, rank %d); %d live",
           new_id, r->host ? r->host : "?", r->role ? r->role : "?", r->task_index, rank,
           ps_membership_count(sv->members));
-  if (id != 0 && !q->reader && r->n_done_chunks > 0)
-    ps_update_note_redone(sv, new_id, r->done_chunks, r->n_done_chunks);
+  /* A worker registering again says what it did under the leases of an
+   * earlier life of shard 0 (at most PS_HELD_NAMED of its leases are read:
+   * it holds a few). */
+  ps_lease_held held[PS_HELD_NAMED];
+  size_t n_held = 0;
+  const int returning = id != 0 && !q->reader;
+  for (size_t i = 0; returning && i < r->n_held_leases && n_held < PS_HELD_NAMED; i++) {
+    const Ps__HeldLease *h = r->held_leases[i];
+    held[n_held++] = (ps_lease_held){
+        .lease_id = h->lease_id, .epoch = h->epoch, .chunk = h->chunk, .finished = h->finished};
+  }
+  if (returning && (r->n_done_chunks > 0 || n_held > 0))
+    ps_update_rejoin(sv, new_id, r->done_chunks, r->n_done_chunks, held, n_held, 0);
   resp.worker_id = new_id;
   resp.worker_rank = (uint32_t)rank;
   resp.session = (ProtobufCBinaryData){.len = PS_SESSION_LEN, .data = session};
@@ -296,14 +307,16 @@ static void handle_register(const request *q) {
     int reader = 0;
     ps_membership_authorize(sv->members, new_id, session, PS_SESSION_LEN, &reader);
     ps_update u = {.kind = PS_UPDATE_REGISTER,
-                           .worker = new_id,
-                           .host = r->host,
-                           .role = role,
-                           .task_index = r->task_index,
-                           .session = session,
-                           .reader = reader,
-                           .done_chunks = id != 0 && !q->reader ? r->done_chunks : NULL,
-                           .n_done = id != 0 && !q->reader ? r->n_done_chunks : 0};
+                   .worker = new_id,
+                   .host = r->host,
+                   .role = role,
+                   .task_index = r->task_index,
+                   .session = session,
+                   .reader = reader,
+                   .done_chunks = returning ? r->done_chunks : NULL,
+                   .n_done = returning ? r->n_done_chunks : 0,
+                   .held = held,
+                   .n_held = n_held};
     if (ps_replica_append(sv, &u, call, &resp.base, 0, 0) != PS_OK)
       rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "shard %d: out of memory", sv->index);
     ps_replica_unlock(sv);
@@ -678,6 +691,8 @@ static void handle_status(const request *q) {
       le[ne].examples_rehanded = e->examples_rehanded;
       le[ne].reclaims = e->reclaims;
       le[ne].examples_redone = e->examples_redone;
+      le[ne].examples_recovered = e->examples_recovered;
+      le[ne].examples_wasted = e->examples_wasted;
       lep[ne] = &le[ne];
       ne++;
     }
@@ -785,6 +800,7 @@ static void handle_lease(const request *q) {
                  .request_id = r->request_id,
                  .now_ms = ps_now_ms(),
                  .complete_lease = r->complete_lease,
+                 .trained = r->trained_examples,
                  .want_next = r->want_next,
                  .dataset_size = r->dataset_size};
   ps_update_result res = {.lease = PS__LEASE_RESPONSE__INIT};

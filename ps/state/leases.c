@@ -13,7 +13,7 @@
  * Besides its state, each chunk carries marks for the current epoch:
  * MARK_POOLED once it went to the pool (a later hand-out counts in
  * examples_rehanded), MARK_REDONE once a lost completion of it was counted
- * in examples_redone (ps_leases_note_redone counts a chunk once).
+ * in examples_redone (ps_leases_rejoin counts a chunk once).
  *
  * Leases live in a small array in grant order: a job has tens of workers
  * holding a few leases each, so linear scans cost less than an index.
@@ -501,28 +501,95 @@ int ps_leases_held(ps_leases *t, uint64_t worker, ps_lease *out, int max) {
   return n;
 }
 
-int ps_leases_note_redone(ps_leases *t, const uint64_t *done, size_t n, uint64_t *examples_out) {
-  if (examples_out) *examples_out = 0;
-  if (!t || (n && !done)) return PS_EINVAL;
+/* Chunk c of the current epoch, named by a worker of an earlier life, is
+ * free for it: not done and not leased to anyone (fresh, or in the pool). */
+static int chunk_free(const ps_leases *t, uint32_t c) {
+  return t->state[c] == CHUNK_FRESH || t->state[c] == CHUNK_POOLED;
+}
+
+/* Takes chunk c as done (a worker finished it under the earlier life). */
+static void accept_done(ps_leases *t, uint32_t c, int64_t now_ms, ps_lease_rejoin *out) {
+  uint32_t count = chunk_count(t, c);
+  t->cur.examples_recovered += count;
+  out->accepted++;
+  out->examples_accepted += count;
+  chunk_done(t, c, now_ms); /* last: it may begin the next epoch */
+}
+
+/* Chunk c, completed by a worker, went to another since: counted once. */
+static void count_redone(ps_leases *t, uint32_t c, ps_lease_rejoin *out) {
+  if (t->marks[c] & MARK_REDONE) return;
+  t->marks[c] |= MARK_REDONE;
+  uint32_t count = chunk_count(t, c);
+  t->cur.examples_redone += count;
+  out->redone++;
+  out->examples_redone += count;
+}
+
+/* Leases chunk c to the worker again under its earlier id. */
+static int adopt(ps_leases *t, uint64_t worker, uint64_t id, uint32_t c, int64_t now_ms) {
+  if (t->n_leases == t->cap_leases) {
+    int cap = t->cap_leases ? t->cap_leases * 2 : 16;
+    lease *grown = realloc(t->leases, (size_t)cap * sizeof *grown);
+    if (!grown) return PS_ENOMEM;
+    t->leases = grown;
+    t->cap_leases = cap;
+  }
+  lease *l = &t->leases[t->n_leases++];
+  l->id = id;
+  l->worker = worker;
+  l->chunk = c;
+  l->seen_ms = now_ms;
+  t->state[c] = CHUNK_LEASED; /* a pool entry of it is skipped when popped */
+  t->n_leased++;
+  t->granted_total++;
+  if (t->cur.start_ms < 0) t->cur.start_ms = now_ms;
+  t->cur.examples_handed_out += chunk_count(t, c);
+  return PS_OK;
+}
+
+int ps_leases_rejoin(ps_leases *t, uint64_t worker, const uint64_t *done, size_t n_done,
+                     const ps_lease_held *held, size_t n_held, int64_t now_ms,
+                     ps_lease_rejoin *out) {
+  ps_lease_rejoin none;
+  if (!out) out = &none;
+  memset(out, 0, sizeof *out);
+  if (!t || (n_done && !done) || (n_held && !held)) return PS_EINVAL;
   pthread_mutex_lock(&t->mu);
-  int counted = 0;
-  uint64_t examples = 0;
-  for (size_t i = 0; i < n && !t->finished; i++) {
-    uint64_t epoch = done[i] >> 32;
+  /* An epoch ends when its last chunk is done: what follows is of the old
+   * epoch, no longer current, and ignored. */
+  const uint32_t epoch = t->epoch;
+  for (size_t i = 0; i < n_done && !t->finished && t->epoch == epoch; i++) {
     uint32_t c = (uint32_t)done[i];
-    if (epoch != t->epoch || c >= t->n_chunks) continue;
-    /* A chunk that went through the pool is re-handed out: counted there.
-     * One that was counted before, from this worker or another: once. */
-    if (t->state[c] == CHUNK_DONE || (t->marks[c] & (MARK_REDONE | MARK_POOLED))) continue;
-    t->marks[c] |= MARK_REDONE;
-    uint32_t count = chunk_count(t, c);
-    t->cur.examples_redone += count;
-    examples += count;
-    counted++;
+    if (done[i] >> 32 != epoch || c >= t->n_chunks || t->state[c] == CHUNK_DONE) continue;
+    if (chunk_free(t, c))
+      accept_done(t, c, now_ms, out);
+    else
+      count_redone(t, c, out);
+  }
+  for (size_t i = 0; i < n_held && !t->finished && t->epoch == epoch; i++) {
+    const ps_lease_held *h = &held[i];
+    if (h->epoch != epoch || h->chunk >= t->n_chunks || h->lease_id == 0) continue;
+    /* A lease of this life is the table's to settle (at its completion). */
+    if (find_lease(t, h->lease_id) >= 0 || find_ended(t, h->lease_id)) continue;
+    if (!chunk_free(t, h->chunk)) continue; /* its completion will be refused: wasted */
+    if (h->finished) {
+      lease l = {.id = h->lease_id, .worker = worker, .chunk = h->chunk, .seen_ms = now_ms};
+      remember_ended(t, &l, ENDED_COMPLETED); /* its retried completion: counted once */
+      accept_done(t, h->chunk, now_ms, out);
+    } else if (adopt(t, worker, h->lease_id, h->chunk, now_ms) == PS_OK) {
+      out->adopted++;
+    }
   }
   pthread_mutex_unlock(&t->mu);
-  if (examples_out) *examples_out = examples;
-  return counted;
+  return PS_OK;
+}
+
+void ps_leases_note_wasted(ps_leases *t, uint64_t trained) {
+  if (!t || trained == 0) return;
+  pthread_mutex_lock(&t->mu);
+  t->cur.examples_wasted += trained;
+  pthread_mutex_unlock(&t->mu);
 }
 
 void ps_leases_stats(ps_leases *t, ps_lease_stats *out) {
@@ -590,17 +657,21 @@ int ps_leases_epoch_record(ps_leases *t, uint32_t epoch, ps_lease_epoch_record *
  * A record: u32 epoch, u32 finished, u32 chunks_completed, u32 chunks_once,
  * u64 examples_completed, u64 examples_handed_out, u64 examples_rehanded,
  * u64 reclaims, i64 start_ms, i64 end_ms, then (version 2) u64
- * examples_redone. Version 1 (without examples_redone and the redone flags)
- * still loads: nothing was redone then. */
+ * examples_redone, then (version 3) u64 examples_recovered, u64
+ * examples_wasted. Versions 1 (without examples_redone and the redone
+ * flags) and 2 still load: nothing was redone, recovered or wasted then. */
 
 static const uint8_t LEASE_MAGIC[8] = {'P', 'S', 'L', 'E', 'A', 'S', 'E', 0};
-#define LEASE_VERSION 2
+#define LEASE_VERSION 3
 #define HEAD_BYTES 80
 #define REC_BYTES_V1 64
-#define REC_BYTES 72
+#define REC_BYTES_V2 72
+#define REC_BYTES 88
 
 /* A record's bytes in a blob of that version. */
-static size_t rec_bytes(uint32_t version) { return version == 1 ? REC_BYTES_V1 : REC_BYTES; }
+static size_t rec_bytes(uint32_t version) {
+  return version == 1 ? REC_BYTES_V1 : version == 2 ? REC_BYTES_V2 : REC_BYTES;
+}
 
 /* The common little-endian helpers, advancing through the blob. */
 static uint8_t *put_u32(uint8_t *p, uint32_t v) {
@@ -631,7 +702,9 @@ static uint8_t *put_record(uint8_t *p, const ps_lease_epoch_record *r) {
   p = put_u64(p, r->reclaims);
   p = put_u64(p, (uint64_t)r->start_ms);
   p = put_u64(p, (uint64_t)r->end_ms);
-  return put_u64(p, r->examples_redone);
+  p = put_u64(p, r->examples_redone);
+  p = put_u64(p, r->examples_recovered);
+  return put_u64(p, r->examples_wasted);
 }
 
 static void get_record(const uint8_t **p, ps_lease_epoch_record *r, uint32_t n_chunks,
@@ -649,6 +722,8 @@ static void get_record(const uint8_t **p, ps_lease_epoch_record *r, uint32_t n_c
   r->start_ms = (int64_t)get_u64(p);
   r->end_ms = (int64_t)get_u64(p);
   r->examples_redone = version == 1 ? 0 : get_u64(p);
+  r->examples_recovered = version < 3 ? 0 : get_u64(p);
+  r->examples_wasted = version < 3 ? 0 : get_u64(p);
 }
 
 static size_t blob_bytes(uint32_t n_chunks, uint32_t n_history, uint32_t version) {
@@ -729,6 +804,10 @@ static int check_counts(const ps_leases *t, const ps_lease_epoch_record *r, cons
   if (r->examples_rehanded > r->examples_handed_out)
     return ps_seterr(err, PS_EINVAL,
                      "lease table blob: %s, epoch %u: more examples re-handed out than handed out",
+                     what, (unsigned)r->epoch);
+  if (r->examples_recovered > r->examples_completed)
+    return ps_seterr(err, PS_EINVAL,
+                     "lease table blob: %s, epoch %u: more examples recovered than completed",
                      what, (unsigned)r->epoch);
   /* Each chunk is counted redone once per epoch at most. */
   if (r->examples_redone > t->cfg.n_examples)

@@ -77,7 +77,15 @@ typedef struct {
   uint64_t reclaims;            /* leases taken back (release, expiry, restore) */
   uint64_t examples_redone;     /* of chunks whose completion a worker had been told was
                                    counted, lost with a restore from a checkpoint that did
-                                   not hold it: trained again (ps_leases_note_redone) */
+                                   not hold it, and leased to another worker by the time the
+                                   first named it: trained again (ps_leases_rejoin) */
+  uint64_t examples_recovered;  /* of examples_completed: chunks a worker finished under a
+                                   lease of the table's life before a restore, taken as done
+                                   when it registered again (ps_leases_rejoin) */
+  uint64_t examples_wasted;     /* examples workers trained under leases whose completion was
+                                   not counted (reclaimed and gone to another worker, or of a
+                                   life before a restore that could not be taken back):
+                                   trained again by another (ps_leases_note_wasted) */
   int64_t start_ms;             /* now_ms of the epoch's first acquire; -1: none yet */
   int64_t end_ms;               /* now_ms of its last completion; -1: not finished */
 } ps_lease_epoch_record;
@@ -165,32 +173,64 @@ void ps_leases_stats(ps_leases *t, ps_lease_stats *out);
 int ps_leases_epoch_record(ps_leases *t, uint32_t epoch, ps_lease_epoch_record *rec,
                            uint8_t *counts, uint32_t max);
 
-/* A worker registering again after this table was restored from a
- * checkpoint names the chunks whose completion it was told was counted
- * (done: n of them, each epoch << 32 | chunk). Those of the current epoch
- * that are not done in the table were lost with the restore and will be
- * trained again: each adds its example count to the current epoch's
- * examples_redone, at most once per chunk and epoch however many times or
- * workers name it (a flag per chunk, kept in checkpoints). Ignored: other
- * epochs, chunks out of range, done chunks, and chunks that went through
- * the pool of reclaimed chunks this epoch (those leased when the checkpoint
- * was taken among them): handing them out again counts them in
- * examples_rehanded already. Returns how many chunks it counted (PS_EINVAL
- * for a NULL t, or NULL done with n > 0); *examples_out (may be NULL): their
- * examples. */
-int ps_leases_note_redone(ps_leases *t, const uint64_t *done, size_t n, uint64_t *examples_out);
+/* A lease a worker holds, as it names it when it registers again: its id,
+ * epoch and chunk, and whether it has trained every example of it (its
+ * completion on the way). */
+typedef struct {
+  uint64_t lease_id;
+  uint32_t epoch, chunk;
+  int finished;
+} ps_lease_held;
+
+/* What ps_leases_rejoin did. */
+typedef struct {
+  int accepted;     /* chunks taken as done (examples_recovered) */
+  int adopted;      /* leases taken back as this worker's */
+  int redone;       /* chunks counted in examples_redone */
+  uint64_t examples_accepted, examples_redone;
+} ps_lease_rejoin;
+
+/* A worker registering again (typically after this table was restored
+ * from a checkpoint, which forgets what came after it) says what it did
+ * under the table's earlier life, so that no example it trained goes
+ * unrecorded:
+ *  - done (n_done, each epoch << 32 | chunk): chunks of the current epoch
+ *    whose completion it was told was counted;
+ *  - held (n_held): its leases not yet acknowledged done.
+ * A chunk of the current epoch that is neither done nor leased to another
+ * worker (fresh, or in the pool of reclaimed chunks) stays the worker's: a
+ * done one, or a held one it finished, is taken as done now (counted in
+ * examples_recovered, and a retried completion of that lease answered as
+ * counted); a held one it is still training is leased to it again under
+ * its id, so that its completion counts. A done chunk that went to
+ * another worker since is counted in examples_redone (once per chunk and
+ * epoch, whoever names it). Leases this life of the table knows (granted,
+ * or ended) are left to their completion; other epochs and ids out of
+ * range are ignored. Returns 0 (PS_EINVAL for a NULL t, or NULL arrays
+ * with counts); out (may be NULL) says what was done. */
+int ps_leases_rejoin(ps_leases *t, uint64_t worker, const uint64_t *done, size_t n_done,
+                     const ps_lease_held *held, size_t n_held, int64_t now_ms,
+                     ps_lease_rejoin *out);
+
+/* A worker finished a lease whose completion was not counted (PS_LEASE_ELOST,
+ * PS_ENOTFOUND, PS_ESTATE): the `trained` examples it trained of it are
+ * trained again by another worker, or were already: they join the current
+ * epoch's examples_wasted. */
+void ps_leases_note_wasted(ps_leases *t, uint64_t trained);
 
 /* Serializes the whole state for a checkpoint into a malloc'd buffer (free
  * with free()). Outstanding leases are written as chunks back in the pool:
- * their holders re-register after a restore. PS_ENOMEM leaves *buf and *len
+ * their holders re-register after a restore and take them back
+ * (ps_leases_rejoin). PS_ENOMEM leaves *buf and *len
  * untouched. */
 int ps_leases_save(const ps_leases *t, void **buf, size_t *len);
 
 /* A table from a blob of ps_leases_save. Every field is checked: a
  * truncated, corrupt or newer-version blob gives NULL and a message in err,
  * never a crash. Leases outstanding at save time come back in the pool,
- * counted as reclaims. A blob of the previous version (before
- * examples_redone) loads too, with no examples redone. */
+ * counted as reclaims. Blobs of the previous versions (before
+ * examples_redone, before examples_recovered and examples_wasted) load
+ * too, with nothing redone, recovered or wasted. */
 ps_leases *ps_leases_load(const void *buf, size_t len, char *err);
 
 /* Replaces t's whole state by a blob's (as ps_leases_load reads it), in

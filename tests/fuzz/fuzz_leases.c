@@ -3,7 +3,7 @@
  * shard. Two modes, by the first byte:
  *  - even: the rest of the input is the blob itself;
  *  - odd: the input drives a real table (its configuration, then acquire,
- *    complete, release, expire and note_redone calls by several workers), whose saved
+ *    complete, release, expire and rejoin calls by several workers), whose saved
  *    blob must load back and save again; then one byte of it,
  *    chosen by the input, is changed, and the changed blob must be loaded
  *    or refused with a message. Near-valid blobs reach the deep checks. */
@@ -63,12 +63,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
       case 1: (void)ps_leases_complete(t, w, held[w - 1], now); break;
       case 2: (void)ps_leases_release_worker(t, w); break;
       case 3: (void)ps_leases_expire(t, now, 500); break;
-      case 4: { /* a worker registering again names chunks it completed */
+      case 4: { /* a worker registering again names chunks it completed and leases it holds */
         ps_lease_stats st;
         ps_leases_stats(t, &st);
         uint64_t named[2] = {(uint64_t)st.epoch << 32 | fuzz_take(&data, &size, 2),
                              fuzz_take(&data, &size, 8)};
-        (void)ps_leases_note_redone(t, named, 2, NULL);
+        ps_lease_held h = {.lease_id = fuzz_take(&data, &size, 8),
+                           .epoch = st.epoch,
+                           .chunk = (uint32_t)fuzz_take(&data, &size, 2),
+                           .finished = (int)(fuzz_take(&data, &size, 1) & 1)};
+        (void)ps_leases_rejoin(t, w, named, 2, &h, 1, now, NULL);
+        ps_leases_note_wasted(t, fuzz_take(&data, &size, 1));
         break;
       }
     }

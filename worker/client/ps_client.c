@@ -77,10 +77,15 @@ struct ps_client {
   uint64_t lease_request;  /* the id of the last Lease call (under lease_mu) */
   int lease_unanswered;    /* it ended without an answer: a retry reuses its id */
   uint64_t lease_args[2];  /* its complete_id and want_next */
+  /* Leases granted, not yet answered done (under done_mu): a shard 0
+   * restarted from a checkpoint hears of them when this worker registers
+   * again, and takes back those nobody else holds; finishing: its
+   * completion was sent, unanswered. */
   struct {
     uint64_t id;
-    uint32_t epoch, chunk;
-  } grants[GRANTS_KEPT];   /* leases granted, not yet answered done (under lease_mu) */
+    uint32_t epoch, chunk, count;
+    int finishing;
+  } grants[GRANTS_KEPT];
   int n_grants;
   /* The chunks of lease epoch done_epoch whose completion shard 0
    * acknowledged, epoch << 32 | chunk, a ring of DONE_KEPT (allocated at
@@ -281,6 +286,29 @@ static int failover(ps_client *c, int s, int rep, int st, const char *detail, fa
   return 1;
 }
 
+/* The leases granted and not answered done, as a Register names them: a
+ * malloc'd block of n messages then their pointers (*ptrs), which the
+ * caller frees (NULL when there are none, or out of memory: they are a
+ * record's, not training's). */
+static Ps__HeldLease *held_copy(ps_client *c, Ps__HeldLease ***ptrs, size_t *n) {
+  pthread_mutex_lock(&c->done_mu);
+  size_t k = (size_t)c->n_grants;
+  Ps__HeldLease *m = k ? malloc(k * (sizeof *m + sizeof(Ps__HeldLease *))) : NULL;
+  Ps__HeldLease **p = m ? (Ps__HeldLease **)(void *)(m + k) : NULL;
+  *n = m ? k : 0;
+  for (size_t i = 0; i < *n; i++) {
+    ps__held_lease__init(&m[i]);
+    m[i].lease_id = c->grants[i].id;
+    m[i].epoch = c->grants[i].epoch;
+    m[i].chunk = c->grants[i].chunk;
+    m[i].finished = c->grants[i].finishing;
+    p[i] = &m[i];
+  }
+  pthread_mutex_unlock(&c->done_mu);
+  *ptrs = p;
+  return m;
+}
+
 /* A copy of the acknowledged completions, oldest first, in a malloc'd
  * array (NULL when there are none, or out of memory: they are a record's,
  * not training's). */
@@ -309,9 +337,11 @@ static int register_with(ps_client *c, rpc_queue *q, int s, int timeout_ms, int 
   req.role = c->role;
   req.task_index = c->opts.task_index;
   uint64_t *done = NULL;
+  Ps__HeldLease *held = NULL;
   if (again && s == 0) {
     done = done_copy(c, &req.n_done_chunks);
     req.done_chunks = done;
+    held = held_copy(c, &req.held_leases, &req.n_held_leases);
   }
   ProtobufCMessage *resp_m = NULL;
   char detail[PS_ERRLEN] = "";
@@ -325,6 +355,7 @@ static int register_with(ps_client *c, rpc_queue *q, int s, int timeout_ms, int 
                     ready_wait(c, wait_ready), detail);
   } while (failover(c, s, rep, st, detail, &fc, window_ms));
   free(done);
+  free(held);
   if (st != RPC_OK)
     /* ALREADY_EXISTS: the shard still holds a registration of this id
      * whose answer was lost; it times out, and a retry then succeeds. */
@@ -1475,39 +1506,59 @@ int ps_client_heartbeat(ps_client *c, uint64_t step, const ps_client_hb_state *s
   return rc;
 }
 
-/* Lease id of a grant: its epoch and chunk, for when its completion is
- * answered. A grant of another epoch than the kept completions' starts
- * them anew: the epoch before is done (or, after a restore to an earlier
- * epoch, begins again). Under lease_mu. */
-static void lease_granted(ps_client *c, uint64_t id, uint32_t epoch, uint32_t chunk) {
+/* Lease id of a grant: its epoch, chunk and examples, for when its
+ * completion is answered, and for a Register after a restart of shard 0. A
+ * grant of another epoch than the kept completions' starts them anew: the
+ * epoch before is done (or, after a restore to an earlier epoch, begins
+ * again). Under lease_mu. */
+static void lease_granted(ps_client *c, uint64_t id, uint32_t epoch, uint32_t chunk,
+                          uint32_t count) {
   pthread_mutex_lock(&c->done_mu);
   if (c->done_epoch != (int64_t)epoch) {
     c->done_head = c->done_n = 0;
     c->done_epoch = epoch;
   }
-  pthread_mutex_unlock(&c->done_mu);
-  for (int i = 0; i < c->n_grants; i++)
-    if (c->grants[i].id == id) return; /* the answer to a retry */
-  if (c->n_grants == GRANTS_KEPT) {
-    memmove(&c->grants[0], &c->grants[1], (GRANTS_KEPT - 1) * sizeof c->grants[0]);
-    c->n_grants--;
+  int known = 0;
+  for (int i = 0; i < c->n_grants && !known; i++) known = c->grants[i].id == id; /* a retry */
+  if (!known) {
+    if (c->n_grants == GRANTS_KEPT) {
+      memmove(&c->grants[0], &c->grants[1], (GRANTS_KEPT - 1) * sizeof c->grants[0]);
+      c->n_grants--;
+    }
+    c->grants[c->n_grants].id = id;
+    c->grants[c->n_grants].epoch = epoch;
+    c->grants[c->n_grants].chunk = chunk;
+    c->grants[c->n_grants].count = count;
+    c->grants[c->n_grants].finishing = 0;
+    c->n_grants++;
   }
-  c->grants[c->n_grants].id = id;
-  c->grants[c->n_grants].epoch = epoch;
-  c->grants[c->n_grants].chunk = chunk;
-  c->n_grants++;
+  pthread_mutex_unlock(&c->done_mu);
+}
+
+/* The completion of lease id is being sent: its examples, all trained
+ * (0 for a lease this client was not granted). Under lease_mu. */
+static uint32_t lease_finishing(ps_client *c, uint64_t id) {
+  uint32_t count = 0;
+  pthread_mutex_lock(&c->done_mu);
+  for (int i = 0; i < c->n_grants; i++)
+    if (c->grants[i].id == id) {
+      c->grants[i].finishing = 1;
+      count = c->grants[i].count;
+    }
+  pthread_mutex_unlock(&c->done_mu);
+  return count;
 }
 
 /* Shard 0 answered the completion of lease id: a counted one is kept (of
  * the current epoch), and the lease is forgotten. Under lease_mu. */
 static void lease_completed(ps_client *c, uint64_t id, int counted) {
+  pthread_mutex_lock(&c->done_mu);
   for (int i = 0; i < c->n_grants; i++) {
     if (c->grants[i].id != id) continue;
     uint32_t epoch = c->grants[i].epoch, chunk = c->grants[i].chunk;
     memmove(&c->grants[i], &c->grants[i + 1], (size_t)(c->n_grants - i - 1) * sizeof c->grants[0]);
     c->n_grants--;
-    if (!counted) return;
-    pthread_mutex_lock(&c->done_mu);
+    if (!counted) break;
     if (!c->done) c->done = malloc(DONE_KEPT * sizeof *c->done);
     if (c->done && c->done_epoch == (int64_t)epoch) {
       if (c->done_n == DONE_KEPT) { /* the oldest goes */
@@ -1517,9 +1568,9 @@ static void lease_completed(ps_client *c, uint64_t id, int counted) {
       c->done[(c->done_head + c->done_n) % DONE_KEPT] = (uint64_t)epoch << 32 | chunk;
       c->done_n++;
     }
-    pthread_mutex_unlock(&c->done_mu);
-    return;
+    break;
   }
+  pthread_mutex_unlock(&c->done_mu);
 }
 
 int ps_client_lease_call(ps_client *c, uint64_t complete_id, int want_next,
@@ -1539,6 +1590,7 @@ int ps_client_lease_call(ps_client *c, uint64_t complete_id, int want_next,
     Ps__LeaseRequest req = PS__LEASE_REQUEST__INIT;
     req.header = &h;
     req.complete_lease = complete_id;
+    if (complete_id) req.trained_examples = lease_finishing(c, complete_id);
     req.want_next = want_next != 0;
     req.dataset_size = dataset_size;
     /* The same request again after no answer (a retry of what the shard
@@ -1567,7 +1619,8 @@ int ps_client_lease_call(ps_client *c, uint64_t complete_id, int want_next,
       out->count = r->count;
       out->completed_counted = r->completed_counted;
       if (complete_id) lease_completed(c, complete_id, r->completed_counted);
-      if (r->status == 0 && r->lease_id) lease_granted(c, r->lease_id, r->epoch, r->chunk);
+      if (r->status == 0 && r->lease_id)
+        lease_granted(c, r->lease_id, r->epoch, r->chunk, r->count);
       protobuf_c_message_free_unpacked(m, NULL);
       rc = PS_OK;
       break;
