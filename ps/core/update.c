@@ -89,11 +89,17 @@ static int lease_step(ps_server *sv, uint64_t wid, uint64_t dataset_size, uint64
                       int quiet, char *err) {
   pthread_mutex_lock(&sv->lease_mu);
   if (!sv->leases && dataset_size > 0) {
+    /* The first lease id from the call's clock (the primary's, which a
+     * replicated shard 0's backups replay): every replica hands out the
+     * same ids, and a worker's lease is known to the replica that takes
+     * over. Seconds in the high half, as a table restored later starts. */
+    const uint64_t first = now > 0 ? (uint64_t)(now / 1000) << 32 : 1;
     ps_lease_config cfg = {.n_examples = dataset_size,
                            .chunk_size = (uint32_t)sv->job.lease_chunk,
                            .epochs = (uint32_t)sv->job.epochs,
                            .seed = sv->job.seed,
-                           .max_per_worker = 2};
+                           .max_per_worker = 2,
+                           .first_id = first};
     char why[PS_ERRLEN];
     sv->leases = ps_leases_create(&cfg, why);
     if (!sv->leases) {

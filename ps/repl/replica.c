@@ -1024,15 +1024,15 @@ static int snap_take(ps_replica *rp, snap_buf *b) {
   b->snap.n_workers = (size_t)b->n_ms;
   b->snap.workers = b->wp;
   b->snap.next_rank = next_rank;
-  /* Shard 0's lease table, as a checkpoint keeps it (leases held go back
-   * to the pool): this table takes that form too, so both are the same. */
+  /* Shard 0's lease table whole, its outstanding leases, pool and next id
+   * included: the replica takes it as it is (ps_leases_replace), so that it
+   * hands out what this primary does and knows the leases the workers
+   * hold if it takes over. */
   pthread_mutex_lock(&sv->lease_mu);
   ps_leases *t = sv->leases;
   pthread_mutex_unlock(&sv->lease_mu);
   if (t) {
-    char err[PS_ERRLEN];
-    if (ps_leases_save(t, &b->leases, &b->leases_len) != PS_OK ||
-        ps_leases_replace(t, b->leases, b->leases_len, err) != PS_OK) {
+    if (ps_leases_save(t, &b->leases, &b->leases_len) != PS_OK) {
       snap_free(b);
       return PS_ENOMEM;
     }
@@ -1129,7 +1129,7 @@ static int snap_install(ps_replica *rp, const Ps__ReplicaSnapshot *s, char *err)
     ps_leases *t = sv->leases;
     pthread_mutex_unlock(&sv->lease_mu);
     if (t ? ps_leases_replace(t, s->leases.data, s->leases.len, err) != PS_OK
-          : (fresh_table = ps_leases_load(s->leases.data, s->leases.len, err)) == NULL)
+          : (fresh_table = ps_leases_load_copy(s->leases.data, s->leases.len, err)) == NULL)
       ok = -2;
   }
   if (ok == 1) {
@@ -1398,8 +1398,8 @@ static void *sender_main(void *arg) {
     int probe = p->need_snapshot && !p->answering;
     if (probe) {
       /* A replica that does not answer gets no snapshot (taking one costs
-       * a copy of the state, and reclaims shard 0's leases): a probe at
-       * this position first, whose answer says whether it needs one. */
+       * a copy of the state): a probe at this position first, whose
+       * answer says whether it needs one. */
       prev = rp->pos;
     } else if (p->need_snapshot) {
       if (snap_take(rp, &sb) != PS_OK) {

@@ -186,7 +186,7 @@ ps_leases *ps_leases_create(const ps_lease_config *cfg, char *err) {
   if (check_config(cfg, &n_chunks, err) != PS_OK) return NULL;
   ps_leases *t = table_alloc(cfg, n_chunks, err);
   if (!t) return NULL;
-  t->next_id = first_id(0);
+  t->next_id = cfg->first_id ? cfg->first_id : first_id(0);
   epoch_begin(t);
   return t;
 }
@@ -199,8 +199,10 @@ void ps_leases_destroy(ps_leases *t) {
   free(t);
 }
 
+static ps_leases *load_blob(const void *buf, size_t len, int same_ids, char *err);
+
 int ps_leases_replace(ps_leases *t, const void *buf, size_t len, char *err) {
-  ps_leases *n = ps_leases_load(buf, len, err);
+  ps_leases *n = load_blob(buf, len, 1, err);
   if (!n) return PS_EINVAL;
   /* Everything but the lock changes hands: callers holding t keep a valid
    * table, now the blob's. */
@@ -652,6 +654,12 @@ int ps_leases_epoch_record(ps_leases *t, uint32_t epoch, ps_lease_epoch_record *
  *  then u8 state[n_chunks] (CHUNK_*, by chunk id), u8 counts[n_chunks]
  *  then (version 2) u8 redone[n_chunks]: 1 where the chunk's lost completion
  *       was counted in the current epoch's examples_redone, else 0
+ *  then (version 3) u32 n_leases, and the outstanding leases in grant order,
+ *       each u64 id, u64 worker, u32 chunk, i64 seen_ms (28 bytes), then u32
+ *       pool_len and the pool's chunks in the order they are handed out: a
+ *       restore puts the leased chunks back in the pool (a new life); a
+ *       replica's copy of its primary's table keeps both (ps_leases_replace),
+ *       so that it hands out what its primary does
  *  then u32 CRC-32C of every byte before it.
  *
  * A record: u32 epoch, u32 finished, u32 chunks_completed, u32 chunks_once,
@@ -726,10 +734,19 @@ static void get_record(const uint8_t **p, ps_lease_epoch_record *r, uint32_t n_c
   r->examples_wasted = version < 3 ? 0 : get_u64(p);
 }
 
-static size_t blob_bytes(uint32_t n_chunks, uint32_t n_history, uint32_t version) {
+#define LEASE_BYTES 28
+
+/* The bytes before the outstanding leases (version 3) or the checksum. */
+static size_t fixed_bytes(uint32_t n_chunks, uint32_t n_history, uint32_t version) {
   size_t rec = rec_bytes(version);
   return HEAD_BYTES + rec + (size_t)n_history * (rec + n_chunks) +
-         (version == 1 ? 2 : 3) * (size_t)n_chunks + 4;
+         (version == 1 ? 2 : 3) * (size_t)n_chunks;
+}
+
+static size_t blob_bytes(uint32_t n_chunks, uint32_t n_history, uint32_t version,
+                         uint32_t n_leases, uint32_t pool_len) {
+  return fixed_bytes(n_chunks, n_history, version) +
+         (version >= 3 ? 8 + (size_t)n_leases * LEASE_BYTES + 4 * (size_t)pool_len : 0) + 4;
 }
 
 int ps_leases_save(const ps_leases *t, void **buf, size_t *len) {
@@ -738,7 +755,8 @@ int ps_leases_save(const ps_leases *t, void **buf, size_t *len) {
   ps_leases *mt = (ps_leases *)t;
   pthread_mutex_lock(&mt->mu);
   size_t n = t->n_chunks;
-  size_t total = blob_bytes(t->n_chunks, (uint32_t)t->n_history, LEASE_VERSION);
+  size_t total = blob_bytes(t->n_chunks, (uint32_t)t->n_history, LEASE_VERSION,
+                            (uint32_t)t->n_leases, t->pool_len);
   uint8_t *b = malloc(total);
   if (!b) {
     pthread_mutex_unlock(&mt->mu);
@@ -770,6 +788,16 @@ int ps_leases_save(const ps_leases *t, void **buf, size_t *len) {
   p += n;
   for (size_t k = 0; k < n; k++) p[k] = (t->marks[k] & MARK_REDONE) != 0;
   p += n;
+  p = put_u32(p, (uint32_t)t->n_leases);
+  for (int i = 0; i < t->n_leases; i++) {
+    p = put_u64(p, t->leases[i].id);
+    p = put_u64(p, t->leases[i].worker);
+    p = put_u32(p, t->leases[i].chunk);
+    p = put_u64(p, (uint64_t)t->leases[i].seen_ms);
+  }
+  p = put_u32(p, t->pool_len);
+  for (uint32_t i = 0; i < t->pool_len; i++)
+    p = put_u32(p, t->pool[(t->pool_head + i) % t->n_chunks]);
   put_u32(p, ps_crc32c(0, b, (size_t)(p - b)));
   pthread_mutex_unlock(&mt->mu);
   *buf = b;
@@ -886,6 +914,79 @@ static int check_loaded(const ps_leases *t, const uint8_t *saved_state,
 }
 
 ps_leases *ps_leases_load(const void *buf, size_t len, char *err) {
+  return load_blob(buf, len, 0, err);
+}
+
+ps_leases *ps_leases_load_copy(const void *buf, size_t len, char *err) {
+  return load_blob(buf, len, 1, err);
+}
+
+/* The outstanding leases of a version 3 blob (n, at *p): each on a chunk
+ * the blob says is leased, every leased chunk held once, no id twice. A
+ * replica's copy (keep) holds them as its primary does; a new life only
+ * checks them (their chunks go back in the pool). */
+static int load_leases(ps_leases *t, const uint8_t **p, uint32_t n, const uint8_t *saved_state,
+                       int keep, char *err) {
+  uint32_t leased = 0;
+  for (uint32_t k = 0; k < t->n_chunks; k++) leased += saved_state[k] == CHUNK_LEASED;
+  if (n != leased)
+    return ps_seterr(err, PS_EINVAL, "lease table blob: %u outstanding leases, %u chunks leased",
+                     (unsigned)n, (unsigned)leased);
+  if (n && !(t->leases = malloc((size_t)n * sizeof *t->leases)))
+    return ps_seterr(err, PS_ENOMEM, "lease table blob: out of memory for %u leases", (unsigned)n);
+  t->cap_leases = (int)n;
+  for (uint32_t i = 0; i < n; i++) {
+    lease l;
+    l.id = get_u64(p);
+    l.worker = get_u64(p);
+    l.chunk = get_u32(p);
+    l.seen_ms = (int64_t)get_u64(p);
+    if (l.chunk >= t->n_chunks || saved_state[l.chunk] != CHUNK_LEASED || l.id == 0)
+      return ps_seterr(err, PS_EINVAL, "lease table blob: lease %u on chunk %u, not a leased one",
+                       (unsigned)i, (unsigned)l.chunk);
+    for (uint32_t j = 0; j < i; j++)
+      if (t->leases[j].chunk == l.chunk || t->leases[j].id == l.id)
+        return ps_seterr(err, PS_EINVAL, "lease table blob: two leases of chunk %u or id %llu",
+                         (unsigned)l.chunk, (unsigned long long)l.id);
+    t->leases[i] = l;
+  }
+  if (keep) {
+    t->n_leases = (int)n;
+    t->n_leased = n;
+  }
+  return PS_OK;
+}
+
+/* The pool of a version 3 blob (at p: u32 pool_len, then its chunks) in
+ * its order: each a chunk in the pool (or done since it went there, which
+ * popping skips), and every chunk in the pool in it, so that the epoch can
+ * end. */
+static int load_pool(ps_leases *t, const uint8_t *p, char *err) {
+  uint32_t n = get_u32(&p), pooled = 0;
+  for (uint32_t k = 0; k < t->n_chunks; k++) pooled += t->state[k] == CHUNK_POOLED;
+  for (uint32_t i = 0; i < n; i++) {
+    uint32_t c = get_u32(&p);
+    if (c >= t->n_chunks || (t->state[c] != CHUNK_POOLED && t->state[c] != CHUNK_DONE))
+      return ps_seterr(err, PS_EINVAL, "lease table blob: chunk %u in the pool, not a pooled one",
+                       (unsigned)c);
+    if (t->state[c] == CHUNK_POOLED) {
+      pooled--; /* each once: a second entry of it counts below zero */
+      if (pooled == UINT32_MAX)
+        return ps_seterr(err, PS_EINVAL, "lease table blob: chunk %u twice in the pool",
+                         (unsigned)c);
+    }
+    pool_push(t, c);
+  }
+  if (pooled)
+    return ps_seterr(err, PS_EINVAL, "lease table blob: %u pooled chunks not in the pool",
+                     (unsigned)pooled);
+  return PS_OK;
+}
+
+/* same_ids: the blob's next lease id goes on (a replica's copy of its
+ * primary's table); else ids start past it and past the wall clock's (a
+ * new life after a restore). */
+static ps_leases *load_blob(const void *buf, size_t len, int same_ids, char *err) {
   const uint8_t *b = buf;
   if (!b || len < HEAD_BYTES + REC_BYTES_V1 + 4) {
     ps_seterr(err, PS_EINVAL, "lease table blob: %zu bytes, shorter than any table", b ? len : 0);
@@ -929,7 +1030,29 @@ ps_leases *ps_leases_load(const void *buf, size_t len, char *err) {
               (unsigned)n_history, PS_LEASE_HISTORY);
     return NULL;
   }
-  size_t want = blob_bytes(n_chunks, n_history, version);
+  /* Version 3: the number of outstanding leases follows the fixed part. */
+  uint32_t n_leases = 0, pool_len = 0;
+  size_t fixed = fixed_bytes(n_chunks, n_history, version);
+  if (version >= 3 && len >= fixed + 4) {
+    const uint8_t *nl = b + fixed;
+    n_leases = get_u32(&nl);
+    if (n_leases > n_chunks) {
+      ps_seterr(err, PS_EINVAL, "lease table blob: %u outstanding leases of %u chunks",
+                (unsigned)n_leases, (unsigned)n_chunks);
+      return NULL;
+    }
+    size_t at = fixed + 4 + (size_t)n_leases * LEASE_BYTES;
+    if (len >= at + 4) {
+      const uint8_t *pl = b + at;
+      pool_len = get_u32(&pl);
+      if (pool_len > n_chunks) {
+        ps_seterr(err, PS_EINVAL, "lease table blob: a pool of %u of %u chunks",
+                  (unsigned)pool_len, (unsigned)n_chunks);
+        return NULL;
+      }
+    }
+  }
+  size_t want = blob_bytes(n_chunks, n_history, version, n_leases, pool_len);
   if (len != want) {
     ps_seterr(err, PS_EINVAL, "lease table blob: %zu bytes, %zu expected for %u chunks (%s)", len,
               want, (unsigned)n_chunks, len < want ? "truncated" : "trailing bytes");
@@ -976,6 +1099,13 @@ ps_leases *ps_leases_load(const void *buf, size_t len, char *err) {
     ps_leases_destroy(t);
     return NULL;
   }
+  if (version >= 3) {
+    p = b + fixed + 4;
+    if (load_leases(t, &p, n_leases, saved_state, same_ids, err) != PS_OK) {
+      ps_leases_destroy(t);
+      return NULL;
+    }
+  }
 
   /* The permutation from the seed; chunks in use go to the pool, leased
    * ones counted as reclaimed (their holders re-register and start anew). */
@@ -989,6 +1119,12 @@ ps_leases *ps_leases_load(const void *buf, size_t len, char *err) {
   for (uint32_t i = 0; i < n_chunks; i++) {
     uint32_t k = t->order[i];
     uint8_t s = saved_state[k];
+    if (s == CHUNK_LEASED && same_ids && version >= 3) {
+      /* A replica's copy: its leases are the primary's (load_leases). */
+      t->marks[k] = saved_redone && saved_redone[k] ? MARK_REDONE : 0;
+      t->state[k] = CHUNK_LEASED;
+      continue;
+    }
     if (s == CHUNK_LEASED) {
       t->cur.reclaims++;
       t->reclaims_total++;
@@ -999,11 +1135,16 @@ ps_leases *ps_leases_load(const void *buf, size_t len, char *err) {
     if (s == CHUNK_LEASED || s == CHUNK_POOLED) {
       s = CHUNK_POOLED;
       t->marks[k] |= MARK_POOLED;
-      pool_push(t, k);
+      if (!(same_ids && version >= 3)) pool_push(t, k); /* else in the primary's order, below */
     }
     t->state[k] = s;
     t->n_done += s == CHUNK_DONE;
   }
-  t->next_id = first_id(next_id);
+  if (same_ids && version >= 3 && load_pool(t, b + fixed + 4 + (size_t)n_leases * LEASE_BYTES,
+                                            err) != PS_OK) {
+    ps_leases_destroy(t);
+    return NULL;
+  }
+  t->next_id = same_ids ? next_id : first_id(next_id);
   return t;
 }

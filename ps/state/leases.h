@@ -50,6 +50,9 @@ typedef struct {
   uint32_t epochs;         /* E: epochs to hand out; 0 = unbounded */
   uint64_t seed;           /* the permutation of epoch e is seeded by (seed, e) */
   uint32_t max_per_worker; /* leases one worker may hold at once (prefetch), >= 1 */
+  uint64_t first_id;       /* the first lease id (0: from the wall clock): a replicated
+                              shard 0's replicas make their tables with the primary's, so
+                              that they hand out the same ids */
 } ps_lease_config;
 
 /* One lease, as acquire hands it out. */
@@ -233,9 +236,14 @@ int ps_leases_save(const ps_leases *t, void **buf, size_t *len);
  * too, with nothing redone, recovered or wasted. */
 ps_leases *ps_leases_load(const void *buf, size_t len, char *err);
 
-/* Replaces t's whole state by a blob's (as ps_leases_load reads it), in
- * place: a replica of shard 0 taking its primary's table. PS_EINVAL with a
- * message (t unchanged) for a bad blob, or no memory. */
+/* Replaces t's whole state by a blob's, in place: a replica of shard 0
+ * taking its primary's table. Unlike ps_leases_load (a new life, whose ids
+ * must not meet the old ones), it goes on with the blob's next lease id, so
+ * that it hands out the ids its primary does. PS_EINVAL with a message (t
+ * unchanged) for a bad blob, or no memory. */
 int ps_leases_replace(ps_leases *t, const void *buf, size_t len, char *err);
+/* A new table that is a blob's copy, as ps_leases_replace makes it (a
+ * replica of shard 0 that has no table yet). NULL with a message. */
+ps_leases *ps_leases_load_copy(const void *buf, size_t len, char *err);
 
 #endif

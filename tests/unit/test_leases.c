@@ -624,7 +624,8 @@ static void test_load_corrupt(void) {
   ps_leases_destroy(t);
   if (!b) return;
   enum { K = 10, HIST = 2, REC = 88 };
-  CHECK(len == 80 + REC + HIST * (REC + K) + 3 * K + 4);
+  /* ... then 1 outstanding lease (28 bytes) and an empty pool */
+  CHECK(len == 80 + REC + HIST * (REC + K) + 3 * K + 4 + 28 + 4 + 4);
 
   CHECK(ps_leases_load(NULL, 0, NULL) == NULL);
   CHECK(load_fails(b, 0, "shorter"));
@@ -951,11 +952,16 @@ static size_t to_older(const uint8_t *b, size_t len, uint8_t *out, int version) 
     p += n_chunks;
     q += n_chunks;
   }
-  /* state, counts, and (version 2) the redone flags */
+  /* state, counts, and (version 2) the redone flags; not the leases and
+   * the pool that follow them */
   const size_t tail = (version == 1 ? 2 : 3) * (size_t)n_chunks;
   memcpy(q, p, tail);
   q += tail;
-  CHECK(p + 3 * (size_t)n_chunks + 4 == b + len);
+  const uint8_t *nl = p + 3 * (size_t)n_chunks;
+  uint32_t n_leases = (uint32_t)nl[0] | (uint32_t)nl[1] << 8;
+  const uint8_t *pl = nl + 4 + 28 * (size_t)n_leases;
+  uint32_t pool_len = (uint32_t)pl[0] | (uint32_t)pl[1] << 8;
+  CHECK(pl + 4 + 4 * (size_t)pool_len + 4 == b + len);
   size_t n = (size_t)(q - out) + 4;
   fix_crc(out, n);
   return n;
@@ -1009,7 +1015,11 @@ static void test_load_version1(void) {
      * version 2 blob. */
     uint8_t *b2 = NULL;
     size_t len2 = 0;
-    CHECK(ps_leases_save(old, (void **)&b2, &len2) == PS_OK && len2 == len && b2 && b2[8] == 3);
+    uint8_t *b3 = NULL;
+    size_t len3 = 0;
+    CHECK(ps_leases_save(old, (void **)&b2, &len2) == PS_OK && b2 && b2[8] == 3);
+    CHECK(ps_leases_save(now, (void **)&b3, &len3) == PS_OK && len2 == len3);
+    free(b3);
     free(b2);
     ps_lease m;
     CHECK(ps_leases_acquire(old, 4, 30, &m) == PS_OK && ps_leases_acquire(now, 4, 30, &m) == PS_OK);
@@ -1379,7 +1389,8 @@ static void test_replace(void) {
   ps_lease l;
   CHECK(ps_leases_acquire(a, 1, 0, &l) == PS_OK);
   CHECK(ps_leases_complete(a, 1, l.lease_id, 1) == PS_OK);
-  CHECK(ps_leases_acquire(a, 2, 2, &l) == PS_OK); /* outstanding */
+  ps_lease out2;
+  CHECK(ps_leases_acquire(a, 2, 2, &out2) == PS_OK); /* outstanding */
   CHECK(ps_leases_acquire(b, 3, 0, &l) == PS_OK);
   void *blob = NULL, *got = NULL, *want = NULL, *before = NULL, *after = NULL;
   size_t blob_len = 0, got_len = 0, want_len = 0, before_len = 0, after_len = 0;
@@ -1393,17 +1404,28 @@ static void test_replace(void) {
   CHECK(after_len == before_len && memcmp(after, before, after_len) == 0);
   ((uint8_t *)blob)[blob_len / 2] ^= 1;
   CHECK(ps_leases_replace(b, blob, blob_len, err) == PS_OK);
-  ps_leases *c = ps_leases_load(blob, blob_len, err);
-  CHECK(c != NULL);
-  CHECK(ps_leases_save(b, &got, &got_len) == PS_OK && ps_leases_save(c, &want, &want_len) == PS_OK);
+  /* A replica's copy is its primary's table, outstanding lease, pool and
+   * next id included: saved, the same bytes. */
+  CHECK(ps_leases_save(b, &got, &got_len) == PS_OK && ps_leases_save(a, &want, &want_len) == PS_OK);
   CHECK(got_len == want_len && memcmp(got, want, got_len) == 0);
   ps_lease_stats st;
   ps_leases_stats(b, &st);
-  CHECK(st.config.seed == 7 && st.current.chunks_completed == 1);
-  /* The replaced table goes on as the loaded one does. */
-  ps_lease lb, lc;
-  CHECK(ps_leases_acquire(b, 4, 5, &lb) == PS_OK && ps_leases_acquire(c, 4, 5, &lc) == PS_OK);
-  CHECK(lb.chunk == lc.chunk && lb.lease_id == lc.lease_id);
+  CHECK(st.config.seed == 7 && st.current.chunks_completed == 1 && st.chunks_leased == 1);
+  /* It goes on as the primary does: the same grants, and the outstanding
+   * lease's completion counts. */
+  ps_lease lb, la;
+  CHECK(ps_leases_acquire(b, 4, 5, &lb) == PS_OK && ps_leases_acquire(a, 4, 5, &la) == PS_OK);
+  CHECK(lb.chunk == la.chunk && lb.lease_id == la.lease_id);
+  CHECK(ps_leases_complete(b, 2, out2.lease_id, 6) == PS_OK);
+  CHECK(ps_leases_complete(a, 2, out2.lease_id, 6) == PS_OK);
+  /* A new life from the same blob (a restore): the lease goes back in the
+   * pool, its id unknown, and the ids start anew. */
+  ps_leases *c = ps_leases_load(blob, blob_len, err);
+  CHECK(c != NULL);
+  if (c) {
+    ps_lease_stats sc = stats_of(c);
+    CHECK(sc.chunks_leased == 0 && sc.current.reclaims == 1);
+  }
   free(blob);
   free(got);
   free(want);

@@ -217,13 +217,14 @@ def main():
             if rc != 0:
                 tail = open(os.path.join(a.out, f"worker-{k}.log")).read()[-2000:]
                 sys.exit(f"FAIL: worker {k} exited {rc}:\n{tail}")
-        trained = 0
+        trained = examples = 0
         for k in range(a.workers):
             text = open(os.path.join(a.out, f"worker-{k}.log")).read()
-            m = re.findall(r"^trained (\d+) steps", text, re.M)
+            m = re.findall(r"^trained (\d+) steps, (\d+) examples", text, re.M)
             if not m:
                 sys.exit(f"FAIL: worker {k} does not say how many steps it trained")
-            trained += int(m[-1])
+            trained += int(m[-1][0])
+            examples += int(m[-1][1])
         # The chief's final evaluation: as an undisturbed run of the job
         # scores (the synthetic job is learned to about 1.0).
         text = open(os.path.join(a.out, "worker-0.log")).read()
@@ -284,6 +285,25 @@ def main():
                 print(f"replication: shard 0's lease records: {len(done)} finished epoch(s), "
                       f"every chunk completed once; "
                       f"{sum(e['examples_rehanded'] for e in done)} examples handed out again")
+                # Killing primaries repeats no example: what the workers
+                # trained is what the epochs completed, none redone (a
+                # completion lost) or wasted (trained under a lease whose
+                # completion was refused).
+                # (Status keeps the last 8 epochs' records: every epoch
+                # completes the whole set, so the run's are epochs x that.)
+                eps = p.get("lease_epochs", [])
+                per_epoch = done[0]["examples_completed"]
+                redone = sum(e.get("examples_redone", 0) for e in eps)
+                wasted = sum(e.get("examples_wasted", 0) for e in eps)
+                again = sum(e["examples_rehanded"] for e in eps)
+                print(f"replication: the workers trained {examples} examples: {a.epochs} epochs "
+                      f"of {per_epoch}; the kept records: {redone} redone, {wasted} wasted, "
+                      f"{again} handed out again")
+                if not a.steps and (examples != a.epochs * per_epoch or redone or wasted or again):
+                    sys.exit(f"FAIL: with replicated shards {examples} examples were trained for "
+                             f"{a.epochs} epochs of {per_epoch} ({redone} redone, {wasted} "
+                             f"wasted, {again} handed out again): killing primaries repeated "
+                             f"examples")
         # Fail-over times: from each kill of a primary to the first update a
         # replica of that shard acknowledged as the new primary (its log's
         # "first acknowledged update as the primary").
