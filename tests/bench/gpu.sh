@@ -11,6 +11,12 @@
 #   - for the steps that are not pipelined, where the time goes: pull and
 #     push (host clock), parameters and batch in, forward, backward and
 #     gradients out (CUDA events, the worker's h2d_ms ... d2h_ms records);
+#   - with --pipeline auto too (it times both on the first steps and keeps
+#     the faster): its rate against off's;
+#   - W GPU workers sharing the GPU against 4 shards on the host's cores
+#     (cnn_gpu job, W = 1, 2, 4): the sum of their rates, the GPU's busy
+#     share (nvidia-smi) and the shards' CPU use (cores busy, from
+#     /proc/PID/stat), so the line says which filled up first;
 #   - with several GPUs, --replicas over all of them (NCCL) against one.
 # Exits 77 (skipped) with the reason when no device is there.
 #   tests/bench/gpu.sh [BUILD_DIR] [STEPS]
@@ -63,6 +69,11 @@ for n in names:
     total = sum(r["pull_ms"] + r["push_ms"] + r["compute_ms"] for r in recs)
     share = 100 * wait / total if total else float("nan")
     mode = n.split("-pipeline-")[1]
+    if mode == "auto":
+        off = eps(f"{out}/{job}-pipeline-off.log")
+        line.append(f"--pipeline auto: {eps(f'{out}/{n}.log'):.0f} examples/s, "
+                    f"{eps(f'{out}/{n}.log') / off:.2f}x off's")
+        continue
     line.append(f"2 servers + 1 worker, --pipeline {mode}: {eps(f'{out}/{n}.log'):.0f} examples/s, "
                 f"waiting {share:.1f}% of each step")
     # Where a plain step's time goes: pull and push on the host clock, the
@@ -95,7 +106,48 @@ for job in fashion_mnist_cnn fashion_mnist_larger_cnn fashion_mnist_cnn_gpu; do
   done
   cluster "$job-pipeline-off" "$j" --pipeline off
   cluster "$job-pipeline-on" "$j" --pipeline on
-  report "$job" "$job-pipeline-off" "$job-pipeline-on"
+  cluster "$job-pipeline-auto" "$j" --pipeline auto
+  report "$job" "$job-pipeline-off" "$job-pipeline-on" "$job-pipeline-auto"
+done
+
+# W workers on one GPU against 4 shards: what fills up first.
+ticks() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
+j="$root/deploy/jobs/fashion_mnist_cnn_gpu.json"
+hz=$(getconf CLK_TCK)
+for W in 1 2 4; do
+  addrs="127.0.0.1:$(port),127.0.0.1:$(port),127.0.0.1:$(port),127.0.0.1:$(port)"
+  spids=()
+  for s in 0 1 2 3; do
+    "$build/ps-server" --insecure --job "$j" --ps "$addrs" --index "$s" --threads 4 \
+      >"$out/scale-$W-server-$s.log" 2>&1 &
+    pids+=($!); spids+=($!)
+  done
+  t0=$(date +%s.%N); c0=0
+  for p in "${spids[@]}"; do c0=$((c0 + $(ticks "$p"))); done
+  wpids=()
+  for ((k = 0; k < W; k++)); do
+    "$build/ps-worker" --insecure --device cuda --ps "${addrs%%,*}" --num-workers "$W" --index "$k" \
+      --max-steps "$steps" --eval-interval 0 --log-interval 1000 ${DATA_DIR:+--data-dir "$DATA_DIR"} \
+      >"$out/scale-$W-worker-$k.log" 2>&1 &
+    wpids+=($!)
+  done
+  # The GPU's busy share, sampled every 0.5 s while the workers train.
+  nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 500 \
+    >"$out/smi-$W.txt" 2>/dev/null &
+  smi=$!
+  for p in "${wpids[@]}"; do wait "$p" || true; done
+  kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null || true
+  gpu=$(awk '$1 ~ /^[0-9]+$/ {s += $1; n++} END {if (n) printf "%.0f%%", s / n; else print "?"}' \
+        "$out/smi-$W.txt")
+  c1=0
+  for p in "${spids[@]}"; do c1=$((c1 + $(ticks "$p"))); done
+  t1=$(date +%s.%N)
+  for p in "${spids[@]}"; do kill -TERM "$p"; wait "$p" || true; done
+  sum=$(cat "$out"/scale-"$W"-worker-*.log | sed -n 's/^trained .*: \([0-9]*\) examples\/s/\1/p' |
+        awk '{s += $1} END {print s + 0}')
+  cores=$(python3 -c "print(f'{($c1 - $c0) / $hz / ($t1 - $t0):.1f}')")
+  echo "W=$W GPU workers on one GPU, 4 shards: $sum examples/s in all; the GPU busy $gpu of" \
+    "the time, the shards $cores of $(nproc) cores"
 done
 
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
