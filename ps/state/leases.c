@@ -13,7 +13,9 @@
  * Besides its state, each chunk carries marks for the current epoch:
  * MARK_POOLED once it went to the pool (a later hand-out counts in
  * examples_rehanded), MARK_REDONE once a lost completion of it was counted
- * in examples_redone (ps_leases_rejoin counts a chunk once).
+ * in examples_redone (ps_leases_rejoin counts a chunk once), MARK_DONE_HERE
+ * once a worker completed it in this life of the table (not restored done
+ * from a checkpoint).
  *
  * Leases live in a small array in grant order: a job has tens of workers
  * holding a few leases each, so linear scans cost less than an index.
@@ -33,7 +35,7 @@
 
 enum { CHUNK_FRESH = 0, CHUNK_POOLED = 1, CHUNK_LEASED = 2, CHUNK_DONE = 3 };
 enum { ENDED_COMPLETED = 1, ENDED_RECLAIMED = 2 };
-enum { MARK_REDONE = 1, MARK_POOLED = 2 };
+enum { MARK_REDONE = 1, MARK_POOLED = 2, MARK_DONE_HERE = 4 };
 #define ENDED_KEEP 4096
 /* The stream of ps_rng_u64 that seeds the permutations. */
 #define PERM_STREAM 0x1ea5e5ull
@@ -68,6 +70,10 @@ struct ps_leases {
   /* (n_chunks) each: the completions of the epoch of history[i]. */
   uint8_t *hist_counts[PS_LEASE_HISTORY];
   uint8_t *marks; /* (n_chunks) MARK_* of this epoch */
+  /* (n_chunks) 1: a worker finished the chunk in the next epoch, under a
+   * life of this table that a restore forgot (it was ahead of this one):
+   * done as soon as that epoch begins (ps_leases_rejoin) */
+  uint8_t *next_done;
   void *block;
 
   uint32_t cursor; /* next position in order to look at */
@@ -158,7 +164,7 @@ static ps_leases *table_alloc(const ps_lease_config *cfg, uint32_t n_chunks, cha
   ps_leases *t = calloc(1, sizeof *t);
   size_t n = n_chunks;
   /* u32 arrays first, so the byte arrays after them need no alignment. */
-  void *block = malloc(2 * n * sizeof(uint32_t) + (3 + PS_LEASE_HISTORY) * n);
+  void *block = malloc(2 * n * sizeof(uint32_t) + (4 + PS_LEASE_HISTORY) * n);
   if (!t || !block || pthread_mutex_init(&t->mu, NULL) != 0) {
     free(t);
     free(block);
@@ -172,6 +178,8 @@ static ps_leases *table_alloc(const ps_lease_config *cfg, uint32_t n_chunks, cha
   t->counts = t->state + n;
   for (int i = 0; i < PS_LEASE_HISTORY; i++) t->hist_counts[i] = t->counts + n * (size_t)(i + 1);
   t->marks = t->counts + n * (size_t)(PS_LEASE_HISTORY + 1);
+  t->next_done = t->marks + n;
+  memset(t->next_done, 0, n);
   t->cfg = *cfg;
   t->n_chunks = n_chunks;
   return t;
@@ -266,6 +274,23 @@ static void reclaim(ps_leases *t, int i) {
 
 /* The epoch's last chunk is done: its record joins the history and the next
  * epoch begins (or the run is finished). */
+static void chunk_done(ps_leases *t, uint32_t c, int64_t now_ms);
+
+/* The epoch that just began: the chunks workers finished in it under a
+ * forgotten life are done (recovered); when that is all of them, it ends
+ * too. */
+static void take_next_done(ps_leases *t, int64_t now_ms) {
+  const uint32_t epoch = t->epoch;
+  for (uint32_t c = 0; c < t->n_chunks && t->epoch == epoch; c++) {
+    if (!t->next_done[c]) continue;
+    t->next_done[c] = 0;
+    if (t->state[c] != CHUNK_FRESH) continue;
+    t->cur.examples_recovered += chunk_count(t, c);
+    chunk_done(t, c, now_ms);
+  }
+  if (t->epoch == epoch) memset(t->next_done, 0, t->n_chunks);
+}
+
 static void epoch_end(ps_leases *t, int64_t now_ms) {
   ps_lease_epoch_record *r = &t->cur;
   r->finished = 1;
@@ -292,12 +317,14 @@ static void epoch_end(ps_leases *t, int64_t now_ms) {
     record_reset(&t->cur, t->epoch, t->n_chunks);
   } else {
     epoch_begin(t);
+    take_next_done(t, now_ms);
   }
 }
 
 static void chunk_done(ps_leases *t, uint32_t c, int64_t now_ms) {
   uint32_t count = chunk_count(t, c);
   t->state[c] = CHUNK_DONE;
+  t->marks[c] |= MARK_DONE_HERE;
   if (t->counts[c] < 255) t->counts[c]++;
   /* Counts never pass 1 through this table; kept honest if they did. */
   if (t->counts[c] == 1) t->cur.chunks_once++;
@@ -503,14 +530,28 @@ int ps_leases_held(ps_leases *t, uint64_t worker, ps_lease *out, int max) {
   return n;
 }
 
+/* Whether this life of the table saw the worker complete chunk c of the
+ * current epoch (among the leases it remembers ending). */
+static int completed_by(ps_leases *t, uint64_t worker, uint32_t c) {
+  for (uint32_t i = 0; i < t->ended_n; i++)
+    if (t->ended[i].chunk == c && t->ended[i].epoch == t->epoch &&
+        t->ended[i].kind == ENDED_COMPLETED && t->ended[i].worker == worker)
+      return 1;
+  return 0;
+}
+
 /* Chunk c of the current epoch, named by a worker of an earlier life, is
  * free for it: not done and not leased to anyone (fresh, or in the pool). */
 static int chunk_free(const ps_leases *t, uint32_t c) {
   return t->state[c] == CHUNK_FRESH || t->state[c] == CHUNK_POOLED;
 }
 
-/* Takes chunk c as done (a worker finished it under the earlier life). */
-static void accept_done(ps_leases *t, uint32_t c, int64_t now_ms, ps_lease_rejoin *out) {
+/* Takes chunk c as done (a worker finished it under the earlier life),
+ * remembered as the worker's completion. */
+static void accept_done(ps_leases *t, uint64_t worker, uint32_t c, int64_t now_ms,
+                        ps_lease_rejoin *out) {
+  lease l = {.id = 0, .worker = worker, .chunk = c};
+  remember_ended(t, &l, ENDED_COMPLETED);
   uint32_t count = chunk_count(t, c);
   t->cur.examples_recovered += count;
   out->accepted++;
@@ -561,13 +602,31 @@ int ps_leases_rejoin(ps_leases *t, uint64_t worker, const uint64_t *done, size_t
   /* An epoch ends when its last chunk is done: what follows is of the old
    * epoch, no longer current, and ignored. */
   const uint32_t epoch = t->epoch;
+  /* Chunks a worker finished in the next epoch (a life ahead of this one,
+   * forgotten): done once that epoch begins, not trained again then. */
+  const int has_next = !t->cfg.epochs || epoch + 1 < t->cfg.epochs;
+  for (size_t i = 0; i < n_done && !t->finished && has_next; i++)
+    if (done[i] >> 32 == (uint64_t)epoch + 1 && (uint32_t)done[i] < t->n_chunks)
+      t->next_done[(uint32_t)done[i]] = 1;
+  for (size_t i = 0; i < n_held && !t->finished && has_next; i++)
+    if (held[i].finished && held[i].epoch == epoch + 1 && held[i].chunk < t->n_chunks &&
+        held[i].lease_id && !find_ended(t, held[i].lease_id)) {
+      lease l = {.id = held[i].lease_id, .worker = worker, .chunk = held[i].chunk};
+      remember_ended(t, &l, ENDED_COMPLETED); /* its retried completion: counted once */
+      t->next_done[held[i].chunk] = 1;
+    }
   for (size_t i = 0; i < n_done && !t->finished && t->epoch == epoch; i++) {
     uint32_t c = (uint32_t)done[i];
-    if (done[i] >> 32 != epoch || c >= t->n_chunks || t->state[c] == CHUNK_DONE) continue;
-    if (chunk_free(t, c))
-      accept_done(t, c, now_ms, out);
-    else
+    if (done[i] >> 32 != epoch || c >= t->n_chunks) continue;
+    if (t->state[c] == CHUNK_DONE) {
+      /* Done in the checkpoint, or by this worker since: its own. Done
+       * since by another worker: trained twice. */
+      if ((t->marks[c] & MARK_DONE_HERE) && !completed_by(t, worker, c)) count_redone(t, c, out);
+    } else if (chunk_free(t, c)) {
+      accept_done(t, worker, c, now_ms, out);
+    } else {
       count_redone(t, c, out);
+    }
   }
   for (size_t i = 0; i < n_held && !t->finished && t->epoch == epoch; i++) {
     const ps_lease_held *h = &held[i];
@@ -578,7 +637,7 @@ int ps_leases_rejoin(ps_leases *t, uint64_t worker, const uint64_t *done, size_t
     if (h->finished) {
       lease l = {.id = h->lease_id, .worker = worker, .chunk = h->chunk, .seen_ms = now_ms};
       remember_ended(t, &l, ENDED_COMPLETED); /* its retried completion: counted once */
-      accept_done(t, h->chunk, now_ms, out);
+      accept_done(t, worker, h->chunk, now_ms, out);
     } else if (adopt(t, worker, h->lease_id, h->chunk, now_ms) == PS_OK) {
       out->adopted++;
     }
@@ -659,7 +718,9 @@ int ps_leases_epoch_record(ps_leases *t, uint32_t epoch, ps_lease_epoch_record *
  *       pool_len and the pool's chunks in the order they are handed out: a
  *       restore puts the leased chunks back in the pool (a new life); a
  *       replica's copy of its primary's table keeps both (ps_leases_replace),
- *       so that it hands out what its primary does
+ *       so that it hands out what its primary does; then u8
+ *       next_done[n_chunks]: 1 where a worker finished the chunk in the next
+ *       epoch (ps_leases_rejoin), else 0
  *  then u32 CRC-32C of every byte before it.
  *
  * A record: u32 epoch, u32 finished, u32 chunks_completed, u32 chunks_once,
@@ -746,7 +807,9 @@ static size_t fixed_bytes(uint32_t n_chunks, uint32_t n_history, uint32_t versio
 static size_t blob_bytes(uint32_t n_chunks, uint32_t n_history, uint32_t version,
                          uint32_t n_leases, uint32_t pool_len) {
   return fixed_bytes(n_chunks, n_history, version) +
-         (version >= 3 ? 8 + (size_t)n_leases * LEASE_BYTES + 4 * (size_t)pool_len : 0) + 4;
+         (version >= 3 ? 8 + (size_t)n_leases * LEASE_BYTES + 4 * (size_t)pool_len + n_chunks
+                       : 0) +
+         4;
 }
 
 int ps_leases_save(const ps_leases *t, void **buf, size_t *len) {
@@ -798,6 +861,8 @@ int ps_leases_save(const ps_leases *t, void **buf, size_t *len) {
   p = put_u32(p, t->pool_len);
   for (uint32_t i = 0; i < t->pool_len; i++)
     p = put_u32(p, t->pool[(t->pool_head + i) % t->n_chunks]);
+  memcpy(p, t->next_done, n);
+  p += n;
   put_u32(p, ps_crc32c(0, b, (size_t)(p - b)));
   pthread_mutex_unlock(&mt->mu);
   *buf = b;
@@ -983,6 +1048,64 @@ static int load_pool(ps_leases *t, const uint8_t *p, char *err) {
   return PS_OK;
 }
 
+/* The chunks of a loaded table in place: the permutation from the seed,
+ * chunks in use back in the pool (leased ones counted as reclaimed: their
+ * holders register again), or, for a replica's copy of a version 3 blob
+ * (same_ids), the primary's leases and pool as they were; the next epoch's
+ * chunks already done. tail: the blob past its fixed part. */
+static int lay_out_chunks(ps_leases *t, const uint8_t *saved_state, const uint8_t *saved_redone,
+                          uint32_t version, int same_ids, const uint8_t *tail, uint32_t n_leases,
+                          uint32_t pool_len, char *err) {
+  const uint32_t n_chunks = t->n_chunks;
+  /* The permutation from the seed; chunks in use go to the pool, leased
+   * ones counted as reclaimed (their holders re-register and start anew). */
+  for (uint32_t k = 0; k < n_chunks; k++) t->order[k] = k;
+  if (!t->finished) {
+    ps_rand r;
+    ps_rand_seed(&r, ps_rng_u64(t->cfg.seed, PERM_STREAM, t->epoch));
+    ps_rand_shuffle_u32(&r, t->order, n_chunks);
+  }
+  t->cursor = t->finished ? n_chunks : 0;
+  for (uint32_t i = 0; i < n_chunks; i++) {
+    uint32_t k = t->order[i];
+    uint8_t s = saved_state[k];
+    if (s == CHUNK_LEASED && same_ids && version >= 3) {
+      /* A replica's copy: its leases are the primary's (load_leases). */
+      t->marks[k] = saved_redone && saved_redone[k] ? MARK_REDONE : 0;
+      t->state[k] = CHUNK_LEASED;
+      continue;
+    }
+    if (s == CHUNK_LEASED) {
+      t->cur.reclaims++;
+      t->reclaims_total++;
+    }
+    /* Marked as gone through the pool: handing them out again counts
+     * them as re-handed out. */
+    t->marks[k] = saved_redone && saved_redone[k] ? MARK_REDONE : 0;
+    if (s == CHUNK_LEASED || s == CHUNK_POOLED) {
+      s = CHUNK_POOLED;
+      t->marks[k] |= MARK_POOLED;
+      if (!(same_ids && version >= 3)) pool_push(t, k); /* else in the primary's order, below */
+    }
+    t->state[k] = s;
+    t->n_done += s == CHUNK_DONE;
+  }
+  if (same_ids && version >= 3 &&
+      load_pool(t, tail + 4 + (size_t)n_leases * LEASE_BYTES, err) != PS_OK)
+    return PS_EINVAL;
+  if (version >= 3) {
+    const uint8_t *nd = tail + 8 + (size_t)n_leases * LEASE_BYTES + 4 * (size_t)pool_len;
+    for (uint32_t k = 0; k < n_chunks; k++) {
+      if (nd[k] > 1 || (nd[k] && t->finished)) {
+        return ps_seterr(err, PS_EINVAL, "lease table blob: chunk %u with next-epoch flag %u",
+                         (unsigned)k, (unsigned)nd[k]);
+      }
+      t->next_done[k] = nd[k];
+    }
+  }
+  return PS_OK;
+}
+
 /* same_ids: the blob's next lease id goes on (a replica's copy of its
  * primary's table); else ids start past it and past the wall clock's (a
  * new life after a restore). */
@@ -1107,41 +1230,8 @@ static ps_leases *load_blob(const void *buf, size_t len, int same_ids, char *err
     }
   }
 
-  /* The permutation from the seed; chunks in use go to the pool, leased
-   * ones counted as reclaimed (their holders re-register and start anew). */
-  for (uint32_t k = 0; k < n_chunks; k++) t->order[k] = k;
-  if (!t->finished) {
-    ps_rand r;
-    ps_rand_seed(&r, ps_rng_u64(cfg.seed, PERM_STREAM, epoch));
-    ps_rand_shuffle_u32(&r, t->order, n_chunks);
-  }
-  t->cursor = t->finished ? n_chunks : 0;
-  for (uint32_t i = 0; i < n_chunks; i++) {
-    uint32_t k = t->order[i];
-    uint8_t s = saved_state[k];
-    if (s == CHUNK_LEASED && same_ids && version >= 3) {
-      /* A replica's copy: its leases are the primary's (load_leases). */
-      t->marks[k] = saved_redone && saved_redone[k] ? MARK_REDONE : 0;
-      t->state[k] = CHUNK_LEASED;
-      continue;
-    }
-    if (s == CHUNK_LEASED) {
-      t->cur.reclaims++;
-      t->reclaims_total++;
-    }
-    /* Marked as gone through the pool: handing them out again counts
-     * them as re-handed out. */
-    t->marks[k] = saved_redone && saved_redone[k] ? MARK_REDONE : 0;
-    if (s == CHUNK_LEASED || s == CHUNK_POOLED) {
-      s = CHUNK_POOLED;
-      t->marks[k] |= MARK_POOLED;
-      if (!(same_ids && version >= 3)) pool_push(t, k); /* else in the primary's order, below */
-    }
-    t->state[k] = s;
-    t->n_done += s == CHUNK_DONE;
-  }
-  if (same_ids && version >= 3 && load_pool(t, b + fixed + 4 + (size_t)n_leases * LEASE_BYTES,
-                                            err) != PS_OK) {
+  if (lay_out_chunks(t, saved_state, saved_redone, version, same_ids, b + fixed, n_leases,
+                     pool_len, err) != PS_OK) {
     ps_leases_destroy(t);
     return NULL;
   }

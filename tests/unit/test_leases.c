@@ -625,7 +625,7 @@ static void test_load_corrupt(void) {
   if (!b) return;
   enum { K = 10, HIST = 2, REC = 88 };
   /* ... then 1 outstanding lease (28 bytes) and an empty pool */
-  CHECK(len == 80 + REC + HIST * (REC + K) + 3 * K + 4 + 28 + 4 + 4);
+  CHECK(len == 80 + REC + HIST * (REC + K) + 3 * K + 4 + 28 + 4 + K + 4);
 
   CHECK(ps_leases_load(NULL, 0, NULL) == NULL);
   CHECK(load_fails(b, 0, "shorter"));
@@ -865,14 +865,16 @@ static void test_rejoin(void) {
   ps_leases_note_wasted(NULL, 5);
   CHECK(stats_of(t).current.examples_wasted == q.count);
   /* A lease of this life is the table's (its own completion settles it),
-   * and other epochs, chunks out of range and id 0 are ignored. */
+   * and epochs other than this one and the next, chunks out of range and
+   * id 0 are ignored. */
   ps_lease_held odd[] = {{.lease_id = q.lease_id, .epoch = 0, .chunk = q.chunk, .finished = 1},
-                         {.lease_id = 77, .epoch = 1, .chunk = 0, .finished = 1},
+                         {.lease_id = 77, .epoch = 2, .chunk = 0, .finished = 1},
                          {.lease_id = 78, .epoch = 0, .chunk = K, .finished = 1},
+                         {.lease_id = 79, .epoch = 1, .chunk = K, .finished = 1},
                          {.lease_id = 0, .epoch = 0, .chunk = 0, .finished = 1}};
-  uint64_t odd_done[] = {packed(1, 0), packed(0, K), packed(0xffffffffu, 0)};
+  uint64_t odd_done[] = {packed(2, 0), packed(0, K), packed(1, K), packed(0xffffffffu, 0)};
   before = stats_of(t);
-  CHECK(ps_leases_rejoin(t, 4, odd_done, 3, odd, 4, 17, &r) == PS_OK);
+  CHECK(ps_leases_rejoin(t, 4, odd_done, 4, odd, 5, 17, &r) == PS_OK);
   CHECK(r.accepted == 0 && r.adopted == 0 && r.redone == 0);
   s = stats_of(t);
   CHECK(same_state(&s, &before));
@@ -919,10 +921,16 @@ static void test_rejoin(void) {
     ps_leases_epoch_record(t, 1, NULL, counts, K);
     if (!counts[k]) last = k;
   }
-  uint64_t last_done[] = {packed(1, last)};
-  CHECK(ps_leases_rejoin(t, 7, last_done, 1, NULL, 0, 32, &r) == PS_OK && r.accepted == 1);
+  /* ... with a chunk of the next epoch that a life ahead of this one saw
+   * finished: done (recovered) as soon as that epoch begins. */
+  uint64_t last_done[] = {packed(1, last), packed(2, 3)};
+  CHECK(ps_leases_rejoin(t, 7, last_done, 2, NULL, 0, 32, &r) == PS_OK && r.accepted == 1);
   s = stats_of(t);
   CHECK(s.epoch == 2 && s.n_history == 2 && s.history[0].examples_recovered > 0);
+  CHECK(s.chunks_done == 1 && s.current.chunks_completed == 1 &&
+        s.current.examples_recovered == C);
+  uint8_t c2[K];
+  CHECK(ps_leases_epoch_record(t, 2, NULL, c2, K) == K && c2[3] == 1);
   ps_leases_destroy(t);
 }
 
@@ -961,7 +969,7 @@ static size_t to_older(const uint8_t *b, size_t len, uint8_t *out, int version) 
   uint32_t n_leases = (uint32_t)nl[0] | (uint32_t)nl[1] << 8;
   const uint8_t *pl = nl + 4 + 28 * (size_t)n_leases;
   uint32_t pool_len = (uint32_t)pl[0] | (uint32_t)pl[1] << 8;
-  CHECK(pl + 4 + 4 * (size_t)pool_len + 4 == b + len);
+  CHECK(pl + 4 + 4 * (size_t)pool_len + n_chunks + 4 == b + len);
   size_t n = (size_t)(q - out) + 4;
   fix_crc(out, n);
   return n;
@@ -1083,12 +1091,13 @@ static void redone_sim(uint64_t seed) {
     w[i].id = (uint64_t)i + 1;
     w[i].epoch = -1;
   }
-  void *ckpt = NULL;
-  size_t ckpt_len = 0;
-  uint32_t ckpt_epoch = 0;
-  int ckpt_step = 0, last_kill = -1000;
+  void *ckpt = NULL, *prev = NULL;
+  size_t ckpt_len = 0, prev_len = 0;
+  uint32_t ckpt_epoch = 0, prev_epoch = 0;
+  int ckpt_step = 0, last_kill = -1000, prev_step = 0;
   uint64_t trained = 0;
   int kills = 0, finished = 0, steps = 0, in_flight_kills = 0, adopted = 0, accepted = 0;
+  int back_kills = 0; /* restores to the epoch before */
   while (!finished && steps < 100000) {
     steps++;
     int i = (int)ps_rand_below(&rng, W);
@@ -1099,7 +1108,13 @@ static void redone_sim(uint64_t seed) {
       int rc = ps_leases_acquire(t, w[i].id, steps, &l);
       if (rc == PS_LEASE_FINISHED) finished = 1;
       if (rc != PS_OK) continue;
-      if (w[i].epoch != (int64_t)l.epoch) w[i].nacked = 0;
+      if (w[i].epoch != (int64_t)l.epoch) { /* as the client: this epoch's and the one before */
+        int kept = 0;
+        for (int k = 0; k < w[i].nacked; k++)
+          if ((w[i].acked[k] >> 32) + 1 >= l.epoch)
+            w[i].acked[kept++] = w[i].acked[k];
+        w[i].nacked = kept;
+      }
       w[i].epoch = l.epoch;
       w[i].finishing[w[i].nheld] = 0;
       w[i].held[w[i].nheld++] = l;
@@ -1113,29 +1128,50 @@ static void redone_sim(uint64_t seed) {
       int rc = ps_leases_complete(t, w[i].id, l.lease_id, steps);
       if (rc != PS_OK) {
         ps_leases_note_wasted(t, l.count);
-      } else if ((int64_t)l.epoch == w[i].epoch && w[i].nacked < ACKED) {
+      } else if ((int64_t)l.epoch + 1 >= w[i].epoch && w[i].nacked < ACKED) {
         w[i].acked[w[i].nacked++] = packed(l.epoch, l.chunk);
       }
     } else if (dice < 970) {
-      free(ckpt);
+      /* The last checkpoint of an epoch is kept when the next epoch's
+       * first is written: some kills restore it (the epoch before). */
+      if (ckpt && ckpt_epoch != stats_of(t).epoch) {
+        free(prev);
+        prev = ckpt;
+        prev_len = ckpt_len;
+        prev_epoch = ckpt_epoch;
+        prev_step = ckpt_step;
+      } else {
+        free(ckpt);
+      }
       ckpt = NULL;
       CHECK(ps_leases_save(t, &ckpt, &ckpt_len) == PS_OK);
       ckpt_epoch = stats_of(t).epoch;
       ckpt_step = steps;
-    } else if (ckpt && kills < 6 && ckpt_epoch == stats_of(t).epoch &&
+    } else if (ckpt && kills < 6 && ckpt_epoch + 1 >= stats_of(t).epoch &&
                ckpt_step > last_kill + 200) {
-      /* A kill restores a checkpoint of the current epoch (the workers
-       * name the current epoch's completions only), written a while after
-       * the last restart. Sometimes a completion is on its way: the dying
-       * table applies it, its answer is lost. */
+      /* A kill restores a checkpoint of the current epoch or the one
+       * before (the workers name the completions of both), written a while
+       * after the last restart. Sometimes a completion is on its way: the
+       * dying table applies it, its answer is lost. */
       last_kill = steps;
       if (w[i].nheld && ps_rand_below(&rng, 2)) {
         CHECK(ps_leases_complete(t, w[i].id, w[i].held[0].lease_id, steps) == PS_OK);
         w[i].finishing[0] = 1;
         in_flight_kills++;
       }
+      const void *from = ckpt;
+      size_t from_len = ckpt_len;
+      /* Never one older than the last restart: a restart's life made
+       * records (wasted examples) that a restore to an earlier state
+       * would forget, and the newest complete set is always taken. */
+      if (prev && prev_epoch + 1 == stats_of(t).epoch && prev_step > last_kill &&
+          ps_rand_below(&rng, 2)) {
+        from = prev;
+        from_len = prev_len;
+      }
+      back_kills += from == prev || ckpt_epoch < stats_of(t).epoch;
       char err[PS_ERRLEN] = "";
-      ps_leases *back = ps_leases_load(ckpt, ckpt_len, err);
+      ps_leases *back = ps_leases_load(from, from_len, err);
       CHECK_MSG(back != NULL, "%s", err);
       if (!back) break;
       ps_leases_destroy(t);
@@ -1156,6 +1192,7 @@ static void redone_sim(uint64_t seed) {
     }
   }
   free(ckpt);
+  free(prev);
   CHECK_MSG(finished, "seed %llu: not finished in %d steps", (unsigned long long)seed, steps);
   uint64_t completed = 0, redone = 0, wasted = 0, recovered = 0;
   for (uint32_t e = 0; e < E; e++) {
@@ -1172,10 +1209,11 @@ static void redone_sim(uint64_t seed) {
             (unsigned long long)seed, (unsigned long long)trained, (unsigned long long)completed,
             (unsigned long long)redone, (unsigned long long)wasted);
   fprintf(stderr,
-          "  rejoin sim %llu: %d kills (%d with a completion on its way), %llu trained = %llu "
+          "  rejoin sim %llu: %d kills (%d to the epoch before, %d with a completion on its way), "
+          "%llu trained = %llu "
           "completed (%llu recovered) + %llu redone + %llu wasted; %d leases taken back, %d "
           "chunks taken as done\n",
-          (unsigned long long)seed, kills, in_flight_kills, (unsigned long long)trained,
+          (unsigned long long)seed, kills, back_kills, in_flight_kills, (unsigned long long)trained,
           (unsigned long long)completed, (unsigned long long)recovered,
           (unsigned long long)redone, (unsigned long long)wasted, adopted, accepted);
   CHECK(kills >= 2 && adopted + accepted > 0);
@@ -1183,7 +1221,7 @@ static void redone_sim(uint64_t seed) {
 }
 
 static void test_redone_sim(void) {
-  static const uint64_t seeds[] = {1, 42, 20240607, 7, 99, 12345, 31337, 2026};
+  static const uint64_t seeds[] = {1, 42, 20240607, 7, 99, 12345, 31337, 2026, 5, 11};
   for (size_t k = 0; k < sizeof seeds / sizeof seeds[0]; k++) redone_sim(seeds[k]);
 }
 

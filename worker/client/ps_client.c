@@ -87,11 +87,11 @@ struct ps_client {
     int finishing;
   } grants[GRANTS_KEPT];
   int n_grants;
-  /* The chunks of lease epoch done_epoch whose completion shard 0
-   * acknowledged, epoch << 32 | chunk, a ring of DONE_KEPT (allocated at
-   * the first): a shard 0 restarted from a checkpoint that lacks them
-   * hears of them when this worker registers again. Under done_mu, taken
-   * last (within lease_mu or reg_mu). */
+  /* The chunks of lease epochs done_epoch and the one before whose
+   * completion shard 0 acknowledged, epoch << 32 | chunk, a ring of
+   * DONE_KEPT (allocated at the first): a shard 0 restarted from a
+   * checkpoint that lacks them hears of them when this worker registers
+   * again. Under done_mu, taken last (within lease_mu or reg_mu). */
   pthread_mutex_t done_mu;
   uint64_t *done;
   size_t done_head, done_n;
@@ -1508,14 +1508,26 @@ int ps_client_heartbeat(ps_client *c, uint64_t step, const ps_client_hb_state *s
 
 /* Lease id of a grant: its epoch, chunk and examples, for when its
  * completion is answered, and for a Register after a restart of shard 0. A
- * grant of another epoch than the kept completions' starts them anew: the
- * epoch before is done (or, after a restore to an earlier epoch, begins
- * again). Under lease_mu. */
+ * grant of another epoch keeps the completions of the epoch before it and
+ * of later ones (a shard 0 restored to a checkpoint of an earlier epoch
+ * takes the next epoch's as done when it gets there) and drops older
+ * ones. Under lease_mu. */
 static void lease_granted(ps_client *c, uint64_t id, uint32_t epoch, uint32_t chunk,
                           uint32_t count) {
   pthread_mutex_lock(&c->done_mu);
   if (c->done_epoch != (int64_t)epoch) {
-    c->done_head = c->done_n = 0;
+    /* In order, oldest first, from the ring's start (the ring is read
+     * whole before it is written: it may wrap). */
+    size_t kept = 0;
+    uint64_t *keep = c->done_n ? malloc(c->done_n * sizeof *keep) : NULL;
+    for (size_t i = 0; keep && i < c->done_n; i++) {
+      uint64_t d = c->done[(c->done_head + i) % DONE_KEPT];
+      if ((d >> 32) + 1 >= epoch) keep[kept++] = d; /* a later epoch's too: back after a restore */
+    }
+    if (kept) memcpy(c->done, keep, kept * sizeof *keep);
+    free(keep); /* out of memory: none kept (they are a record's, not training's) */
+    c->done_head = 0;
+    c->done_n = kept;
     c->done_epoch = epoch;
   }
   int known = 0;
@@ -1560,7 +1572,7 @@ static void lease_completed(ps_client *c, uint64_t id, int counted) {
     c->n_grants--;
     if (!counted) break;
     if (!c->done) c->done = malloc(DONE_KEPT * sizeof *c->done);
-    if (c->done && c->done_epoch == (int64_t)epoch) {
+    if (c->done && (int64_t)epoch + 1 >= c->done_epoch && (int64_t)epoch <= c->done_epoch) {
       if (c->done_n == DONE_KEPT) { /* the oldest goes */
         c->done_head = (c->done_head + 1) % DONE_KEPT;
         c->done_n--;

@@ -192,10 +192,23 @@ void ps_source_chunk_done(ps_source *s, uint64_t lease) {
       break;
     }
   pthread_mutex_unlock(&s->mu);
-  /* Every example of the chunk went into a pushed gradient. */
+  /* Every example of the chunk went into a pushed gradient. A shard 0 that
+   * does not answer (restarting) is asked again, as a grant is, for at
+   * most --retry-s: the completion must reach it, counted or not (a
+   * refused one says what was trained under it, which the records count). */
   ps_client_lease l;
   char err[PS_ERRLEN] = "";
-  if (ps_client_lease_call(s->client, lease, 0, 0, &l, err) == 0 && l.completed_counted) {
+  int rc;
+  double give_up = ps_now_s() + s->retry_s;
+  int64_t backoff = 50;
+  while ((rc = ps_client_lease_call(s->client, lease, 0, 0, &l, err)) != 0 &&
+         (rc == PS_EUNAVAIL || rc == PS_ETIMEDOUT) && ps_now_s() < give_up &&
+         !atomic_load(s->stop)) {
+    PS_WARN("%s; retrying the completion of lease %" PRIx64, err, lease);
+    ps_sleep_ms(backoff);
+    if (backoff < 1000) backoff *= 2;
+  }
+  if (rc == 0 && l.completed_counted) {
     atomic_fetch_add(&s->chunks_done, 1);
   } else {
     atomic_fetch_add(&s->chunks_lost, 1);
