@@ -74,6 +74,9 @@ struct ps_leases {
    * life of this table that a restore forgot (it was ahead of this one):
    * done as soon as that epoch begins (ps_leases_rejoin) */
   uint8_t *next_done;
+  /* (n_chunks) the marks of the epoch before (not kept in checkpoints): a
+   * worker that comes back after it ended names its completions of it */
+  uint8_t *prev_marks;
   void *block;
 
   uint32_t cursor; /* next position in order to look at */
@@ -164,7 +167,7 @@ static ps_leases *table_alloc(const ps_lease_config *cfg, uint32_t n_chunks, cha
   ps_leases *t = calloc(1, sizeof *t);
   size_t n = n_chunks;
   /* u32 arrays first, so the byte arrays after them need no alignment. */
-  void *block = malloc(2 * n * sizeof(uint32_t) + (4 + PS_LEASE_HISTORY) * n);
+  void *block = malloc(2 * n * sizeof(uint32_t) + (5 + PS_LEASE_HISTORY) * n);
   if (!t || !block || pthread_mutex_init(&t->mu, NULL) != 0) {
     free(t);
     free(block);
@@ -180,6 +183,8 @@ static ps_leases *table_alloc(const ps_lease_config *cfg, uint32_t n_chunks, cha
   t->marks = t->counts + n * (size_t)(PS_LEASE_HISTORY + 1);
   t->next_done = t->marks + n;
   memset(t->next_done, 0, n);
+  t->prev_marks = t->next_done + n;
+  memset(t->prev_marks, 0, n);
   t->cfg = *cfg;
   t->n_chunks = n_chunks;
   return t;
@@ -304,6 +309,7 @@ static void epoch_end(ps_leases *t, int64_t now_ms) {
   t->hist_counts[0] = t->counts;
   t->counts = spare;
   if (t->n_history < PS_LEASE_HISTORY) t->n_history++;
+  memcpy(t->prev_marks, t->marks, t->n_chunks);
 
   t->epoch++;
   if (t->cfg.epochs && t->epoch >= t->cfg.epochs) {
@@ -532,9 +538,9 @@ int ps_leases_held(ps_leases *t, uint64_t worker, ps_lease *out, int max) {
 
 /* Whether this life of the table saw the worker complete chunk c of the
  * current epoch (among the leases it remembers ending). */
-static int completed_by(ps_leases *t, uint64_t worker, uint32_t c) {
+static int completed_by(ps_leases *t, uint64_t worker, uint32_t c, uint32_t epoch) {
   for (uint32_t i = 0; i < t->ended_n; i++)
-    if (t->ended[i].chunk == c && t->ended[i].epoch == t->epoch &&
+    if (t->ended[i].chunk == c && t->ended[i].epoch == epoch &&
         t->ended[i].kind == ENDED_COMPLETED && t->ended[i].worker == worker)
       return 1;
   return 0;
@@ -615,13 +621,31 @@ int ps_leases_rejoin(ps_leases *t, uint64_t worker, const uint64_t *done, size_t
       remember_ended(t, &l, ENDED_COMPLETED); /* its retried completion: counted once */
       t->next_done[held[i].chunk] = 1;
     }
+  /* Completions of the epoch before, which ended since the restore: a
+   * chunk another worker completed in this life was trained twice, which
+   * that epoch's record (kept first in the history) counts. */
+  for (size_t i = 0; i < n_done && epoch > 0 && t->n_history > 0 &&
+                     t->history[0].epoch + 1 == epoch && t->epoch == epoch;
+       i++) {
+    uint32_t c = (uint32_t)done[i];
+    if (done[i] >> 32 != (uint64_t)epoch - 1 || c >= t->n_chunks) continue;
+    if ((t->prev_marks[c] & (MARK_DONE_HERE | MARK_REDONE)) != MARK_DONE_HERE ||
+        completed_by(t, worker, c, epoch - 1))
+      continue;
+    t->prev_marks[c] |= MARK_REDONE;
+    uint32_t count = chunk_count(t, c);
+    t->history[0].examples_redone += count;
+    out->redone++;
+    out->examples_redone += count;
+  }
   for (size_t i = 0; i < n_done && !t->finished && t->epoch == epoch; i++) {
     uint32_t c = (uint32_t)done[i];
     if (done[i] >> 32 != epoch || c >= t->n_chunks) continue;
     if (t->state[c] == CHUNK_DONE) {
       /* Done in the checkpoint, or by this worker since: its own. Done
        * since by another worker: trained twice. */
-      if ((t->marks[c] & MARK_DONE_HERE) && !completed_by(t, worker, c)) count_redone(t, c, out);
+      if ((t->marks[c] & MARK_DONE_HERE) && !completed_by(t, worker, c, epoch))
+        count_redone(t, c, out);
     } else if (chunk_free(t, c)) {
       accept_done(t, worker, c, now_ms, out);
     } else {
