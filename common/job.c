@@ -681,6 +681,15 @@ static int parse_root(json_t *root, ps_job *job, char *err) {
   return 0;
 }
 
+int ps_job_check_layers(const ps_job *job, char *err) {
+  if (!job->model.flat) return 0;
+  return ps_seterr(err, PS_EINVAL,
+                   "job '%s' has a flat model (%zu parameters, no layers): ps-worker has no "
+                   "layers to compute; train it with workers that compute the model themselves "
+                   "(Python: python/psclient, docs/python.md)",
+                   job->job_id, job->model.n_params);
+}
+
 int ps_job_parse(const char *json_text, ps_job *job, char *err) {
   set_defaults(job);
   json_error_t jerr;

@@ -5,7 +5,9 @@
  *   "job_id": "fmnist-cnn",             (required)
  *   "model": { ...model spec... },       (required, see model_spec.h; or
  *            {"keras": "model.json"}: a Keras model.to_json() file,
- *            translated as ps-import-keras does, see keras.h)
+ *            translated as ps-import-keras does, see keras.h; or
+ *            {"params": P, ...}: a flat vector, no layers, for workers that
+ *            compute the model themselves, see model_spec.h)
  *   "optimizer": {"name": "adam", "lr": 0.001, "beta1": 0.9, "beta2": 0.999,
  *                 "eps": 1e-8, "momentum": 0.9, "nesterov": false,
  *                 "initial_accumulator": 0.1},
@@ -125,6 +127,11 @@ typedef struct {
 /* Parses a job from JSON text, filling defaults for absent optional fields.
  * On error returns PS_EINVAL with a message that names the field. */
 int ps_job_parse(const char *json_text, ps_job *job, char *err);
+
+/* Whether a job's model has layers to compute, as ps-worker needs: 0, or
+ * PS_EINVAL with a message saying that a flat model ({"params": P}) is
+ * for workers that compute the model themselves (Python workers). */
+int ps_job_check_layers(const ps_job *job, char *err);
 
 /* Reads and parses a job file; the message names the file and the line and
  * column of a JSON syntax error. If text_out is not NULL it receives the

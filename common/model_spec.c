@@ -684,10 +684,129 @@ static int check_every_output_read(const ps_model_spec *spec, size_t n, char *er
   return 0;
 }
 
+/* ---- flat models: {"params": P} ---- */
+
+/* An initializer: "zeros", {"constant": v}, {"uniform": a} or {"normal":
+ * s}, a and s finite and >= 0. PS_EINVAL naming `where` otherwise. */
+static int parse_flat_init(json_t *v, const char *where, ps_flat_init *out, char *err) {
+  static const char *const forms =
+      "\"zeros\", {\"constant\": v}, {\"uniform\": a} or {\"normal\": s}";
+  if (json_is_string(v) && strcmp(json_string_value(v), "zeros") == 0) {
+    *out = (ps_flat_init){PS_INIT_ZEROS, 0.0f};
+    return 0;
+  }
+  static const struct {
+    const char *key;
+    int kind, nonneg;
+  } inits[] = {{"constant", PS_INIT_CONSTANT, 0},
+               {"uniform", PS_INIT_UNIFORM, 1},
+               {"normal", PS_INIT_NORMAL, 1}};
+  if (json_is_object(v) && json_object_size(v) == 1) {
+    for (size_t k = 0; k < sizeof inits / sizeof inits[0]; k++) {
+      json_t *x = json_object_get(v, inits[k].key);
+      if (!x) continue;
+      double d = json_is_number(x) ? json_number_value(x) : NAN;
+      if (!isfinite(d) || fabs(d) > 1e30 || (inits[k].nonneg && d < 0))
+        return ps_seterr(err, PS_EINVAL, "%s: '%s' must be a finite number%s", where, inits[k].key,
+                         inits[k].nonneg ? " >= 0" : "");
+      *out = (ps_flat_init){inits[k].kind, (float)d};
+      return 0;
+    }
+  }
+  return ps_seterr(err, PS_EINVAL, "%s must be %s", where, forms);
+}
+
+/* Tensor i of a flat model's "tensors" at *off (which moves past it). */
+static int parse_flat_tensor(json_t *obj, size_t i, ps_model_spec *out, size_t *off, char *err) {
+  char where[80];
+  snprintf(where, sizeof where, "model: tensors[%zu]", i);
+  if (!json_is_object(obj))
+    return ps_seterr(err, PS_EINVAL, "%s must be an object {\"name\", \"shape\", \"init\"}", where);
+  int rc = check_keys(obj, "name, shape, init", where, err);
+  if (rc) return rc;
+  ps_flat_tensor *t = &out->tensors[i];
+  const char *name = json_string_value(json_object_get(obj, "name"));
+  size_t len = name ? strlen(name) : 0;
+  if (!name || len == 0 || len >= sizeof t->name ||
+      strspn(name, "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-") != len)
+    return ps_seterr(err, PS_EINVAL,
+                     "%s: 'name' is required: 1 to %zu characters from [A-Za-z0-9_.-]", where,
+                     sizeof t->name - 1);
+  snprintf(t->name, sizeof t->name, "%s", name);
+  snprintf(where, sizeof where, "model: tensor '%s'", t->name);
+  for (size_t j = 0; j < i; j++)
+    if (strcmp(out->tensors[j].name, t->name) == 0)
+      return ps_seterr(err, PS_EINVAL, "%s: the name is given twice (tensors %zu and %zu)", where,
+                       j, i);
+  json_t *shape = json_object_get(obj, "shape");
+  size_t nd = json_is_array(shape) ? json_array_size(shape) : 0;
+  if (nd < 1 || nd > PS_FLAT_MAX_DIMS)
+    return ps_seterr(err, PS_EINVAL, "%s: 'shape' must be a list of 1 to %d positive integers",
+                     where, PS_FLAT_MAX_DIMS);
+  size_t count = 1;
+  for (size_t d = 0; d < nd; d++) {
+    json_t *x = json_array_get(shape, d);
+    if (!json_is_integer(x) || json_integer_value(x) < 1 || json_integer_value(x) > INT32_MAX ||
+        mul_within(count, (size_t)json_integer_value(x), MAX_PARAMS, &count))
+      return ps_seterr(err, PS_EINVAL,
+                       "%s: 'shape'[%zu] must be a positive integer (and the tensor at most %zu "
+                       "values)",
+                       where, d, MAX_PARAMS);
+    t->shape[d] = (int32_t)json_integer_value(x);
+  }
+  t->ndim = (int)nd;
+  t->off = *off;
+  t->count = count;
+  t->init = out->flat_init;
+  json_t *init = json_object_get(obj, "init");
+  if (init && (rc = parse_flat_init(init, where, &t->init, err))) return rc;
+  if (count > out->n_params - *off)
+    return ps_seterr(err, PS_EINVAL,
+                     "%s: the tensors hold more than 'params' (%zu) values: [%zu, %zu) ends "
+                     "past it",
+                     where, out->n_params, *off, *off + count);
+  *off += count;
+  return 0;
+}
+
+/* A flat model: "params", and optionally "init" and "tensors". */
+static int parse_flat(json_t *root, ps_model_spec *out, char *err) {
+  int rc =
+      check_keys(root, "params, init, tensors", "model (flat: a parameter count, no layers)", err);
+  if (rc) return rc;
+  json_t *p = json_object_get(root, "params");
+  if (!json_is_integer(p) || json_integer_value(p) < 1 ||
+      (unsigned long long)json_integer_value(p) > MAX_PARAMS)
+    return ps_seterr(err, PS_EINVAL, "model: 'params' must be an integer in 1..%zu", MAX_PARAMS);
+  out->flat = 1;
+  out->n_params = (size_t)json_integer_value(p);
+  out->flat_init = (ps_flat_init){PS_INIT_ZEROS, 0.0f};
+  json_t *init = json_object_get(root, "init");
+  if (init && (rc = parse_flat_init(init, "model: 'init'", &out->flat_init, err))) return rc;
+  json_t *tensors = json_object_get(root, "tensors");
+  if (!tensors) return 0;
+  size_t n = json_is_array(tensors) ? json_array_size(tensors) : 0;
+  if (n < 1 || n > PS_FLAT_MAX_TENSORS)
+    return ps_seterr(err, PS_EINVAL,
+                     "model: 'tensors' must be a list of 1 to %d tensors {\"name\", \"shape\"}",
+                     PS_FLAT_MAX_TENSORS);
+  size_t off = 0;
+  for (size_t i = 0; i < n; i++)
+    if ((rc = parse_flat_tensor(json_array_get(tensors, i), i, out, &off, err))) return rc;
+  out->n_tensors = (int)n;
+  if (off != out->n_params)
+    return ps_seterr(err, PS_EINVAL,
+                     "model: the tensors hold %zu values but 'params' is %zu: they must tile the "
+                     "vector",
+                     off, out->n_params);
+  return 0;
+}
+
 int ps_model_spec_from_json(const void *json_obj, ps_model_spec *out, char *err) {
   json_t *root = (json_t *)json_obj;
   memset(out, 0, sizeof *out);
   if (!json_is_object(root)) return ps_seterr(err, PS_EINVAL, "model: must be a JSON object");
+  if (json_object_get(root, "params")) return parse_flat(root, out, err);
   int rc;
   json_t *layers;
   if ((rc = check_keys(root, "input, ids, classes, layers", "model", err))) return rc;
@@ -750,9 +869,42 @@ static size_t fill_const(float *out, size_t begin, size_t pos, size_t stop, size
   return stop > pos ? stop : pos;
 }
 
+/* Fills out[pos - begin ..] for the global indices [pos, min(stop, end))
+ * with init's values; returns where it stopped. */
+static size_t fill_init(float *out, size_t begin, size_t pos, size_t stop, size_t end,
+                        const ps_flat_init *init, uint64_t seed) {
+  if (init->kind == PS_INIT_ZEROS || init->kind == PS_INIT_CONSTANT)
+    return fill_const(out, begin, pos, stop, end, init->kind == PS_INIT_ZEROS ? 0.0f : init->value);
+  if (stop > end) stop = end;
+  const float a = init->value;
+  if (init->kind == PS_INIT_UNIFORM)
+    for (size_t g = pos; g < stop; g++)
+      out[g - begin] = (2.0f * ps_rng_uniform(seed, 0, g) - 1.0f) * a;
+  else
+    for (size_t g = pos; g < stop; g++) out[g - begin] = ps_rng_normal(seed, 0, g) * a;
+  return stop > pos ? stop : pos;
+}
+
+/* A flat model's initial values of [begin, end): each tensor's init, or
+ * the model's where it names none. */
+static void init_flat(const ps_model_spec *spec, uint64_t seed, size_t begin, size_t end,
+                      float *out) {
+  size_t pos = begin;
+  for (int i = 0; i < spec->n_tensors && pos < end; i++) {
+    const ps_flat_tensor *t = &spec->tensors[i];
+    if (t->off + t->count <= pos) continue;
+    pos = fill_init(out, begin, pos, t->off + t->count, end, &t->init, seed);
+  }
+  if (pos < end) fill_init(out, begin, pos, end, end, &spec->flat_init, seed);
+}
+
 void ps_model_init_params(const ps_model_spec *spec, uint64_t seed, size_t begin, size_t end,
                           float *out) {
   if (end <= begin) return;
+  if (spec->flat) {
+    init_flat(spec, seed, begin, end, out);
+    return;
+  }
   /* Walk the tensors in layout order, skipping those before the window in
    * O(layers), then fill each overlap with one tight loop. Tensors tile
    * [0, P) exactly; anything past P (a caller bug) is zero. */
@@ -829,6 +981,12 @@ void ps_model_spec_describe(const ps_model_spec *spec, char *buf, size_t len) {
       if (n_ > 0) used += (size_t)n_ < len - used ? (size_t)n_ : len - used; \
     }                                                                        \
   } while (0)
+  if (spec->flat) {
+    if (spec->n_tensors)
+      APPEND("flat(%d tensors, no layers) ", spec->n_tensors);
+    else
+      APPEND("flat(no layers) ");
+  }
   for (int i = 0; i < spec->n_layers; i++) {
     const ps_layer *L = &spec->layers[i];
     switch (L->type) {

@@ -63,6 +63,23 @@
  * batch's statistics in their places and the shard folds them in as
  * moving = momentum * moving + (1 - momentum) * pushed (Keras's rule and
  * defaults: momentum 0.99, epsilon 0.001; epsilon >= 1e-5).
+ *
+ * A flat model: the parameter count alone, no layers, for workers that
+ * compute the model themselves (Python workers, python/psclient): the
+ * servers initialize, shard, update, checkpoint, replicate and export it
+ * as any other; ps-worker has nothing to compute for it.
+ *   {"params": 421642}                          every value 0
+ *   {"params": 7850, "init": {"uniform": 0.01}} one initializer for all
+ *   {"params": 42, "init": "zeros", "tensors": [
+ *      {"name": "fc.weight", "shape": [4, 10], "init": {"uniform": 0.3}},
+ *      {"name": "fc.bias", "shape": [2]}]}
+ * "init" is "zeros", {"constant": v}, {"uniform": a} (U(-a, a)) or
+ * {"normal": s} (N(0, s^2)), drawn per global index from the job's seed
+ * (ps_rng_uniform / ps_rng_normal), so the values do not depend on the
+ * shards. "tensors" (optional) names ranges of the vector in order, each
+ * with its shape (1 to PS_FLAT_MAX_DIMS dimensions) and optionally its
+ * own init (default: the model's); their sizes must add up to "params".
+ * Workers read them as named ranges.
  */
 #ifndef PS_COMMON_MODEL_SPEC_H
 #define PS_COMMON_MODEL_SPEC_H
@@ -135,6 +152,25 @@ typedef struct {
   size_t s_off, s_count;
 } ps_layer;
 
+/* A flat model's initializers (ps_flat_init.kind). */
+enum { PS_INIT_ZEROS = 0, PS_INIT_CONSTANT = 1, PS_INIT_UNIFORM = 2, PS_INIT_NORMAL = 3 };
+typedef struct {
+  int kind;    /* PS_INIT_* */
+  float value; /* constant: the value; uniform: the bound a of U(-a, a); normal: the std */
+} ps_flat_init;
+
+#define PS_FLAT_MAX_TENSORS 256
+#define PS_FLAT_MAX_DIMS 6
+/* A named range of a flat model: [off, off + count), count the product
+ * of shape[0 .. ndim). */
+typedef struct {
+  char name[48];
+  size_t off, count;
+  int ndim;
+  int32_t shape[PS_FLAT_MAX_DIMS];
+  ps_flat_init init;
+} ps_flat_tensor;
+
 typedef struct {
   int in_c, in_h, in_w;
   int n_ids;   /* categorical ids per example ("ids"; 0: none) */
@@ -142,10 +178,17 @@ typedef struct {
   int n_layers;
   ps_layer layers[PS_MAX_LAYERS];
   size_t n_params; /* P */
+  /* A flat model ({"params": P}): no layers (n_layers 0, no input or
+   * classes); its initializer and its named ranges, if any. */
+  int flat;
+  ps_flat_init flat_init;
+  int n_tensors;
+  ps_flat_tensor tensors[PS_FLAT_MAX_TENSORS];
 } ps_model_spec;
 
-/* Parses the spec from JSON text. On error returns PS_EINVAL with a message
- * naming the layer and the field; *out is then unspecified. */
+/* Parses the spec from JSON text (layers, or a flat model). On error
+ * returns PS_EINVAL with a message naming the layer (or tensor) and the
+ * field; *out is then unspecified. */
 int ps_model_spec_parse(const char *json_text, ps_model_spec *out, char *err);
 
 /* Same, from a jansson object (json_t *), to parse a spec inside a job. */
@@ -155,7 +198,8 @@ int ps_model_spec_from_json(const void *json_obj, ps_model_spec *out, char *err)
  * out[0 .. end-begin). Weights: He-uniform for layers followed by relu
  * (or by batchnorm and relu), Glorot-uniform otherwise, drawn from
  * ps_rng_uniform(seed, 0, index); biases: zero; batchnorm: gamma 1, beta
- * 0, moving mean 0, moving variance 1. The result depends only on (spec, seed, index). */
+ * 0, moving mean 0, moving variance 1. A flat model: each tensor's (or
+ * the model's) init. The result depends only on (spec, seed, index). */
 void ps_model_init_params(const ps_model_spec *spec, uint64_t seed, size_t begin, size_t end,
                           float *out);
 

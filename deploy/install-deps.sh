@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the build and the quickstart need; with
 # --tests also those only the tests use (Prometheus, Slurm and munge, the
-# package and man page tools, venv); and any named on the command line
-# (tests/fuzz/run.sh asks for clang). Idempotent: quiet when everything is
-# already there. Uses sudo when not root. Services that Debian's packages
-# enable and start on a systemd host (prometheus, munge, slurmctld,
-# slurmd) are stopped and disabled again when this script installed them:
-# the tests start their own.
+# package and man page tools, venv, NumPy and PyTorch); and any named on the
+# command line (tests/fuzz/run.sh asks for clang). Idempotent: quiet when
+# everything is already there. Uses sudo when not root. Services that
+# Debian's packages enable and start on a systemd host (prometheus, munge,
+# slurmctld, slurmd) are stopped and disabled again when this script
+# installed them: the tests start their own.
 #   deploy/install-deps.sh [--tests] [PACKAGE...]
 set -euo pipefail
 
@@ -19,6 +19,7 @@ if [ "${1:-}" = --tests ]; then
     dpkg-dev file help2man                # deploy.deb: cpack -G DEB, Depends:, man pages
     patchelf                              # gpu.bundle: the GPU bundle's RUNPATHs
     slurmctld slurmd slurm-client munge   # deploy.slurm: a Slurm cluster of its own
+    python3-numpy python3-torch           # python.*: Python workers (NumPy, PyTorch's CPU build)
   )
 fi
 packages=(

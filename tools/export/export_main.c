@@ -3,10 +3,12 @@
  * tensor (np.load, PyTorch, Keras) and per embedding table, or the
  * inference graph as an ONNX file (onnxruntime and other ONNX readers). The
  * flag table drives parsing and --help. */
+#include <errno.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "common/job.h"
 #include "common/options.h"
@@ -65,6 +67,25 @@ static const ps_optspec export_spec = {
     .footer = "Exit status: 0 done, 1 failed (nothing is left half-written), 2 bad usage.",
 };
 
+/* A flat model (no layers): the whole vector as one file, OUT/params.npy
+ * (P) float32, in the order of the job's "tensors" when it names them. */
+static int export_flat_npy(const ps_job *job, const float *params, const char *out_dir,
+                           int *files, char *err) {
+  if (mkdir(out_dir, 0777) != 0) {
+    struct stat st;
+    if (errno != EEXIST || stat(out_dir, &st) != 0 || !S_ISDIR(st.st_mode))
+      return ps_seterr(err, PS_EIO, "cannot create directory '%s': %s", out_dir,
+                       errno == EEXIST ? "a file of that name exists" : strerror(errno));
+  }
+  char path[4096];
+  if (snprintf(path, sizeof path, "%s/params.npy", out_dir) >= (int)sizeof path)
+    return ps_seterr(err, PS_EINVAL, "the path '%s/params.npy' is too long", out_dir);
+  const size_t shape[1] = {job->model.n_params};
+  int rc = ps_npy_write(path, params, shape, 1, err);
+  if (rc == 0) *files = 1;
+  return rc;
+}
+
 /* Writes params in the chosen format; 0, or an error code with a message. */
 static int export_params(const export_opts *o, const ps_job *job, const float *params,
                          const ps_ckpt_restored *got, char *err) {
@@ -87,7 +108,8 @@ static int export_params(const export_opts *o, const ps_job *job, const float *p
     return rc;
   }
   int files = 0, tfiles = 0;
-  int rc = ps_ckpt_export_npy(&job->model, params, o->out, &files, err);
+  int rc = job->model.flat ? export_flat_npy(job, params, o->out, &files, err)
+                           : ps_ckpt_export_npy(&job->model, params, o->out, &files, err);
   if (rc == 0)
     rc = ps_table_ckpt_export_npy(job, got->parts, got->n_parts, o->out, &tfiles, err);
   files += tfiles;

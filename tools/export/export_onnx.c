@@ -506,6 +506,11 @@ static emit_fn emitter_of(ps_layer_type type) {
 }
 
 int ps_onnx_check_spec(const ps_model_spec *spec, char *err) {
+  if (spec->flat)
+    return ps_seterr(err, PS_EINVAL,
+                     "the job's model is a flat vector of %zu parameters with no layers (its "
+                     "workers compute it): there is no graph to export to ONNX; use --format npy",
+                     spec->n_params);
   for (int i = 0; i < spec->n_layers; i++)
     if (!emitter_of(spec->layers[i].type))
       return ps_seterr(err, PS_EINVAL,

@@ -31,6 +31,10 @@ static int setup_job(ps_worker *w, char *err) {
       fprintf(stderr, "ps-worker: %s\n", err);
       return PS_WORKER_EXIT_USAGE;
     }
+    if (ps_job_check_layers(&w->job, err) != 0) {
+      fprintf(stderr, "ps-worker: %s\n", err);
+      return PS_WORKER_EXIT_USAGE;
+    }
     w->rank = o->index >= 0 ? o->index : 0;
     if (o->chief < 0) o->chief = 1;
   } else {
@@ -64,6 +68,10 @@ static int setup_job(ps_worker *w, char *err) {
     if (ps_job_parse(ps_client_job_json(w->client), &w->job, err) != 0) {
       fprintf(stderr, "ps-worker: the job from %s does not parse: %s\n", o->ps_addr, err);
       return PS_WORKER_EXIT_ERROR;
+    }
+    if (ps_job_check_layers(&w->job, err) != 0) {
+      fprintf(stderr, "ps-worker: %s\n", err);
+      return PS_WORKER_EXIT_USAGE;
     }
     if (ps_client_param_count(w->client) != w->job.model.n_params) {
       fprintf(stderr, "ps-worker: the servers hold %zu values, the job's model has %zu\n",
