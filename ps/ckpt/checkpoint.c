@@ -1384,6 +1384,44 @@ int ps_ckpt_prune_sets(const char *dir, int index, int num_shards, const char *j
   return PS_OK;
 }
 
+static int u64_desc(const void *a, const void *b) {
+  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+  return x < y ? 1 : x > y ? -1 : 0;
+}
+
+int ps_ckpt_list_sets(const char *dir, int index, int num_shards, const char *job_id,
+                      uint64_t *sets, int max, int *n, char *err) {
+  *n = 0;
+  if (!dir || !job_id || num_shards < 1 || index < 0 || index >= num_shards || max < 0 ||
+      (max > 0 && !sets))
+    return ps_seterr(err, PS_EINVAL, "checkpoint sets: bad arguments");
+  ckpt_list l;
+  int rc = list_dir(dir, index, num_shards, &l, err);
+  if (rc == PS_ENOTFOUND) return PS_OK;
+  if (rc) return rc;
+  uint64_t *ids = malloc((l.n ? l.n : 1) * sizeof *ids);
+  if (!ids) {
+    list_free(&l);
+    return ps_seterr(err, PS_ENOMEM, "out of memory listing '%s'", dir);
+  }
+  size_t k = 0;
+  for (size_t i = 0; i < l.n; i++) {
+    char path[PS_CKPT_PATHLEN];
+    ps_ckpt_meta m;
+    if (join_path(path, dir, l.v[i].name, NULL) == PS_OK &&
+        ps_ckpt_read_header(path, &m, NULL, NULL, NULL) == PS_OK &&
+        strcmp(m.job_id, job_id) == 0 && m.index == index && m.num_shards == num_shards &&
+        m.set_id != 0)
+      ids[k++] = m.set_id;
+  }
+  list_free(&l);
+  qsort(ids, k, sizeof *ids, u64_desc);
+  for (size_t i = 0; i < k && *n < max; i++)
+    if (i == 0 || ids[i] != ids[i - 1]) sets[(*n)++] = ids[i];
+  free(ids);
+  return PS_OK;
+}
+
 /* ---------------------------------------------------------------- tables */
 
 static const uint8_t TABLES_MAGIC[4] = {'P', 'S', 'T', 'B'};

@@ -167,6 +167,14 @@ int ps_ckpt_prune_sets(const char *dir, int index, int num_shards, const char *j
                        const uint64_t *keep_sets, int n_keep, uint64_t current, int drop_other_s,
                        int *deleted, char *err);
 
+/* The sets of which shard `index` of `num_shards` of job_id has a file in
+ * dir: their ids, newest first, at most max of them, into sets (*n: how
+ * many). Files written alone (set id 0) and files whose header cannot be
+ * read are not counted. A missing dir has none. Returns 0; PS_EINVAL (bad
+ * arguments), PS_EIO (dir cannot be listed), PS_ENOMEM. */
+int ps_ckpt_list_sets(const char *dir, int index, int num_shards, const char *job_id,
+                      uint64_t *sets, int max, int *n, char *err);
+
 /* Removes the temporary files that writers of shard `index` of
  * `num_shards` left in dir when they died in the middle of a write
  * (SIGKILL, a crash, a power cut before the rename): files named

@@ -25,9 +25,12 @@
  *
  * A shard held longer than PS_CUT_HOLD_S by a PREPARE or a CUT that cannot
  * be met goes on by itself (the set is then incomplete and never used). A
- * set is complete when every shard answered its CUT; shard 0 keeps the
- * newest complete ones (--keep-checkpoints) and each CUT names them, so
- * that each shard deletes its files of the others.
+ * set is complete when every shard answered its CUT, or when every shard
+ * has a file of it (each PREPARE answer lists the sets the shard has: so a
+ * new coordinator learns the sets an earlier one cut). Each CUT names the
+ * K - 1 newest complete sets (at least one; --keep-checkpoints K), so that
+ * each shard deletes its files of the others and the newest complete set
+ * stays whole until a newer one is complete.
  *
  * Threads: the gate functions run on gRPC's threads, the watch and the
  * writes on the loop (main thread) and its work queue, the coordination on
@@ -41,6 +44,7 @@
 #include "proto/ps.pb-c.h"
 #include "ps/ckpt/cut.h"
 #include "ps/ckpt/capture.h"
+#include "ps/ckpt/checkpoint.h"
 #include "ps/core/rows.h"
 
 enum { CUT_NONE = 0, CUT_HOLD = 1, CUT_TAKING = 2 };
@@ -488,6 +492,17 @@ static void on_wake(uv_async_t *a) {
 
 static void answer_prepare(ps_server *sv, rpc_call *call, uint64_t set_id) {
   ps_cut *c = sv->cut;
+  /* The sets this shard has a file of (listed before the hold: only this
+   * shard's own cuts change them, and none is under way when a PREPARE is
+   * accepted). Shard 0 takes a set every shard has as complete. */
+  uint64_t on_disk[PS_CUT_MAX_KEEP];
+  int n_on_disk = 0;
+  char lerr[PS_ERRLEN];
+  if (ps_ckpt_list_sets(sv->ckpt_dir, sv->index, sv->cluster.n_ps, sv->job.job_id, on_disk,
+                        PS_CUT_MAX_KEEP, &n_on_disk, lerr) != PS_OK) {
+    PS_WARN("checkpoint set %" PRIu64 ": %s", set_id, lerr);
+    n_on_disk = 0;
+  }
   pthread_mutex_lock(&c->mu);
   if (c->phase != CUT_NONE && !c->ready && !c->writing && c->set_id < set_id) {
     /* A newer set while an older one is held or being taken here: shard
@@ -547,6 +562,8 @@ static void answer_prepare(ps_server *sv, rpc_call *call, uint64_t set_id) {
     resp.version = st.version;
     resp.n_applied = (size_t)k;
     resp.applied = wrp;
+    resp.n_sets_on_disk = (size_t)n_on_disk;
+    resp.sets_on_disk = on_disk;
     wire_reply(call, &resp.base);
   }
   free(ids);
@@ -795,6 +812,36 @@ static void fan_out(ps_server *sv, Ps__CheckpointRequest *req, int timeout_ms,
   if (q) rpc_queue_destroy(q);
 }
 
+/* A set known complete, into the newest-first list of them (once). */
+static void note_complete(ps_cut *c, uint64_t id) {
+  int at = 0;
+  while (at < c->n_complete && c->complete[at] > id) at++;
+  if (at < c->n_complete && c->complete[at] == id) return;
+  if (at >= PS_CUT_MAX_KEEP) return;
+  int last = c->n_complete < PS_CUT_MAX_KEEP ? c->n_complete : PS_CUT_MAX_KEEP - 1;
+  for (int i = last; i > at; i--) c->complete[i] = c->complete[i - 1];
+  c->complete[at] = id;
+  if (c->n_complete < PS_CUT_MAX_KEEP) c->n_complete++;
+}
+
+/* The sets every shard has a file of (the PREPARE answers) are complete: a
+ * restore would take them. A coordinator that did not cut them (shard 0's
+ * new primary, or shard 0 restarted) learns them here, so that the newest
+ * of them is never pruned for a set it does not know. */
+static void note_whole_sets(ps_cut *c, Ps__CheckpointResponse **resp, int S) {
+  for (size_t i = 0; S > 0 && i < resp[0]->n_sets_on_disk; i++) {
+    uint64_t id = resp[0]->sets_on_disk[i];
+    int everywhere = 1;
+    for (int s = 1; s < S && everywhere; s++) {
+      int has = 0;
+      for (size_t j = 0; j < resp[s]->n_sets_on_disk && !has; j++)
+        has = resp[s]->sets_on_disk[j] == id;
+      everywhere = has;
+    }
+    if (everywhere) note_complete(c, id);
+  }
+}
+
 static void free_answers(Ps__CheckpointResponse **resp, int S) {
   for (int s = 0; s < S; s++)
     if (resp[s]) protobuf_c_message_free_unpacked(&resp[s]->base, NULL);
@@ -855,6 +902,7 @@ static void coord_run(uv_work_t *w) {
       snprintf(why[0], PS_ERRLEN, "out of memory");
     }
   }
+  if (bad < 0) note_whole_sets(c, resp, S);
   free_answers(resp, S);
   const char *phase = "PREPARE";
   if (bad < 0) {
@@ -862,13 +910,18 @@ static void coord_run(uv_work_t *w) {
     req.n_cut = n_cut;
     req.cut = cutp;
     req.cut_version = cut_version;
+    /* The sets to keep: the newest complete ones, K - 1 of them (this set
+     * makes K), and at least one: this set is not complete until every
+     * shard wrote it, so the newest complete set must stay whole until
+     * then whatever happens to this one. When none is known, nothing is
+     * deleted. */
     int keep = sv->ckpt_keep;
     uint64_t keep_sets[PS_CUT_MAX_KEEP];
     size_t n_keep = 0;
-    for (int i = 0; keep > 0 && i < c->n_complete && (int)n_keep < keep - 1; i++)
+    int want = keep > 1 ? keep - 1 : 1;
+    for (int i = 0; keep > 0 && i < c->n_complete && (int)n_keep < want; i++)
       keep_sets[n_keep++] = c->complete[i];
-    if (keep > 0 && n_keep == 0) keep_sets[n_keep++] = id; /* keep 1: this set only */
-    req.n_keep_sets = keep > 0 ? n_keep : 0;
+    req.n_keep_sets = n_keep;
     req.keep_sets = keep_sets;
     req.drop_other_layouts = keep > 0 && c->n_complete >= keep;
     fan_out(sv, &req, PS_CUT_WRITE_MS, resp, st, why);
@@ -876,9 +929,7 @@ static void coord_run(uv_work_t *w) {
     for (int s = 0; s < S && bad < 0; s++)
       if (st[s] != RPC_OK) bad = s;
     if (bad < 0) {
-      for (int i = PS_CUT_MAX_KEEP - 1; i > 0; i--) c->complete[i] = c->complete[i - 1];
-      c->complete[0] = id;
-      if (c->n_complete < PS_CUT_MAX_KEEP) c->n_complete++;
+      note_complete(c, id);
       char versions[256] = "";
       size_t at = 0;
       for (int s = 0; s < S && at < sizeof versions - 24; s++)

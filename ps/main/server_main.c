@@ -43,7 +43,8 @@ static const ps_option server_flags[] = {
      .help = "shard 0: ... or every N of its updates; 0: not by count"},
     {"keep-checkpoints", "K", PS_OPT_INT, O(ckpt_keep), 1, PS_CUT_MAX_KEEP, .def = "3",
      .help = "keep the newest K complete sets (shard 0 names them; each shard deletes its other "
-     "files)"},
+     "files); the newest complete set stays until a newer one is complete, so K = 1 holds two "
+     "while one is written"},
     {"metrics", "FILE", PS_OPT_STR, O(metrics_path), .help =
      "append JSON Lines every log interval: `time`, `shard`, `version`, `pushes`, `pulls`, "
      "`rejected`, `pushes_per_sec`, `staleness_mean`, `staleness_max`, `staleness_hist`, "

@@ -1202,6 +1202,23 @@ static void test_prune_sets(void) {
   const uint64_t keep[2] = {5, 6};
   int deleted = -1;
 
+  /* The sets a shard has a file of (what it tells shard 0 at a PREPARE):
+   * this job's, this shard's, this layout's, newest first; files written
+   * alone, other jobs', other shards' and unreadable ones not counted. */
+  uint64_t sets[8];
+  int n_sets = -1;
+  CHECK(ps_ckpt_list_sets(dir, 0, 2, "job-a", sets, 8, &n_sets, err) == PS_OK);
+  CHECK_MSG(n_sets == 4 && sets[0] == 6 && sets[1] == 5 && sets[2] == 4 && sets[3] == 3,
+            "%d sets", n_sets);
+  CHECK(ps_ckpt_list_sets(dir, 0, 2, "job-a", sets, 2, &n_sets, err) == PS_OK && n_sets == 2 &&
+        sets[0] == 6 && sets[1] == 5);
+  CHECK(ps_ckpt_list_sets(dir, 1, 2, "job-a", sets, 8, &n_sets, err) == PS_OK && n_sets == 1 &&
+        sets[0] == 3);
+  CHECK(ps_ckpt_list_sets(dir, 0, 3, "job-a", sets, 8, &n_sets, err) == PS_OK && n_sets == 1 &&
+        sets[0] == 3);
+  CHECK(ps_ckpt_list_sets(dir, 0, 2, "job-c", sets, 8, &n_sets, err) == PS_OK && n_sets == 0);
+  CHECK(ps_ckpt_list_sets(dir, 2, 2, "job-a", sets, 8, &n_sets, err) == PS_EINVAL);
+
   /* No kept sets known: nothing deleted, even with drop_other_s. */
   CHECK(ps_ckpt_prune_sets(dir, 0, 2, "job-a", keep, 0, 6, 1, &deleted, err) == PS_OK);
   CHECK(deleted == 0 && count_entries(dir, NULL) == total);
@@ -1253,6 +1270,7 @@ static void test_prune_sets(void) {
   snprintf(missing, sizeof missing, "%s/no-such-dir", dir);
   CHECK(ps_ckpt_prune_sets(missing, 0, 2, "job-a", keep, 2, 6, 1, &deleted, err) == PS_OK &&
         deleted == 0);
+  CHECK(ps_ckpt_list_sets(missing, 0, 2, "job-a", sets, 8, &n_sets, err) == PS_OK && n_sets == 0);
   CHECK(ps_ckpt_prune_sets(dir, 2, 2, "job-a", keep, 2, 6, 0, &deleted, err) == PS_EINVAL);
   CHECK(ps_ckpt_prune_sets(dir, 0, 2, NULL, keep, 2, 6, 0, &deleted, err) == PS_EINVAL);
   CHECK(ps_ckpt_prune_sets(dir, 0, 2, "job-a", NULL, 2, 6, 0, &deleted, err) == PS_EINVAL);

@@ -17,7 +17,12 @@ at a random moment, restarts it after a random pause. Then checks:
     state (the CRC of parameters, slots and version) bit for bit;
   - the fail-over times (kill to the first push acknowledged by the new
     primary, from the servers' logs) are printed, the largest checked
-    against --max-failover-s.
+    against --max-failover-s;
+  - the checkpoint sets on disk, sampled every 50 ms: once K - 1 sets are
+    whole (every shard's file; --keep-checkpoints K, 3 by default), at
+    least K - 1 stay whole, so the newest complete set is never deleted
+    before a newer one is whole (shard 0's new primary, which did not cut
+    the earlier sets, once pruned them all for the set it was writing).
 Every wait is bounded; every process started here is killed on exit.
 """
 import argparse
@@ -29,6 +34,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 
@@ -54,6 +60,54 @@ def log_lines(path, t):
         m = re.match(r"(\d\d):(\d\d):(\d\d\.\d+) ", line)
         if m:
             yield day + int(m.group(1)) * 3600 + int(m.group(2)) * 60 + float(m.group(3)), line
+
+
+CKPT_RE = re.compile(r"^shard-(\d+)-of-(\d+)-v\d+-s(\d+)\.ckpt$")
+
+
+class SetWatch(threading.Thread):
+    """Samples the checkpoint directory every 50 ms: the sets whole on disk
+    (a file of every one of the S shards). Once `floor` sets were whole,
+    fewer than `floor` in two samples in a row (not a listing taken during
+    a rename) is a violation, kept with what was on disk."""
+
+    def __init__(self, ckpt, shards, floor):
+        super().__init__(daemon=True)
+        self.ckpt, self.S, self.floor = ckpt, shards, floor
+        self.stop_ev = threading.Event()
+        self.reached = False
+        self.short = 0
+        self.violation = None
+        self.samples = 0
+        self.most = 0
+
+    def whole(self):
+        files = {}
+        try:
+            names = os.listdir(self.ckpt)
+        except OSError:
+            return None, {}
+        for f in names:
+            m = CKPT_RE.match(f)
+            if m and int(m.group(2)) == self.S:
+                files.setdefault(int(m.group(3)), set()).add(int(m.group(1)))
+        return sorted(x for x, y in files.items() if len(y) == self.S), files
+
+    def run(self):
+        while not self.stop_ev.wait(0.05):
+            w, files = self.whole()
+            if w is None:
+                continue
+            self.samples += 1
+            self.most = max(self.most, len(w))
+            if len(w) >= self.floor:
+                self.reached, self.short = True, 0
+            elif self.reached:
+                self.short += 1
+                if self.short == 2 and self.violation is None:
+                    self.violation = (f"at {time.strftime('%H:%M:%S')}: {len(w)} whole checkpoint set(s) on disk, after {self.floor} "
+                                      f"were: a set was deleted before a newer one was whole; on disk "
+                                      f"(set: shards): {dict((k, sorted(v)) for k, v in sorted(files.items()))}")
 
 
 def main():
@@ -151,6 +205,8 @@ def main():
                 out.setdefault(i // a.replicas, []).append(i)
         return out
 
+    watch = SetWatch(ckpt, a.shards, 2)  # --keep-checkpoints 3: 2 kept beside the one written
+    watch.start()
     try:
         for i in range(n):
             start(i)
@@ -304,6 +360,14 @@ def main():
                              f"{a.epochs} epochs of {per_epoch} ({redone} redone, {wasted} "
                              f"wasted, {again} handed out again): killing primaries repeated "
                              f"examples")
+        watch.stop_ev.set()
+        watch.join(timeout=5)
+        if watch.violation:
+            sys.exit(f"FAIL: checkpoint retention: {watch.violation}")
+        if a.checkpoint_secs and not watch.reached:
+            sys.exit(f"FAIL: checkpoint retention: never 2 whole sets on disk in {watch.samples} samples")
+        print(f"replication: checkpoint sets: at least 2 whole on disk from the second on "
+              f"({watch.samples} samples, at most {watch.most} whole at once)")
         # Fail-over times: from each kill of a primary to the first update a
         # replica of that shard acknowledged as the new primary (its log's
         # "first acknowledged update as the primary").
