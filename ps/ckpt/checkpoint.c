@@ -1342,6 +1342,9 @@ int ps_ckpt_prune_sets(const char *dir, int index, int num_shards, const char *j
     return ps_seterr(err, PS_ENOMEM, "out of memory pruning '%s'", dir);
   }
   int64_t newest_kept = INT64_MIN;
+  uint64_t newest_set = 0;
+  for (int k = 0; k < n_keep; k++)
+    if (keep_sets[k] > newest_set) newest_set = keep_sets[k];
   for (size_t i = 0; i < l.n; i++) {
     char path[PS_CKPT_PATHLEN];
     ok[i] = join_path(path, dir, l.v[i].name, NULL) == PS_OK &&
@@ -1365,7 +1368,11 @@ int ps_ckpt_prune_sets(const char *dir, int index, int num_shards, const char *j
       if (m->set_id == 0) {
         drop = m->written_ms < newest_kept;
       } else if (m->set_id != current) {
-        drop = 1;
+        /* Only a set older than the newest kept one: shard 0 named the
+         * sets it knew complete when it began this set, and a newer one
+         * may have completed since (a coordinator before it, deposed in
+         * the middle of a cut, or the one after it while this CUT waited). */
+        drop = m->set_id < newest_set;
         for (int k = 0; k < n_keep; k++) drop &= m->set_id != keep_sets[k];
       }
     }

@@ -155,7 +155,9 @@ int ps_ckpt_write(const char *dir, const ps_ckpt *ck, int keep, char *path_out, 
 /* Deletes the files of shard `index` of `num_shards` of job_id in dir that
  * belong to no set worth keeping, once shard 0 knows which sets are
  * complete: the set files (set id != 0) whose set is not in keep_sets
- * (n_keep ids) and not `current` (the one just written), and the files
+ * (n_keep ids), not `current` (the one just written) and older than the
+ * newest kept set (a newer one may have completed since shard 0 named
+ * them), and the files
  * written alone (set id 0) before the newest file of a kept set. With
  * drop_other_s, also every file of the job written with another number of
  * shards (any index): from before a reshard, once enough complete sets of

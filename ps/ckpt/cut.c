@@ -29,8 +29,10 @@
  * has a file of it (each PREPARE answer lists the sets the shard has: so a
  * new coordinator learns the sets an earlier one cut). Each CUT names the
  * K - 1 newest complete sets (at least one; --keep-checkpoints K), so that
- * each shard deletes its files of the others and the newest complete set
- * stays whole until a newer one is complete.
+ * each shard deletes its files of the older others and the newest complete
+ * set stays whole until a newer one is complete. Each PREPARE and CUT names
+ * the term of shard 0's primary; a shard refuses one of a lower term than
+ * it has seen (a deposed primary's).
  *
  * Threads: the gate functions run on gRPC's threads, the watch and the
  * writes on the loop (main thread) and its work queue, the coordination on
@@ -45,6 +47,7 @@
 #include "ps/ckpt/cut.h"
 #include "ps/ckpt/capture.h"
 #include "ps/ckpt/checkpoint.h"
+#include "ps/repl/replica.h"
 #include "ps/core/rows.h"
 
 enum { CUT_NONE = 0, CUT_HOLD = 1, CUT_TAKING = 2 };
@@ -95,6 +98,7 @@ struct ps_cut {
   uint64_t complete[PS_CUT_MAX_KEEP]; /* the newest complete sets, newest first */
   int n_complete;
   uint64_t next_set;
+  uint64_t coord_term; /* the highest term of shard 0's primary a coordinator named */
 };
 
 /* ------------------------------------------------------------ cut records */
@@ -662,6 +666,24 @@ static void abort_set(ps_server *sv, rpc_call *call, uint64_t set_id) {
   wire_reply(call, &resp.base);
 }
 
+/* A PREPARE or CUT from shard 0's deposed primary (a lower term than one
+ * seen) is refused: it does not know the sets its successor began (it
+ * would give them up here) nor the state its successor holds. 1 when the
+ * call may go on. */
+static int coordinator_current(ps_server *sv, rpc_call *call, const Ps__CheckpointRequest *r) {
+  ps_cut *c = sv->cut;
+  pthread_mutex_lock(&c->mu);
+  uint64_t seen = c->coord_term;
+  if (r->coordinator_term > seen) c->coord_term = r->coordinator_term;
+  pthread_mutex_unlock(&c->mu);
+  if (r->coordinator_term >= seen) return 1;
+  rpc_call_fail(call, RPC_FAILED_PRECONDITION,
+                "shard %d: checkpoint set %" PRIu64 " comes from a deposed primary of shard 0 "
+                "(its term %" PRIu64 ", term %" PRIu64 " seen)",
+                sv->index, r->set_id, r->coordinator_term, seen);
+  return 0;
+}
+
 void ps_cut_handle(ps_server *sv, rpc_call *call, const void *request) {
   const Ps__CheckpointRequest *r = request;
   if (!sv->cut || !sv->ckpt_dir) {
@@ -673,6 +695,8 @@ void ps_cut_handle(ps_server *sv, rpc_call *call, const void *request) {
     rpc_call_fail(call, RPC_INVALID_ARGUMENT, "checkpoint set id 0 is not a set");
     return;
   }
+  if (r->phase != PS__CHECKPOINT_REQUEST__PHASE__ABORT && !coordinator_current(sv, call, r))
+    return;
   switch (r->phase) {
     case PS__CHECKPOINT_REQUEST__PHASE__PREPARE: answer_prepare(sv, call, r->set_id); break;
     case PS__CHECKPOINT_REQUEST__PHASE__CUT: start_cut(sv, call, r); break;
@@ -864,6 +888,11 @@ static void coord_run(uv_work_t *w) {
   req.header = &h;
   req.set_id = id;
   req.phase = PS__CHECKPOINT_REQUEST__PHASE__PREPARE;
+  if (sv->repl) {
+    ps_replica_view v;
+    ps_replica_view_get(sv, &v);
+    req.coordinator_term = v.term;
+  }
   Ps__CheckpointResponse *resp[PS_MAX_TASKS];
   int st[PS_MAX_TASKS];
   static char why[PS_MAX_TASKS][PS_ERRLEN];

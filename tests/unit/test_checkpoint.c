@@ -1255,14 +1255,24 @@ static void test_prune_sets(void) {
   CHECK_MSG(rc == PS_OK && deleted == 3, "%d deleted %d: %s", rc, deleted, err);
   CHECK(!exists(dir, f.s3) && !exists(dir, f.s4) && !exists(dir, f.solo_old));
   CHECK(exists(dir, f.s5) && exists(dir, f.s6) && exists(dir, f.solo_new));
+  /* A set newer than the newest kept one stays, whatever is written now
+   * (it may have completed since shard 0 named the sets to keep). */
+  const uint64_t keep5 = 5;
+  rc = ps_ckpt_prune_sets(dir, 0, 2, "job-a", &keep5, 1, 4, 0, &deleted, err);
+  CHECK_MSG(rc == PS_OK && deleted == 0 && exists(dir, f.s6), "%d deleted %d: %s", rc, deleted,
+            err);
   rc = ps_ckpt_prune_sets(dir, 0, 2, "job-a", keep, 1, 0, 0, &deleted, err);
+  CHECK_MSG(rc == PS_OK && deleted == 0, "%d deleted %d: %s", rc, deleted, err);
+  /* Keeping 6, set 5 goes (older than the newest kept, not kept). */
+  const uint64_t keep6 = 6;
+  rc = ps_ckpt_prune_sets(dir, 0, 2, "job-a", &keep6, 1, 0, 0, &deleted, err);
   CHECK_MSG(rc == PS_OK && deleted == 1, "%d deleted %d: %s", rc, deleted, err);
-  CHECK(!exists(dir, f.s6) && exists(dir, f.s5) && exists(dir, f.solo_new));
+  CHECK(exists(dir, f.s6) && !exists(dir, f.s5) && exists(dir, f.solo_new));
   /* Shard 1's files are its own to prune. */
   const uint64_t keep9 = 9;
   rc = ps_ckpt_prune_sets(dir, 1, 2, "job-a", &keep9, 1, 9, 0, &deleted, err);
   CHECK_MSG(rc == PS_OK && deleted == 1, "%d deleted %d: %s", rc, deleted, err);
-  CHECK(!exists(dir, f.shard1) && exists(dir, f.s5));
+  CHECK(!exists(dir, f.shard1) && exists(dir, f.s6));
   CHECK(exists(dir, f.b_set) && exists(dir, f.b_solo) && exists(dir, f.b_other_s));
 
   /* No directory: nothing to do; bad arguments. */
