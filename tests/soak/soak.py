@@ -737,6 +737,7 @@ class Nemesis:
             self.kinds.append(k)
             self.weights.append(FAULT_KINDS[k][0])
         self.next_t = None
+        self.cycle = []  # --one-at-a-time: the kinds left in this round
 
     def later(self, delay, text, fn):
         self.seq += 1
@@ -1055,8 +1056,18 @@ class Nemesis:
                 self.tl.log("nemesis", f"error undoing a fault: {ex!r}")
         if self.next_t is None:
             self.next_t = now + self.a.warmup_s
+        if self.a.one_at_a_time and now >= self.next_t and (
+                self.pending or self.impaired or
+                any(f["end"] + self.a.gap_s > now for f in self.faults)):
+            self.next_t = now + 0.25  # the last fault is not undone, or too recent
         if now >= self.next_t and now < t_stop and self.kinds:
-            kind = self.sched.choices(self.kinds, self.weights)[0]
+            if self.a.one_at_a_time:  # every kind in turn, in a seeded order per round
+                if not self.cycle:
+                    self.cycle = list(self.kinds)
+                    self.sched.shuffle(self.cycle)
+                kind = self.cycle.pop()
+            else:
+                kind = self.sched.choices(self.kinds, self.weights)[0]
             try:
                 text = {"worker_kill": self.f_worker_kill, "worker_stop": self.f_worker_stop,
                         "worker_join": self.f_worker_join, "worker_leave": self.f_worker_leave,
@@ -1751,6 +1762,10 @@ def main():
     ap.add_argument("--faults", default="", help=f"comma-separated kinds (default all): {', '.join(FAULT_KINDS)}")
     ap.add_argument("--fault-every", type=float, default=4.0, help="mean seconds between faults (default 4)")
     ap.add_argument("--warmup-s", type=float, default=5.0, help="no faults for this long after the workers start")
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="one fault at a time, every kind in turn, each --gap-s after the last was undone and "
+                    "the replicas caught up (what each kind costs, with --report)")
+    ap.add_argument("--gap-s", type=float, default=14.0, help="with --one-at-a-time (default 14: no fault within 10 s after the last, nor 3 s before the next)")
     ap.add_argument("--allow-total-loss", action="store_true", help="may kill every replica of a shard at once")
     ap.add_argument("--checkpoint-secs", type=float, default=1)
     ap.add_argument("--keep-checkpoints", type=int, default=3)
