@@ -177,7 +177,11 @@ int main(int argc, char **argv) {
   }
   double peak1 = peak_mib(argv[2]);
   printf("  server peak memory: %.0f MiB before, %.0f MiB after\n", peak0, peak1);
-  CHECK_MSG(peak0 > 0 && peak1 - peak0 < 64, "the server's peak memory grew by %.0f MiB",
+  /* Half of the 256 MiB sent: a server that buffered the message whole
+   * would pass it. (About 40 MiB in a plain build; a sanitized one keeps
+   * freed blocks in quarantine and grew by 82 MiB once under load, past the
+   * 64 MiB this bound was.) */
+  CHECK_MSG(peak0 > 0 && peak1 - peak0 < 128, "the server's peak memory grew by %.0f MiB",
             peak1 - peak0);
   snapshot(ch, &w[0], after, &v1);
   CHECK_MSG(v1 == v0 && memcmp(before, after, C.range_cnt * sizeof(float)) == 0,
