@@ -1320,6 +1320,17 @@ int ps_ckpt_load_range(const ps_ckpt_source *src, size_t begin, size_t end, floa
   return rc;
 }
 
+/* The header of a listed file of job_id whose header agrees with its name
+ * (index and number of shards): 1 with *m filled, else 0. */
+static int job_entry_meta(const char *dir, const ckpt_entry *e, const char *job_id,
+                          ps_ckpt_meta *m) {
+  char path[PS_CKPT_PATHLEN];
+  return join_path(path, dir, e->name, NULL) == PS_OK &&
+         ps_ckpt_read_header(path, m, NULL, NULL, NULL) == PS_OK &&
+         strcmp(m->job_id, job_id) == 0 && m->index == e->index &&
+         m->num_shards == e->num_shards;
+}
+
 int ps_ckpt_prune_sets(const char *dir, int index, int num_shards, const char *job_id,
                        const uint64_t *keep_sets, int n_keep, uint64_t current, int drop_other_s,
                        int *deleted, char *err) {
@@ -1346,11 +1357,7 @@ int ps_ckpt_prune_sets(const char *dir, int index, int num_shards, const char *j
   for (int k = 0; k < n_keep; k++)
     if (keep_sets[k] > newest_set) newest_set = keep_sets[k];
   for (size_t i = 0; i < l.n; i++) {
-    char path[PS_CKPT_PATHLEN];
-    ok[i] = join_path(path, dir, l.v[i].name, NULL) == PS_OK &&
-            ps_ckpt_read_header(path, &meta[i], NULL, NULL, NULL) == PS_OK &&
-            strcmp(meta[i].job_id, job_id) == 0 && meta[i].index == l.v[i].index &&
-            meta[i].num_shards == l.v[i].num_shards;
+    ok[i] = (char)job_entry_meta(dir, &l.v[i], job_id, &meta[i]);
     if (!ok[i] || meta[i].num_shards != num_shards || meta[i].index != index ||
         meta[i].set_id == 0)
       continue;
@@ -1413,13 +1420,8 @@ int ps_ckpt_list_sets(const char *dir, int index, int num_shards, const char *jo
   }
   size_t k = 0;
   for (size_t i = 0; i < l.n; i++) {
-    char path[PS_CKPT_PATHLEN];
-    ps_ckpt_meta m;
-    if (join_path(path, dir, l.v[i].name, NULL) == PS_OK &&
-        ps_ckpt_read_header(path, &m, NULL, NULL, NULL) == PS_OK &&
-        strcmp(m.job_id, job_id) == 0 && m.index == index && m.num_shards == num_shards &&
-        m.set_id != 0)
-      ids[k++] = m.set_id;
+    ps_ckpt_meta m; /* list_dir kept this shard's names: the header must agree */
+    if (job_entry_meta(dir, &l.v[i], job_id, &m) && m.set_id != 0) ids[k++] = m.set_id;
   }
   list_free(&l);
   qsort(ids, k, sizeof *ids, u64_desc);

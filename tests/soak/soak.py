@@ -1161,20 +1161,24 @@ def make_job(a, epochs, train_size):
 
 # ---------------------------------------------------------------- metrics
 
+def metrics_records(pr):
+    """The records of a process life's --metrics file (JSON lines), those
+    that parse; none when the file cannot be read."""
+    try:
+        lines = open(pr.metrics).readlines()
+    except OSError:
+        return
+    for line in lines:
+        try:
+            yield json.loads(line)
+        except ValueError:
+            continue
+
+
 def worker_curve(pr, batch):
     """(time, cumulative examples) of one worker life from its --metrics."""
-    pts = [(pr.t_start, 0)]
-    try:
-        for line in open(pr.metrics):
-            try:
-                r = json.loads(line)
-            except ValueError:
-                continue
-            if "examples_per_sec" in r and "step" in r:
-                pts.append((r["time"], r["step"] * batch))
-    except OSError:
-        pass
-    return pts
+    return [(pr.t_start, 0)] + [(r["time"], r["step"] * batch) for r in metrics_records(pr)
+                                if "examples_per_sec" in r and "step" in r]
 
 
 class Throughput:
@@ -1203,17 +1207,10 @@ class Throughput:
 def last_logged(pr, batch):
     """(time, steps, max steps/s) of a worker life's last progress record."""
     t, steps, best = pr.t_start, 0, 0.0
-    try:
-        for line in open(pr.metrics):
-            try:
-                r = json.loads(line)
-            except ValueError:
-                continue
-            if "examples_per_sec" in r and "step" in r:
-                t, steps = r["time"], r["step"]
-                best = max(best, r["examples_per_sec"] / batch)
-    except OSError:
-        pass
+    for r in metrics_records(pr):
+        if "examples_per_sec" in r and "step" in r:
+            t, steps = r["time"], r["step"]
+            best = max(best, r["examples_per_sec"] / batch)
     return t, steps, best
 
 
@@ -1478,18 +1475,14 @@ def check_leases(a, tl, r, st, p, epochs, train_size, printed_ex, killed, failed
             mon.epochs[e["epoch"]] = e
     eps = [mon.epochs.get(k) for k in range(epochs)]
     missing = [k for k, e in enumerate(eps) if e is None]
-    for k in missing:
+    if missing:
         # the records of epochs Status no longer keeps: shard 0's metrics files
         for i in range(c.R):
             for pr in c.server_lives[i]:
-                try:
-                    for line in open(pr.metrics):
-                        if '"lease_epoch"' in line:
-                            rec = json.loads(line)
-                            if rec.get("lease_epoch") == k:
-                                eps[k] = dict(rec, epoch=k, finished=True)
-                except (OSError, ValueError):
-                    pass
+                for rec in metrics_records(pr):
+                    k = rec.get("lease_epoch")
+                    if k in missing:
+                        eps[k] = dict(rec, epoch=k, finished=True)
     missing = [k for k, e in enumerate(eps) if e is None]
     if missing:
         tl.violation("data", f"no record of lease epoch(s) {missing} (of {epochs})")
