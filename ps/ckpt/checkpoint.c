@@ -1398,6 +1398,82 @@ int ps_ckpt_prune_sets(const char *dir, int index, int num_shards, const char *j
   return PS_OK;
 }
 
+static int u64_in(uint64_t x, const uint64_t *v, int n) {
+  for (int i = 0; i < n; i++)
+    if (v[i] == x) return 1;
+  return 0;
+}
+
+int ps_ckpt_drop_sets(const char *dir, int index, int num_shards, const char *job_id,
+                      const uint64_t *drop, int n_drop, const uint64_t *keep_sets, int n_keep,
+                      uint64_t current, int *deleted, char *err) {
+  if (deleted) *deleted = 0;
+  if (!dir || !job_id || num_shards < 1 || index < 0 || index >= num_shards || n_drop < 0 ||
+      n_keep < 0 || (n_drop > 0 && !drop) || (n_keep > 0 && !keep_sets))
+    return ps_seterr(err, PS_EINVAL, "checkpoint sets: bad arguments to drop");
+  if (n_drop == 0) return PS_OK;
+  ckpt_list l;
+  int rc = list_dir(dir, index, num_shards, &l, err);
+  if (rc == PS_ENOTFOUND) return PS_OK;
+  if (rc) return rc;
+  for (size_t i = 0; i < l.n; i++) {
+    ps_ckpt_meta m; /* list_dir kept this shard's names: the header must agree */
+    if (!job_entry_meta(dir, &l.v[i], job_id, &m) || m.set_id == 0 || m.set_id == current ||
+        !u64_in(m.set_id, drop, n_drop) || u64_in(m.set_id, keep_sets, n_keep))
+      continue;
+    char path[PS_CKPT_PATHLEN];
+    if (join_path(path, dir, l.v[i].name, NULL) != PS_OK) continue;
+    if (unlink(path) != 0) {
+      PS_WARN("checkpoint: cannot delete '%s' of the incomplete set %" PRIu64 ": %s", path,
+              m.set_id, strerror(errno));
+      continue;
+    }
+    if (deleted) (*deleted)++;
+  }
+  list_free(&l);
+  return PS_OK;
+}
+
+static int has_set(const uint64_t *v, size_t n, uint64_t id) {
+  for (size_t i = 0; i < n; i++)
+    if (v[i] == id) return 1;
+  return 0;
+}
+
+int ps_ckpt_sets_to_drop(const uint64_t *const *on_disk, const size_t *n_on_disk, int S,
+                         const uint64_t *complete, int n_complete, uint64_t *abandoned,
+                         int *n_abandoned, uint64_t *drop, int max) {
+  uint64_t newest = 0;
+  for (int i = 0; i < n_complete; i++)
+    if (complete[i] > newest) newest = complete[i];
+  /* The abandoned sets no shard has any more, and those every shard has
+   * (complete after all: a CUT that failed at shard 0 but not at the
+   * shard), are forgotten. */
+  int kept = 0;
+  for (int a = 0; a < *n_abandoned; a++) {
+    int somewhere = 0, everywhere = S > 0;
+    for (int s = 0; s < S; s++) {
+      int has = has_set(on_disk[s], n_on_disk[s], abandoned[a]);
+      somewhere |= has;
+      everywhere &= has;
+    }
+    if (somewhere && !everywhere && !has_set(complete, (size_t)n_complete, abandoned[a]))
+      abandoned[kept++] = abandoned[a];
+  }
+  *n_abandoned = kept;
+  int n = 0;
+  for (int s = 0; s < S; s++)
+    for (size_t i = 0; i < n_on_disk[s]; i++) {
+      uint64_t id = on_disk[s][i];
+      if (has_set(drop, (size_t)n, id) || has_set(complete, (size_t)n_complete, id)) continue;
+      int everywhere = 1;
+      for (int t = 0; t < S && everywhere; t++) everywhere = has_set(on_disk[t], n_on_disk[t], id);
+      if (everywhere) continue;
+      if ((id < newest || has_set(abandoned, (size_t)kept, id)) && n < max) drop[n++] = id;
+    }
+  return n;
+}
+
 static int u64_desc(const void *a, const void *b) {
   uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
   return x < y ? 1 : x > y ? -1 : 0;

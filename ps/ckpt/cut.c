@@ -30,9 +30,15 @@
  * new coordinator learns the sets an earlier one cut). Each CUT names the
  * K - 1 newest complete sets (at least one; --keep-checkpoints K), so that
  * each shard deletes its files of the older others and the newest complete
- * set stays whole until a newer one is complete. Each PREPARE and CUT names
- * the term of shard 0's primary; a shard refuses one of a lower term than
- * it has seen (a deposed primary's).
+ * set stays whole until a newer one is complete. A set shard 0 abandoned
+ * after its CUT went out may be on some shards: the next CUT names it
+ * (abandoned_sets), with every set the PREPARE answers show incomplete and
+ * older than the newest complete set, and each shard deletes its files of
+ * them before it writes (a set some shards lack when every shard accepted
+ * a PREPARE never completes: none is writing, and none takes an older
+ * set's CUT any more). Each PREPARE and CUT names the term of shard 0's
+ * primary; a shard refuses one of a lower term than it has seen (a deposed
+ * primary's), so a deposed primary deletes nothing.
  *
  * Threads: the gate functions run on gRPC's threads, the watch and the
  * writes on the loop (main thread) and its work queue, the coordination on
@@ -97,6 +103,8 @@ struct ps_cut {
   int cur[PS_MAX_TASKS];         /* per shard: the replica believed primary */
   uint64_t complete[PS_CUT_MAX_KEEP]; /* the newest complete sets, newest first */
   int n_complete;
+  uint64_t abandoned[PS_CUT_MAX_KEEP]; /* sets abandoned after their CUT went out */
+  int n_abandoned;
   uint64_t next_set;
   uint64_t coord_term; /* the highest term of shard 0's primary a coordinator named */
 };
@@ -496,17 +504,6 @@ static void on_wake(uv_async_t *a) {
 
 static void answer_prepare(ps_server *sv, rpc_call *call, uint64_t set_id) {
   ps_cut *c = sv->cut;
-  /* The sets this shard has a file of (listed before the hold: only this
-   * shard's own cuts change them, and none is under way when a PREPARE is
-   * accepted). Shard 0 takes a set every shard has as complete. */
-  uint64_t on_disk[PS_CUT_MAX_KEEP];
-  int n_on_disk = 0;
-  char lerr[PS_ERRLEN];
-  if (ps_ckpt_list_sets(sv->ckpt_dir, sv->index, sv->cluster.n_ps, sv->job.job_id, on_disk,
-                        PS_CUT_MAX_KEEP, &n_on_disk, lerr) != PS_OK) {
-    PS_WARN("checkpoint set %" PRIu64 ": %s", set_id, lerr);
-    n_on_disk = 0;
-  }
   pthread_mutex_lock(&c->mu);
   if (c->phase != CUT_NONE && !c->ready && !c->writing && c->set_id < set_id) {
     /* A newer set while an older one is held or being taken here: shard
@@ -558,6 +555,19 @@ static void answer_prepare(ps_server *sv, rpc_call *call, uint64_t set_id) {
   ps_shard_stats st;
   ps_shard_stats_get(sv->shard, &st);
   pthread_mutex_unlock(&c->mu);
+  /* The sets this shard has a file of, listed once the hold is taken: no
+   * write of this shard's is under way then (a PREPARE is refused while
+   * one is) and none begins before this set's CUT, so the list is exact
+   * until then. Shard 0 takes a set every shard has as complete, and one
+   * some shards lack as never to be complete. */
+  uint64_t on_disk[PS_CUT_MAX_KEEP];
+  int n_on_disk = 0;
+  char lerr[PS_ERRLEN];
+  if (wr && wrp && ps_ckpt_list_sets(sv->ckpt_dir, sv->index, sv->cluster.n_ps, sv->job.job_id,
+                                     on_disk, PS_CUT_MAX_KEEP, &n_on_disk, lerr) != PS_OK) {
+    PS_WARN("checkpoint set %" PRIu64 ": %s", set_id, lerr);
+    n_on_disk = 0;
+  }
   if (!wr || !wrp) {
     rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "shard %d: out of memory", sv->index);
     release(sv, list);
@@ -576,6 +586,25 @@ static void answer_prepare(ps_server *sv, rpc_call *call, uint64_t set_id) {
   free(wrp);
 }
 
+/* The files of the sets a CUT names as never to be complete
+ * (abandoned_sets), but not of a set it names to keep nor of its own set.
+ * Only for a CUT of a current coordinator (coordinator_current) whose
+ * PREPARE this shard holds. */
+static void drop_sets(ps_server *sv, const Ps__CheckpointRequest *r) {
+  if (r->n_abandoned_sets == 0) return;
+  int n_drop = r->n_abandoned_sets > PS_CUT_MAX_KEEP ? PS_CUT_MAX_KEEP : (int)r->n_abandoned_sets;
+  int n_keep = r->n_keep_sets > PS_CUT_MAX_KEEP ? PS_CUT_MAX_KEEP : (int)r->n_keep_sets;
+  int deleted = 0;
+  char err[PS_ERRLEN];
+  if (ps_ckpt_drop_sets(sv->ckpt_dir, sv->index, sv->cluster.n_ps, sv->job.job_id,
+                        r->abandoned_sets, n_drop, r->keep_sets, n_keep, r->set_id, &deleted,
+                        err) != PS_OK)
+    PS_WARN("checkpoint set %" PRIu64 ": %s", r->set_id, err);
+  else if (deleted)
+    PS_INFO("checkpoint set %" PRIu64 ": deleted %d file(s) of set(s) that will not be complete",
+            r->set_id, deleted);
+}
+
 static void start_cut(ps_server *sv, rpc_call *call, const Ps__CheckpointRequest *r) {
   ps_cut *c = sv->cut;
   size_t n = r->n_cut;
@@ -590,6 +619,13 @@ static void start_cut(ps_server *sv, rpc_call *call, const Ps__CheckpointRequest
     w[i] = r->cut[i]->worker_id;
     rd[i] = r->cut[i]->round;
   }
+  /* The sets shard 0 named as never to be complete go first, before this
+   * set is written (so that the directory holds at most the kept sets and
+   * this one), while the shard holds the PREPARE: it writes nothing then. */
+  pthread_mutex_lock(&c->mu);
+  int prepared = c->phase == CUT_HOLD && c->set_id == r->set_id;
+  pthread_mutex_unlock(&c->mu);
+  if (prepared) drop_sets(sv, r);
   pthread_mutex_lock(&c->mu);
   if (c->phase != CUT_HOLD || c->set_id != r->set_id) {
     int phase = c->phase;
@@ -866,6 +902,32 @@ static void note_whole_sets(ps_cut *c, Ps__CheckpointResponse **resp, int S) {
   }
 }
 
+/* The sets the next CUT names for deletion (ps_ckpt_sets_to_drop), from the
+ * PREPARE answers; c->abandoned is updated. */
+static int sets_to_drop(ps_cut *c, Ps__CheckpointResponse **resp, int S, uint64_t *drop) {
+  const uint64_t *on_disk[PS_MAX_TASKS] = {0};
+  size_t n_on_disk[PS_MAX_TASKS] = {0};
+  for (int s = 0; s < S; s++) {
+    on_disk[s] = resp[s]->sets_on_disk;
+    n_on_disk[s] = resp[s]->n_sets_on_disk;
+  }
+  return ps_ckpt_sets_to_drop(on_disk, n_on_disk, S, c->complete, c->n_complete, c->abandoned,
+                              &c->n_abandoned, drop, PS_CUT_MAX_KEEP);
+}
+
+/* A set abandoned after its CUT went out: some shards may have written it.
+ * Remembered until no shard has it (the oldest forgotten when full: once
+ * older than a complete set, the PREPARE answers name it anyway). */
+static void note_abandoned(ps_cut *c, uint64_t id) {
+  if (c->n_abandoned == PS_CUT_MAX_KEEP) {
+    int oldest = 0;
+    for (int i = 1; i < c->n_abandoned; i++)
+      if (c->abandoned[i] < c->abandoned[oldest]) oldest = i;
+    c->abandoned[oldest] = c->abandoned[--c->n_abandoned];
+  }
+  c->abandoned[c->n_abandoned++] = id;
+}
+
 static void free_answers(Ps__CheckpointResponse **resp, int S) {
   for (int s = 0; s < S; s++)
     if (resp[s]) protobuf_c_message_free_unpacked(&resp[s]->base, NULL);
@@ -931,7 +993,12 @@ static void coord_run(uv_work_t *w) {
       snprintf(why[0], PS_ERRLEN, "out of memory");
     }
   }
-  if (bad < 0) note_whole_sets(c, resp, S);
+  uint64_t drop[PS_CUT_MAX_KEEP];
+  int n_drop = 0;
+  if (bad < 0) {
+    note_whole_sets(c, resp, S);
+    n_drop = sets_to_drop(c, resp, S, drop);
+  }
   free_answers(resp, S);
   const char *phase = "PREPARE";
   if (bad < 0) {
@@ -953,6 +1020,8 @@ static void coord_run(uv_work_t *w) {
     req.n_keep_sets = n_keep;
     req.keep_sets = keep_sets;
     req.drop_other_layouts = keep > 0 && c->n_complete >= keep;
+    req.n_abandoned_sets = (size_t)n_drop;
+    req.abandoned_sets = drop;
     fan_out(sv, &req, PS_CUT_WRITE_MS, resp, st, why);
     phase = "CUT";
     for (int s = 0; s < S && bad < 0; s++)
@@ -979,10 +1048,14 @@ static void coord_run(uv_work_t *w) {
                 ? " (shard 0 checks the shards' certificates against the system's CAs: give it "
                   "--tls-ca with the CA that signed them)"
                 : "");
+    /* After its CUT went out, shards may have written it: the next CUT
+     * names it for deletion. */
+    if (req.phase == PS__CHECKPOINT_REQUEST__PHASE__CUT) note_abandoned(c, id);
     req.phase = PS__CHECKPOINT_REQUEST__PHASE__ABORT;
     req.n_cut = 0;
     req.cut = NULL;
     req.n_keep_sets = 0;
+    req.n_abandoned_sets = 0;
     fan_out(sv, &req, PS_CUT_CALL_MS, resp, st, why);
     free_answers(resp, S);
   }

@@ -749,6 +749,111 @@ ckpt_stale_tmp)
   grep -q "restored" "$out/restart.log" || fail "the restart did not restore the checkpoint"
   [ -f "$ck/shard-0-of-1-v0.ckpt" ] || fail "the valid checkpoint is gone"
   ;;
+ckpt_abandoned)
+  # A set shard 0 abandoned after its CUT went out leaves files on the
+  # shards that wrote it; the next CUT names it, and they go before the
+  # next set is written. 2 shards, --keep-checkpoints 3, sets every second,
+  # 2 workers. Once 4 sets are complete, shard 1 is SIGKILLed and started
+  # again under a file size limit below its checkpoint's size, twice: each
+  # time the write of its next set gets SIGXFSZ (ps-server does not catch
+  # it) after shard 0 wrote its file of that set. Then shard 1 starts
+  # again without the limit. A sampler of the directory (every 20 ms) must
+  # never see more than K + 1 sets for 100 ms (a rename before its prune is
+  # shorter); before, two sets abandoned in a row stayed until the cut
+  # after the next complete set: K + 2 sets for seconds. Each abandoned
+  # set's file must be gone once the next set's CUT went out.
+  keep=3
+  ports=$(free_ports 2)
+  ck="$out/ckpt"; mkdir -p "$ck"
+  declare -a spids
+  start_shard() { # INDEX LOG [LIMIT-KB]
+    (ulimit -c 0; ulimit -f "${3:-unlimited}"; exec "$build/ps-server" --insecure \
+      --job "$here/jobs/synthetic.json" --ps "$ports" --index "$1" --checkpoint-dir "$ck" \
+      --checkpoint-secs 1 --keep-checkpoints "$keep" --threads 2) >"$2" 2>&1 &
+    spids[$1]=$!; pids+=($!)
+  }
+  # complete_sets: the sets shard 0 logged complete, oldest first.
+  complete_sets() { sed -n 's/.*checkpoint set \([0-9]*\) complete: .*/\1/p' "$out/server-0.log"; }
+  # abandoned_sets: the sets shard 0 abandoned at shard 1's CUT.
+  abandoned_sets() { sed -n 's/.*checkpoint set \([0-9]*\) abandoned: CUT at shard 1 .*/\1/p' "$out/server-0.log"; }
+  # wait_complete N SECONDS: until shard 0 logged N sets complete.
+  wait_complete() {
+    for _ in $(seq 1 $(($2 * 10))); do
+      [ "$(complete_sets | wc -l)" -ge "$1" ] && return 0; sleep 0.1
+    done
+    tail -5 "$out/server-0.log"; fail "fewer than $1 complete sets in $2 s"
+  }
+  on_disk() { ls "$ck" | grep -- "-s$1\.ckpt$" || true; }
+  cat >"$out/sampler.py" <<'PY'
+import os, re, sys, time
+ck, keep, stop, log = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+pat = re.compile(r"^shard-(\d+)-of-2-v\d+-s(\d+)\.ckpt$")
+most, run, worst, samples = 0, 0, (0, None), 0
+with open(log, "w") as f:
+    while not os.path.exists(stop):
+        files = {}
+        for name in os.listdir(ck):
+            m = pat.match(name)
+            if m:
+                files.setdefault(int(m.group(2)), []).append(int(m.group(1)))
+        sets = {k: sorted(v) for k, v in sorted(files.items())}
+        samples, most = samples + 1, max(most, len(sets))
+        run = run + 1 if len(sets) > keep + 1 else 0
+        if run:
+            f.write(f"{time.time():.3f} {len(sets)} sets (set: shards): {sets}\n")
+        if run > worst[0]:
+            worst = (run, sets)
+        time.sleep(0.02)
+print(f"sampler: {samples} samples, at most {most} sets on disk; the longest run over "
+      f"K + 1 = {keep + 1}: {worst[0]} sample(s) 20 ms apart {worst[1] or ''}")
+sys.exit(1 if worst[0] >= 5 else 0)
+PY
+  python3 "$out/sampler.py" "$ck" "$keep" "$out/stop" "$out/sampler.log" >"$out/sampler.out" 2>&1 &
+  sampler=$!; pids+=($sampler)
+  start_shard 0 "$out/server-0.log"; start_shard 1 "$out/server-1.log"
+  wpids=()
+  for k in 0 1; do
+    "$build/ps-worker" --insecure --ps "${ports%%,*}" --index "$k" --num-workers 2 --threads 1 \
+      --epochs 1000 --straggle-ms 20 --timeout-ms 5000 --retry-s 120 --log-interval 1 \
+      >"$out/worker-$k.log" 2>&1 &
+    wpids+=($!); pids+=($!)
+  done
+  wait_complete 4 60
+  kill -9 "${spids[1]}"; wait "${spids[1]}" 2>/dev/null || true
+  for life in 1 2; do
+    # Shard 1's file is about 38 KB (4730 parameters and a momentum slot).
+    start_shard 1 "$out/server-1-limited-$life.log" 20
+    for _ in $(seq 1 600); do kill -0 "${spids[1]}" 2>/dev/null || break; sleep 0.1; done
+    rc=0; wait "${spids[1]}" 2>/dev/null || rc=$?
+    [ "$rc" = $((128 + $(kill -l XFSZ))) ] \
+      || { tail -5 "$out/server-1-limited-$life.log"; fail "shard 1 under the limit: exit $rc, not SIGXFSZ"; }
+    x=$(abandoned_sets | tail -1)
+    [ -n "$x" ] && [ -n "$(on_disk "$x")" ] \
+      || { tail -5 "$out/server-0.log"; ls "$ck"; fail "shard 0 wrote no file of a set abandoned at shard 1's CUT"; }
+    echo "ckpt_abandoned: shard 1 died of SIGXFSZ writing set $x; on disk: $(on_disk "$x")"
+    # The sets abandoned before went at this one's CUT.
+    for a in $(abandoned_sets | grep -vx "$x"); do
+      [ -z "$(on_disk "$a")" ] || { ls -l "$ck"; fail "set $x's CUT went out, and the file of set $a, abandoned before, is still there"; }
+    done
+  done
+  n=$(complete_sets | wc -l)
+  start_shard 1 "$out/server-1-again.log"
+  wait_complete $((n + 1)) 90
+  next=$(complete_sets | tail -1)
+  for a in $(abandoned_sets); do
+    [ -z "$(on_disk "$a")" ] || { ls -l "$ck"; fail "set $next is complete, and the file of set $a, abandoned before, is still there"; }
+  done
+  echo "ckpt_abandoned: set $next complete; no file of the $(abandoned_sets | wc -l) abandoned set(s) is left"
+  wait_complete $((n + 2)) 60
+  touch "$out/stop"
+  rc=0; wait "$sampler" || rc=$?
+  cat "$out/sampler.out"
+  [ "$rc" = 0 ] || { head -20 "$out/sampler.log"; fail "more than K + 1 = $((keep + 1)) sets on disk for 100 ms or more"; }
+  for k in 0 1; do kill -TERM "${wpids[$k]}" 2>/dev/null || true; done
+  for k in 0 1; do wait "${wpids[$k]}" 2>/dev/null || true; done
+  for i in 0 1; do kill -TERM "${spids[$i]}"; wait "${spids[$i]}" || fail "shard $i did not exit 0"; done
+  for f in "$out"/server-0.log "$out"/server-1-again.log; do clean_exit "$f" || fail "$f"; done
+  ;;
 save_params_full)
   # --save-params where the write fails: the message names the cause, the
   # exit code is 1, no truncated file is left under the final name and a
