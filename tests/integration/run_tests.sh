@@ -749,6 +749,24 @@ ckpt_stale_tmp)
   grep -q "restored" "$out/restart.log" || fail "the restart did not restore the checkpoint"
   [ -f "$ck/shard-0-of-1-v0.ckpt" ] || fail "the valid checkpoint is gone"
   ;;
+ckpt_term)
+  # Checkpoint calls of shard 0's coordinator, sent by ckpt_check.c to a
+  # shard that takes no set by itself: a PREPARE or CUT of a lower
+  # coordinator_term than one the shard has seen (a deposed primary of
+  # shard 0) is refused with a message that says so and changes nothing
+  # (no hold, no file written or deleted, the same Status); a CUT's
+  # abandoned_sets are deleted, but not a set it keeps nor its own.
+  port=$(free_ports 1)
+  ck="$out/ckpt"; mkdir -p "$ck"
+  "$build/ps-server" --insecure --job "$here/jobs/synthetic.json" --ps "$port" --index 0 \
+    --checkpoint-dir "$ck" --checkpoint-secs 0 >"$out/server.log" 2>&1 &
+  spid=$!; pids+=($spid)
+  for _ in $(seq 1 100); do grep -q "listening on" "$out/server.log" && break; sleep 0.1; done
+  grep -q "listening on" "$out/server.log" || { cat "$out/server.log"; fail "the shard did not start"; }
+  "$build/ckpt_check" "$port" "$ck" || { tail -20 "$out/server.log"; fail "ckpt_check"; }
+  kill -TERM "$spid"; wait "$spid" || fail "ps-server did not exit 0 on SIGTERM"
+  clean_exit "$out/server.log" || fail "the shard's log"
+  ;;
 ckpt_abandoned)
   # A set shard 0 abandoned after its CUT went out leaves files on the
   # shards that wrote it; the next CUT names it, and they go before the
