@@ -33,6 +33,9 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "pylib"))
+from ports import free_ports  # noqa: E402
+
 TRAIN_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte")
 TEST_FILES = ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
@@ -232,18 +235,6 @@ def run_single(a):
 
 
 # ---- ParameterServerStrategy ----------------------------------------------
-
-def free_ports(n):
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
 
 def die_with_parent():
     """In a task's process before exec: SIGKILL when the chief's process

@@ -18,15 +18,8 @@ cleanup() {
 trap cleanup EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
-free_ports() {
-  python3 - "$1" <<'PY'
-import socket, sys
-socks = []
-for _ in range(int(sys.argv[1])):
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); socks.append(s)
-print(",".join("127.0.0.1:%d" % s.getsockname()[1] for s in socks))
-PY
-}
+# free_ports N: N free loopback addresses, joined by commas.
+free_ports() { python3 "$root/tests/pylib/ports.py" "$1"; }
 
 # final_accuracy LOG: the chief's final test accuracy.
 final_accuracy() { sed -n 's/^final test accuracy \([0-9.]*\).*/\1/p' "$1" | tail -1; }

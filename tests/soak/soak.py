@@ -47,7 +47,6 @@ import random
 import re
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -57,6 +56,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, os.path.join(HERE, "..", "pylib"))
+from ports import free_ports  # noqa: E402
 
 FAULT_KINDS = {
     # kind: (default weight, needs)
@@ -109,18 +110,6 @@ class Timeline:
     def violation(self, checker, text):
         self.violations.append((self.now(), checker, text))
         self.log("VIOLATION", f"{checker}: {text} (seed {self.seed})")
-
-
-def free_ports(n):
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def log_time(hms, ref):

@@ -31,23 +31,13 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
-
-def free_ports(n):
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "pylib"))
+from ports import free_ports  # noqa: E402
 
 
 def log_lines(path, t):
