@@ -1398,9 +1398,10 @@ int ps_ckpt_prune_sets(const char *dir, int index, int num_shards, const char *j
   return PS_OK;
 }
 
-static int u64_in(uint64_t x, const uint64_t *v, int n) {
-  for (int i = 0; i < n; i++)
-    if (v[i] == x) return 1;
+/* Is id one of v[0 .. n)? */
+static int has_set(const uint64_t *v, size_t n, uint64_t id) {
+  for (size_t i = 0; i < n; i++)
+    if (v[i] == id) return 1;
   return 0;
 }
 
@@ -1419,7 +1420,7 @@ int ps_ckpt_drop_sets(const char *dir, int index, int num_shards, const char *jo
   for (size_t i = 0; i < l.n; i++) {
     ps_ckpt_meta m; /* list_dir kept this shard's names: the header must agree */
     if (!job_entry_meta(dir, &l.v[i], job_id, &m) || m.set_id == 0 || m.set_id == current ||
-        !u64_in(m.set_id, drop, n_drop) || u64_in(m.set_id, keep_sets, n_keep))
+        !has_set(drop, (size_t)n_drop, m.set_id) || has_set(keep_sets, (size_t)n_keep, m.set_id))
       continue;
     char path[PS_CKPT_PATHLEN];
     if (join_path(path, dir, l.v[i].name, NULL) != PS_OK) continue;
@@ -1434,12 +1435,6 @@ int ps_ckpt_drop_sets(const char *dir, int index, int num_shards, const char *jo
   return PS_OK;
 }
 
-static int has_set(const uint64_t *v, size_t n, uint64_t id) {
-  for (size_t i = 0; i < n; i++)
-    if (v[i] == id) return 1;
-  return 0;
-}
-
 int ps_ckpt_sets_to_drop(const uint64_t *const *on_disk, const size_t *n_on_disk, int S,
                          const uint64_t *complete, int n_complete, uint64_t *abandoned,
                          int *n_abandoned, uint64_t *drop, int max) {
@@ -1447,8 +1442,8 @@ int ps_ckpt_sets_to_drop(const uint64_t *const *on_disk, const size_t *n_on_disk
   for (int i = 0; i < n_complete; i++)
     if (complete[i] > newest) newest = complete[i];
   /* The abandoned sets no shard has any more, and those every shard has
-   * (complete after all: a CUT that failed at shard 0 but not at the
-   * shard), are forgotten. */
+   * (complete after all: a CUT whose answer shard 0 lost, though the shard
+   * wrote its file), are forgotten. */
   int kept = 0;
   for (int a = 0; a < *n_abandoned; a++) {
     int somewhere = 0, everywhere = S > 0;

@@ -15,6 +15,20 @@
 
 static void record_epoch(ps_server *sv, ps_leases *t, uint32_t epoch);
 
+size_t ps_update_held_from_msg(Ps__HeldLease *const *msgs, size_t n, ps_lease_held *held) {
+  size_t k = 0;
+  for (size_t i = 0; i < n && k < PS_HELD_NAMED; i++) {
+    const Ps__HeldLease *h = msgs[i];
+    held[k++] = (ps_lease_held){.lease_id = h->lease_id,
+                                .epoch = h->epoch,
+                                .chunk = h->chunk,
+                                .finished = h->finished,
+                                .trained = h->trained,
+                                .refused = h->refused};
+  }
+  return k;
+}
+
 /* A worker registering again names what it did under leases of shard 0's
  * earlier life (its acknowledged completions, the leases it holds): what
  * the restored table lacks is taken back or recorded (ps_leases_rejoin). */
@@ -60,22 +74,22 @@ static void record_epoch(ps_server *sv, ps_leases *t, uint32_t epoch) {
   PS_INFO("leases: epoch %u done in %.1f s: %u chunks, %u completed once, %" PRIu64
           " examples completed, %" PRIu64 " handed out (%" PRIu64 " again after %" PRIu64
           " reclaims), %" PRIu64 " redone after a restart lost their completion, %" PRIu64
-          " recovered after a restart, %" PRIu64 " trained under leases not counted",
+          " recovered after a restart, %" PRIu64 " trained under leases not counted, %" PRIu64
+          " pushed under leases taken back",
           e.epoch, e.end_ms >= 0 && e.start_ms >= 0 ? (double)(e.end_ms - e.start_ms) / 1e3 : 0.0,
-          e.chunks, e.chunks_once, e.examples_completed, e.examples_handed_out,
-          e.examples_rehanded, e.reclaims, e.examples_redone, e.examples_recovered,
-          e.examples_wasted);
+          e.chunks, e.chunks_once, e.examples_completed, e.examples_handed_out, e.examples_rehanded,
+          e.reclaims, e.examples_redone, e.examples_recovered, e.examples_wasted,
+          e.examples_abandoned);
   if (!sv->metrics) return;
-  json_t *rec = json_pack("{s:i,s:i,s:i,s:i,s:i,s:I,s:I,s:I,s:I,s:I,s:I,s:I}", "shard", sv->index,
-                          "lease_epoch", (int)e.epoch, "chunks", (int)e.chunks,
-                          "chunks_completed", (int)e.chunks_completed, "chunks_once",
-                          (int)e.chunks_once, "examples_completed",
-                          (json_int_t)e.examples_completed, "examples_handed_out",
-                          (json_int_t)e.examples_handed_out, "examples_rehanded",
-                          (json_int_t)e.examples_rehanded, "reclaims", (json_int_t)e.reclaims,
-                          "examples_redone", (json_int_t)e.examples_redone,
-                          "examples_recovered", (json_int_t)e.examples_recovered,
-                          "examples_wasted", (json_int_t)e.examples_wasted);
+  json_t *rec = json_pack(
+      "{s:i,s:i,s:i,s:i,s:i,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I}", "shard", sv->index, "lease_epoch",
+      (int)e.epoch, "chunks", (int)e.chunks, "chunks_completed", (int)e.chunks_completed,
+      "chunks_once", (int)e.chunks_once, "examples_completed", (json_int_t)e.examples_completed,
+      "examples_handed_out", (json_int_t)e.examples_handed_out, "examples_rehanded",
+      (json_int_t)e.examples_rehanded, "reclaims", (json_int_t)e.reclaims, "examples_redone",
+      (json_int_t)e.examples_redone, "examples_recovered", (json_int_t)e.examples_recovered,
+      "examples_wasted", (json_int_t)e.examples_wasted, "examples_abandoned",
+      (json_int_t)e.examples_abandoned);
   ps_metrics_write(sv->metrics, rec);
   json_decref(rec);
 }
@@ -134,7 +148,7 @@ static int lease_step(ps_server *sv, uint64_t wid, uint64_t dataset_size, uint64
     int rc = ps_leases_complete(t, wid, complete_lease, now);
     /* Not counted: what the worker trained of it is trained again (or was
      * already) by another, which the record says. */
-    if (rc != PS_OK) ps_leases_note_wasted(t, trained);
+    if (rc != PS_OK) ps_leases_note_refused(t, wid, complete_lease, trained);
     ps_lease_stats after;
     ps_leases_stats(t, &after);
     if (!quiet && (after.epoch != before.epoch || after.finished != before.finished))
@@ -202,6 +216,12 @@ static int apply_push(ps_server *sv, const ps_update *u, ps_update_result *res, 
   }
   ps_membership_note_round(sv->members, u->worker, u->request_id);
   ps_membership_note_push(sv->members, u->worker, u->step, ps_now_ms());
+  if (u->lease_id && sv->index == 0) { /* what the worker trained of its lease */
+    pthread_mutex_lock(&sv->lease_mu);
+    ps_leases *t = sv->leases;
+    pthread_mutex_unlock(&sv->lease_mu);
+    if (t) ps_leases_note_pushed(t, u->worker, u->lease_id, u->batch);
+  }
   return 0;
 }
 

@@ -22,9 +22,15 @@
 struct ps_server;
 struct ps_rows_req;
 
-/* The most leases of a returning worker a Register names that are read
- * (a worker holds the job's max_per_worker, 2, and the one it completes). */
-#define PS_HELD_NAMED 16
+/* The most leases of a returning worker a Register names that are read:
+ * it holds the job's max_per_worker (2) and the one it completes, and names
+ * the refused completions it keeps (at most 64 of this epoch and the one
+ * before). */
+#define PS_HELD_NAMED 96
+
+/* The leases a Register (or its REGISTER entry) names, into held (room for
+ * PS_HELD_NAMED: the rest are not read). Returns how many. */
+size_t ps_update_held_from_msg(Ps__HeldLease *const *msgs, size_t n, ps_lease_held *held);
 
 /* What an update does; the values are the replication log's entry kinds
  * (proto/ps.proto, ReplicaEntry.Kind), so that a record and an entry name
@@ -64,6 +70,8 @@ typedef struct ps_update {
   const ps_lease_held *held; /* REGISTER: the leases a returning worker holds */
   size_t n_held;
   uint64_t trained; /* LEASE: examples the worker trained of the lease it completes */
+  uint64_t lease_id; /* PUSH: the lease its examples were drawn from (0: none) */
+  uint32_t batch;    /* PUSH: its examples */
   int quorum, result; /* SYNC_STEP: the quorum, and (in the log) what applying it gave */
 } ps_update;
 

@@ -255,16 +255,16 @@ static json_t *status_json(const Ps__StatusResponse *r) {
   for (size_t i = 0; i < r->n_lease_epochs; i++) {
     Ps__LeaseEpoch *e = r->lease_epochs[i];
     json_array_append_new(
-        eps, json_pack("{s:i,s:b,s:i,s:i,s:i,s:I,s:I,s:I,s:I,s:I,s:I,s:I}", "epoch", (int)e->epoch,
-                       "finished", (int)e->finished, "chunks", (int)e->chunks, "chunks_completed",
-                       (int)e->chunks_completed, "chunks_once", (int)e->chunks_once,
-                       "examples_completed", (json_int_t)e->examples_completed,
+        eps, json_pack("{s:i,s:b,s:i,s:i,s:i,s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I}", "epoch",
+                       (int)e->epoch, "finished", (int)e->finished, "chunks", (int)e->chunks,
+                       "chunks_completed", (int)e->chunks_completed, "chunks_once",
+                       (int)e->chunks_once, "examples_completed", (json_int_t)e->examples_completed,
                        "examples_handed_out", (json_int_t)e->examples_handed_out,
                        "examples_rehanded", (json_int_t)e->examples_rehanded, "reclaims",
-                       (json_int_t)e->reclaims, "examples_redone",
-                       (json_int_t)e->examples_redone, "examples_recovered",
-                       (json_int_t)e->examples_recovered, "examples_wasted",
-                       (json_int_t)e->examples_wasted));
+                       (json_int_t)e->reclaims, "examples_redone", (json_int_t)e->examples_redone,
+                       "examples_recovered", (json_int_t)e->examples_recovered, "examples_wasted",
+                       (json_int_t)e->examples_wasted, "examples_abandoned",
+                       (json_int_t)e->examples_abandoned));
   }
   json_object_set_new(o, "lease_epochs", eps);
   return o;

@@ -62,7 +62,9 @@ typedef struct rentry {
    * messages, then their pointers) */
   Ps__HeldLease *held, **held_p;
   size_t n_held;
-  uint64_t trained; /* LEASE: examples trained of the lease completed */
+  uint64_t trained;  /* LEASE: examples trained of the lease completed */
+  uint64_t lease_id; /* PUSH: the lease its examples were drawn from */
+  uint32_t batch;    /* PUSH: its examples */
   /* PUSH: the push's embedding rows, as the entry sends them */
   Ps__TableRows rows[PS_MAX_TABLES], *rows_p[PS_MAX_TABLES];
   size_t n_rows;
@@ -503,9 +505,13 @@ int ps_replica_append(ps_server *sv, const ps_update *u, rpc_call *call,
     e->held[i].epoch = u->held[i].epoch;
     e->held[i].chunk = u->held[i].chunk;
     e->held[i].finished = u->held[i].finished;
+    e->held[i].trained = u->held[i].trained;
+    e->held[i].refused = u->held[i].refused;
     e->held_p[i] = &e->held[i];
   }
   e->trained = u->trained;
+  e->lease_id = u->lease_id;
+  e->batch = u->batch;
   if (u->rows) {
     size_t at = 0;
     for (int i = 0; i < u->rows->n_sec; i++) {
@@ -640,12 +646,7 @@ static int record_answer(ps_server *sv, const Ps__ReplicaEntry *e, int kind,
  * borrowed from the entry; rows: its embedding rows, read and checked). */
 static ps_update entry_update(const Ps__ReplicaEntry *e, ps_segview *view, const ps_rows_req *rows,
                               ps_lease_held *held) {
-  size_t n_held = 0;
-  for (size_t i = 0; i < e->n_held_leases && n_held < PS_HELD_NAMED; i++) {
-    const Ps__HeldLease *h = e->held_leases[i];
-    held[n_held++] = (ps_lease_held){
-        .lease_id = h->lease_id, .epoch = h->epoch, .chunk = h->chunk, .finished = h->finished};
-  }
+  size_t n_held = ps_update_held_from_msg(e->held_leases, e->n_held_leases, held);
   return (ps_update){.kind = (int)e->kind,
                      .worker = e->worker_id,
                      .request_id = e->request_id,
@@ -674,6 +675,8 @@ static ps_update entry_update(const Ps__ReplicaEntry *e, ps_segview *view, const
                      .held = held,
                      .n_held = n_held,
                      .trained = e->trained_examples,
+                     .lease_id = e->lease_id,
+                     .batch = e->batch_size,
                      .quorum = e->quorum,
                      .result = e->result};
 }
@@ -1341,6 +1344,8 @@ static void entry_to_msg(const rentry *e, Ps__ReplicaEntry *m) {
   m->n_rows = e->n_rows;
   m->rows = e->n_rows ? (Ps__TableRows **)e->rows_p : NULL;
   m->trained_examples = e->trained;
+  m->lease_id = e->lease_id;
+  m->batch_size = e->batch;
 }
 
 /* A replica's answer to a Replicate call of term `term` (mu held): a newer

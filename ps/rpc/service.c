@@ -290,13 +290,8 @@ static void handle_register(const request *q) {
    * earlier life of shard 0 (at most PS_HELD_NAMED of its leases are read:
    * it holds a few). */
   ps_lease_held held[PS_HELD_NAMED];
-  size_t n_held = 0;
   const int returning = id != 0 && !q->reader;
-  for (size_t i = 0; returning && i < r->n_held_leases && n_held < PS_HELD_NAMED; i++) {
-    const Ps__HeldLease *h = r->held_leases[i];
-    held[n_held++] = (ps_lease_held){
-        .lease_id = h->lease_id, .epoch = h->epoch, .chunk = h->chunk, .finished = h->finished};
-  }
+  size_t n_held = returning ? ps_update_held_from_msg(r->held_leases, r->n_held_leases, held) : 0;
   if (returning && (r->n_done_chunks > 0 || n_held > 0))
     ps_update_rejoin(sv, new_id, r->done_chunks, r->n_done_chunks, held, n_held, 0);
   resp.worker_id = new_id;
@@ -553,7 +548,9 @@ static void handle_push(const request *q) {
                           .count = r->count,
                           .step = r->step,
                           .gradient = q->tensor,
-                          .rows = rows}};
+                          .rows = rows,
+                          .lease_id = r->lease_id,
+                          .batch = r->batch_size}};
   /* Under sync only steps wait for a checkpoint cut; async and ssp
    * pushes pass its gate (or wait there, answered later). */
   if (q->sv->job.mode_kind == PS_MODE_SYNC) {
@@ -693,6 +690,7 @@ static void handle_status(const request *q) {
       le[ne].examples_redone = e->examples_redone;
       le[ne].examples_recovered = e->examples_recovered;
       le[ne].examples_wasted = e->examples_wasted;
+      le[ne].examples_abandoned = e->examples_abandoned;
       lep[ne] = &le[ne];
       ne++;
     }

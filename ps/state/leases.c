@@ -21,7 +21,17 @@
  * holding a few leases each, so linear scans cost less than an index.
  * Ended leases (completed or reclaimed) are remembered in a ring of the
  * last ENDED_KEEP, so a late completion can be told apart from an unknown
- * id and a retried completion answered again. */
+ * id and a retried completion answered again.
+ *
+ * What a worker trained under a lease that then ended without counting
+ * (reclaimed, its chunk gone to another worker) is counted once: each
+ * lease and ended lease carries the examples pushed under it (`pushed`),
+ * an ended one also those counted in examples_abandoned or
+ * examples_wasted (`acct`) and whether its chunk went to another worker
+ * (`gone`: from then on its pushes count as abandoned at once). A restore
+ * keeps these of the leases outstanding and of the reclaimed ones with
+ * something pushed (ENDED_SAVED: a life before, known for its counts
+ * only, not as this life's lease). */
 #include "ps/state/leases.h"
 
 #include <pthread.h>
@@ -34,7 +44,9 @@
 #include "common/util.h"
 
 enum { CHUNK_FRESH = 0, CHUNK_POOLED = 1, CHUNK_LEASED = 2, CHUNK_DONE = 3 };
-enum { ENDED_COMPLETED = 1, ENDED_RECLAIMED = 2 };
+/* ENDED_DEAD: an entry whose counts moved to a lease adopted under its id. */
+enum { ENDED_DEAD = 0, ENDED_COMPLETED = 1, ENDED_RECLAIMED = 2, ENDED_SAVED = 3 };
+enum { ACCT_GONE = 1, ACCT_REFUSED = 2, ACCT_SAVED = 4 };
 enum { MARK_REDONE = 1, MARK_POOLED = 2, MARK_DONE_HERE = 4 };
 #define ENDED_KEEP 4096
 /* The stream of ps_rng_u64 that seeds the permutations. */
@@ -44,6 +56,7 @@ typedef struct {
   uint64_t id;
   uint64_t worker;
   uint32_t chunk;
+  uint32_t pushed; /* examples pushed under it (ps_leases_note_pushed) */
   int64_t seen_ms; /* granted or last renewed */
 } lease;
 
@@ -52,7 +65,11 @@ typedef struct {
   uint64_t worker;
   uint32_t epoch;
   uint32_t chunk;
-  int kind; /* ENDED_* */
+  int kind;        /* ENDED_* */
+  uint32_t pushed; /* examples pushed under it, before and after it ended */
+  uint32_t acct;   /* of those (or of a refused completion's), counted abandoned or wasted */
+  uint8_t gone;    /* its chunk went to another worker: pushes count as abandoned */
+  uint8_t refused; /* a completion of it was refused: its count is final */
 } ended_lease;
 
 struct ps_leases {
@@ -237,14 +254,104 @@ static void remember_ended(ps_leases *t, const lease *l, int kind) {
   e->epoch = t->epoch;
   e->chunk = l->chunk;
   e->kind = kind;
+  e->pushed = l->pushed;
+  e->acct = 0;
+  e->gone = 0;
+  e->refused = 0;
   t->ended_next = (t->ended_next + 1) % ENDED_KEEP;
   if (t->ended_n < ENDED_KEEP) t->ended_n++;
 }
 
+/* An ended lease of this life of the table. */
 static ended_lease *find_ended(ps_leases *t, uint64_t id) {
   for (uint32_t i = 0; i < t->ended_n; i++)
-    if (t->ended[i].id == id) return &t->ended[i];
+    if (t->ended[i].id == id &&
+        (t->ended[i].kind == ENDED_COMPLETED || t->ended[i].kind == ENDED_RECLAIMED))
+      return &t->ended[i];
   return NULL;
+}
+
+/* An ended lease whose pushes count (reclaimed: of this life or of one
+ * before a restore). */
+static ended_lease *find_acct(ps_leases *t, uint64_t id) {
+  for (uint32_t i = 0; i < t->ended_n; i++)
+    if (t->ended[i].id == id &&
+        (t->ended[i].kind == ENDED_RECLAIMED || t->ended[i].kind == ENDED_SAVED))
+      return &t->ended[i];
+  return NULL;
+}
+
+static uint32_t add_sat(uint32_t a, uint64_t b) {
+  uint64_t s = (uint64_t)a + b;
+  return s > UINT32_MAX ? UINT32_MAX : (uint32_t)s;
+}
+
+/* The record late counts go to: the current epoch's, or after the last
+ * epoch the last epoch's (the record of the epoch after it is never
+ * reported). */
+static ps_lease_epoch_record *late_record(ps_leases *t) {
+  return t->finished && t->n_history > 0 ? &t->history[0] : &t->cur;
+}
+
+/* What e's worker pushed and is not counted yet joins examples_abandoned. */
+static void count_abandoned(ps_leases *t, ended_lease *e) {
+  if (e->pushed > e->acct) {
+    late_record(t)->examples_abandoned += e->pushed - e->acct;
+    e->acct = e->pushed;
+  }
+}
+
+/* e's chunk is its holder's again after all (its late completion taken,
+ * its lease adopted): what was counted abandoned of it was not trained
+ * again. A refused lease's count stays. */
+static void uncount_abandoned(ps_leases *t, ended_lease *e) {
+  if (e->refused) return;
+  ps_lease_epoch_record *r = late_record(t);
+  uint64_t a = e->acct < r->examples_abandoned ? e->acct : r->examples_abandoned;
+  r->examples_abandoned -= a;
+  e->acct = 0;
+  e->gone = 0;
+}
+
+/* A worker of a life before names chunk c of the current epoch done, or
+ * takes back its lease `id` of it: that lease of then (ENDED_SAVED) is
+ * settled, what it counted as abandoned uncounted (the chunk's record
+ * counts the worker's examples: completed, recovered or redone). With id
+ * 0 (a completion named by chunk), each of the worker's leases of c: one
+ * that ended otherwise than in that completion is named again (held, or
+ * refused) and counted then. Returns the most pushed under one. */
+static uint32_t settle_own(ps_leases *t, uint32_t c, uint64_t worker, uint64_t id) {
+  uint32_t own = 0;
+  for (uint32_t i = 0; worker && i < t->ended_n; i++) {
+    ended_lease *e = &t->ended[i];
+    if (e->chunk != c || e->epoch != t->epoch || e->kind != ENDED_SAVED || e->worker != worker ||
+        e->refused || (id && e->id != id))
+      continue;
+    uncount_abandoned(t, e);
+    if (e->pushed > own) own = e->pushed;
+    e->kind = ENDED_DEAD;
+  }
+  return own;
+}
+
+/* Chunk c of the current epoch goes to lease `taker` (handed out again;
+ * 0: taken as done). The reclaimed leases of it count what their holders
+ * pushed as abandoned, now and from then on; but a worker of a life before
+ * that takes its own chunk back (own_worker: adopted, or taken as done)
+ * goes on with its lease of then, whose entry is settled (settle_own):
+ * returns what was pushed under it. */
+static uint32_t chunk_taken(ps_leases *t, uint32_t c, uint64_t taker, uint64_t own_worker) {
+  uint32_t own = settle_own(t, c, own_worker, taker);
+  for (uint32_t i = 0; i < t->ended_n; i++) {
+    ended_lease *e = &t->ended[i];
+    if (e->chunk != c || e->epoch != t->epoch || e->id == taker ||
+        (e->kind != ENDED_RECLAIMED && e->kind != ENDED_SAVED))
+      continue;
+    if (e->gone) continue;
+    e->gone = 1;
+    count_abandoned(t, e);
+  }
+  return own;
 }
 
 static int find_lease(const ps_leases *t, uint64_t id) {
@@ -397,13 +504,17 @@ int ps_leases_acquire(ps_leases *t, uint64_t worker, int64_t now_ms, ps_lease *o
   l->id = t->next_id++;
   l->worker = worker;
   l->chunk = c;
+  l->pushed = 0;
   l->seen_ms = now_ms;
   t->state[c] = CHUNK_LEASED;
   t->n_leased++;
   t->granted_total++;
   if (t->cur.start_ms < 0) t->cur.start_ms = now_ms;
   t->cur.examples_handed_out += count;
-  if (again) t->cur.examples_rehanded += count;
+  if (again) {
+    t->cur.examples_rehanded += count;
+    chunk_taken(t, c, l->id, 0);
+  }
   out->epoch = t->epoch;
   out->chunk = c;
   out->begin = (uint64_t)c * t->cfg.chunk_size;
@@ -439,9 +550,13 @@ int ps_leases_complete(ps_leases *t, uint64_t worker, uint64_t lease_id, int64_t
     rc = PS_ESTATE;
   } else if (e->kind == ENDED_COMPLETED) {
     rc = PS_OK; /* a retried completion: counted once already */
-  } else if (!t->finished && e->epoch == t->epoch && t->state[e->chunk] == CHUNK_POOLED) {
-    /* Reclaimed, but nobody took the chunk since: the work is taken. */
+  } else if (!t->finished && e->epoch == t->epoch && t->state[e->chunk] == CHUNK_POOLED &&
+             !e->refused) {
+    /* Reclaimed, but nobody took the chunk since (or the one who took it
+     * gave it back): the work is taken, and was not abandoned. */
+    uncount_abandoned(t, e);
     e->kind = ENDED_COMPLETED;
+    chunk_taken(t, e->chunk, e->id, 0); /* the later holders' pushes: abandoned */
     chunk_done(t, e->chunk, now_ms);
   } else {
     rc = PS_LEASE_ELOST;
@@ -554,10 +669,11 @@ static int chunk_free(const ps_leases *t, uint32_t c) {
 
 /* Takes chunk c as done (a worker finished it under the earlier life),
  * remembered as the worker's completion. */
-static void accept_done(ps_leases *t, uint64_t worker, uint32_t c, int64_t now_ms,
+static void accept_done(ps_leases *t, uint64_t worker, uint32_t c, uint64_t id, int64_t now_ms,
                         ps_lease_rejoin *out) {
   lease l = {.id = 0, .worker = worker, .chunk = c};
   remember_ended(t, &l, ENDED_COMPLETED);
+  chunk_taken(t, c, id, worker);
   uint32_t count = chunk_count(t, c);
   t->cur.examples_recovered += count;
   out->accepted++;
@@ -575,8 +691,10 @@ static void count_redone(ps_leases *t, uint32_t c, ps_lease_rejoin *out) {
   out->examples_redone += count;
 }
 
-/* Leases chunk c to the worker again under its earlier id. */
-static int adopt(ps_leases *t, uint64_t worker, uint64_t id, uint32_t c, int64_t now_ms) {
+/* Leases chunk c to the worker again under its earlier id, with what it
+ * pushed under it. */
+static int adopt(ps_leases *t, uint64_t worker, uint64_t id, uint32_t c, uint32_t pushed,
+                 int64_t now_ms) {
   if (t->n_leases == t->cap_leases) {
     int cap = t->cap_leases ? t->cap_leases * 2 : 16;
     lease *grown = realloc(t->leases, (size_t)cap * sizeof *grown);
@@ -588,6 +706,7 @@ static int adopt(ps_leases *t, uint64_t worker, uint64_t id, uint32_t c, int64_t
   l->id = id;
   l->worker = worker;
   l->chunk = c;
+  l->pushed = pushed;
   l->seen_ms = now_ms;
   t->state[c] = CHUNK_LEASED; /* a pool entry of it is skipped when popped */
   t->n_leased++;
@@ -595,6 +714,33 @@ static int adopt(ps_leases *t, uint64_t worker, uint64_t id, uint32_t c, int64_t
   if (t->cur.start_ms < 0) t->cur.start_ms = now_ms;
   t->cur.examples_handed_out += chunk_count(t, c);
   return PS_OK;
+}
+
+/* A completion of the worker's lease id (of epoch and chunk, UINT32_MAX:
+ * unknown) was refused after it trained `trained` examples of it: those
+ * not counted yet (as abandoned, or by an earlier report of the same
+ * refusal) join examples_wasted. */
+static void refused(ps_leases *t, uint64_t worker, uint64_t id, uint64_t trained, uint32_t epoch,
+                    uint32_t chunk) {
+  ended_lease *e = find_acct(t, id);
+  if ((e && e->worker != worker) || find_lease(t, id) >= 0) {
+    /* another worker's lease: counted, not remembered */
+    late_record(t)->examples_wasted += trained;
+    return;
+  }
+  if (!e) {
+    lease l = {.id = id, .worker = worker, .chunk = chunk};
+    remember_ended(t, &l, ENDED_SAVED);
+    e = &t->ended[(t->ended_next + ENDED_KEEP - 1) % ENDED_KEEP];
+    e->epoch = epoch;
+  }
+  e->refused = 1;
+  e->gone = 1;
+  if (trained > e->acct) {
+    late_record(t)->examples_wasted += trained - e->acct;
+    e->acct = add_sat(0, trained);
+  }
+  if (e->acct > e->pushed) e->pushed = e->acct;
 }
 
 int ps_leases_rejoin(ps_leases *t, uint64_t worker, const uint64_t *done, size_t n_done,
@@ -641,39 +787,94 @@ int ps_leases_rejoin(ps_leases *t, uint64_t worker, const uint64_t *done, size_t
   for (size_t i = 0; i < n_done && !t->finished && t->epoch == epoch; i++) {
     uint32_t c = (uint32_t)done[i];
     if (done[i] >> 32 != epoch || c >= t->n_chunks) continue;
+    settle_own(t, c, worker, 0);
     if (t->state[c] == CHUNK_DONE) {
       /* Done in the checkpoint, or by this worker since: its own. Done
        * since by another worker: trained twice. */
       if ((t->marks[c] & MARK_DONE_HERE) && !completed_by(t, worker, c, epoch))
         count_redone(t, c, out);
     } else if (chunk_free(t, c)) {
-      accept_done(t, worker, c, now_ms, out);
+      accept_done(t, worker, c, 0, now_ms, out);
     } else {
       count_redone(t, c, out);
     }
   }
   for (size_t i = 0; i < n_held && !t->finished && t->epoch == epoch; i++) {
     const ps_lease_held *h = &held[i];
-    if (h->epoch != epoch || h->chunk >= t->n_chunks || h->lease_id == 0) continue;
-    /* A lease of this life is the table's to settle (at its completion). */
-    if (find_lease(t, h->lease_id) >= 0 || find_ended(t, h->lease_id)) continue;
-    if (!chunk_free(t, h->chunk)) continue; /* its completion will be refused: wasted */
+    if (h->lease_id == 0) continue;
+    if (h->refused) { /* the worker keeps those of its epoch and the one before (this
+                         table's next, when it was restored to the epoch before) */
+      if (h->epoch <= epoch + 1 && h->epoch + 1 >= epoch)
+        refused(t, worker, h->lease_id, h->trained, h->epoch, h->chunk);
+      continue;
+    }
+    if (h->epoch != epoch || h->chunk >= t->n_chunks) continue;
+    /* A lease of this life is the table's to settle (at its completion);
+     * what the worker trained of it counts as pushed. */
+    int li = find_lease(t, h->lease_id);
+    if (li >= 0) {
+      if (t->leases[li].worker == worker && h->trained > t->leases[li].pushed)
+        t->leases[li].pushed = h->trained;
+      continue;
+    }
+    ended_lease *e = find_ended(t, h->lease_id);
+    if (e) {
+      if (e->kind == ENDED_RECLAIMED && e->worker == worker) {
+        if (h->trained > e->pushed) e->pushed = h->trained;
+        if (e->gone) count_abandoned(t, e);
+      }
+      continue;
+    }
+    if (!chunk_free(t, h->chunk)) {
+      /* Its completion will be refused; the worker may die before: what it
+       * trained of it so far is abandoned now. */
+      ended_lease *s = find_acct(t, h->lease_id);
+      if (s && s->worker != worker) continue;
+      if (!s) {
+        lease l = {.id = h->lease_id, .worker = worker, .chunk = h->chunk};
+        remember_ended(t, &l, ENDED_SAVED);
+        s = &t->ended[(t->ended_next + ENDED_KEEP - 1) % ENDED_KEEP];
+      }
+      if (h->trained > s->pushed) s->pushed = h->trained;
+      s->gone = 1;
+      count_abandoned(t, s);
+      continue;
+    }
     if (h->finished) {
       lease l = {.id = h->lease_id, .worker = worker, .chunk = h->chunk, .seen_ms = now_ms};
       remember_ended(t, &l, ENDED_COMPLETED); /* its retried completion: counted once */
-      accept_done(t, worker, h->chunk, now_ms, out);
-    } else if (adopt(t, worker, h->lease_id, h->chunk, now_ms) == PS_OK) {
-      out->adopted++;
+      accept_done(t, worker, h->chunk, h->lease_id, now_ms, out);
+    } else {
+      uint32_t own = chunk_taken(t, h->chunk, h->lease_id, worker);
+      if (adopt(t, worker, h->lease_id, h->chunk, own > h->trained ? own : h->trained, now_ms) ==
+          PS_OK)
+        out->adopted++;
     }
   }
   pthread_mutex_unlock(&t->mu);
   return PS_OK;
 }
 
-void ps_leases_note_wasted(ps_leases *t, uint64_t trained) {
+void ps_leases_note_refused(ps_leases *t, uint64_t worker, uint64_t lease_id, uint64_t trained) {
   if (!t || trained == 0) return;
   pthread_mutex_lock(&t->mu);
-  t->cur.examples_wasted += trained;
+  refused(t, worker, lease_id, trained, t->epoch, UINT32_MAX);
+  pthread_mutex_unlock(&t->mu);
+}
+
+void ps_leases_note_pushed(ps_leases *t, uint64_t worker, uint64_t lease_id, uint32_t examples) {
+  if (!t || lease_id == 0 || examples == 0) return;
+  pthread_mutex_lock(&t->mu);
+  int i = find_lease(t, lease_id);
+  if (i >= 0) {
+    if (t->leases[i].worker == worker) t->leases[i].pushed = add_sat(t->leases[i].pushed, examples);
+  } else {
+    ended_lease *e = find_acct(t, lease_id);
+    if (e && e->worker == worker) {
+      e->pushed = add_sat(e->pushed, examples);
+      if (e->gone) count_abandoned(t, e);
+    }
+  }
   pthread_mutex_unlock(&t->mu);
 }
 
@@ -745,25 +946,38 @@ int ps_leases_epoch_record(ps_leases *t, uint32_t epoch, ps_lease_epoch_record *
  *       so that it hands out what its primary does; then u8
  *       next_done[n_chunks]: 1 where a worker finished the chunk in the next
  *       epoch (ps_leases_rejoin), else 0
+ *  then (version 4) u32 pushed[n_leases]: the examples pushed under each
+ *       outstanding lease, in grant order; then u32 n_acct and n_acct
+ *       reclaimed leases of this epoch and the one before whose pushes
+ *       count, oldest first, each u64 id, u64 worker, u32 epoch, u32 chunk,
+ *       u32 pushed, u32 acct, u32 flags (ACCT_*) (36 bytes); a restore
+ *       keeps them, and the outstanding leases with something pushed, as
+ *       a life before's (ENDED_SAVED)
  *  then u32 CRC-32C of every byte before it.
  *
  * A record: u32 epoch, u32 finished, u32 chunks_completed, u32 chunks_once,
  * u64 examples_completed, u64 examples_handed_out, u64 examples_rehanded,
  * u64 reclaims, i64 start_ms, i64 end_ms, then (version 2) u64
  * examples_redone, then (version 3) u64 examples_recovered, u64
- * examples_wasted. Versions 1 (without examples_redone and the redone
- * flags) and 2 still load: nothing was redone, recovered or wasted then. */
+ * examples_wasted, then (version 4) u64 examples_abandoned. Versions 1
+ * (without examples_redone and the redone flags), 2 and 3 still load:
+ * nothing was redone, recovered, wasted or abandoned then. */
 
 static const uint8_t LEASE_MAGIC[8] = {'P', 'S', 'L', 'E', 'A', 'S', 'E', 0};
-#define LEASE_VERSION 3
+#define LEASE_VERSION 4
 #define HEAD_BYTES 80
 #define REC_BYTES_V1 64
 #define REC_BYTES_V2 72
-#define REC_BYTES 88
+#define REC_BYTES_V3 88
+#define REC_BYTES 96
+#define ACCT_BYTES 36
 
 /* A record's bytes in a blob of that version. */
 static size_t rec_bytes(uint32_t version) {
-  return version == 1 ? REC_BYTES_V1 : version == 2 ? REC_BYTES_V2 : REC_BYTES;
+  return version == 1   ? REC_BYTES_V1
+         : version == 2 ? REC_BYTES_V2
+         : version == 3 ? REC_BYTES_V3
+                        : REC_BYTES;
 }
 
 /* The common little-endian helpers, advancing through the blob. */
@@ -797,7 +1011,8 @@ static uint8_t *put_record(uint8_t *p, const ps_lease_epoch_record *r) {
   p = put_u64(p, (uint64_t)r->end_ms);
   p = put_u64(p, r->examples_redone);
   p = put_u64(p, r->examples_recovered);
-  return put_u64(p, r->examples_wasted);
+  p = put_u64(p, r->examples_wasted);
+  return put_u64(p, r->examples_abandoned);
 }
 
 static void get_record(const uint8_t **p, ps_lease_epoch_record *r, uint32_t n_chunks,
@@ -817,6 +1032,7 @@ static void get_record(const uint8_t **p, ps_lease_epoch_record *r, uint32_t n_c
   r->examples_redone = version == 1 ? 0 : get_u64(p);
   r->examples_recovered = version < 3 ? 0 : get_u64(p);
   r->examples_wasted = version < 3 ? 0 : get_u64(p);
+  r->examples_abandoned = version < 4 ? 0 : get_u64(p);
 }
 
 #define LEASE_BYTES 28
@@ -828,12 +1044,24 @@ static size_t fixed_bytes(uint32_t n_chunks, uint32_t n_history, uint32_t versio
          (version == 1 ? 2 : 3) * (size_t)n_chunks;
 }
 
-static size_t blob_bytes(uint32_t n_chunks, uint32_t n_history, uint32_t version,
-                         uint32_t n_leases, uint32_t pool_len) {
+static size_t blob_bytes(uint32_t n_chunks, uint32_t n_history, uint32_t version, uint32_t n_leases,
+                         uint32_t pool_len, uint32_t n_acct) {
   return fixed_bytes(n_chunks, n_history, version) +
-         (version >= 3 ? 8 + (size_t)n_leases * LEASE_BYTES + 4 * (size_t)pool_len + n_chunks
-                       : 0) +
-         4;
+         (version >= 3 ? 8 + (size_t)n_leases * LEASE_BYTES + 4 * (size_t)pool_len + n_chunks : 0) +
+         (version >= 4 ? 4 * (size_t)n_leases + 4 + (size_t)n_acct * ACCT_BYTES : 0) + 4;
+}
+
+/* The i-th ended lease, oldest first. */
+static const ended_lease *ended_at(const ps_leases *t, uint32_t i) {
+  uint32_t first = t->ended_n < ENDED_KEEP ? 0 : t->ended_next;
+  return &t->ended[(first + i) % ENDED_KEEP];
+}
+
+/* Whether a checkpoint keeps ended lease e: a reclaimed one (of this life
+ * or one before) of this epoch or the one before, with counts. */
+static int acct_kept(const ps_leases *t, const ended_lease *e) {
+  return (e->kind == ENDED_RECLAIMED || e->kind == ENDED_SAVED) &&
+         (e->pushed || e->acct || e->refused) && e->epoch <= t->epoch && e->epoch + 1 >= t->epoch;
 }
 
 int ps_leases_save(const ps_leases *t, void **buf, size_t *len) {
@@ -842,8 +1070,10 @@ int ps_leases_save(const ps_leases *t, void **buf, size_t *len) {
   ps_leases *mt = (ps_leases *)t;
   pthread_mutex_lock(&mt->mu);
   size_t n = t->n_chunks;
+  uint32_t n_acct = 0;
+  for (uint32_t i = 0; i < t->ended_n; i++) n_acct += acct_kept(t, ended_at(t, i));
   size_t total = blob_bytes(t->n_chunks, (uint32_t)t->n_history, LEASE_VERSION,
-                            (uint32_t)t->n_leases, t->pool_len);
+                            (uint32_t)t->n_leases, t->pool_len, n_acct);
   uint8_t *b = malloc(total);
   if (!b) {
     pthread_mutex_unlock(&mt->mu);
@@ -887,6 +1117,20 @@ int ps_leases_save(const ps_leases *t, void **buf, size_t *len) {
     p = put_u32(p, t->pool[(t->pool_head + i) % t->n_chunks]);
   memcpy(p, t->next_done, n);
   p += n;
+  for (int i = 0; i < t->n_leases; i++) p = put_u32(p, t->leases[i].pushed);
+  p = put_u32(p, n_acct);
+  for (uint32_t i = 0; i < t->ended_n; i++) {
+    const ended_lease *e = ended_at(t, i);
+    if (!acct_kept(t, e)) continue;
+    p = put_u64(p, e->id);
+    p = put_u64(p, e->worker);
+    p = put_u32(p, e->epoch);
+    p = put_u32(p, e->chunk);
+    p = put_u32(p, e->pushed);
+    p = put_u32(p, e->acct);
+    p = put_u32(p, (e->gone ? ACCT_GONE : 0) | (e->refused ? ACCT_REFUSED : 0) |
+                       (e->kind == ENDED_SAVED ? ACCT_SAVED : 0));
+  }
   put_u32(p, ps_crc32c(0, b, (size_t)(p - b)));
   pthread_mutex_unlock(&mt->mu);
   *buf = b;
@@ -924,8 +1168,8 @@ static int check_counts(const ps_leases *t, const ps_lease_epoch_record *r, cons
                      what, (unsigned)r->epoch);
   if (r->examples_recovered > r->examples_completed)
     return ps_seterr(err, PS_EINVAL,
-                     "lease table blob: %s, epoch %u: more examples recovered than completed",
-                     what, (unsigned)r->epoch);
+                     "lease table blob: %s, epoch %u: more examples recovered than completed", what,
+                     (unsigned)r->epoch);
   /* Each chunk is counted redone once per epoch at most. */
   if (r->examples_redone > t->cfg.n_examples)
     return ps_seterr(err, PS_EINVAL,
@@ -939,8 +1183,8 @@ static int check_counts(const ps_leases *t, const ps_lease_epoch_record *r, cons
 /* Checks the decoded state of t, with the chunks' saved states and redone
  * flags (saved_redone NULL: a version 1 blob, none): everything but the
  * lengths and the checksum, which the caller checked. */
-static int check_loaded(const ps_leases *t, const uint8_t *saved_state,
-                        const uint8_t *saved_redone, char *err) {
+static int check_loaded(const ps_leases *t, const uint8_t *saved_state, const uint8_t *saved_redone,
+                        char *err) {
   const ps_lease_config *cfg = &t->cfg;
   if (t->finished != 0 && t->finished != 1)
     return ps_seterr(err, PS_EINVAL, "lease table blob: finished flag %d", t->finished);
@@ -1130,6 +1374,41 @@ static int lay_out_chunks(ps_leases *t, const uint8_t *saved_state, const uint8_
   return PS_OK;
 }
 
+/* The counts of a version 4 blob (at p: the outstanding leases' pushes,
+ * then the reclaimed leases whose pushes count). A new life keeps them as
+ * a life before's (ENDED_SAVED), the outstanding leases' with them; a
+ * replica's copy (same_ids) as its primary has them. */
+static int load_acct(ps_leases *t, const uint8_t *p, uint32_t n_leases, int same_ids, char *err) {
+  for (uint32_t i = 0; i < n_leases; i++) {
+    t->leases[i].pushed = get_u32(&p);
+    if (!same_ids && t->leases[i].pushed) remember_ended(t, &t->leases[i], ENDED_SAVED);
+  }
+  uint32_t n_acct = get_u32(&p);
+  for (uint32_t i = 0; i < n_acct; i++) {
+    lease l = {0};
+    l.id = get_u64(&p);
+    l.worker = get_u64(&p);
+    uint32_t epoch = get_u32(&p);
+    l.chunk = get_u32(&p);
+    l.pushed = get_u32(&p);
+    uint32_t acct = get_u32(&p), flags = get_u32(&p);
+    if (l.id == 0 || flags > (ACCT_GONE | ACCT_REFUSED | ACCT_SAVED) || epoch > t->epoch ||
+        epoch + 1 < t->epoch || (l.chunk >= t->n_chunks && l.chunk != UINT32_MAX))
+      return ps_seterr(err, PS_EINVAL,
+                       "lease table blob: reclaimed lease %u: id %llu, epoch %u (table at %u), "
+                       "chunk %u, flags %u",
+                       (unsigned)i, (unsigned long long)l.id, (unsigned)epoch, (unsigned)t->epoch,
+                       (unsigned)l.chunk, (unsigned)flags);
+    remember_ended(t, &l, same_ids && !(flags & ACCT_SAVED) ? ENDED_RECLAIMED : ENDED_SAVED);
+    ended_lease *e = &t->ended[(t->ended_next + ENDED_KEEP - 1) % ENDED_KEEP];
+    e->epoch = epoch;
+    e->acct = acct;
+    e->gone = (flags & ACCT_GONE) != 0;
+    e->refused = (flags & ACCT_REFUSED) != 0;
+  }
+  return PS_OK;
+}
+
 /* same_ids: the blob's next lease id goes on (a replica's copy of its
  * primary's table); else ids start past it and past the wall clock's (a
  * new life after a restore). */
@@ -1177,8 +1456,10 @@ static ps_leases *load_blob(const void *buf, size_t len, int same_ids, char *err
               (unsigned)n_history, PS_LEASE_HISTORY);
     return NULL;
   }
-  /* Version 3: the number of outstanding leases follows the fixed part. */
-  uint32_t n_leases = 0, pool_len = 0;
+  /* Version 3: the number of outstanding leases follows the fixed part,
+   * and the pool's length them; version 4: the kept reclaimed leases'
+   * number follows the outstanding leases' pushes. */
+  uint32_t n_leases = 0, pool_len = 0, n_acct = 0;
   size_t fixed = fixed_bytes(n_chunks, n_history, version);
   if (version >= 3 && len >= fixed + 4) {
     const uint8_t *nl = b + fixed;
@@ -1193,13 +1474,23 @@ static ps_leases *load_blob(const void *buf, size_t len, int same_ids, char *err
       const uint8_t *pl = b + at;
       pool_len = get_u32(&pl);
       if (pool_len > n_chunks) {
-        ps_seterr(err, PS_EINVAL, "lease table blob: a pool of %u of %u chunks",
-                  (unsigned)pool_len, (unsigned)n_chunks);
+        ps_seterr(err, PS_EINVAL, "lease table blob: a pool of %u of %u chunks", (unsigned)pool_len,
+                  (unsigned)n_chunks);
         return NULL;
+      }
+      size_t acct_at = at + 4 + 4 * (size_t)pool_len + n_chunks + 4 * (size_t)n_leases;
+      if (version >= 4 && len >= acct_at + 4) {
+        const uint8_t *na = b + acct_at;
+        n_acct = get_u32(&na);
+        if (n_acct > ENDED_KEEP) {
+          ps_seterr(err, PS_EINVAL, "lease table blob: %u reclaimed leases kept, at most %d",
+                    (unsigned)n_acct, ENDED_KEEP);
+          return NULL;
+        }
       }
     }
   }
-  size_t want = blob_bytes(n_chunks, n_history, version, n_leases, pool_len);
+  size_t want = blob_bytes(n_chunks, n_history, version, n_leases, pool_len, n_acct);
   if (len != want) {
     ps_seterr(err, PS_EINVAL, "lease table blob: %zu bytes, %zu expected for %u chunks (%s)", len,
               want, (unsigned)n_chunks, len < want ? "truncated" : "trailing bytes");
@@ -1254,8 +1545,12 @@ static ps_leases *load_blob(const void *buf, size_t len, int same_ids, char *err
     }
   }
 
-  if (lay_out_chunks(t, saved_state, saved_redone, version, same_ids, b + fixed, n_leases,
-                     pool_len, err) != PS_OK) {
+  if (lay_out_chunks(t, saved_state, saved_redone, version, same_ids, b + fixed, n_leases, pool_len,
+                     err) != PS_OK ||
+      (version >= 4 &&
+       load_acct(t,
+                 b + fixed + 8 + (size_t)n_leases * LEASE_BYTES + 4 * (size_t)pool_len + n_chunks,
+                 n_leases, same_ids, err) != PS_OK)) {
     ps_leases_destroy(t);
     return NULL;
   }

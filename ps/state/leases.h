@@ -16,8 +16,11 @@
  * A chunk is done at most once per epoch: a done chunk is never handed out
  * again in that epoch, and only the current holder's completion counts.
  * What the table cannot prevent is that the first holder of a reclaimed
- * chunk still computes on it: those examples are counted as "re-handed
- * out" in the epoch's record. */
+ * chunk computed on it: the examples it pushed under the lease (shard 0
+ * hears each push's lease, ps_leases_note_pushed) are counted as
+ * abandoned once the chunk goes to another worker, and those it reports
+ * in a refused completion as wasted, each example once; the whole chunk
+ * is counted as "re-handed out". */
 #ifndef PS_PS_LEASES_H
 #define PS_PS_LEASES_H
 
@@ -88,7 +91,13 @@ typedef struct {
   uint64_t examples_wasted;     /* examples workers trained under leases whose completion was
                                    not counted (reclaimed and gone to another worker, or of a
                                    life before a restore that could not be taken back):
-                                   trained again by another (ps_leases_note_wasted) */
+                                   trained again by another (ps_leases_note_refused), less
+                                   what examples_abandoned counted of the lease already */
+  uint64_t examples_abandoned;  /* examples pushed under leases taken back (the worker left,
+                                   stalled or died) whose chunks went to another worker:
+                                   trained again. Every example trained is counted once in
+                                   examples_completed + examples_redone + examples_wasted +
+                                   examples_abandoned */
   int64_t start_ms;             /* now_ms of the epoch's first acquire; -1: none yet */
   int64_t end_ms;               /* now_ms of its last completion; -1: not finished */
 } ps_lease_epoch_record;
@@ -177,12 +186,16 @@ int ps_leases_epoch_record(ps_leases *t, uint32_t epoch, ps_lease_epoch_record *
                            uint8_t *counts, uint32_t max);
 
 /* A lease a worker holds, as it names it when it registers again: its id,
- * epoch and chunk, and whether it has trained every example of it (its
- * completion on the way). */
+ * epoch and chunk, whether it has trained every example of it (its
+ * completion on the way), how many examples of it it trained, and whether
+ * its completion was refused (a lease it no longer holds, named so that a
+ * table restored to before the refusal counts what it trained). */
 typedef struct {
   uint64_t lease_id;
   uint32_t epoch, chunk;
   int finished;
+  uint32_t trained;
+  int refused;
 } ps_lease_held;
 
 /* What ps_leases_rejoin did. */
@@ -209,7 +222,12 @@ typedef struct {
  * another worker since is counted in examples_redone (once per chunk and
  * epoch, whoever names it). Leases this life of the table knows (granted,
  * or ended) are left to their completion; other epochs and ids out of
- * range are ignored. Returns 0 (PS_EINVAL for a NULL t, or NULL arrays
+ * range are ignored. What the worker trained of a held lease counts as
+ * pushed under it (ps_leases_note_pushed); of one whose chunk went to
+ * another worker, it is counted as abandoned at once (the worker may die
+ * before its completion is refused). A refused lease it names is counted
+ * as ps_leases_note_refused counts it, once whatever the number of times
+ * it is named. Returns 0 (PS_EINVAL for a NULL t, or NULL arrays
  * with counts); out (may be NULL) says what was done. */
 int ps_leases_rejoin(ps_leases *t, uint64_t worker, const uint64_t *done, size_t n_done,
                      const ps_lease_held *held, size_t n_held, int64_t now_ms,
@@ -217,9 +235,18 @@ int ps_leases_rejoin(ps_leases *t, uint64_t worker, const uint64_t *done, size_t
 
 /* A worker finished a lease whose completion was not counted (PS_LEASE_ELOST,
  * PS_ENOTFOUND, PS_ESTATE): the `trained` examples it trained of it are
- * trained again by another worker, or were already: they join the current
- * epoch's examples_wasted. */
-void ps_leases_note_wasted(ps_leases *t, uint64_t trained);
+ * trained again by another worker, or were already: those not counted as
+ * abandoned already join the current epoch's examples_wasted. A repeated
+ * report of the same lease counts nothing more (while the table remembers
+ * the lease: the last 4096 leases ended). */
+void ps_leases_note_refused(ps_leases *t, uint64_t worker, uint64_t lease_id, uint64_t trained);
+
+/* Shard 0 applied a push of `examples` examples the worker trained under
+ * lease_id. Counted on the lease while the worker holds it; once the lease
+ * was taken back and its chunk went to another worker, counted at once as
+ * abandoned. A lease of another worker, a completed one or an unknown id
+ * counts nothing. */
+void ps_leases_note_pushed(ps_leases *t, uint64_t worker, uint64_t lease_id, uint32_t examples);
 
 /* Serializes the whole state for a checkpoint into a malloc'd buffer (free
  * with free()). Outstanding leases are written as chunks back in the pool:
@@ -231,9 +258,11 @@ int ps_leases_save(const ps_leases *t, void **buf, size_t *len);
 /* A table from a blob of ps_leases_save. Every field is checked: a
  * truncated, corrupt or newer-version blob gives NULL and a message in err,
  * never a crash. Leases outstanding at save time come back in the pool,
- * counted as reclaims. Blobs of the previous versions (before
- * examples_redone, before examples_recovered and examples_wasted) load
- * too, with nothing redone, recovered or wasted. */
+ * counted as reclaims, with what was pushed under them (abandoned when
+ * their chunks go to another worker). Blobs of the previous versions
+ * (before examples_redone, before examples_recovered and examples_wasted,
+ * before examples_abandoned) load too, with nothing redone, recovered,
+ * wasted or abandoned. */
 ps_leases *ps_leases_load(const void *buf, size_t len, char *err);
 
 /* Replaces t's whole state by a blob's, in place: a replica of shard 0

@@ -99,7 +99,7 @@ int main(int argc, char **argv) {
    * again, which must send nothing. */
   for (size_t i = 0; i < P; i++) grads[i] = 0.5f;
   ps_push_result res;
-  CHECK(ps_client_push_begin(c, versions, 0, 8) == 0);
+  CHECK(ps_client_push_begin(c, versions, 0, 8, 0) == 0);
   CHECK(ps_client_push_pending(c) == S);
   CHECK_MSG(ps_client_push_shard(c, S - 1, grads, err) == 0, "push_shard: %s", err);
   CHECK(ps_client_push_shard(c, S, grads, err) != 0); /* no such shard: an error, nothing sent */

@@ -126,7 +126,7 @@ static int pull_retry(ps_client *c, float *params, uint64_t *versions, const uin
 /* A push round, its end tried again for 60 s at most (the same round). */
 static int push_retry(ps_client *c, const float *grads, const uint64_t *versions, uint64_t step,
                       ps_push_result *res, char *err) {
-  int rc = ps_client_push_begin(c, versions, step, 8);
+  int rc = ps_client_push_begin(c, versions, step, 8, 0);
   if (rc != PS_OK) return ps_seterr(err, rc, "a push is still in flight");
   const double until = ps_now_s() + 60;
   while (transient(rc = ps_client_push_end(c, grads, res, err)) && ps_now_s() < until)

@@ -386,7 +386,12 @@ int ps_capi_push(ps_capi_worker *w, const float *grads, uint64_t n, int batch_si
   int rc = check_count(w, n, grads, "push");
   if (rc != PS_OK) return rc;
   uint64_t step = atomic_load(&w->step) + 1;
-  rc = ps_client_push_begin(w->c, w->versions, step, batch_size > 0 ? batch_size : 1);
+  /* The examples were drawn from the lease held, when one is (the loop
+   * over leases holds one at a time): shard 0 counts them against it. */
+  pthread_mutex_lock(&w->mu);
+  uint64_t lease = w->n_held == 1 ? w->held[0] : 0;
+  pthread_mutex_unlock(&w->mu);
+  rc = ps_client_push_begin(w->c, w->versions, step, batch_size > 0 ? batch_size : 1, lease);
   if (rc != PS_OK) return fail(rc, "a push is still in flight");
   atomic_store(&w->step, step);
   return push_finish(w, grads, staleness_sum, staleness_max, dropped);

@@ -108,7 +108,10 @@ PS_CAPI int ps_capi_versions(const ps_capi_worker *w, uint64_t *out, int n);
  * shards that dropped it (sync: late). On error the shards that applied
  * it are done and the others pending: ps_capi_push_retry sends the same
  * round (its request id and bytes) to those only, so no shard applies a
- * gradient twice; a new ps_capi_push gives the pending shards up. */
+ * gradient twice; a new ps_capi_push gives the pending shards up. While
+ * the worker holds exactly one lease (a loop over leases), the round's
+ * batch_size examples are counted against it on shard 0, so that what a
+ * worker that leaves or dies trained of a chunk is in the lease records. */
 PS_CAPI int ps_capi_push(ps_capi_worker *w, const float *grads, uint64_t n, int batch_size,
                          uint64_t *staleness_sum, uint64_t *staleness_max, int *dropped);
 PS_CAPI int ps_capi_push_retry(ps_capi_worker *w, const float *grads, uint64_t n,

@@ -28,6 +28,10 @@
  * answered: a worker holds a few at once (shard 0 grants it 2); the oldest
  * is forgotten beyond this (a lease never reported done). */
 #define GRANTS_KEPT 16
+/* Leases whose completion shard 0 refused, kept (of the current lease
+ * epoch and the one before) for a registration again with shard 0: one
+ * restored to before the refusal counts what was trained of them. */
+#define REFUSED_KEPT 64
 /* Acknowledged completions kept for a registration again with shard 0 (the
  * oldest dropped beyond): a restart loses the newest ones, those since its
  * last checkpoint, and a Register request must stay well within what a
@@ -84,9 +88,15 @@ struct ps_client {
   struct {
     uint64_t id;
     uint32_t epoch, chunk, count;
+    uint32_t trained; /* examples of it in rounds shard 0 answered */
     int finishing;
   } grants[GRANTS_KEPT];
   int n_grants;
+  struct {
+    uint64_t id;
+    uint32_t epoch, chunk, trained;
+  } refused[REFUSED_KEPT]; /* completions refused (under done_mu) */
+  int n_refused;
   /* The chunks of lease epochs done_epoch and the one before whose
    * completion shard 0 acknowledged, epoch << 32 | chunk, a ring of
    * DONE_KEPT (allocated at the first): a shard 0 restarted from a
@@ -150,6 +160,7 @@ struct ps_client {
     uint64_t step;
     uint64_t request_id; /* of this round, the same on every retry of it */
     int batch_size;
+    uint64_t lease_id;  /* the lease the round's examples were drawn from, or 0 */
     int rows_set;        /* the row set (rows.set) of this round */
     const float *grads;  /* the gradient of the last round (kept by the caller) */
     uint64_t *answered;  /* per shard: the last round it answered (0: none) */
@@ -286,22 +297,31 @@ static int failover(ps_client *c, int s, int rep, int st, const char *detail, fa
   return 1;
 }
 
-/* The leases granted and not answered done, as a Register names them: a
- * malloc'd block of n messages then their pointers (*ptrs), which the
- * caller frees (NULL when there are none, or out of memory: they are a
- * record's, not training's). */
+/* The leases granted and not answered done, then those whose completion
+ * was refused, as a Register names them: a malloc'd block of n messages then their pointers
+ * (*ptrs), which the caller frees (NULL when there are none, or out of memory: they are a record's,
+ * not training's). */
 static Ps__HeldLease *held_copy(ps_client *c, Ps__HeldLease ***ptrs, size_t *n) {
   pthread_mutex_lock(&c->done_mu);
-  size_t k = (size_t)c->n_grants;
+  size_t g = (size_t)c->n_grants, k = g + (size_t)c->n_refused;
   Ps__HeldLease *m = k ? malloc(k * (sizeof *m + sizeof(Ps__HeldLease *))) : NULL;
   Ps__HeldLease **p = m ? (Ps__HeldLease **)(void *)(m + k) : NULL;
   *n = m ? k : 0;
   for (size_t i = 0; i < *n; i++) {
     ps__held_lease__init(&m[i]);
-    m[i].lease_id = c->grants[i].id;
-    m[i].epoch = c->grants[i].epoch;
-    m[i].chunk = c->grants[i].chunk;
-    m[i].finished = c->grants[i].finishing;
+    if (i < g) {
+      m[i].lease_id = c->grants[i].id;
+      m[i].epoch = c->grants[i].epoch;
+      m[i].chunk = c->grants[i].chunk;
+      m[i].finished = c->grants[i].finishing;
+      m[i].trained = c->grants[i].trained;
+    } else {
+      m[i].lease_id = c->refused[i - g].id;
+      m[i].epoch = c->refused[i - g].epoch;
+      m[i].chunk = c->refused[i - g].chunk;
+      m[i].trained = c->refused[i - g].trained;
+      m[i].refused = 1;
+    }
     p[i] = &m[i];
   }
   pthread_mutex_unlock(&c->done_mu);
@@ -1196,8 +1216,8 @@ static void tensor_released(void *user) {
   atomic_fetch_sub(&c->tensors_in_flight, 1);
 }
 
-int ps_client_push_begin(ps_client *c, const uint64_t *versions, uint64_t step,
-                         int batch_size) {
+int ps_client_push_begin(ps_client *c, const uint64_t *versions, uint64_t step, int batch_size,
+                         uint64_t lease_id) {
   for (int s = 0; s < c->nshards; s++)
     if (c->push.state[s] == PUSH_IN_FLIGHT) return PS_EINVAL; /* the last round is not over */
   memcpy(c->push.versions, versions, (size_t)c->nshards * sizeof *versions);
@@ -1209,6 +1229,7 @@ int ps_client_push_begin(ps_client *c, const uint64_t *versions, uint64_t step,
   memset(&c->push.res, 0, sizeof c->push.res);
   c->push.step = step;
   c->push.batch_size = batch_size;
+  c->push.lease_id = lease_id;
   c->push.request_id++;
   return PS_OK;
 }
@@ -1276,6 +1297,7 @@ int ps_client_push_shard(ps_client *c, int s, const float *grads, char *err) {
   req.step = c->push.step;
   req.request_id = c->push.request_id;
   req.batch_size = (uint32_t)c->push.batch_size;
+  req.lease_id = c->push.lease_id;
   Ps__TableRows rm[PS_MAX_TABLES], *rp[PS_MAX_TABLES];
   req.n_rows = rows_msgs(rs, s, rm, rp);
   req.rows = rp;
@@ -1341,6 +1363,16 @@ static int push_wait_all(ps_client *c, const float *grads, int *again, char *err
       answered(c, s, c->push.rep[s]);
       c->push.state[s] = PUSH_DONE;
       c->push.answered[s] = c->push.request_id;
+      if (s == 0 && c->push.lease_id && c->push.batch_size > 0) {
+        /* Shard 0 counted the round on its lease: what a registration
+         * again names as trained of it (a round it has not answered is
+         * sent again, and counted then). */
+        pthread_mutex_lock(&c->done_mu);
+        for (int i = 0; i < c->n_grants; i++)
+          if (c->grants[i].id == c->push.lease_id)
+            c->grants[i].trained += (uint32_t)c->push.batch_size;
+        pthread_mutex_unlock(&c->done_mu);
+      }
       uint8_t small[256];
       if (view.total <= sizeof small && ps_segview_copy(&view, 0, small, view.total) == 0) {
         Ps__PushResponse *r = ps__push_response__unpack(NULL, view.total, small);
@@ -1440,6 +1472,9 @@ static int push_again(ps_client *c, int s, char *err) {
           "before it): pushed again",
           s, c->shards[s].addr[replica_of(c, s)], c->push.request_id);
   c->push.state[s] = PUSH_PENDING;
+  /* Shard 0 answered the round before: its examples are named as trained
+   * of the lease already (registering again), and are not counted twice. */
+  if (s == 0) c->push.lease_id = 0;
   return push_finish(c, c->push.grads, err);
 }
 
@@ -1451,7 +1486,7 @@ int ps_client_push_pending(const ps_client *c) {
 
 int ps_client_push(ps_client *c, const float *grads, const uint64_t *versions, uint64_t step,
                    int batch_size, ps_push_result *res, char *err) {
-  int rc = ps_client_push_begin(c, versions, step, batch_size);
+  int rc = ps_client_push_begin(c, versions, step, batch_size, 0);
   if (rc != PS_OK) return ps_seterr(err, rc, "a push is still in flight");
   return ps_client_push_end(c, grads, res, err);
 }
@@ -1529,6 +1564,10 @@ static void lease_granted(ps_client *c, uint64_t id, uint32_t epoch, uint32_t ch
     c->done_head = 0;
     c->done_n = kept;
     c->done_epoch = epoch;
+    int r = 0; /* refusals: those of this epoch and the one before */
+    for (int i = 0; i < c->n_refused; i++)
+      if ((int64_t)c->refused[i].epoch + 1 >= (int64_t)epoch) c->refused[r++] = c->refused[i];
+    c->n_refused = r;
   }
   int known = 0;
   for (int i = 0; i < c->n_grants && !known; i++) known = c->grants[i].id == id; /* a retry */
@@ -1541,6 +1580,7 @@ static void lease_granted(ps_client *c, uint64_t id, uint32_t epoch, uint32_t ch
     c->grants[c->n_grants].epoch = epoch;
     c->grants[c->n_grants].chunk = chunk;
     c->grants[c->n_grants].count = count;
+    c->grants[c->n_grants].trained = 0;
     c->grants[c->n_grants].finishing = 0;
     c->n_grants++;
   }
@@ -1568,9 +1608,21 @@ static void lease_completed(ps_client *c, uint64_t id, int counted) {
   for (int i = 0; i < c->n_grants; i++) {
     if (c->grants[i].id != id) continue;
     uint32_t epoch = c->grants[i].epoch, chunk = c->grants[i].chunk;
+    uint32_t trained = c->grants[i].count;
     memmove(&c->grants[i], &c->grants[i + 1], (size_t)(c->n_grants - i - 1) * sizeof c->grants[0]);
     c->n_grants--;
-    if (!counted) break;
+    if (!counted) {
+      if (c->n_refused == REFUSED_KEPT) { /* the oldest goes */
+        memmove(&c->refused[0], &c->refused[1], (REFUSED_KEPT - 1) * sizeof c->refused[0]);
+        c->n_refused--;
+      }
+      c->refused[c->n_refused].id = id;
+      c->refused[c->n_refused].epoch = epoch;
+      c->refused[c->n_refused].chunk = chunk;
+      c->refused[c->n_refused].trained = trained;
+      c->n_refused++;
+      break;
+    }
     if (!c->done) c->done = malloc(DONE_KEPT * sizeof *c->done);
     if (c->done && (int64_t)epoch + 1 >= c->done_epoch && (int64_t)epoch <= c->done_epoch) {
       if (c->done_n == DONE_KEPT) { /* the oldest goes */

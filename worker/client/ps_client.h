@@ -148,7 +148,10 @@ int ps_client_push(ps_client *c, const float *grads, const uint64_t *versions, u
 /* The same push in parts, so that a shard's slice can go out as soon as
  * it is ready (while the rest of the gradient is still being computed):
  *   begin: a new round with the versions the gradient was computed from
- *     (PS_EINVAL while the last round still has calls in flight);
+ *     (PS_EINVAL while the last round still has calls in flight), and the
+ *     lease its batch_size examples were drawn from (0: none), which shard
+ *     0 counts (what a worker that leaves or dies trained of a chunk is in
+ *     the records) and a registration again names;
  *   push_shard: starts shard s's call with its slice of grads (nothing if
  *     it was started or done already this round);
  *   push_end: starts the shards not started yet, waits for all, registers
@@ -162,7 +165,8 @@ int ps_client_push(ps_client *c, const float *grads, const uint64_t *versions, u
  * lost it, and the pull pushes it the round again (the same bytes; the
  * rows as they were gathered, also when the next rows are set already).
  * pending: the shards of the round not done yet. */
-int ps_client_push_begin(ps_client *c, const uint64_t *versions, uint64_t step, int batch_size);
+int ps_client_push_begin(ps_client *c, const uint64_t *versions, uint64_t step, int batch_size,
+                         uint64_t lease_id);
 int ps_client_push_shard(ps_client *c, int s, const float *grads, char *err);
 int ps_client_push_end(ps_client *c, const float *grads, ps_push_result *res, char *err);
 int ps_client_push_pending(const ps_client *c);

@@ -22,6 +22,7 @@ typedef struct {
   const uint64_t *base_versions;
   uint64_t step;
   int batch;
+  uint64_t lease;     /* the lease the batch was drawn from, or 0 */
   uint64_t lease_tag; /* a chunk finished with this push, or 0 */
   float *pull_into;
   uint64_t *pull_versions;
@@ -59,7 +60,7 @@ static int comm_pull(void *ctx, char *err) {
 static void comm_run(comm_job *j) {
   ps_worker *w = j->w;
   j->err[0] = '\0';
-  j->rc = ps_client_push_begin(w->client, j->base_versions, j->step, j->batch);
+  j->rc = ps_client_push_begin(w->client, j->base_versions, j->step, j->batch, j->lease);
   if (j->rc != 0) snprintf(j->err, sizeof j->err, "a push is still in flight");
   if (j->rc == 0) j->rc = ps_worker_retry(w, "Push", comm_push, j, j->err);
   if (j->rc == 0 && j->lease_tag) ps_source_chunk_done(w->source, j->lease_tag);
@@ -205,6 +206,7 @@ static int overlap_run(void *state, int64_t step, const ps_batch *b, ps_step_res
   j->base_versions = s->vbuf[cur];
   j->step = (uint64_t)step;
   j->batch = b->n;
+  j->lease = b->tag;
   j->lease_tag = b->last_in_chunk ? b->tag : 0;
   j->pull_into = s->pbuf[cur]; /* computed from; free now */
   j->pull_versions = s->vbuf[cur];

@@ -150,7 +150,7 @@ static int pipe_run(void *state, int64_t step, const ps_batch *b, ps_step_result
   ps_model_step_forward(w->model, w->dparams, P); /* done already: every shard arrived */
   r->loss = ps_model_step_loss(w->model);
   if (ps_step_check_loss(step, r->loss, err) != 0) return -1;
-  if (ps_client_push_begin(w->client, w->versions, (uint64_t)step, b->n) != 0) {
+  if (ps_client_push_begin(w->client, w->versions, (uint64_t)step, b->n, b->tag) != 0) {
     snprintf(err, PS_ERRLEN, "a push is still in flight");
     return -1;
   }

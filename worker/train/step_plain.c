@@ -19,7 +19,7 @@ static int plain_run(void *state, int64_t step, const ps_batch *b, ps_step_resul
   r->loss = ps_compute_step(w, step, b, &r->correct);
   double tc = ps_now_s();
   if (ps_step_check_loss(step, r->loss, err) != 0) return -1;
-  if (ps_client_push_begin(w->client, w->versions, (uint64_t)step, b->n) != 0) {
+  if (ps_client_push_begin(w->client, w->versions, (uint64_t)step, b->n, b->tag) != 0) {
     snprintf(err, PS_ERRLEN, "a push is still in flight");
     return -1;
   }
