@@ -70,9 +70,9 @@ static void list_files(char *out, size_t len) {
     snprintf(path, sizeof path, "%s/%s", g_dir, names[i]);
     struct stat st;
     if (stat(path, &st) == 0 && at < len)
-      at += (size_t)snprintf(out + at, len - at, "%s %lld %lld.%09ld\n", names[i],
-                             (long long)st.st_size, (long long)st.st_mtim.tv_sec,
-                             st.st_mtim.tv_nsec);
+      at +=
+          (size_t)snprintf(out + at, len - at, "%s %lld %lld.%09ld\n", names[i],
+                           (long long)st.st_size, (long long)st.st_mtim.tv_sec, st.st_mtim.tv_nsec);
     free(names[i]);
   }
 }
@@ -173,8 +173,7 @@ static void take_set(uint64_t set, uint64_t term, const uint64_t *keep, size_t n
   snprintf(what, sizeof what, "PREPARE of set %" PRIu64 " at term %" PRIu64, set, term);
   RAW_EXPECT(what, ckpt_call(PREPARE, set, term, NULL, 0, NULL, 0, on_disk, detail), RPC_OK, "");
   snprintf(what, sizeof what, "CUT of set %" PRIu64 " at term %" PRIu64, set, term);
-  RAW_EXPECT(what, ckpt_call(CUT, set, term, keep, n_keep, drop, n_drop, NULL, detail), RPC_OK,
-             "");
+  RAW_EXPECT(what, ckpt_call(CUT, set, term, keep, n_keep, drop, n_drop, NULL, detail), RPC_OK, "");
   CHECK_MSG(has_set(set), "no file of set %" PRIu64 " after its CUT", set);
 }
 
@@ -226,9 +225,10 @@ int main(int argc, char **argv) {
              ckpt_call(PREPARE, 102, 7, NULL, 0, NULL, 0, on_disk, detail), RPC_OK, "");
   CHECK_MSG(strcmp(on_disk, "100") == 0, "sets on disk: '%s', not '100'", on_disk);
   const uint64_t s100 = 100;
-  RAW_EXPECT("CUT of set 102 at term 6 naming set 100 abandoned",
-             ckpt_call(CUT, 102, 6, NULL, 0, &s100, 1, NULL, detail), RPC_FAILED_PRECONDITION,
-             "checkpoint set 102 comes from a deposed primary of shard 0 (its term 6, term 7 seen)");
+  RAW_EXPECT(
+      "CUT of set 102 at term 6 naming set 100 abandoned",
+      ckpt_call(CUT, 102, 6, NULL, 0, &s100, 1, NULL, detail), RPC_FAILED_PRECONDITION,
+      "checkpoint set 102 comes from a deposed primary of shard 0 (its term 6, term 7 seen)");
   same_view(&v, "a CUT of a deposed coordinator");
   CHECK(has_set(100) && !has_set(102));
   RAW_EXPECT("ABORT of set 102 at term 7", ckpt_call(ABORT, 102, 7, NULL, 0, NULL, 0, NULL, detail),
@@ -248,8 +248,9 @@ int main(int argc, char **argv) {
   CHECK_MSG(strcmp(on_disk, "103 100") == 0, "sets on disk at 104's PREPARE: '%s'", on_disk);
   CHECK_MSG(!has_set(100), "set 100, named abandoned, is still on disk");
   CHECK(has_set(103) && has_set(104));
-  printf("ckpt_check: a CUT naming sets 100, 103 and 104 abandoned, keeping 103: 100 deleted, 103 "
-         "and 104 kept\n");
+  printf(
+      "ckpt_check: a CUT naming sets 100, 103 and 104 abandoned, keeping 103: 100 deleted, 103 "
+      "and 104 kept\n");
   /* Without a kept set: 103 goes, whatever is newer. */
   const uint64_t drop103 = 103;
   take_set(105, 7, NULL, 0, &drop103, 1, on_disk);
