@@ -11,7 +11,9 @@
 #include "common/job.h"
 #include "common/util.h"
 
-#define PS_STALENESS_BUCKETS 32
+/* Staleness 0..63 counted exactly (a controlled-staleness study reaches
+ * 32 and more), 64 and more in the last bucket. */
+#define PS_STALENESS_BUCKETS 65
 
 typedef struct ps_shard ps_shard;
 

@@ -171,19 +171,21 @@ static void test_version_staleness_stats(void) {
   CHECK(stats.staleness_hist[0] == 2 && stats.staleness_hist[1] == 1 &&
         stats.staleness_hist[2] == 1);
 
-  /* 40 more pushes from base 0 at versions 4..43: staleness 4..43; those of
-   * 31 and more (13 of them) share the last bucket. */
-  for (int i = 0; i < 40; i++) CHECK(push_floats(s, 0, 0, g, n, &v, &st, err) == PS_OK);
+  /* 70 more pushes from base 0 at versions 4..73: staleness 4..73; those of
+   * 64 and more (10 of them) share the last bucket. */
+  for (int i = 0; i < 70; i++) CHECK(push_floats(s, 0, 0, g, n, &v, &st, err) == PS_OK);
   ps_shard_stats_get(s, &stats);
-  CHECK(stats.version == 44 && stats.pushes == 44);
-  CHECK(stats.staleness_max == 43);
-  CHECK(stats.staleness_hist[PS_STALENESS_BUCKETS - 1] == 13);
-  CHECK(stats.staleness_hist[4] == 1 && stats.staleness_hist[30] == 1);
+  CHECK(stats.version == 74 && stats.pushes == 74);
+  CHECK(stats.staleness_max == 73);
+  CHECK(PS_STALENESS_BUCKETS == 65);
+  CHECK(stats.staleness_hist[PS_STALENESS_BUCKETS - 1] == 10);
+  CHECK(stats.staleness_hist[4] == 1 && stats.staleness_hist[30] == 1 &&
+        stats.staleness_hist[63] == 1);
   uint64_t sum = 0;
   for (int i = 0; i < PS_STALENESS_BUCKETS; i++) sum += stats.staleness_hist[i];
-  CHECK(sum == 44);
-  /* mean of 0,1,0,2 and 4..43 = (3 + 940) / 44 */
-  CHECK_NEAR(stats.staleness_mean, 943.0 / 44.0, 1e-9, 0);
+  CHECK(sum == 74);
+  /* mean of 0,1,0,2 and 4..73 = (3 + 2695) / 74 */
+  CHECK_NEAR(stats.staleness_mean, 2698.0 / 74.0, 1e-9, 0);
   free(g);
   ps_shard_destroy(s);
 }
