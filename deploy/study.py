@@ -22,7 +22,10 @@ The spec (JSON):
 Grid axes of the stale runner: model, optimizer (NAME:LR[:MOMENTUM]),
 staleness (ps-stale --staleness), staleness_aware_lr, virtual_workers.
 Of the cluster runner: model, optimizer, mode (async, ssp:K, sync,
-sync+backup), workers, servers, straggler_ms, staleness_aware_lr. Every
+sync+backup), workers, servers, straggler_ms (the last worker sleeps that
+long in every step), straggle_all ("none", or a `ps-worker --straggle` SPEC
+every worker draws its steps' delays from, e.g. "exp:20"),
+staleness_aware_lr. Every
 combination runs once per seed, into OUT/runs/<its name>/: the job file,
 the command, its log, its evaluations (metrics.jsonl) and result.json,
 written last. A run that has result.json is not run again (an interrupted
@@ -53,12 +56,12 @@ ROOT = os.path.dirname(HERE)
 AXES = {
     "stale": ["model", "optimizer", "staleness", "staleness_aware_lr", "virtual_workers"],
     "cluster": ["model", "optimizer", "mode", "workers", "servers", "straggler_ms",
-                "staleness_aware_lr"],
+                "straggle_all", "staleness_aware_lr"],
 }
 DEFAULTS = {
     "stale": {"staleness": "fixed:0", "staleness_aware_lr": False, "virtual_workers": 1},
     "cluster": {"mode": "async", "workers": 4, "servers": 2, "straggler_ms": 0,
-                "staleness_aware_lr": False},
+                "straggle_all": "none", "staleness_aware_lr": False},
 }
 
 
@@ -198,6 +201,8 @@ def command(spec, cfg, seed, rundir, binary):
            "--straggler-ms", str(cfg["straggler_ms"]), "--threads", "1",
            "--out", os.path.join(rundir, "cluster"),
            "--timeout", str(int(spec["time_limit_s"])), "--", "--log-interval", "5"]
+    if cfg.get("straggle_all", "none") != "none":
+        cmd += ["--straggle", str(cfg["straggle_all"])]
     return cmd
 
 

@@ -65,16 +65,31 @@ bad "a bad optimizer" "want sgd:LR" '{"models": {"m": "tests/integration/jobs/sy
 bad "a bad target" '"target" must be' '{"models": {"m": "tests/integration/jobs/synthetic.json"}, "target": 2}'
 echo "study: bad specs refused with exit 2"
 
-# The cluster runner: async and sync, 2 workers, 1 seed.
+# Stragglers whose delays are drawn per step (ps-worker --straggle): the
+# same delays when run again, their mean near the one asked for.
+for k in 1 2; do
+  timeout 120 "$build/ps-worker" --local --job "$root/tests/integration/jobs/synthetic.json" \
+    --max-steps 100 --threads 1 --straggle exp:5 >"$out/straggle-$k.log" 2>&1 || fail "--straggle exp:5 failed"
+done
+s1=$(grep -o "slept [0-9]* ms over 100 steps" "$out/straggle-1.log" || true)
+s2=$(grep -o "slept [0-9]* ms over 100 steps" "$out/straggle-2.log" || true)
+[ -n "$s1" ] && [ "$s1" = "$s2" ] || fail "--straggle exp:5: '$s1' then '$s2'"
+ms=$(echo "$s1" | awk '{print $2}')
+[ "$ms" -ge 300 ] && [ "$ms" -le 700 ] || fail "--straggle exp:5 slept $ms ms in 100 steps (mean 5 ms asked)"
+echo "study: --straggle exp:5 $s1, the same twice"
+
+# The cluster runner: async and sync, 2 workers, 1 seed; the second
+# worker draws delays per step in half of them.
 cat >"$out/cluster.json" <<'EOF'
 {"name": "cl", "runner": "cluster",
  "models": {"synthetic": "tests/integration/jobs/synthetic.json"},
  "target": 0.9, "seeds": [1], "time_limit_s": 240,
- "grid": {"mode": ["async", "sync"], "workers": [2], "servers": [1]},
+ "grid": {"mode": ["async", "sync"], "workers": [2], "servers": [1], "straggle_all": ["none", "exp:2"]},
  "fixed": {"epochs": 2, "eval_interval_s": 1}}
 EOF
 study "$out/cluster.json" --out "$out/c" --bin "$build" >"$out/cluster.log" 2>&1 \
   || { tail -5 "$out/cluster.log"; tail -5 "$out"/c/runs/*/log.txt; fail "the cluster study failed"; }
-[ "$(grep -c '^| async\|^| sync' "$out/c/report.md")" = 2 ] || { cat "$out/c/report.md"; fail "the cluster report has not 2 rows"; }
-echo "study: a cluster study of async and sync ran and reported"
+[ "$(grep -c '^| async\|^| sync' "$out/c/report.md")" = 4 ] || { cat "$out/c/report.md"; fail "the cluster report has not 4 rows"; }
+grep -q "\"--straggle\"" "$out"/c/runs/*/run.json || fail "no run with --straggle exp:2"
+echo "study: a cluster study of async and sync, with and without drawn stragglers, ran and reported"
 echo "PASS: study"

@@ -127,7 +127,12 @@ static const ps_option worker_flags[] = {
      "layers, and recordings that fail, run op by op (the log says why); the same results "
      "either way"},
     {"straggle-ms", "N", PS_OPT_INT, O(straggle_ms), 0, 3600000, .def = "0",
-     .help = "sleep N ms in every step: an artificial straggler, for comparing consistency modes"},
+     .help = "sleep N ms in every step: an artificial straggler, for comparing consistency modes "
+             "(the same as `--straggle fixed:N`)"},
+    {"straggle", "SPEC", PS_OPT_STR, O(straggle), .help =
+     "sleep in every step for a time drawn per step: `fixed:MS`, `uniform:LO:HI` (ms, uniform), "
+     "`exp:MEAN` (exponential, mean MEAN ms, at most 100 times it): stragglers whose delays "
+     "vary, reproducible from the job's seed and the worker's rank"},
     {"log-level", "L", PS_OPT_CHOICE, O(log_level), .choices = level_choices, .def = "info",
      .help = "`debug`, `info`, `warn` or `error`"},
     {"token-file", "FILE", PS_OPT_STR, O(sec.token_file), .def_doc = "`$PS_TOKEN_FILE`",
@@ -200,6 +205,39 @@ static int merge_tf_config(ps_worker_opts *o) {
   return 0;
 }
 
+/* --straggle SPEC, or --straggle-ms N. */
+static int parse_straggle(ps_worker_opts *o) {
+  if (!o->straggle) {
+    o->straggle_kind = o->straggle_ms > 0 ? PS_STRAGGLE_FIXED : PS_STRAGGLE_NONE;
+    o->straggle_a = o->straggle_ms;
+    return 0;
+  }
+  if (o->straggle_ms > 0) {
+    fprintf(stderr, "ps-worker: --straggle and --straggle-ms: give one\n");
+    return PS_WORKER_EXIT_USAGE;
+  }
+  double a = 0, b = 0;
+  char tail = 0;
+  const char *s = o->straggle;
+  if (sscanf(s, "fixed:%lf%c", &a, &tail) == 1 && a >= 0 && a <= 3600000) {
+    o->straggle_kind = PS_STRAGGLE_FIXED;
+  } else if (sscanf(s, "uniform:%lf:%lf%c", &a, &b, &tail) == 2 && a >= 0 && b >= a &&
+             b <= 3600000) {
+    o->straggle_kind = PS_STRAGGLE_UNIFORM;
+  } else if (sscanf(s, "exp:%lf%c", &a, &tail) == 1 && a > 0 && a <= 36000) {
+    o->straggle_kind = PS_STRAGGLE_EXP;
+  } else {
+    fprintf(stderr,
+            "ps-worker: --straggle '%s': want fixed:MS, uniform:LO:HI (0 <= LO <= HI <= "
+            "3600000) or exp:MEAN (0 < MEAN <= 36000), in ms\n",
+            s);
+    return PS_WORKER_EXIT_USAGE;
+  }
+  o->straggle_a = a;
+  o->straggle_b = b;
+  return 0;
+}
+
 int ps_worker_opts_parse(ps_worker_opts *o, int argc, char **argv) {
   memset(o, 0, sizeof *o);
   o->index = -1;
@@ -214,6 +252,7 @@ int ps_worker_opts_parse(ps_worker_opts *o, int argc, char **argv) {
   int rc = ps_options_parse(&worker_spec, argc, argv, o);
   if (rc != 0) return rc;
 
+  if ((rc = parse_straggle(o)) != 0) return rc;
   if (!o->local && !o->ps_addr && (rc = merge_tf_config(o)) != 0) return rc;
   if (o->evaluator) {
     o->chief = 1; /* loads the test split and evaluates */

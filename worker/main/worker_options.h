@@ -9,6 +9,9 @@
 #include "common/cluster.h"
 #include "common/security.h"
 
+/* --straggle: none, fixed:A ms, uniform:A:B ms, exp:A (mean A ms) */
+enum { PS_STRAGGLE_NONE, PS_STRAGGLE_FIXED, PS_STRAGGLE_UNIFORM, PS_STRAGGLE_EXP };
+
 /* --pipeline */
 typedef enum { PS_PIPELINE_ON, PS_PIPELINE_OFF, PS_PIPELINE_AUTO } ps_pipeline_mode;
 
@@ -24,6 +27,11 @@ typedef struct {
   int local, evaluator, overlap;
   int max_evals, idle_evals;
   int threads, timeout_ms, straggle_ms;
+  /* --straggle SPEC (or --straggle-ms N: fixed), parsed: the delay of every
+   * step, drawn per step (ps_step_straggle_ms) */
+  const char *straggle;
+  int straggle_kind; /* PS_STRAGGLE_* */
+  double straggle_a, straggle_b;
   int epochs;            /* -1: the job's */
   int64_t max_steps;     /* -1: the job's */
   int replicas, per_replica_batch;

@@ -4,6 +4,7 @@
 #include <math.h>
 #include <stdio.h>
 
+#include "common/rng.h"
 #include "common/util.h"
 #include "worker/train/step.h"
 
@@ -105,6 +106,22 @@ float ps_compute_step(ps_worker *w, int64_t step, const ps_batch *b, int *correc
       }
     }
   }
-  if (w->o.straggle_ms > 0) ps_sleep_ms(w->o.straggle_ms); /* an artificial straggler */
+  int delay = ps_step_straggle_ms(w, step); /* an artificial straggler */
+  if (delay > 0) ps_sleep_ms(delay);
+  w->straggled_ms += delay;
   return loss;
+}
+
+int ps_step_straggle_ms(const ps_worker *w, int64_t step) {
+  const ps_worker_opts *o = &w->o;
+  if (o->straggle_kind == PS_STRAGGLE_NONE) return 0;
+  if (o->straggle_kind == PS_STRAGGLE_FIXED) return (int)(o->straggle_a + 0.5);
+  /* 53 bits of (the job's seed, this worker, the step) in [0, 1) */
+  double u = (double)(ps_rng_u64(w->job.seed, 0x57a661eull, ps_step_stream(w, step)) >> 11) *
+             (1.0 / 9007199254740992.0);
+  double ms = o->straggle_kind == PS_STRAGGLE_UNIFORM
+                  ? o->straggle_a + (o->straggle_b - o->straggle_a) * u
+                  : -o->straggle_a * log1p(-u);
+  if (o->straggle_kind == PS_STRAGGLE_EXP && ms > 100 * o->straggle_a) ms = 100 * o->straggle_a;
+  return (int)(ms + 0.5);
 }

@@ -68,6 +68,11 @@ const ps_step_kind *ps_step_choose(ps_worker *w);
  * --straggle-ms. Returns the loss; *correct the right answers. */
 float ps_compute_step(ps_worker *w, int64_t step, const ps_batch *b, int *correct);
 
+/* The artificial straggler's delay of a step in ms (--straggle,
+ * --straggle-ms): drawn from the job's seed, the worker's rank and the
+ * step, so a run's delays are the same when it is run again. */
+int ps_step_straggle_ms(const ps_worker *w, int64_t step);
+
 /* The dropout stream of a step: the same on every kind. */
 uint64_t ps_step_stream(const ps_worker *w, int64_t step);
 

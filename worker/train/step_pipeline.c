@@ -146,7 +146,9 @@ static int pipe_run(void *state, int64_t step, const ps_batch *b, ps_step_result
   /* An artificial straggler: here, before the first push can start, so
    * that every shard's gradient is late (and, as in the plain step, after
    * a sync pull was granted). */
-  if (w->o.straggle_ms > 0) ps_sleep_ms(w->o.straggle_ms);
+  int delay = ps_step_straggle_ms(w, step);
+  if (delay > 0) ps_sleep_ms(delay);
+  w->straggled_ms += delay;
   ps_model_step_forward(w->model, w->dparams, P); /* done already: every shard arrived */
   r->loss = ps_model_step_loss(w->model);
   if (ps_step_check_loss(step, r->loss, err) != 0) return -1;

@@ -191,6 +191,9 @@ static int finish(ps_worker *w, int64_t steps, int64_t examples, double t0) {
   char err[PS_ERRLEN];
   double elapsed = ps_now_s() - t0;
   ps_source_log_summary(w->source);
+  if (w->o.straggle_kind != PS_STRAGGLE_NONE)
+    PS_INFO("straggler: slept %" PRId64 " ms over %" PRId64 " steps (%.1f ms a step)",
+            w->straggled_ms, steps, steps ? (double)w->straggled_ms / (double)steps : 0.0);
   printf("trained %" PRId64 " steps, %" PRId64 " examples in %.1f s: %.0f examples/s\n", steps,
          examples, elapsed, examples / (elapsed > 0 ? elapsed : 1e-9));
   /* Under sync every worker waits (this pull) for the step its last

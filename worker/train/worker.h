@@ -71,6 +71,7 @@ typedef struct ps_worker {
    * phase_ok (a backend that keeps marks, one model, no replicas). */
   double phase_ms[4];
   int phase_ok;
+  int64_t straggled_ms; /* --straggle: the delays slept so far */
   ps_precision precision; /* --precision (ps_ops.set_precision) */
   ps_model *model, *eval_model; /* eval_model: the chief's, for the test split */
   /* Embedding models: the rows of the training steps and of the
