@@ -360,10 +360,12 @@ def plot(out, name, series, x, xlabel, title):
     return os.path.basename(png) if os.path.exists(png) else None
 
 
-def report(spec, out, results):
-    """OUT/report.md and the plots, from every result.json."""
+def report(spec, out, results, name="report"):
+    """OUT/NAME.md and the plots, from every result.json."""
     os.makedirs(os.path.join(out, "plots"), exist_ok=True)
     runner = spec["runner"]
+    for r in results:  # from the evaluations: the target may be another than the runs'
+        r["to_target"] = first_reach(r["evals"], spec["target"])
     varying = [a for a in AXES[runner] if a in spec["grid"] and len(spec["grid"][a]) > 1]
     groups = {}
     for r in results:
@@ -432,8 +434,8 @@ def report(spec, out, results):
                 if png:
                     lines.append(f"![{model}, {label}: test accuracy against {xl}]({png})")
             lines.append("")
-    open(os.path.join(out, "report.md"), "w").write("\n".join(lines) + "\n")
-    return os.path.join(out, "report.md")
+    open(os.path.join(out, f"{name}.md"), "w").write("\n".join(lines) + "\n")
+    return os.path.join(out, f"{name}.md")
 
 
 def main():
@@ -446,6 +448,8 @@ def main():
     ap.add_argument("--retry-failed", action="store_true", help="run failed and timed-out runs again")
     ap.add_argument("--dry-run", action="store_true", help="list the runs, run nothing")
     ap.add_argument("--max-runs", type=int, default=0, help="stop after N runs (0: all)")
+    ap.add_argument("--target", type=float, help="the report's target accuracy (default the spec's)")
+    ap.add_argument("--report-name", default="report", help="the report's file name, without .md")
     a = ap.parse_args()
     try:
         spec = load_spec(a.spec)
@@ -453,13 +457,20 @@ def main():
         print(f"study: {e}", file=sys.stderr)
         return 2
     out = os.path.abspath(a.out or os.path.join(ROOT, "runs", "study", spec["name"]))
+    if a.target is not None:
+        if not 0 < a.target <= 1:
+            print("study: --target must be a test accuracy in (0, 1]", file=sys.stderr)
+            return 2
+        spec["target"] = a.target
     binary = os.path.abspath(a.bin)
     need = "ps-stale" if spec["runner"] == "stale" else "ps-worker"
     if not a.report_only and not a.dry_run and not os.access(os.path.join(binary, need), os.X_OK):
         print(f"study: no {need} in {binary} (build first, or --bin DIR)", file=sys.stderr)
         return 2
-    os.makedirs(os.path.join(out, "runs"), exist_ok=True)
-    json.dump(spec, open(os.path.join(out, "spec.json"), "w"), indent=1)
+    if not a.dry_run:
+        os.makedirs(os.path.join(out, "runs"), exist_ok=True)
+    if not a.dry_run:
+        json.dump(spec, open(os.path.join(out, "spec.json"), "w"), indent=1)
     todo = list(configs(spec))
     results, pending = [], []
     for cfg, seed in todo:
@@ -493,7 +504,7 @@ def main():
               f"final accuracy {r['final_accuracy']}, "
               + (f"target at {reach['updates']} updates ({reach['wall_s']:.1f} s)" if reach else "target not reached")
               + f"; {left} left, about {left * per / 60:.1f} min", flush=True)
-    path = report(spec, out, results)
+    path = report(spec, out, results, a.report_name)
     print(f"study: report {path}" + (" (partial: --max-runs)" if stopped else ""))
     return 1 if any(r["status"] != "done" for r in results) else 0
 

@@ -47,6 +47,11 @@ if command -v gnuplot >/dev/null; then
 else
   echo "study: gnuplot is missing: the plots were not checked (deploy/install-deps.sh installs it)"
 fi
+# The report again for another target, from the runs' evaluations.
+study "$out/tiny.json" --out "$out/s" --bin "$build" --report-only --target 0.5 --report-name r50 \
+  >"$out/r50.log" 2>&1 || fail "--report-only --target 0.5 failed"
+grep -q "target test accuracy 0.5," "$out/s/r50.md" || fail "the report for target 0.5 does not say so"
+grep -q "8 runs, 8 done before, 0 to run" "$out/r50.log" || fail "--report-only ran something"
 echo "study: stopped after 3 runs, resumed with the 6 left (one killed mid-way run again); report with 4 rows"
 
 # Bad specs.
