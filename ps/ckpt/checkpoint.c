@@ -1407,55 +1407,63 @@ static int has_set(const uint64_t *v, size_t n, uint64_t id) {
 
 int ps_ckpt_drop_sets(const char *dir, int index, int num_shards, const char *job_id,
                       const uint64_t *drop, int n_drop, const uint64_t *keep_sets, int n_keep,
-                      uint64_t current, int *deleted, char *err) {
+                      uint64_t current, int *deleted, int *whole, char *err) {
   if (deleted) *deleted = 0;
+  if (whole) *whole = 0;
   if (!dir || !job_id || num_shards < 1 || index < 0 || index >= num_shards || n_drop < 0 ||
       n_keep < 0 || (n_drop > 0 && !drop) || (n_keep > 0 && !keep_sets))
     return ps_seterr(err, PS_EINVAL, "checkpoint sets: bad arguments to drop");
   if (n_drop == 0) return PS_OK;
   ckpt_list l;
-  int rc = list_dir(dir, index, num_shards, &l, err);
+  int rc = list_dir(dir, -1, 0, &l, err);
   if (rc == PS_ENOTFOUND) return PS_OK;
   if (rc) return rc;
+  /* The headers of this layout's files of the job, every shard's: a set
+   * named whose files every shard has now is complete after all. */
+  ps_ckpt_meta *meta = calloc(l.n ? l.n : 1, sizeof *meta);
+  char *ok = calloc(l.n ? l.n : 1, 1);
+  if (!meta || !ok) {
+    free(meta);
+    free(ok);
+    list_free(&l);
+    return ps_seterr(err, PS_ENOMEM, "out of memory listing '%s'", dir);
+  }
+  for (size_t i = 0; i < l.n; i++)
+    ok[i] = (char)(l.v[i].num_shards == num_shards &&
+                   job_entry_meta(dir, &l.v[i], job_id, &meta[i]) && meta[i].set_id != 0);
   for (size_t i = 0; i < l.n; i++) {
-    ps_ckpt_meta m; /* list_dir kept this shard's names: the header must agree */
-    if (!job_entry_meta(dir, &l.v[i], job_id, &m) || m.set_id == 0 || m.set_id == current ||
-        !has_set(drop, (size_t)n_drop, m.set_id) || has_set(keep_sets, (size_t)n_keep, m.set_id))
+    const ps_ckpt_meta *m = &meta[i];
+    if (!ok[i] || m->index != index || m->set_id == current ||
+        !has_set(drop, (size_t)n_drop, m->set_id) || has_set(keep_sets, (size_t)n_keep, m->set_id))
       continue;
+    int everywhere = 1;
+    for (int t = 0; t < num_shards && everywhere; t++) {
+      int has = t == index;
+      for (size_t j = 0; j < l.n && !has; j++)
+        has = ok[j] && meta[j].index == t && meta[j].set_id == m->set_id;
+      everywhere = has;
+    }
+    if (everywhere) {
+      if (whole) (*whole)++;
+      continue;
+    }
     char path[PS_CKPT_PATHLEN];
     if (join_path(path, dir, l.v[i].name, NULL) != PS_OK) continue;
     if (unlink(path) != 0) {
       PS_WARN("checkpoint: cannot delete '%s' of the incomplete set %" PRIu64 ": %s", path,
-              m.set_id, strerror(errno));
+              m->set_id, strerror(errno));
       continue;
     }
     if (deleted) (*deleted)++;
   }
+  free(meta);
+  free(ok);
   list_free(&l);
   return PS_OK;
 }
 
 int ps_ckpt_sets_to_drop(const uint64_t *const *on_disk, const size_t *n_on_disk, int S,
-                         const uint64_t *complete, int n_complete, uint64_t *abandoned,
-                         int *n_abandoned, uint64_t *drop, int max) {
-  uint64_t newest = 0;
-  for (int i = 0; i < n_complete; i++)
-    if (complete[i] > newest) newest = complete[i];
-  /* The abandoned sets no shard has any more, and those every shard has
-   * (complete after all: a CUT whose answer shard 0 lost, though the shard
-   * wrote its file), are forgotten. */
-  int kept = 0;
-  for (int a = 0; a < *n_abandoned; a++) {
-    int somewhere = 0, everywhere = S > 0;
-    for (int s = 0; s < S; s++) {
-      int has = has_set(on_disk[s], n_on_disk[s], abandoned[a]);
-      somewhere |= has;
-      everywhere &= has;
-    }
-    if (somewhere && !everywhere && !has_set(complete, (size_t)n_complete, abandoned[a]))
-      abandoned[kept++] = abandoned[a];
-  }
-  *n_abandoned = kept;
+                         const uint64_t *complete, int n_complete, uint64_t *drop, int max) {
   int n = 0;
   for (int s = 0; s < S; s++)
     for (size_t i = 0; i < n_on_disk[s]; i++) {
@@ -1463,8 +1471,7 @@ int ps_ckpt_sets_to_drop(const uint64_t *const *on_disk, const size_t *n_on_disk
       if (has_set(drop, (size_t)n, id) || has_set(complete, (size_t)n_complete, id)) continue;
       int everywhere = 1;
       for (int t = 0; t < S && everywhere; t++) everywhere = has_set(on_disk[t], n_on_disk[t], id);
-      if (everywhere) continue;
-      if ((id < newest || has_set(abandoned, (size_t)kept, id)) && n < max) drop[n++] = id;
+      if (!everywhere && n < max) drop[n++] = id;
     }
   return n;
 }

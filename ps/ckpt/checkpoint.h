@@ -172,31 +172,32 @@ int ps_ckpt_prune_sets(const char *dir, int index, int num_shards, const char *j
 /* Deletes the files of shard `index` of `num_shards` of job_id in dir
  * whose set is in drop (n_drop ids: sets shard 0 knows no shard will
  * complete, CheckpointRequest.abandoned_sets), except those of a set in
- * keep_sets (n_keep ids) and of `current` (the set being written).
- * Whatever their age: unlike ps_ckpt_prune_sets, a set newer than the
- * kept ones goes too. Files written alone, other shards', other layouts',
- * other jobs' and unreadable ones are left. *deleted (may be NULL) counts
- * the files deleted. Returns 0 (also when dir does not exist); PS_EINVAL
- * (bad arguments), PS_EIO (dir cannot be listed), PS_ENOMEM. A file that
- * cannot be deleted is logged and skipped. */
+ * keep_sets (n_keep ids), of `current` (the set being written) and of a
+ * set every shard of the layout has a file of in dir now (complete after
+ * all: *whole, may be NULL, counts them). Whatever their age: unlike
+ * ps_ckpt_prune_sets, a set newer than the kept ones goes too. Files
+ * written alone, other shards', other layouts', other jobs' and unreadable
+ * ones are left. *deleted (may be NULL) counts the files deleted. Returns
+ * 0 (also when dir does not exist); PS_EINVAL (bad arguments), PS_EIO (dir
+ * cannot be listed), PS_ENOMEM. A file that cannot be deleted is logged
+ * and skipped. */
 int ps_ckpt_drop_sets(const char *dir, int index, int num_shards, const char *job_id,
                       const uint64_t *drop, int n_drop, const uint64_t *keep_sets, int n_keep,
-                      uint64_t current, int *deleted, char *err);
+                      uint64_t current, int *deleted, int *whole, char *err);
 
 /* Shard 0 (ps/ckpt/cut.c): the sets its next CUT names for the shards to
  * delete (CheckpointRequest.abandoned_sets; ps_ckpt_drop_sets), from the
  * PREPARE answers of its S shards: on_disk[s] (n_on_disk[s] ids) are the
  * sets shard s has a file of. A set some shards have and others lack when
- * every shard accepted the PREPARE is incomplete and stays so (none is
- * writing, and none takes an older set's CUT any more). It is named when
- * it is in abandoned (the sets this coordinator abandoned after their CUT
- * went out) or older than the newest of complete (n_complete ids); never
- * a set of complete. abandoned (*n_abandoned ids) is updated: a set no
- * shard has any more, or every shard has, is forgotten. At most max ids go
+ * every shard accepted the PREPARE is incomplete and stays so: no shard's
+ * primary is writing then, none takes an older set's CUT any more, and a
+ * replica deposed since it prepared a set writes none. Every such set is
+ * named, whichever coordinator cut it and however new, but never a set of
+ * complete (n_complete ids: the sets known complete; one some shard lacks
+ * now was pruned there, as the CUT's kept sets say). At most max ids go
  * to drop; returns how many. */
 int ps_ckpt_sets_to_drop(const uint64_t *const *on_disk, const size_t *n_on_disk, int S,
-                         const uint64_t *complete, int n_complete, uint64_t *abandoned,
-                         int *n_abandoned, uint64_t *drop, int max);
+                         const uint64_t *complete, int n_complete, uint64_t *drop, int max);
 
 /* The sets of which shard `index` of `num_shards` of job_id has a file in
  * dir: their ids, newest first, at most max of them, into sets (*n: how

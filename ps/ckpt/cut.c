@@ -30,15 +30,20 @@
  * new coordinator learns the sets an earlier one cut). Each CUT names the
  * K - 1 newest complete sets (at least one; --keep-checkpoints K), so that
  * each shard deletes its files of the older others and the newest complete
- * set stays whole until a newer one is complete. A set shard 0 abandoned
- * after its CUT went out may be on some shards: the next CUT names it
- * (abandoned_sets), with every set the PREPARE answers show incomplete and
- * older than the newest complete set, and each shard deletes its files of
- * them before it writes (a set some shards lack when every shard accepted
- * a PREPARE never completes: none is writing, and none takes an older
- * set's CUT any more). Each PREPARE and CUT names the term of shard 0's
- * primary; a shard refuses one of a lower term than it has seen (a deposed
- * primary's), so a deposed primary deletes nothing.
+ * set stays whole until a newer one is complete. A set abandoned after its
+ * CUT went out may be on some shards: the next CUT names every set the
+ * PREPARE answers show incomplete (abandoned_sets), whichever coordinator
+ * cut it (this one, shard 0's deposed primary, or its process before a
+ * restart: their memory is not needed), and each shard deletes its files
+ * of them before it writes, unless every shard has a file of the set by
+ * then. A set some shards lack when every shard accepted a PREPARE never
+ * completes: a shard's primary is writing none then (a PREPARE is refused
+ * while one is) and takes no older set's CUT any more, and a replica
+ * deposed since it prepared a set gives the set up before taking its copy
+ * (its state is then the new primary's, not the cut's). Each PREPARE and
+ * CUT names the term of shard 0's primary; a shard refuses one of a lower
+ * term than it has seen (a deposed primary's), so a deposed primary
+ * deletes nothing.
  *
  * Threads: the gate functions run on gRPC's threads, the watch and the
  * writes on the loop (main thread) and its work queue, the coordination on
@@ -83,6 +88,7 @@ struct ps_cut {
   held_push *held, *held_last;
   int n_held;
   rpc_call *call; /* the CUT call, answered when the file is written */
+  uint64_t reign; /* this replica's reign as the primary at the PREPARE (ps_replica_reign) */
   uint64_t keep_sets[PS_CUT_MAX_KEEP];
   int n_keep, drop_other;
   int behind; /* most workers the cut waited for at once (rounds on their way here) */
@@ -103,8 +109,6 @@ struct ps_cut {
   int cur[PS_MAX_TASKS];         /* per shard: the replica believed primary */
   uint64_t complete[PS_CUT_MAX_KEEP]; /* the newest complete sets, newest first */
   int n_complete;
-  uint64_t abandoned[PS_CUT_MAX_KEEP]; /* sets abandoned after their CUT went out */
-  int n_abandoned;
   uint64_t next_set;
   uint64_t coord_term; /* the highest term of shard 0's primary a coordinator named */
 };
@@ -374,11 +378,45 @@ static int cut_met(ps_server *sv, ps_cut *c, int *missed) {
   return missing == 0;
 }
 
+/* A replica that is no longer the primary that prepared the set under
+ * way gives it up, unless its copy is taken already (the write goes on):
+ * since it was deposed it applies the new primary's updates, past the cut
+ * and not held, and may have taken the new primary's whole state, so a
+ * copy now would not be the cut's; and shard 0 counts on a set that a
+ * shard's primary lacks when it accepts a newer PREPARE never being
+ * written. reign: ps_replica_reign, read without the lock. 1 when the set
+ * was given up. */
+static int give_up_deposed(ps_server *sv, uint64_t reign) {
+  ps_cut *c = sv->cut;
+  pthread_mutex_lock(&c->mu);
+  if (c->phase == CUT_NONE || c->reign == reign) {
+    pthread_mutex_unlock(&c->mu);
+    return 0;
+  }
+  uint64_t id = c->set_id;
+  int taking = c->phase == CUT_TAKING, n_held = c->n_held;
+  rpc_call *call = c->call;
+  c->call = NULL;
+  held_push *list = end_phase_locked(c);
+  pthread_mutex_unlock(&c->mu);
+  PS_WARN("checkpoint set %" PRIu64 ": this replica is no longer the shard's primary that %s "
+          "it: given up (%d held push(es) go on)",
+          id, taking ? "took the CUT of" : "prepared", n_held);
+  if (call)
+    rpc_call_fail(call, RPC_ABORTED,
+                  "shard %d: the replica that took the CUT of set %" PRIu64
+                  " is no longer the shard's primary",
+                  sv->index, id);
+  release(sv, list);
+  return 1;
+}
+
 /* When the cut is met: copies the state, lets the held updates go on and
  * wakes the loop to write the copy. A cut that can no longer be met fails
- * the CUT call. */
+ * the CUT call, and so does a replica deposed since the PREPARE. */
 static void try_take(ps_server *sv) {
   ps_cut *c = sv->cut;
+  if (give_up_deposed(sv, ps_replica_reign(sv))) return;
   pthread_mutex_lock(&c->mu);
   int missed = 0;
   if (c->phase != CUT_TAKING || !cut_met(sv, c, &missed)) {
@@ -504,6 +542,7 @@ static void on_wake(uv_async_t *a) {
 
 static void answer_prepare(ps_server *sv, rpc_call *call, uint64_t set_id) {
   ps_cut *c = sv->cut;
+  uint64_t reign = ps_replica_reign(sv); /* the service let only a primary's PREPARE through */
   pthread_mutex_lock(&c->mu);
   if (c->phase != CUT_NONE && !c->ready && !c->writing && c->set_id < set_id) {
     /* A newer set while an older one is held or being taken here: shard
@@ -530,6 +569,7 @@ static void answer_prepare(ps_server *sv, rpc_call *call, uint64_t set_id) {
   }
   c->phase = CUT_HOLD;
   c->set_id = set_id;
+  c->reign = reign;
   c->since_s = ps_now_s();
   /* Updates let through before the hold finish first: what is read below
    * is then all that was applied. */
@@ -587,22 +627,29 @@ static void answer_prepare(ps_server *sv, rpc_call *call, uint64_t set_id) {
 }
 
 /* The files of the sets a CUT names as never to be complete
- * (abandoned_sets), but not of a set it names to keep nor of its own set.
- * Only for a CUT of a current coordinator (coordinator_current) whose
- * PREPARE this shard holds. */
+ * (abandoned_sets), but not of a set it names to keep, nor of its own set,
+ * nor of a set every shard has a file of by now (a write that a replica
+ * deposed meanwhile had begun as the primary may still land: that set is
+ * complete, and shard 0 learns so at its next PREPARE). Only for a CUT of
+ * a current coordinator (coordinator_current) whose PREPARE this shard
+ * holds. */
 static void drop_sets(ps_server *sv, const Ps__CheckpointRequest *r) {
   if (r->n_abandoned_sets == 0) return;
   int n_drop = r->n_abandoned_sets > PS_CUT_MAX_KEEP ? PS_CUT_MAX_KEEP : (int)r->n_abandoned_sets;
   int n_keep = r->n_keep_sets > PS_CUT_MAX_KEEP ? PS_CUT_MAX_KEEP : (int)r->n_keep_sets;
-  int deleted = 0;
+  int deleted = 0, whole = 0;
   char err[PS_ERRLEN];
   if (ps_ckpt_drop_sets(sv->ckpt_dir, sv->index, sv->cluster.n_ps, sv->job.job_id,
                         r->abandoned_sets, n_drop, r->keep_sets, n_keep, r->set_id, &deleted,
-                        err) != PS_OK)
+                        &whole, err) != PS_OK)
     PS_WARN("checkpoint set %" PRIu64 ": %s", r->set_id, err);
   else if (deleted)
     PS_INFO("checkpoint set %" PRIu64 ": deleted %d file(s) of set(s) that will not be complete",
             r->set_id, deleted);
+  if (whole)
+    PS_INFO("checkpoint set %" PRIu64 ": %d set(s) named as never to be complete are whole on "
+            "disk now: kept",
+            r->set_id, whole);
 }
 
 static void start_cut(ps_server *sv, rpc_call *call, const Ps__CheckpointRequest *r) {
@@ -747,6 +794,7 @@ void ps_cut_handle(ps_server *sv, rpc_call *call, const void *request) {
 void ps_cut_watch(ps_server *sv) {
   ps_cut *c = sv->cut;
   if (!c) return;
+  if (give_up_deposed(sv, ps_replica_reign(sv))) return; /* held pushes go elsewhere at once */
   pthread_mutex_lock(&c->mu);
   int phase = c->phase;
   double held_s = ps_now_s() - c->since_s;
@@ -903,7 +951,9 @@ static void note_whole_sets(ps_cut *c, Ps__CheckpointResponse **resp, int S) {
 }
 
 /* The sets the next CUT names for deletion (ps_ckpt_sets_to_drop), from the
- * PREPARE answers; c->abandoned is updated. */
+ * PREPARE answers: every set some shards have and others lack, whoever
+ * cut it (this coordinator, or one before it: shard 0's deposed primary,
+ * or its process before a restart). */
 static int sets_to_drop(ps_cut *c, Ps__CheckpointResponse **resp, int S, uint64_t *drop) {
   const uint64_t *on_disk[PS_MAX_TASKS] = {0};
   size_t n_on_disk[PS_MAX_TASKS] = {0};
@@ -911,21 +961,8 @@ static int sets_to_drop(ps_cut *c, Ps__CheckpointResponse **resp, int S, uint64_
     on_disk[s] = resp[s]->sets_on_disk;
     n_on_disk[s] = resp[s]->n_sets_on_disk;
   }
-  return ps_ckpt_sets_to_drop(on_disk, n_on_disk, S, c->complete, c->n_complete, c->abandoned,
-                              &c->n_abandoned, drop, PS_CUT_MAX_KEEP);
-}
-
-/* A set abandoned after its CUT went out: some shards may have written it.
- * Remembered until no shard has it (the oldest forgotten when full: once
- * older than a complete set, the PREPARE answers name it anyway). */
-static void note_abandoned(ps_cut *c, uint64_t id) {
-  if (c->n_abandoned == PS_CUT_MAX_KEEP) {
-    int oldest = 0;
-    for (int i = 1; i < c->n_abandoned; i++)
-      if (c->abandoned[i] < c->abandoned[oldest]) oldest = i;
-    c->abandoned[oldest] = c->abandoned[--c->n_abandoned];
-  }
-  c->abandoned[c->n_abandoned++] = id;
+  return ps_ckpt_sets_to_drop(on_disk, n_on_disk, S, c->complete, c->n_complete, drop,
+                              PS_CUT_MAX_KEEP);
 }
 
 static void free_answers(Ps__CheckpointResponse **resp, int S) {
@@ -1049,8 +1086,7 @@ static void coord_run(uv_work_t *w) {
                   "--tls-ca with the CA that signed them)"
                 : "");
     /* After its CUT went out, shards may have written it: the next CUT
-     * names it for deletion. */
-    if (req.phase == PS__CHECKPOINT_REQUEST__PHASE__CUT) note_abandoned(c, id);
+     * names it for deletion (the PREPARE answers show it incomplete). */
     req.phase = PS__CHECKPOINT_REQUEST__PHASE__ABORT;
     req.n_cut = 0;
     req.cut = NULL;

@@ -120,6 +120,7 @@ struct ps_replica {
   int manager_started;
   int64_t next_election_ms;
   int64_t became_ms;  /* when it last became the primary */
+  uint64_t reigns;    /* how many times it became the primary (ps_replica_reign) */
   int said_first_ack; /* the first answer of that term was logged */
   uint64_t acked;     /* updates answered as the primary, since the start */
   int deferrals;      /* elections given up for a member further ahead, since a primary was heard */
@@ -588,6 +589,15 @@ int ps_replica_is_primary(ps_server *sv) {
   int p = rp->role == PRIMARY;
   pthread_mutex_unlock(&rp->mu);
   return p;
+}
+
+uint64_t ps_replica_reign(ps_server *sv) {
+  ps_replica *rp = sv->repl;
+  if (!rp) return 1;
+  pthread_mutex_lock(&rp->mu);
+  uint64_t r = rp->role == PRIMARY ? rp->reigns : 0;
+  pthread_mutex_unlock(&rp->mu);
+  return r;
 }
 
 const char *ps_replica_addr(ps_server *sv, int r) {
@@ -1694,6 +1704,7 @@ static int run_term(ps_replica *rp, uint32_t members, const char *why) {
     if (!was_primary) {
       rp->role = PRIMARY;
       rp->became_ms = ps_now_ms();
+      rp->reigns++;
       rp->said_first_ack = 0;
       rp->log_base = rp->pos;
       rp->commit = rp->pos.seq;

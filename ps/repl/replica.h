@@ -94,6 +94,12 @@ void ps_replica_redirect(struct ps_server *sv, rpc_call *call, const char *metho
 /* 1 when this server is its shard's primary now (always without
  * replication). */
 int ps_replica_is_primary(struct ps_server *sv);
+/* This server's reign as its shard's primary: a number that changes each
+ * time it becomes the primary, 0 while it is not (always 1 without
+ * replication). A checkpoint set is taken only in the reign that prepared
+ * it (ps/ckpt/cut.c): a replica deposed since holds the new primary's
+ * state, not the cut's. */
+uint64_t ps_replica_reign(struct ps_server *sv);
 /* The address of replica r of this server's shard. */
 const char *ps_replica_addr(struct ps_server *sv, int r);
 /* The primary this replica knows (-1: none). */

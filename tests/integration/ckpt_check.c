@@ -16,8 +16,10 @@
  * nothing when the CUT is refused.
  *
  *   ckpt_check HOST:PORT CHECKPOINT_DIR
- * The job's token comes from PS_TOKEN_FILE. The shard must be shard 0 of 1
- * and have taken no set before. */
+ * The job's token comes from PS_TOKEN_FILE. The shard must be shard 0 of 2
+ * with nothing serving shard 1 (so that its sets stay incomplete: a shard
+ * keeps a set named abandoned whose files every shard has), and have taken
+ * no set before. */
 #include <dirent.h>
 #include <inttypes.h>
 #include <stdio.h>

@@ -80,6 +80,45 @@ clean_exit() {
   fi
 }
 
+# sets_sampler DIR K: samples the checkpoint sets of a 2-shard job in DIR
+# every 20 ms until sets_sampler_check K, which fails when more than K + 1
+# sets were on disk for 5 samples in a row (100 ms: a rename before its
+# prune is shorter). Sets sampler (the pid).
+sets_sampler() {
+  cat >"$out/sampler.py" <<'PY'
+import os, re, sys, time
+ck, keep, stop, log = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+pat = re.compile(r"^shard-(\d+)-of-2-v\d+-s(\d+)\.ckpt$")
+most, run, worst, samples = 0, 0, (0, None), 0
+with open(log, "w") as f:
+    while not os.path.exists(stop):
+        files = {}
+        for name in os.listdir(ck):
+            m = pat.match(name)
+            if m:
+                files.setdefault(int(m.group(2)), []).append(int(m.group(1)))
+        sets = {k: sorted(v) for k, v in sorted(files.items())}
+        samples, most = samples + 1, max(most, len(sets))
+        run = run + 1 if len(sets) > keep + 1 else 0
+        if run:
+            f.write(f"{time.time():.3f} {len(sets)} sets (set: shards): {sets}\n")
+        if run > worst[0]:
+            worst = (run, sets)
+        time.sleep(0.02)
+print(f"sampler: {samples} samples, at most {most} sets on disk; the longest run over "
+      f"K + 1 = {keep + 1}: {worst[0]} sample(s) 20 ms apart {worst[1] or ''}")
+sys.exit(1 if worst[0] >= 5 else 0)
+PY
+  python3 "$out/sampler.py" "$1" "$2" "$out/stop" "$out/sampler.log" >"$out/sampler.out" 2>&1 &
+  sampler=$!; pids+=($sampler)
+}
+sets_sampler_check() {
+  touch "$out/stop"
+  local rc=0; wait "$sampler" || rc=$?
+  cat "$out/sampler.out"
+  [ "$rc" = 0 ] || { head -20 "$out/sampler.log"; fail "more than K + 1 = $(($1 + 1)) sets on disk for 100 ms or more"; }
+}
+
 # lease_holder DIR JOB: one shard of JOB (3 chunks of 3 batches) and a
 # holder worker that leases 2 of the chunks and sleeps in its first step;
 # sets port, spid and hpid. Another worker then gets the third chunk and
@@ -748,10 +787,13 @@ ckpt_term)
   # coordinator_term than one the shard has seen (a deposed primary of
   # shard 0) is refused with a message that says so and changes nothing
   # (no hold, no file written or deleted, the same Status); a CUT's
-  # abandoned_sets are deleted, but not a set it keeps nor its own.
-  port=$(free_ports 1)
+  # abandoned_sets are deleted, but not a set it keeps nor its own. The
+  # shard is shard 0 of 2, and nothing serves shard 1: its sets stay
+  # incomplete (a shard keeps a set named abandoned that is whole on disk).
+  ports=$(free_ports 2)
+  port=${ports%%,*}
   ck="$out/ckpt"; mkdir -p "$ck"
-  "$build/ps-server" --insecure --job "$here/jobs/synthetic.json" --ps "$port" --index 0 \
+  "$build/ps-server" --insecure --job "$here/jobs/synthetic.json" --ps "$ports" --index 0 \
     --checkpoint-dir "$ck" --checkpoint-secs 0 >"$out/server.log" 2>&1 &
   spid=$!; pids+=($spid)
   for _ in $(seq 1 100); do grep -q "listening on" "$out/server.log" && break; sleep 0.1; done
@@ -795,32 +837,7 @@ ckpt_abandoned)
     tail -5 "$out/server-0.log"; fail "fewer than $1 complete sets in $2 s"
   }
   on_disk() { ls "$ck" | grep -- "-s$1\.ckpt$" || true; }
-  cat >"$out/sampler.py" <<'PY'
-import os, re, sys, time
-ck, keep, stop, log = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-pat = re.compile(r"^shard-(\d+)-of-2-v\d+-s(\d+)\.ckpt$")
-most, run, worst, samples = 0, 0, (0, None), 0
-with open(log, "w") as f:
-    while not os.path.exists(stop):
-        files = {}
-        for name in os.listdir(ck):
-            m = pat.match(name)
-            if m:
-                files.setdefault(int(m.group(2)), []).append(int(m.group(1)))
-        sets = {k: sorted(v) for k, v in sorted(files.items())}
-        samples, most = samples + 1, max(most, len(sets))
-        run = run + 1 if len(sets) > keep + 1 else 0
-        if run:
-            f.write(f"{time.time():.3f} {len(sets)} sets (set: shards): {sets}\n")
-        if run > worst[0]:
-            worst = (run, sets)
-        time.sleep(0.02)
-print(f"sampler: {samples} samples, at most {most} sets on disk; the longest run over "
-      f"K + 1 = {keep + 1}: {worst[0]} sample(s) 20 ms apart {worst[1] or ''}")
-sys.exit(1 if worst[0] >= 5 else 0)
-PY
-  python3 "$out/sampler.py" "$ck" "$keep" "$out/stop" "$out/sampler.log" >"$out/sampler.out" 2>&1 &
-  sampler=$!; pids+=($sampler)
+  sets_sampler "$ck" "$keep"
   start_shard 0 "$out/server-0.log"; start_shard 1 "$out/server-1.log"
   wpids=()
   for k in 0 1; do
@@ -856,14 +873,94 @@ PY
   done
   echo "ckpt_abandoned: set $next complete; no file of the $(abandoned_sets | wc -l) abandoned set(s) is left"
   wait_complete $((n + 2)) 60
-  touch "$out/stop"
-  rc=0; wait "$sampler" || rc=$?
-  cat "$out/sampler.out"
-  [ "$rc" = 0 ] || { head -20 "$out/sampler.log"; fail "more than K + 1 = $((keep + 1)) sets on disk for 100 ms or more"; }
+  sets_sampler_check "$keep"
   for k in 0 1; do kill -TERM "${wpids[$k]}" 2>/dev/null || true; done
   for k in 0 1; do wait "${wpids[$k]}" 2>/dev/null || true; done
   for i in 0 1; do kill -TERM "${spids[$i]}"; wait "${spids[$i]}" || fail "shard $i did not exit 0"; done
   for f in "$out"/server-0.log "$out"/server-1-again.log; do clean_exit "$f" || fail "$f"; done
+  ;;
+ckpt_abandoned_restart)
+  # Sets abandoned after their CUT by shard 0's earlier process (or its
+  # deposed primary) are deleted at the next CUT of the one after it, which
+  # never heard of them: the PREPARE answers show them incomplete. 2
+  # shards, --keep-checkpoints 3, sets every second, 2 workers. Once 4 sets
+  # are complete, shard 1 is SIGKILLed and started again under a file size
+  # limit below its checkpoint's size, twice, and shard 0 is SIGKILLed and
+  # started again after each: set M dies at shard 1 (SIGXFSZ) after shard 0
+  # wrote it; shard 0's next process writes set N, which dies at shard 1
+  # too; shard 0's third process and shard 1 without the limit complete set
+  # P. N's CUT must delete M, and P's CUT N. Before, both stayed until the
+  # cut after P (newer than the newest complete set, and no process of
+  # shard 0 remembered them): K + 2 sets for about a second after P. A
+  # sampler of the directory (every 20 ms) must never see more than K + 1
+  # sets for 100 ms.
+  keep=3
+  ports=$(free_ports 2)
+  ck="$out/ckpt"; mkdir -p "$ck"
+  declare -a spids
+  start_shard() { # INDEX LOG [LIMIT-KB]
+    (ulimit -c 0; ulimit -f "${3:-unlimited}"; exec "$build/ps-server" --insecure \
+      --job "$here/jobs/synthetic.json" --ps "$ports" --index "$1" --checkpoint-dir "$ck" \
+      --checkpoint-secs 1 --keep-checkpoints "$keep" --threads 2) >"$2" 2>&1 &
+    spids[$1]=$!; pids+=($!)
+  }
+  # The sets shard 0's processes logged complete / abandoned at shard 1's
+  # CUT, oldest first (life L's log: server-0.L.log).
+  complete_sets() { cat "$out"/server-0.*.log | sed -n 's/.*checkpoint set \([0-9]*\) complete: .*/\1/p' | sort -n; }
+  abandoned_in() { sed -n 's/.*checkpoint set \([0-9]*\) abandoned: CUT at shard 1 .*/\1/p' "$out/server-0.$1.log"; }
+  wait_complete() { # N SECONDS: until N sets were logged complete
+    for _ in $(seq 1 $(($2 * 10))); do
+      [ "$(complete_sets | wc -l)" -ge "$1" ] && return 0; sleep 0.1
+    done
+    tail -5 "$out"/server-0.*.log; fail "fewer than $1 complete sets in $2 s"
+  }
+  on_disk() { ls "$ck" | grep -- "-s$1\.ckpt$" || true; }
+  sets_sampler "$ck" "$keep"
+  start_shard 0 "$out/server-0.1.log"; start_shard 1 "$out/server-1.log"
+  wpids=()
+  for k in 0 1; do
+    "$build/ps-worker" --insecure --ps "${ports%%,*}" --index "$k" --num-workers 2 --threads 1 \
+      --epochs 1000 --straggle-ms 20 --timeout-ms 5000 --retry-s 120 --log-interval 1 \
+      >"$out/worker-$k.log" 2>&1 &
+    wpids+=($!); pids+=($!)
+  done
+  wait_complete 4 60
+  kill -9 "${spids[1]}"; wait "${spids[1]}" 2>/dev/null || true
+  gone=() # the sets abandoned at shard 1's CUT by shard 0's earlier processes
+  for life in 1 2; do
+    # Shard 1's file is about 38 KB (4730 parameters and a momentum slot).
+    start_shard 1 "$out/server-1-limited-$life.log" 20
+    for _ in $(seq 1 600); do kill -0 "${spids[1]}" 2>/dev/null || break; sleep 0.1; done
+    rc=0; wait "${spids[1]}" 2>/dev/null || rc=$?
+    [ "$rc" = $((128 + $(kill -l XFSZ))) ] \
+      || { tail -5 "$out/server-1-limited-$life.log"; fail "shard 1 under the limit: exit $rc, not SIGXFSZ"; }
+    x=$(abandoned_in "$life" | tail -1)
+    [ -n "$x" ] && [ -n "$(on_disk "$x")" ] \
+      || { tail -5 "$out/server-0.$life.log"; ls "$ck"; fail "shard 0 wrote no file of a set abandoned at shard 1's CUT"; }
+    echo "ckpt_abandoned_restart: shard 1 died of SIGXFSZ writing set $x; on disk: $(on_disk "$x")"
+    # The sets shard 0's earlier process abandoned went at this one's CUT.
+    for a in "${gone[@]}"; do
+      [ -z "$(on_disk "$a")" ] || { ls -l "$ck"; fail "set $x's CUT went out, and the file of set $a, abandoned by shard 0's process before, is still there"; }
+    done
+    gone+=($(abandoned_in "$life"))
+    # Shard 0 forgets what it abandoned: SIGKILL, and start it again.
+    kill -9 "${spids[0]}"; wait "${spids[0]}" 2>/dev/null || true
+    start_shard 0 "$out/server-0.$((life + 1)).log"
+  done
+  n=$(complete_sets | wc -l)
+  start_shard 1 "$out/server-1-again.log"
+  wait_complete $((n + 1)) 90
+  next=$(complete_sets | tail -1)
+  for a in "${gone[@]}"; do
+    [ -z "$(on_disk "$a")" ] || { ls -l "$ck"; fail "set $next is complete, and the file of set $a, abandoned by shard 0's process before, is still there"; }
+  done
+  echo "ckpt_abandoned_restart: set $next complete; no file of the ${#gone[@]} set(s) abandoned by shard 0's earlier processes is left"
+  wait_complete $((n + 2)) 60
+  sets_sampler_check "$keep"
+  for k in 0 1; do kill -TERM "${wpids[$k]}" 2>/dev/null || true; done
+  for k in 0 1; do wait "${wpids[$k]}" 2>/dev/null || true; done
+  for i in 0 1; do kill -TERM "${spids[$i]}"; wait "${spids[$i]}" || fail "shard $i did not exit 0"; done
+  for f in "$out"/server-0.3.log "$out"/server-1-again.log; do clean_exit "$f" || fail "$f"; done
   ;;
 save_params_full)
   # --save-params where the write fails: the message names the cause, the

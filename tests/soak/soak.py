@@ -670,7 +670,9 @@ class Monitor(threading.Thread):
                 self.ckpt_over += 1
                 if self.ckpt_over == 3:
                     self.tl.violation("checkpoints", f"{n} checkpoint sets in {c.ckpt_dir} for 3 s "
-                                      f"(--keep-checkpoints {self.a.keep_checkpoints}, plus one being written)")
+                                      f"(--keep-checkpoints {self.a.keep_checkpoints}, plus one being written); "
+                                      f"sets on disk (set: shards): "
+                                      f"{dict((x, sorted(y)) for x, y in sorted(files.items()))}")
             else:
                 self.ckpt_over = 0
         if now - self.last_summary >= self.a.summary_every:

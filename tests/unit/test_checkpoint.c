@@ -1290,105 +1290,112 @@ static void test_prune_sets(void) {
 }
 
 /* The sets shard 0 names for deletion in a CUT (abandoned_sets), from the
- * PREPARE answers: incomplete ones it abandoned itself, whatever their age,
- * and incomplete ones older than the newest complete set; never a complete
- * one, nor an incomplete one newer than the newest complete set that it did
- * not abandon (another coordinator's, or an earlier process's). */
+ * PREPARE answers: every set some shards have and others lack, whatever its
+ * age and whoever cut it (a set an earlier coordinator abandoned, which
+ * this one never knew of: shard 0's deposed primary, or its process before
+ * a restart); never one every shard has, nor one known complete. */
 static void test_sets_to_drop(void) {
   /* Shard 0 has 9 7 6 5 3, shard 1 has 10 9 6 5 4 2. */
   const uint64_t d0[] = {9, 7, 6, 5, 3}, d1[] = {10, 9, 6, 5, 4, 2};
   const uint64_t *on_disk[2] = {d0, d1};
   const size_t n_on_disk[2] = {5, 6};
-  const uint64_t complete[2] = {6, 5};
-  uint64_t abandoned[8] = {7, 8, 1, 5}, drop[16];
-  int n_ab = 4;
-  int n = ps_ckpt_sets_to_drop(on_disk, n_on_disk, 2, complete, 2, abandoned, &n_ab, drop, 16);
-  /* 7: abandoned, on shard 0 only. 3, 4, 2: on one shard, older than 6. Not
-   * 9 (on both: complete, though not known so yet), 6 and 5 (complete; 5
-   * also abandoned), 10 (incomplete, newer than 6, not abandoned here), 8
-   * and 1 (abandoned, on no shard). */
-  CHECK_MSG(n == 4 && drop[0] == 7 && drop[1] == 3 && drop[2] == 4 && drop[3] == 2,
-            "%d sets: %llu %llu %llu %llu", n, (unsigned long long)drop[0],
-            (unsigned long long)drop[1], (unsigned long long)drop[2], (unsigned long long)drop[3]);
-  /* Only 7 is still remembered: 8 and 1 are on no shard, 5 is complete. */
-  CHECK_MSG(n_ab == 1 && abandoned[0] == 7, "%d abandoned, first %llu", n_ab,
-            (unsigned long long)abandoned[0]);
+  const uint64_t complete[3] = {6, 5, 4};
+  uint64_t drop[16];
+  int n = ps_ckpt_sets_to_drop(on_disk, n_on_disk, 2, complete, 2, drop, 16);
+  /* 7 and 10: on one shard, newer than the newest complete set 6 (sets
+   * abandoned after their CUT, by this coordinator or another). 3, 4, 2:
+   * on one shard, older. Not 9 (on both: complete, though not known so
+   * yet), nor 6 and 5 (complete). */
+  CHECK_MSG(n == 5 && drop[0] == 7 && drop[1] == 3 && drop[2] == 10 && drop[3] == 4 && drop[4] == 2,
+            "%d sets: %llu %llu %llu %llu %llu", n, (unsigned long long)drop[0],
+            (unsigned long long)drop[1], (unsigned long long)drop[2], (unsigned long long)drop[3],
+            (unsigned long long)drop[4]);
   /* At most max. */
-  n_ab = 1;
-  CHECK(ps_ckpt_sets_to_drop(on_disk, n_on_disk, 2, complete, 2, abandoned, &n_ab, drop, 2) == 2 &&
-        drop[0] == 7 && drop[1] == 3);
-  /* No complete set known (a fresh coordinator that learned none): only
-   * what it abandoned itself. */
-  n_ab = 1;
-  n = ps_ckpt_sets_to_drop(on_disk, n_on_disk, 2, complete, 0, abandoned, &n_ab, drop, 16);
-  CHECK_MSG(n == 1 && drop[0] == 7 && n_ab == 1, "%d sets, %d abandoned", n, n_ab);
-  /* Nothing abandoned: the old incomplete ones only. */
-  n_ab = 0;
-  n = ps_ckpt_sets_to_drop(on_disk, n_on_disk, 2, complete, 2, abandoned, &n_ab, drop, 16);
-  CHECK_MSG(n == 3 && drop[0] == 3 && drop[1] == 4 && drop[2] == 2, "%d sets", n);
-  /* An abandoned set every shard turned out to have (its CUT failed at
-   * shard 0, not at the shards): complete, forgotten, never named. */
-  abandoned[0] = 9;
-  n_ab = 1;
-  n = ps_ckpt_sets_to_drop(on_disk, n_on_disk, 2, complete, 2, abandoned, &n_ab, drop, 16);
-  CHECK_MSG(n == 3 && n_ab == 0, "%d sets, %d abandoned", n, n_ab);
+  CHECK(ps_ckpt_sets_to_drop(on_disk, n_on_disk, 2, complete, 2, drop, 2) == 2 && drop[0] == 7 &&
+        drop[1] == 3);
+  /* No complete set known (a fresh coordinator that learned none): the
+   * incomplete ones all the same. */
+  n = ps_ckpt_sets_to_drop(on_disk, n_on_disk, 2, complete, 0, drop, 16);
+  CHECK_MSG(n == 5, "%d sets", n);
+  /* 4, known complete (pruned on shard 0 since): not named; the CUT's kept
+   * sets decide (it is older than the newest kept one). */
+  n = ps_ckpt_sets_to_drop(on_disk, n_on_disk, 2, complete, 3, drop, 16);
+  CHECK_MSG(n == 4 && drop[0] == 7 && drop[1] == 3 && drop[2] == 10 && drop[3] == 2, "%d sets", n);
   /* One shard: every set it has is complete. */
-  abandoned[0] = 7;
-  n_ab = 1;
-  n = ps_ckpt_sets_to_drop(on_disk, n_on_disk, 1, complete, 2, abandoned, &n_ab, drop, 16);
-  CHECK_MSG(n == 0 && n_ab == 0, "%d sets, %d abandoned", n, n_ab);
+  n = ps_ckpt_sets_to_drop(on_disk, n_on_disk, 1, complete, 2, drop, 16);
+  CHECK_MSG(n == 0, "%d sets", n);
+  /* Every shard has every set: nothing. */
+  const uint64_t *same[2] = {d0, d0};
+  const size_t n_same[2] = {5, 5};
+  CHECK(ps_ckpt_sets_to_drop(same, n_same, 2, complete, 0, drop, 16) == 0);
 }
 
 /* A shard deletes its files of the sets a CUT names as never to be
  * complete (abandoned_sets), whatever their age, but never those of a set
- * the CUT keeps nor of the set it writes, and nothing of another shard,
- * another layout or another job, nor files written alone. */
+ * the CUT keeps, of the set it writes, or of a set every shard has a file
+ * of by now (complete after all), and nothing of another shard, another
+ * layout or another job, nor files written alone; another layout's or
+ * another job's files do not make a set complete. */
 static void test_drop_sets(void) {
   char dir[512], err[PS_ERRLEN] = "";
   fresh_dir(dir, sizeof dir, "drop-sets");
   model_state m = model_make(100, 1, 1.0f);
   char s3[PS_CKPT_PATHLEN], s4[PS_CKPT_PATHLEN], s5[PS_CKPT_PATHLEN], s6[PS_CKPT_PATHLEN],
-      s7[PS_CKPT_PATHLEN], solo[PS_CKPT_PATHLEN], sh1[PS_CKPT_PATHLEN], lay[PS_CKPT_PATHLEN],
-      job[PS_CKPT_PATHLEN];
+      s7[PS_CKPT_PATHLEN], solo[PS_CKPT_PATHLEN], sh1[PS_CKPT_PATHLEN], sh1_4[PS_CKPT_PATHLEN],
+      lay[PS_CKPT_PATHLEN], job[PS_CKPT_PATHLEN];
   write_set_shard(dir, &m, "job-a", 0, 2, 1, 3, "a3", s3);
   write_set_shard(dir, &m, "job-a", 0, 2, 2, 4, "a4", s4);
   write_set_shard(dir, &m, "job-a", 0, 2, 3, 5, "a5", s5);
   write_set_shard(dir, &m, "job-a", 0, 2, 4, 6, "a6", s6);
   write_set_shard(dir, &m, "job-a", 0, 2, 5, 7, "a7", s7);
   write_set_shard(dir, &m, "job-a", 0, 2, 6, 0, "solo", solo);
-  write_set_shard(dir, &m, "job-a", 1, 2, 1, 7, "a7", sh1);
-  write_set_shard(dir, &m, "job-a", 0, 3, 1, 7, "a7", lay);
-  write_set_shard(dir, &m, "job-b", 0, 2, 7, 7, "b7", job);
-  const int total = 9;
+  write_set_shard(dir, &m, "job-a", 1, 2, 1, 8, "a8", sh1);
+  write_set_shard(dir, &m, "job-a", 1, 2, 2, 4, "a4", sh1_4); /* set 4: whole */
+  write_set_shard(dir, &m, "job-a", 1, 3, 1, 7, "a7", lay);   /* another layout's set 7 */
+  write_set_shard(dir, &m, "job-b", 1, 2, 7, 3, "b3", job);   /* another job's set 3 */
+  const int total = 10;
   CHECK(count_entries(dir, NULL) == total);
-  int deleted = -1;
+  int deleted = -1, whole = -1;
   /* Nothing named: nothing goes. */
   const uint64_t keep[1] = {5};
-  CHECK(ps_ckpt_drop_sets(dir, 0, 2, "job-a", NULL, 0, keep, 1, 8, &deleted, err) == PS_OK &&
-        deleted == 0 && count_entries(dir, NULL) == total);
-  /* 7 (newer than the kept set 5) and 3 go; 5 (kept), 6 (being written)
-   * and 99 (none) do not. */
-  const uint64_t drop[5] = {7, 5, 6, 3, 99};
-  int rc = ps_ckpt_drop_sets(dir, 0, 2, "job-a", drop, 5, keep, 1, 6, &deleted, err);
-  CHECK_MSG(rc == PS_OK && deleted == 2, "%d deleted %d: %s", rc, deleted, err);
+  CHECK(ps_ckpt_drop_sets(dir, 0, 2, "job-a", NULL, 0, keep, 1, 8, &deleted, &whole, err) ==
+            PS_OK &&
+        deleted == 0 && whole == 0 && count_entries(dir, NULL) == total);
+  /* 7 (newer than the kept set 5) and 3 go; 5 (kept), 6 (being written),
+   * 4 (shard 1 has it too: complete) and 99 (none) do not. */
+  const uint64_t drop[7] = {7, 5, 6, 3, 4, 8, 99};
+  int rc = ps_ckpt_drop_sets(dir, 0, 2, "job-a", drop, 7, keep, 1, 6, &deleted, &whole, err);
+  CHECK_MSG(rc == PS_OK && deleted == 2 && whole == 1, "%d deleted %d whole %d: %s", rc, deleted,
+            whole, err);
   CHECK(!exists(dir, s7) && !exists(dir, s3));
   CHECK(exists(dir, s4) && exists(dir, s5) && exists(dir, s6) && exists(dir, solo));
-  CHECK(exists(dir, sh1) && exists(dir, lay) && exists(dir, job));
+  CHECK(exists(dir, sh1) && exists(dir, sh1_4) && exists(dir, lay) && exists(dir, job));
   CHECK(count_entries(dir, NULL) == total - 2);
-  /* Shard 1's file of set 7 is its own to delete. */
-  rc = ps_ckpt_drop_sets(dir, 1, 2, "job-a", drop, 5, NULL, 0, 8, &deleted, err);
-  CHECK_MSG(rc == PS_OK && deleted == 1 && !exists(dir, sh1), "%d deleted %d: %s", rc, deleted,
-            err);
+  /* Shard 1's files are its own to delete: 8 goes, 4 (whole) stays. */
+  rc = ps_ckpt_drop_sets(dir, 1, 2, "job-a", drop, 7, NULL, 0, 9, &deleted, NULL, err);
+  CHECK_MSG(rc == PS_OK && deleted == 1 && !exists(dir, sh1) && exists(dir, sh1_4),
+            "%d deleted %d: %s", rc, deleted, err);
   CHECK(exists(dir, lay) && exists(dir, job) && exists(dir, s4));
+  /* Once shard 1's file of set 4 is gone, shard 0's goes. */
+  char path[PS_CKPT_PATHLEN + 600];
+  snprintf(path, sizeof path, "%s/%s", dir, sh1_4);
+  CHECK(unlink(path) == 0);
+  rc = ps_ckpt_drop_sets(dir, 0, 2, "job-a", drop, 7, keep, 1, 6, &deleted, &whole, err);
+  CHECK_MSG(rc == PS_OK && deleted == 1 && whole == 0 && !exists(dir, s4), "%d deleted %d: %s", rc,
+            deleted, err);
   /* No directory: nothing to do; bad arguments. */
   char missing[1024];
   snprintf(missing, sizeof missing, "%s/no-such-dir", dir);
-  CHECK(ps_ckpt_drop_sets(missing, 0, 2, "job-a", drop, 5, keep, 1, 6, &deleted, err) == PS_OK &&
+  CHECK(ps_ckpt_drop_sets(missing, 0, 2, "job-a", drop, 7, keep, 1, 6, &deleted, NULL, err) ==
+            PS_OK &&
         deleted == 0);
-  CHECK(ps_ckpt_drop_sets(dir, 2, 2, "job-a", drop, 5, keep, 1, 6, &deleted, err) == PS_EINVAL);
-  CHECK(ps_ckpt_drop_sets(dir, 0, 2, NULL, drop, 5, keep, 1, 6, &deleted, err) == PS_EINVAL);
-  CHECK(ps_ckpt_drop_sets(dir, 0, 2, "job-a", NULL, 5, keep, 1, 6, &deleted, err) == PS_EINVAL);
-  CHECK(ps_ckpt_drop_sets(dir, 0, 2, "job-a", drop, 5, NULL, 1, 6, &deleted, err) == PS_EINVAL);
+  CHECK(ps_ckpt_drop_sets(dir, 2, 2, "job-a", drop, 7, keep, 1, 6, &deleted, NULL, err) ==
+        PS_EINVAL);
+  CHECK(ps_ckpt_drop_sets(dir, 0, 2, NULL, drop, 7, keep, 1, 6, &deleted, NULL, err) == PS_EINVAL);
+  CHECK(ps_ckpt_drop_sets(dir, 0, 2, "job-a", NULL, 7, keep, 1, 6, &deleted, NULL, err) ==
+        PS_EINVAL);
+  CHECK(ps_ckpt_drop_sets(dir, 0, 2, "job-a", drop, 7, NULL, 1, 6, &deleted, NULL, err) ==
+        PS_EINVAL);
   model_free(&m);
 }
 
