@@ -35,8 +35,10 @@ seeds of the updates, examples and seconds to the target, the final
 accuracy and the staleness, and plots with one band (mean +- sd) per
 configuration: test accuracy against updates applied and against time.
 
-Exit status: 0 every run done (reached the target or not), 1 some run
-failed or timed out (the report says which), 2 a bad spec or command line.
+A run that stops on a loss that is not finite is reported as diverged (a
+result, not a failure). Exit status: 0 every run done (reached the target
+or not, or diverged), 1 some run failed or timed out (the report says
+which), 2 a bad spec or command line.
 """
 import argparse
 import hashlib
@@ -254,6 +256,24 @@ def staleness_of(spec, rundir, log):
     return st.get("staleness_mean"), st.get("staleness_max"), st.get("dropped", 0)
 
 
+def diverged(log):
+    """The update at which the run stopped on a loss that is not finite (or
+    a gradient that would make the parameters so), or None."""
+    try:
+        lines = open(log, errors="replace").read().splitlines()[-5:]
+    except OSError:
+        return None
+    for line in lines:
+        if ("the loss is" in line and ("nan" in line or "inf" in line)) or \
+                ("refused the gradient" in line and ("NaN" in line or "Inf" in line)):
+            words = line.replace(":", " ").split()
+            for i, w in enumerate(words[:-1]):
+                if w in ("update", "step") and words[i + 1].isdigit():
+                    return int(words[i + 1])
+            return -1
+    return None
+
+
 def run_one(spec, cfg, seed, rundir, binary):
     """Runs one configuration; writes result.json last. Returns the result."""
     if os.path.isdir(rundir):
@@ -276,7 +296,8 @@ def run_one(spec, cfg, seed, rundir, binary):
             rc, status = -9, "timed out"
     wall = time.time() - t0
     if rc != 0 and status == "done":
-        status = f"failed (exit {rc})"
+        d = diverged(log)
+        status = f"diverged (update {d})" if d is not None else f"failed (exit {rc})"
     evals = read_evals(spec, rundir)
     reach = first_reach(evals, spec["target"])
     smean, smax, dropped = staleness_of(spec, rundir, log)
@@ -366,6 +387,10 @@ def report(spec, out, results, name="report"):
     runner = spec["runner"]
     for r in results:  # from the evaluations: the target may be another than the runs'
         r["to_target"] = first_reach(r["evals"], spec["target"])
+        if r["status"].startswith("failed"):  # a study of an older version: classify again
+            d = diverged(os.path.join(out, "runs", run_name(r["config"], r["seed"]), "log.txt"))
+            if d is not None:
+                r["status"] = f"diverged (update {d})"
     varying = [a for a in AXES[runner] if a in spec["grid"] and len(spec["grid"][a]) > 1]
     groups = {}
     for r in results:
@@ -374,7 +399,7 @@ def report(spec, out, results, name="report"):
              f"Runner `{runner}`, target test accuracy {spec['target']}, seeds {spec['seeds']}; "
              f"{len(results)} runs. Mean ± standard deviation over seeds; a configuration that "
              f"some seeds did not take to the target says how many did.", ""]
-    bad = [r for r in results if r["status"] != "done"]
+    bad = [r for r in results if r["status"] != "done" and not r["status"].startswith("diverged")]
     if bad:
         lines += ["Runs that did not finish: " +
                   "; ".join(f"{config_key(r['config'])} seed {r['seed']}: {r['status']}" for r in bad), ""]
@@ -401,7 +426,8 @@ def report(spec, out, results, name="report"):
             um, us = mean_sd([r["to_target"]["updates"] for r in reached])
             em, es = mean_sd([r["to_target"]["examples"] for r in reached])
             tm, ts = mean_sd([r["to_target"]["wall_s"] for r in reached])
-            fm, fs = mean_sd([r["final_accuracy"] for r in rs])
+            ok = [r for r in rs if not r["status"].startswith("diverged")]
+            fm, fs = mean_sd([r["final_accuracy"] for r in ok])
             sm, _ = mean_sd([r["staleness_mean"] for r in rs])
             smax = max((r["staleness_max"] or 0) for r in rs)
             row = [str(c[a]) for a in varying]
@@ -410,7 +436,10 @@ def report(spec, out, results, name="report"):
                 other = config_key({a: v for a, v in c.items() if a != "staleness"})
                 b = base.get(other)
                 row.append(f"{em / b:.2f}" if em is not None and b else "")
-            row += [fmt(tm, ts, 1, len(reached), len(rs)), fmt(fm, fs, 4),
+            final = fmt(fm, fs, 4) if ok else "diverged"
+            if ok and len(ok) < len(rs):
+                final += f" ({len(rs) - len(ok)} of {len(rs)} diverged)"
+            row += [fmt(tm, ts, 1, len(reached), len(rs)), final,
                     f"{sm:.2f} / {smax}" if sm is not None else ""]
             if runner == "cluster":
                 dm, _ = mean_sd([r["dropped"] for r in rs])
@@ -506,7 +535,8 @@ def main():
               + f"; {left} left, about {left * per / 60:.1f} min", flush=True)
     path = report(spec, out, results, a.report_name)
     print(f"study: report {path}" + (" (partial: --max-runs)" if stopped else ""))
-    return 1 if any(r["status"] != "done" for r in results) else 0
+    return 1 if any(r["status"] not in ("done",) and not r["status"].startswith("diverged")
+                    for r in results) else 0
 
 
 if __name__ == "__main__":

@@ -54,6 +54,18 @@ grep -q "target test accuracy 0.5," "$out/s/r50.md" || fail "the report for targ
 grep -q "8 runs, 8 done before, 0 to run" "$out/r50.log" || fail "--report-only ran something"
 echo "study: stopped after 3 runs, resumed with the 6 left (one killed mid-way run again); report with 4 rows"
 
+# A run whose loss stops being finite is a result (diverged), not a failure.
+cat >"$out/div.json" <<'EOF'
+{"name": "div", "runner": "stale", "models": {"synthetic": "tests/integration/jobs/synthetic.json"},
+ "target": 0.9, "seeds": [1], "grid": {"optimizer": ["sgd:1e10"], "staleness": ["fixed:4"]},
+ "fixed": {"epochs": 3}}
+EOF
+study "$out/div.json" --out "$out/d" --bin "$build" >"$out/div.log" 2>&1 \
+  || { cat "$out/div.log"; fail "a study with a diverging run exited non-zero"; }
+grep -q '"status": "diverged (update [0-9]*)"' "$out"/d/runs/*/result.json || fail "the run is not reported as diverged"
+grep -q "| diverged |" "$out/d/report.md" || { cat "$out/d/report.md"; fail "the report does not say diverged"; }
+echo "study: a diverging run is reported as diverged"
+
 # Bad specs.
 bad() { # WHAT PATTERN JSON
   printf '%s' "$3" >"$out/bad.json"
