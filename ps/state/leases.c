@@ -722,9 +722,9 @@ static int adopt(ps_leases *t, uint64_t worker, uint64_t id, uint32_t c, uint32_
  * refusal) join examples_wasted. */
 static void refused(ps_leases *t, uint64_t worker, uint64_t id, uint64_t trained, uint32_t epoch,
                     uint32_t chunk) {
-  ended_lease *e = find_acct(t, id);
-  if ((e && e->worker != worker) || find_lease(t, id) >= 0) {
-    /* another worker's lease: counted, not remembered */
+  ended_lease *e = id ? find_acct(t, id) : NULL;
+  if (id == 0 || (e && e->worker != worker) || find_lease(t, id) >= 0) {
+    /* no lease, or another worker's: counted, not remembered */
     late_record(t)->examples_wasted += trained;
     return;
   }
@@ -805,7 +805,8 @@ int ps_leases_rejoin(ps_leases *t, uint64_t worker, const uint64_t *done, size_t
     if (h->refused) { /* the worker keeps those of its epoch and the one before (this
                          table's next, when it was restored to the epoch before) */
       if (h->epoch <= epoch + 1 && h->epoch + 1 >= epoch)
-        refused(t, worker, h->lease_id, h->trained, h->epoch, h->chunk);
+        refused(t, worker, h->lease_id, h->trained, h->epoch,
+                h->chunk < t->n_chunks ? h->chunk : UINT32_MAX);
       continue;
     }
     if (h->epoch != epoch || h->chunk >= t->n_chunks) continue;
@@ -1060,7 +1061,7 @@ static const ended_lease *ended_at(const ps_leases *t, uint32_t i) {
 /* Whether a checkpoint keeps ended lease e: a reclaimed one (of this life
  * or one before) of this epoch or the one before, with counts. */
 static int acct_kept(const ps_leases *t, const ended_lease *e) {
-  return (e->kind == ENDED_RECLAIMED || e->kind == ENDED_SAVED) &&
+  return e->id != 0 && (e->kind == ENDED_RECLAIMED || e->kind == ENDED_SAVED) &&
          (e->pushed || e->acct || e->refused) && e->epoch <= t->epoch && e->epoch + 1 >= t->epoch;
 }
 

@@ -3,8 +3,9 @@
  * shard. Two modes, by the first byte:
  *  - even: the rest of the input is the blob itself;
  *  - odd: the input drives a real table (its configuration, then acquire,
- *    complete, release, expire and rejoin calls by several workers), whose saved
- *    blob must load back and save again; then one byte of it,
+ *    complete, release, expire, rejoin, refused and pushed calls by several
+ *    workers), whose saved blob must load back and save again; then one
+ *    byte of it,
  *    chosen by the input, is changed, and the changed blob must be loaded
  *    or refused with a message. Near-valid blobs reach the deep checks. */
 #include <stdint.h>
@@ -56,7 +57,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     const uint64_t w = 1 + op % 8;
     now += (int64_t)fuzz_take(&data, &size, 1) * 10;
     ps_lease l;
-    switch ((op >> 3) % 5) {
+    switch ((op >> 3) % 6) {
       case 0:
         if (ps_leases_acquire(t, w, now, &l) == 0) held[w - 1] = l.lease_id;
         break;
@@ -68,14 +69,22 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         ps_leases_stats(t, &st);
         uint64_t named[2] = {(uint64_t)st.epoch << 32 | fuzz_take(&data, &size, 2),
                              fuzz_take(&data, &size, 8)};
-        ps_lease_held h = {.lease_id = fuzz_take(&data, &size, 8),
+        const uint64_t flags = fuzz_take(&data, &size, 1);
+        ps_lease_held h = {.lease_id = flags & 4 ? held[w - 1] : fuzz_take(&data, &size, 8),
                            .epoch = st.epoch,
                            .chunk = (uint32_t)fuzz_take(&data, &size, 2),
-                           .finished = (int)(fuzz_take(&data, &size, 1) & 1)};
+                           .finished = (int)(flags & 1),
+                           .trained = (uint32_t)fuzz_take(&data, &size, 2),
+                           .refused = (int)(flags >> 1 & 1)};
         (void)ps_leases_rejoin(t, w, named, 2, &h, 1, now, NULL);
-        ps_leases_note_wasted(t, fuzz_take(&data, &size, 1));
+        ps_leases_note_refused(t, w, flags & 8 ? held[w - 1] : h.lease_id,
+                               fuzz_take(&data, &size, 1));
         break;
       }
+      case 5: /* a push of the worker's batch, on its lease or another id */
+        ps_leases_note_pushed(t, w, op & 1 ? held[w - 1] : fuzz_take(&data, &size, 8),
+                              (uint32_t)fuzz_take(&data, &size, 1));
+        break;
     }
   }
   void *blob = NULL, *again = NULL;
