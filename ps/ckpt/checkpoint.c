@@ -1331,6 +1331,31 @@ static int job_entry_meta(const char *dir, const ckpt_entry *e, const char *job_
          m->num_shards == e->num_shards;
 }
 
+/* The files of dir (list_dir's, every shard's) with room for their
+ * headers: meta and ok, l->n each (one at least), zeroed. PS_ENOTFOUND
+ * when there is no dir; on any error nothing is left allocated. */
+static int list_for_headers(const char *dir, ckpt_list *l, ps_ckpt_meta **meta, char **ok,
+                            char *err) {
+  int rc = list_dir(dir, -1, 0, l, err);
+  if (rc) return rc;
+  *meta = calloc(l->n ? l->n : 1, sizeof **meta);
+  *ok = calloc(l->n ? l->n : 1, 1);
+  if (!*meta || !*ok) {
+    free(*meta);
+    free(*ok);
+    list_free(l);
+    return ps_seterr(err, PS_ENOMEM, "out of memory listing '%s'", dir);
+  }
+  return PS_OK;
+}
+
+/* Is id one of v[0 .. n)? */
+static int has_set(const uint64_t *v, size_t n, uint64_t id) {
+  for (size_t i = 0; i < n; i++)
+    if (v[i] == id) return 1;
+  return 0;
+}
+
 int ps_ckpt_prune_sets(const char *dir, int index, int num_shards, const char *job_id,
                        const uint64_t *keep_sets, int n_keep, uint64_t current, int drop_other_s,
                        int *deleted, char *err) {
@@ -1340,18 +1365,12 @@ int ps_ckpt_prune_sets(const char *dir, int index, int num_shards, const char *j
     return ps_seterr(err, PS_EINVAL, "checkpoint prune: bad arguments");
   if (n_keep == 0) return PS_OK;
   ckpt_list l;
-  int rc = list_dir(dir, -1, 0, &l, err);
+  ps_ckpt_meta *meta;
+  char *ok;
+  int rc = list_for_headers(dir, &l, &meta, &ok, err);
   if (rc == PS_ENOTFOUND) return PS_OK;
   if (rc) return rc;
   /* Headers first: the newest write time among this shard's kept sets. */
-  ps_ckpt_meta *meta = calloc(l.n ? l.n : 1, sizeof *meta);
-  char *ok = calloc(l.n ? l.n : 1, 1);
-  if (!meta || !ok) {
-    free(meta);
-    free(ok);
-    list_free(&l);
-    return ps_seterr(err, PS_ENOMEM, "out of memory pruning '%s'", dir);
-  }
   int64_t newest_kept = INT64_MIN;
   uint64_t newest_set = 0;
   for (int k = 0; k < n_keep; k++)
@@ -1361,9 +1380,8 @@ int ps_ckpt_prune_sets(const char *dir, int index, int num_shards, const char *j
     if (!ok[i] || meta[i].num_shards != num_shards || meta[i].index != index ||
         meta[i].set_id == 0)
       continue;
-    for (int k = 0; k < n_keep; k++)
-      if (meta[i].set_id == keep_sets[k] && meta[i].written_ms > newest_kept)
-        newest_kept = meta[i].written_ms;
+    if (has_set(keep_sets, (size_t)n_keep, meta[i].set_id) && meta[i].written_ms > newest_kept)
+      newest_kept = meta[i].written_ms;
   }
   for (size_t i = 0; i < l.n; i++) {
     if (!ok[i]) continue;
@@ -1379,8 +1397,7 @@ int ps_ckpt_prune_sets(const char *dir, int index, int num_shards, const char *j
          * sets it knew complete when it began this set, and a newer one
          * may have completed since (a coordinator before it, deposed in
          * the middle of a cut, or the one after it while this CUT waited). */
-        drop = m->set_id < newest_set;
-        for (int k = 0; k < n_keep; k++) drop &= m->set_id != keep_sets[k];
+        drop = m->set_id < newest_set && !has_set(keep_sets, (size_t)n_keep, m->set_id);
       }
     }
     if (!drop) continue;
@@ -1398,13 +1415,6 @@ int ps_ckpt_prune_sets(const char *dir, int index, int num_shards, const char *j
   return PS_OK;
 }
 
-/* Is id one of v[0 .. n)? */
-static int has_set(const uint64_t *v, size_t n, uint64_t id) {
-  for (size_t i = 0; i < n; i++)
-    if (v[i] == id) return 1;
-  return 0;
-}
-
 int ps_ckpt_drop_sets(const char *dir, int index, int num_shards, const char *job_id,
                       const uint64_t *drop, int n_drop, const uint64_t *keep_sets, int n_keep,
                       uint64_t current, int *deleted, int *whole, char *err) {
@@ -1415,19 +1425,13 @@ int ps_ckpt_drop_sets(const char *dir, int index, int num_shards, const char *jo
     return ps_seterr(err, PS_EINVAL, "checkpoint sets: bad arguments to drop");
   if (n_drop == 0) return PS_OK;
   ckpt_list l;
-  int rc = list_dir(dir, -1, 0, &l, err);
+  ps_ckpt_meta *meta;
+  char *ok;
+  int rc = list_for_headers(dir, &l, &meta, &ok, err);
   if (rc == PS_ENOTFOUND) return PS_OK;
   if (rc) return rc;
   /* The headers of this layout's files of the job, every shard's: a set
    * named whose files every shard has now is complete after all. */
-  ps_ckpt_meta *meta = calloc(l.n ? l.n : 1, sizeof *meta);
-  char *ok = calloc(l.n ? l.n : 1, 1);
-  if (!meta || !ok) {
-    free(meta);
-    free(ok);
-    list_free(&l);
-    return ps_seterr(err, PS_ENOMEM, "out of memory listing '%s'", dir);
-  }
   for (size_t i = 0; i < l.n; i++)
     ok[i] = (char)(l.v[i].num_shards == num_shards &&
                    job_entry_meta(dir, &l.v[i], job_id, &meta[i]) && meta[i].set_id != 0);
