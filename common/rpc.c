@@ -22,6 +22,7 @@
 #include <grpc/slice.h>
 #include <grpc/support/alloc.h>
 #include <grpc/support/time.h>
+#include <dlfcn.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -78,7 +79,34 @@ void rpc_msg_release(rpc_msg *m) {
   m->nseg = 0;
 }
 
-void rpc_global_init(void) { grpc_init(); }
+/* gRPC's locks are Abseil's, and a libabsl built without NDEBUG (Debian's)
+ * checks every lock taken against a graph of lock orders, to report
+ * potential deadlocks: a hash lookup per Lock whose chains grow with the
+ * process's mutexes. With a thousand clients in one process (ps-loadgen)
+ * it was a tenth of the CPU, and a few percent in a server. It reports
+ * only; turning it off changes nothing else. Looked up by name, so that a
+ * build against another Abseil (or one without the check) runs as is. */
+static void absl_deadlock_check_off(void) {
+  static const char *const names[] = {
+      "_ZN4absl7debian329SetMutexDeadlockDetectionModeENS0_15OnDeadlockCycleE",
+      "_ZN4absl12lts_2022062329SetMutexDeadlockDetectionModeENS0_15OnDeadlockCycleE",
+      "_ZN4absl29SetMutexDeadlockDetectionModeENS_15OnDeadlockCycleE",
+  };
+  if (getenv("PS_ABSL_DEADLOCK_CHECK")) return; /* keep it, to debug gRPC's locking */
+  for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+    void *f = dlsym(RTLD_DEFAULT, names[i]);
+    if (f) {
+      void (*set_mode)(int) = (void (*)(int))f; /* absl::OnDeadlockCycle::kIgnore is 0 */
+      set_mode(0);
+      return;
+    }
+  }
+}
+
+void rpc_global_init(void) {
+  absl_deadlock_check_off();
+  grpc_init();
+}
 
 void rpc_global_shutdown(void) { grpc_shutdown(); }
 
@@ -873,6 +901,8 @@ rpc_channel *rpc_channel_create(const char *target, const rpc_channel_opts *opts
   size_t n = 0;
   if (opts != NULL && opts->gzip)
     args[n++] = int_arg(GRPC_COMPRESSION_CHANNEL_DEFAULT_ALGORITHM, GRPC_COMPRESS_GZIP);
+  if (opts != NULL && opts->own_connection)
+    args[n++] = int_arg(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   if (tls != NULL && tls->server_name != NULL) {
     args[n].type = GRPC_ARG_STRING;
     args[n].key = (char *)GRPC_SSL_TARGET_NAME_OVERRIDE_ARG;

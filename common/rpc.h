@@ -140,6 +140,9 @@ typedef struct {
   int gzip;              /* compress requests (servers here refuse them: for tests) */
   int reconnect_ms;      /* > 0: try to connect again every this many ms after a failure
                             (default: back-off from 1 s to 3 s) */
+  int own_connection;    /* a connection of this channel's own: gRPC otherwise shares one
+                            among the process's channels to a target with the same options
+                            (many simulated workers in one process, ps-loadgen) */
 } rpc_channel_opts;
 
 /* A channel to target. NULL with a message when the TLS files cannot be

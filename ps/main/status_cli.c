@@ -232,6 +232,7 @@ static json_t *status_json(const Ps__StatusResponse *r) {
   json_object_set_new(o, "backup_workers", json_integer(r->backup_workers));
   json_object_set_new(o, "sync_pending", json_integer(r->sync_pending));
   json_object_set_new(o, "uptime_s", json_real(r->uptime_s));
+  json_object_set_new(o, "cpu_seconds", json_real(r->cpu_seconds));
   json_t *ws = json_array();
   for (size_t i = 0; i < r->n_workers; i++) {
     Ps__WorkerInfo *w = r->workers[i];

@@ -1036,6 +1036,92 @@ tls)
   echo "tls: final test accuracy $acc over mutual TLS"
   at_least "$acc" 0.90 || fail "accuracy $acc below 0.90 over TLS"
   ;;
+loadgen)
+  # ps-loadgen against real shards: 1000 simulated workers (each its own
+  # connections) on 2 shards, every acknowledged push applied once by every
+  # shard and latencies ordered; a set rate is kept; embedding rows; mutual
+  # TLS; idle workers heartbeat past the job's time-out instead of being
+  # dropped; bad flags and unreachable servers refused with a message.
+  lg() { timeout 300 "$build/ps-loadgen" "$@"; }
+  field() { python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(eval(sys.argv[2], {}, r))" "$1" "$2"; }
+  ports=$(free_ports 2)
+  start_servers "$here/jobs/loadgen.json" "$ports" --log-level warn
+  lg --insecure --ps "$ports" --workers 1000 --duration 3 --warmup 1 --json "$out/w1000.json" \
+    >"$out/w1000.log" 2>&1 || { tail -20 "$out/w1000.log"; fail "1000 workers: ps-loadgen failed"; }
+  cat "$out/w1000.log" | grep -v ' left: '
+  [ "$(field "$out/w1000.json" connected)" = 1000 ] || fail "not all 1000 workers registered"
+  [ "$(field "$out/w1000.json" 'errors')" = 0 ] || fail "1000 workers: calls failed"
+  [ "$(field "$out/w1000.json" 'updates > 0 and pulls > 0')" = True ] || fail "1000 workers: no updates in the window"
+  [ "$(field "$out/w1000.json" 'applied_all and applied_per_shard[0] == acked_total')" = True ] \
+    || fail "the shards did not apply every acknowledged push once: $(field "$out/w1000.json" '(applied_per_shard, acked_total)')"
+  [ "$(field "$out/w1000.json" 'all(d["p50_ms"] <= d["p99_ms"] <= d["p999_ms"] <= d["max_ms"] + 1e-9 and d["count"] > 0 for d in (pull, push))')" = True ] \
+    || fail "latency percentiles out of order"
+  [ "$(field "$out/w1000.json" 'server_cpu_us_per_update > 0 and push_bytes_per_s > 0 and pull_bytes_per_s > 0')" = True ] \
+    || fail "the shards' CPU or bytes were not measured"
+  # the bytes the shards counted over the run: a float32 per parameter per
+  # push, and little besides
+  [ "$(field "$out/w1000.json" 'params * 4 <= push_bytes_per_update <= params * 4 + 512')" = True ] \
+    || fail "the shards received $(field "$out/w1000.json" push_bytes_per_update) bytes per push of $(field "$out/w1000.json" params) float32 values"
+  lg --insecure --ps "$ports" --workers 20 --rate 100 --duration 4 --warmup 1 \
+    --json "$out/rate.json" >"$out/rate.log" 2>&1 || { tail -5 "$out/rate.log"; fail "--rate 100 failed"; }
+  echo "loadgen: --rate 100 gave $(field "$out/rate.json" updates_per_s) updates/s"
+  [ "$(field "$out/rate.json" '80 <= updates_per_s <= 105')" = True ] || fail "--rate 100 not kept"
+  # idle workers (compute 2.5 s against a 2 s heartbeat time-out) stay registered
+  lg --insecure --ps "$ports" --workers 5 --compute-ms 2500 --duration 6 --warmup 0 \
+    --json "$out/idle.json" >"$out/idle.log" 2>&1 || { tail -5 "$out/idle.log"; fail "--compute-ms 2500 failed"; }
+  "$build/ps-server" --status "$ports" --insecure >"$out/status.json" 2>/dev/null || fail "--status"
+  dropped=$(python3 -c "import json,sys; print(sum(s['workers_dropped'] for s in json.load(open(sys.argv[1]))))" "$out/status.json")
+  [ "$dropped" = 0 ] || fail "$dropped idle simulated workers were dropped (no heartbeat)"
+  [ "$(field "$out/idle.json" 'errors == 0 and updates >= 5')" = True ] || fail "idle workers: errors or no updates"
+  echo "loadgen: idle workers heartbeat: none dropped"
+  # bad input
+  refused() { # CODE PATTERN ARGS...
+    local code=$1 pat=$2 rc=0; shift 2
+    lg "$@" >"$out/bad.log" 2>&1 || rc=$?
+    [ "$rc" = "$code" ] || { cat "$out/bad.log"; fail "ps-loadgen $*: exit $rc, want $code"; }
+    grep -q "$pat" "$out/bad.log" || { cat "$out/bad.log"; fail "ps-loadgen $*: no message '$pat'"; }
+  }
+  refused 2 "has no embedding tables" --insecure --ps "$ports" --rows 8
+  refused 2 "takes at most 1024 workers" --insecure --ps "$ports" --workers 1025
+  refused 2 "list them all" --insecure --ps "${ports%%,*}" --workers 1
+  refused 2 "need about" --insecure --ps "$ports" --workers 1000 --max-memory-mb 10
+  refused 2 "wants" --insecure --ps "$ports" --duration 0
+  refused 2 "is required" --insecure
+  dead=$(free_ports 1)
+  refused 1 "$dead" --insecure --ps "$dead" --connect-timeout 2
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  pids=()
+  # embedding rows
+  ports=$(free_ports 2)
+  start_servers "$here/jobs/loadgen_tables.json" "$ports" --log-level warn
+  lg --insecure --ps "$ports" --workers 8 --rows 64 --duration 2 --warmup 0.5 \
+    --json "$out/rows.json" >"$out/rows.log" 2>&1 || { tail -5 "$out/rows.log"; fail "--rows 64 failed"; }
+  [ "$(field "$out/rows.json" 'errors == 0 and rows_moved > 0 and applied_all')" = True ] \
+    || fail "--rows: $(field "$out/rows.json" '(errors, rows_moved, applied_all, first_error)')"
+  echo "loadgen: embedding rows: $(field "$out/rows.json" rows_moved) rows moved"
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  pids=()
+  # mutual TLS
+  command -v openssl >/dev/null || fail "openssl is missing (deploy/install-deps.sh)"
+  "$root/deploy/certs.sh" "$out/certs" 127.0.0.1 localhost >/dev/null || fail "certs.sh"
+  c=$out/certs
+  ports=$(free_ports 2)
+  s=0
+  for addr in ${ports//,/ }; do
+    "$build/ps-server" --job "$here/jobs/loadgen.json" --ps "$ports" --index "$s" \
+      --token-file "$c/token" --tls-cert "$c/127.0.0.1.pem" --tls-key "$c/127.0.0.1.key" \
+      --tls-ca "$c/ca.pem" --tls-require-client-cert --log-level warn >"$out/tls-$s.log" 2>&1 &
+    pids+=($!)
+    s=$((s + 1))
+  done
+  lg --ps "$ports" --workers 50 --duration 2 --warmup 0.5 --token-file "$c/token" \
+    --tls-ca "$c/ca.pem" --tls-cert "$c/127.0.0.1.pem" --tls-key "$c/127.0.0.1.key" \
+    --json "$out/tls.json" >"$out/tls.log" 2>&1 || { tail -5 "$out/tls.log"; fail "mutual TLS failed"; }
+  [ "$(field "$out/tls.json" 'mutual_tls and errors == 0 and applied_all and updates > 0')" = True ] \
+    || fail "mutual TLS: $(field "$out/tls.json" '(mutual_tls, errors, applied_all, first_error)')"
+  refused 1 "" --ps "$ports" --workers 1 --token-file "$c/token" --tls-ca "$c/ca.pem" --connect-timeout 2
+  echo "loadgen: mutual TLS: $(field "$out/tls.json" updates_per_s) updates/s with 50 workers; a client without a certificate is refused"
+  ;;
 tables)
   # Embedding tables on 2 live shards: rows through the worker's client,
   # one lazy optimizer step bit for bit, placement, bad rows refused with

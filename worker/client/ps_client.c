@@ -681,7 +681,9 @@ ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char 
     return NULL;
   }
   if (client_init(c, opts, err) != 0) goto fail;
-  rpc_channel_opts chan_opts = {.keepalive_ms = RPC_DEFAULT_KEEPALIVE_MS, .tls = opts->tls};
+  rpc_channel_opts chan_opts = {.keepalive_ms = RPC_DEFAULT_KEEPALIVE_MS,
+                                .tls = opts->tls,
+                                .own_connection = opts->own_connections};
   char target[SERVER_ADDR_LEN]; /* the server that registered this worker */
   Ps__RegisterResponse *r = register_with_shard0(c, addr, &chan_opts, target, err);
   if (!r) goto fail;

@@ -29,6 +29,9 @@ typedef struct {
    * other replicas (its primary failed or moved) after its first failure
    * before it fails as without replicas; default 15000. */
   int failover_ms;
+  /* Connections of this client's own (rpc_channel_opts.own_connection):
+   * for many clients in one process that stand for separate workers. */
+  int own_connections;
 } ps_client_opts;
 
 /* Registers with the server at addr (any shard: one that is not shard 0
