@@ -4,8 +4,8 @@
 #              ps-server on loopback, against iperf3's single-stream TCP rate,
 #              in plaintext and over mutual TLS
 #   training:  examples/s of the quickstart CNN with 1 server + 1 worker
-#              (plain, and with --overlap), against the same model trained
-#              in-process (ps-worker --local)
+#              (plain, and with --overlap) and with 2 servers + 2 workers,
+#              against the same model trained in-process (ps-worker --local)
 #   wire:      the transport's 10M-value shard as float32 against 16-bit values
 #              on the wire (BENCH_WIRE, default bf16), rounds alternating in
 #              one run (bench_transport --compare), and the client's share
@@ -269,7 +269,7 @@ eps() { sed -n 's/.*: \([0-9]*\) examples\/s$/\1/p' "$1" | tail -1; }
 training() {
   local steps=${BENCH_STEPS:-300}
   local job="$root/deploy/jobs/fashion_mnist_cnn.json"
-  local l=() c=() o=()
+  local l=() c=() o=() q=()
   # Interleaved pairs: whatever else the machine does hits both alike.
   for round in $(seq 1 "${BENCH_ROUNDS:-5}"); do
     "$build/ps-worker" --local --job "$job" --max-steps "$steps" --eval-interval 0 \
@@ -289,13 +289,27 @@ training() {
       --log-interval 1000 >"$out/overlap-$round.log" 2>&1
     kill -TERM "$spid"; wait "$spid" || true
     o+=("$(eps "$out/overlap-$round.log")")
-    echo "round $round: local ${l[-1]}, 1 server + 1 worker ${c[-1]}, with --overlap ${o[-1]} examples/s"
+    # 2 servers + 2 workers (a thread each) on the same cores, side by side
+    # for the same steps each
+    "$root/deploy/local-cluster.sh" --job "$job" --bin "$build" --servers 2 --workers 2 \
+      --threads 1 --out "$out/c22-$round" --timeout 600 -- --max-steps "$steps" \
+      --eval-interval 0 --log-interval 1000 >"$out/c22-$round.out" 2>&1 \
+      || { tail -5 "$out/c22-$round.out"; exit 1; }
+    q+=("$(python3 - "$out/c22-$round"/worker-[01].log <<'PY'
+import re, sys
+# all examples over the longer worker's time (they start together): no
+# credit for a worker that ran part of the time alone
+runs = [re.findall(r"trained \d+ steps, (\d+) examples in ([0-9.]+) s", open(f).read())[-1] for f in sys.argv[1:]]
+print(round(sum(int(e) for e, _ in runs) / max(float(t) for _, t in runs)))
+PY
+)")
+    echo "round $round: local ${l[-1]}, 1 server + 1 worker ${c[-1]}, with --overlap ${o[-1]}, 2 servers + 2 workers ${q[-1]} examples/s"
   done
-  python3 - "${l[@]}" "${c[@]}" "${o[@]}" <<'PY'
+  python3 - "${l[@]}" "${c[@]}" "${o[@]}" "${q[@]}" <<'PY'
 import statistics, sys
 v = [float(x) for x in sys.argv[1:]]
-n = len(v) // 3
-loc, clu, ovl = v[:n], v[n:2*n], v[2*n:]
+n = len(v) // 4
+loc, clu, ovl, c22 = v[:n], v[n:2*n], v[2*n:3*n], v[3*n:]
 # Each round's runs follow one another within seconds: the ratio within a
 # round is what the noise of this shared machine disturbs least.
 rc = statistics.median(c / l for c, l in zip(clu, loc))
@@ -303,6 +317,9 @@ ro = statistics.median(o / l for o, l in zip(ovl, loc))
 print(f"training, medians over {n} rounds: local {statistics.median(loc):.0f} examples/s, "
       f"1 server + 1 worker {statistics.median(clu):.0f} (ratio {rc:.3f}, server overhead "
       f"{100*(1-rc):.1f}%), with --overlap {statistics.median(ovl):.0f} (ratio {ro:.3f})")
+r22 = statistics.median(q / l for q, l in zip(c22, loc))
+print(f"2 servers + 2 workers {statistics.median(c22):.0f} examples/s: {r22:.3f} of one --local process "
+      f"(rounds: {', '.join(f'{q / l:.3f}' for q, l in zip(c22, loc))})")
 PY
 }
 
