@@ -30,6 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "common/atomic_file.h"
@@ -474,7 +475,20 @@ static void *worker_main(void *arg) {
     snprintf(w->first_error, sizeof w->first_error, "register: %s", err);
   }
   pthread_cond_broadcast(&r->cv);
-  while (ok && !r->go && !atomic_load(&r->stop)) pthread_cond_wait(&r->cv, &r->mu);
+  /* The others may take longer to register than the shards wait for a
+   * silent worker: heartbeat while waiting for the start. */
+  while (ok && !r->go && !atomic_load(&r->stop)) {
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    int64_t ns = until.tv_nsec + (int64_t)r->hb_ms * 1000000 / 3;
+    until.tv_sec += ns / 1000000000;
+    until.tv_nsec = ns % 1000000000;
+    if (pthread_cond_timedwait(&r->cv, &r->mu, &until) == ETIMEDOUT && !r->go) {
+      pthread_mutex_unlock(&r->mu);
+      if (ps_client_heartbeat(w->c, 0, NULL, err) != 0) worker_error(w, "heartbeat", err);
+      pthread_mutex_lock(&r->mu);
+    }
+  }
   pthread_mutex_unlock(&r->mu);
   if (ok && !atomic_load(&r->stop)) worker_loop(w);
   if (w->c) {
