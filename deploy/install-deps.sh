@@ -28,7 +28,7 @@ packages=(
   libuv1-dev libopenblas-dev libjansson-dev zlib1g-dev libmicrohttpd-dev
   libdnnl-dev                           # the oneDNN cpu backend (optional for the build)
   dataset-fashion-mnist
-  iproute2 iperf3 gnuplot-nox python3 openssl
+  iproute2 iputils-ping iperf3 gnuplot-nox python3 openssl
   "${tests[@]}"
   "$@"
 )

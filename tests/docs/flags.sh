@@ -13,7 +13,7 @@ name=docs/flags.md
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 status=0
-for prog in ps-server ps-worker ps-export ps-import-keras ps-ctr-gen ps-stale ps-loadgen; do
+for prog in ps-server ps-worker ps-export ps-import-keras ps-ctr-gen ps-stale ps-loadgen ps-plan; do
   "$build/$prog" --help-markdown >"$tmp/$prog.md"
   "$build/$prog" --help >"$tmp/$prog.help"
   # Every flag of the table is in --help, and --help has no other.

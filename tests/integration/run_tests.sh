@@ -1130,6 +1130,59 @@ loadgen)
   refused 1 "" --ps "$ports" --workers 1 --token-file "$c/token" --tls-ca "$c/ca.pem" --connect-timeout 2
   echo "loadgen: mutual TLS: $(field "$out/tls.json" updates_per_s) updates/s with 50 workers; a client without a certificate is refused"
   ;;
+plan)
+  # ps-plan: refuses outside what it was checked on (exit 3; --force
+  # predicts and says so); bad input; the bound it names moves with the
+  # configuration (links, cores, compute); more shards raise what the
+  # servers allow; and on a real run (ps-loadgen, 4 workers with 10 ms of
+  # compute, 1 shard) the prediction is within a factor of 1.5.
+  plan() { timeout 60 "$build/ps-plan" "$@"; }
+  field() { python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(eval(sys.argv[2], {}, r))" "$1" "$2"; }
+  job=$here/jobs/loadgen.json # 20,000 parameters
+  rc=0; plan --job "$job" --workers 64 --step-ms 5 --host-cores 2 >"$out/p.log" 2>&1 || rc=$?
+  [ "$rc" = 3 ] && grep -q "outside what the model was checked on: --workers 64" "$out/p.log" \
+    || { cat "$out/p.log"; fail "64 workers: not refused with exit 3"; }
+  rc=0; plan --job "$job" --workers 4 --step-ms 5 >"$out/p.log" 2>&1 || rc=$?
+  [ "$rc" = 3 ] && grep -q "hosts of their own" "$out/p.log" || fail "separate hosts: not refused"
+  plan --job "$job" --workers 64 --step-ms 5 --host-cores 2 --force >"$out/p.log" 2>&1 \
+    || fail "--force: failed"
+  grep -q "^NOTE: outside what the model was checked on" "$out/p.log" || fail "--force: no NOTE"
+  rc=0; plan --job "$here/jobs/broken.json" --workers 4 --step-ms 5 --host-cores 2 >"$out/p.log" 2>&1 || rc=$?
+  [ "$rc" = 1 ] || { cat "$out/p.log"; fail "a broken job: exit $rc, want 1"; }
+  rc=0; plan --job "$job" --workers 4 >"$out/p.log" 2>&1 || rc=$?
+  [ "$rc" = 2 ] && grep -q "required" "$out/p.log" || fail "no --step-ms: not refused with exit 2"
+  # 1M parameters over 1 Gbit/s links: the links bind; more shards move it
+  # to the workers' link; with 100 ms of compute the workers' compute binds
+  cat >"$out/big.json" <<'EOF'
+{"job_id": "plan-big", "model": {"params": 1000000}, "optimizer": {"name": "sgd", "lr": 0.001},
+ "dataset": {"name": "synthetic"}}
+EOF
+  plan --job "$out/big.json" --workers 8 --step-ms 0 --link-gbit 1 --host-cores 2 --worker-hosts 8 \
+    --json >"$out/links.json" || fail "links: ps-plan failed"
+  [ "$(field "$out/links.json" 'predictions[0]["bottleneck"]')" = "servers' links" ] \
+    || fail "1 shard over 1 Gbit/s: bottleneck $(field "$out/links.json" 'predictions[0]["bottleneck"]')"
+  [ "$(field "$out/links.json" 'all(a["bound_server_link"] < b["bound_server_link"] for a, b in zip(predictions, predictions[1:]))')" = True ] \
+    || fail "more shards did not raise the servers' links' bound"
+  [ "$(field "$out/links.json" 'shards_needed > 1')" = True ] || fail "links: one shard said to suffice"
+  plan --job "$out/big.json" --workers 2 --step-ms 100 --host-cores 2 --json >"$out/slow.json" \
+    || fail "compute: ps-plan failed"
+  [ "$(field "$out/slow.json" 'predictions[0]["bottleneck"] == "workers\x27 compute" and shards_needed == 1')" = True ] \
+    || fail "100 ms of compute: $(cat "$out/slow.json")"
+  echo "plan: refusals, bad input and the bottlenecks as expected"
+  # one real run against its prediction
+  ports=$(free_ports 1)
+  start_servers "$job" "$ports" --log-level warn
+  timeout 120 "$build/ps-loadgen" --insecure --ps "$ports" --workers 4 --compute-ms 10 --duration 3 \
+    --warmup 1 --log-level warn --json "$out/run.json" >"$out/run.log" 2>&1 \
+    || { tail -5 "$out/run.log"; fail "ps-loadgen failed"; }
+  plan --job "$job" --workers 4 --step-ms 10 --shards 1 --host-cores "$(nproc)" --worker-hosts 1 \
+    --json >"$out/pred.json" || fail "ps-plan failed"
+  m=$(field "$out/run.json" updates_per_s)
+  p=$(field "$out/pred.json" 'predictions[0]["updates_per_s"]')
+  echo "plan: 4 workers, 10 ms of compute, 1 shard: predicted $p updates/s, measured $m"
+  python3 -c "import sys; p, m = float(sys.argv[1]), float(sys.argv[2]); sys.exit(0 if m / 1.5 <= p <= m * 1.5 else 1)" "$p" "$m" \
+    || fail "the prediction $p is not within 1.5x of the measured $m"
+  ;;
 tables)
   # Embedding tables on 2 live shards: rows through the worker's client,
   # one lazy optimizer step bit for bit, placement, bad rows refused with
