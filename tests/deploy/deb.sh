@@ -15,7 +15,8 @@
 #   Debian's bootstrap tools do; the postinst makes the user `ps` in
 #   DIR/etc/passwd), --force-depends since DIR holds no libraries (the
 #   programs run with this machine's).
-# - From the installed files alone: ps-server, ps-worker, ps-export, ps-import-keras and ps-ctr-gen
+# - From the installed files alone: ps-server, ps-worker, ps-export, ps-import-keras, ps-ctr-gen,
+#   ps-stale, ps-loadgen and ps-plan
 #   --help exit 0; each man page shows every flag of its program's --help;
 #   the units run the installed programs and, where systemd-analyze is
 #   installed, pass `systemd-analyze verify` (ExecStart pointed into DIR, as
@@ -64,7 +65,7 @@ timeout 120 cmake -S "$root" -B "$debb" -DWITH_CUDA=OFF -DPS_WERROR=ON \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_INSTALL_PREFIX="$prefix" \
   -DCMAKE_SKIP_INSTALL_ALL_DEPENDENCY=ON >"$tmp/configure.log" 2>&1 \
   || { tail -30 "$tmp/configure.log"; fail "cmake configure of $debb failed"; }
-timeout 600 cmake --build "$debb" -j"$(nproc)" --target ps-server ps-worker ps-export ps-import-keras ps-ctr-gen ps_man \
+timeout 600 cmake --build "$debb" -j"$(nproc)" --target ps-server ps-worker ps-export ps-import-keras ps-ctr-gen ps-stale ps-loadgen ps-plan ps_man \
   >"$tmp/build.log" 2>&1 || { tail -40 "$tmp/build.log"; fail "the build in $debb failed"; }
 pkg=$(sed -n 's/^set(CPACK_PACKAGE_NAME "\(.*\)")$/\1/p' "$debb/CPackConfig.cmake")
 [ -n "$pkg" ] || fail "no CPACK_PACKAGE_NAME in $debb/CPackConfig.cmake"
@@ -109,7 +110,8 @@ if command -v systemd-sysusers >/dev/null; then
 fi
 
 p=$dest$prefix
-expect=(bin/ps-server bin/ps-worker bin/ps-export bin/ps-import-keras bin/ps-ctr-gen share/ps/proto/ps.proto
+expect=(bin/ps-server bin/ps-worker bin/ps-export bin/ps-import-keras bin/ps-ctr-gen bin/ps-stale
+        bin/ps-loadgen bin/ps-plan share/ps/proto/ps.proto
         share/ps/proto/tb_event.proto share/ps/jobs/synthetic.json
         share/ps/grafana/ps-dashboard.json share/ps/scripts/certs.sh
         share/ps/scripts/local-cluster.sh lib/systemd/system/ps-server@.service
@@ -124,14 +126,15 @@ else
   expect+=(share/man/man1/ps-server.1.gz share/man/man1/ps-worker.1.gz)
 fi
 for f in "${expect[@]}"; do [ -f "$p/$f" ] || fail "the package installed no $prefix/$f"; done
-for f in bin/ps-server bin/ps-worker bin/ps-export bin/ps-import-keras bin/ps-ctr-gen share/ps/scripts/local-cluster.sh \
+for f in bin/ps-server bin/ps-worker bin/ps-export bin/ps-import-keras bin/ps-ctr-gen bin/ps-stale \
+         bin/ps-loadgen bin/ps-plan share/ps/scripts/local-cluster.sh \
          share/ps/scripts/certs.sh; do
   [ -x "$p/$f" ] || fail "$prefix/$f is not executable"
 done
 echo "deb: ${#expect[@]} files where they belong under $prefix"
 
 # ---- the installed programs and man pages ----
-for prog in ps-server ps-worker ps-export ps-import-keras ps-ctr-gen; do
+for prog in ps-server ps-worker ps-export ps-import-keras ps-ctr-gen ps-stale ps-loadgen ps-plan; do
   timeout 30 "$p/bin/$prog" --help >"$tmp/$prog.help" 2>&1 \
     || { cat "$tmp/$prog.help"; fail "installed $prog --help did not exit 0"; }
 done
