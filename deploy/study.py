@@ -24,7 +24,8 @@ staleness (ps-stale --staleness), staleness_aware_lr, virtual_workers.
 Of the cluster runner: model, optimizer, mode (async, ssp:K, sync,
 sync+backup), workers, servers, straggler_ms (the last worker sleeps that
 long in every step), straggle_all ("none", or a `ps-worker --straggle` SPEC
-every worker draws its steps' delays from, e.g. "exp:20"),
+every worker draws its steps' delays from, e.g. "exp:20", in place of
+straggler_ms's one straggler),
 staleness_aware_lr. Every
 combination runs once per seed, into OUT/runs/<its name>/: the job file,
 the command, its log, its evaluations (metrics.jsonl) and result.json,
@@ -198,9 +199,12 @@ def command(spec, cfg, seed, rundir, binary):
         if "data_dir" in fixed:
             cmd += ["--data-dir", fixed["data_dir"]]
         return cmd
+    # Delays drawn for every worker take the place of the one straggler: a
+    # worker is given one or the other (ps-worker refuses both).
+    drawn = cfg.get("straggle_all", "none") != "none"
     cmd = [os.path.join(HERE, "local-cluster.sh"), "--job", job, "--bin", binary,
            "--servers", str(cfg["servers"]), "--workers", str(cfg["workers"]),
-           "--straggler-ms", str(cfg["straggler_ms"]), "--threads", "1",
+           "--straggler-ms", "0" if drawn else str(cfg["straggler_ms"]), "--threads", "1",
            "--out", os.path.join(rundir, "cluster"),
            "--timeout", str(int(spec["time_limit_s"])), "--", "--log-interval", "5"]
     if cfg.get("straggle_all", "none") != "none":

@@ -95,18 +95,28 @@ ms=$(echo "$s1" | awk '{print $2}')
 [ "$ms" -ge 300 ] && [ "$ms" -le 700 ] || fail "--straggle exp:5 slept $ms ms in 100 steps (mean 5 ms asked)"
 echo "study: --straggle exp:5 $s1, the same twice"
 
-# The cluster runner: async and sync, 2 workers, 1 seed; the second
-# worker draws delays per step in half of them.
+# The cluster runner: async and sync, 2 workers, 1 seed, the second a
+# straggler; in half of them every worker draws its delays per step
+# instead (the straggler's fixed delay and a drawn one together were once
+# passed to one worker, which refused them: no run may fail).
 cat >"$out/cluster.json" <<'EOF'
 {"name": "cl", "runner": "cluster",
  "models": {"synthetic": "tests/integration/jobs/synthetic.json"},
  "target": 0.9, "seeds": [1], "time_limit_s": 240,
- "grid": {"mode": ["async", "sync"], "workers": [2], "servers": [1], "straggle_all": ["none", "exp:2"]},
+ "grid": {"mode": ["async", "sync"], "workers": [2], "servers": [1], "straggler_ms": [3],
+          "straggle_all": ["none", "exp:2"]},
  "fixed": {"epochs": 2, "eval_interval_s": 1}}
 EOF
 study "$out/cluster.json" --out "$out/c" --bin "$build" >"$out/cluster.log" 2>&1 \
   || { tail -5 "$out/cluster.log"; tail -5 "$out"/c/runs/*/log.txt; fail "the cluster study failed"; }
 [ "$(grep -c '^| async\|^| sync' "$out/c/report.md")" = 4 ] || { cat "$out/c/report.md"; fail "the cluster report has not 4 rows"; }
 grep -q "\"--straggle\"" "$out"/c/runs/*/run.json || fail "no run with --straggle exp:2"
+python3 - "$out"/c/runs/*/result.json <<'PY' || fail "a run of the cluster study did not end 'done'"
+import json, sys
+bad = [(f, json.load(open(f))["status"]) for f in sys.argv[1:] if json.load(open(f))["status"] != "done"]
+for f, s in bad:
+    print(f"{f}: {s}")
+sys.exit(1 if bad else 0)
+PY
 echo "study: a cluster study of async and sync, with and without drawn stragglers, ran and reported"
 echo "PASS: study"
