@@ -265,7 +265,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "ps-plan: %s: the model has no parameters\n", o.job_path);
     return 1;
   }
-  char why[160];
+  char why[160] = "";
   if (outside_checked(&o, &job, why, sizeof why) && !o.force) {
     fprintf(stderr,
             "ps-plan: outside what the model was checked on: %s. tests/bench/plan_check.sh "
