@@ -72,6 +72,17 @@ start_servers() {
   done
 }
 
+# start_shard INDEX LOG [LIMIT-KB]: shard INDEX of the synthetic job on
+# $ports, checkpointing a set every second into $ck and keeping $keep, with
+# no core dumps and a file size limit (ulimit -f, default none); its pid in
+# spids[INDEX].
+start_shard() {
+  (ulimit -c 0; ulimit -f "${3:-unlimited}"; exec "$build/ps-server" --insecure \
+    --job "$here/jobs/synthetic.json" --ps "$ports" --index "$1" --checkpoint-dir "$ck" \
+    --checkpoint-secs 1 --keep-checkpoints "$keep" --threads 2) >"$2" 2>&1 &
+  spids[$1]=$!; pids+=($!)
+}
+
 # clean_exit LOG: no sanitizer report and no crash in a process's log (an
 # ASan report exits 1 too, like the error a test may expect).
 clean_exit() {
@@ -819,12 +830,6 @@ ckpt_abandoned)
   ports=$(free_ports 2)
   ck="$out/ckpt"; mkdir -p "$ck"
   declare -a spids
-  start_shard() { # INDEX LOG [LIMIT-KB]
-    (ulimit -c 0; ulimit -f "${3:-unlimited}"; exec "$build/ps-server" --insecure \
-      --job "$here/jobs/synthetic.json" --ps "$ports" --index "$1" --checkpoint-dir "$ck" \
-      --checkpoint-secs 1 --keep-checkpoints "$keep" --threads 2) >"$2" 2>&1 &
-    spids[$1]=$!; pids+=($!)
-  }
   # complete_sets: the sets shard 0 logged complete, oldest first.
   complete_sets() { sed -n 's/.*checkpoint set \([0-9]*\) complete: .*/\1/p' "$out/server-0.log"; }
   # abandoned_sets: the sets shard 0 abandoned at shard 1's CUT.
@@ -898,12 +903,6 @@ ckpt_abandoned_restart)
   ports=$(free_ports 2)
   ck="$out/ckpt"; mkdir -p "$ck"
   declare -a spids
-  start_shard() { # INDEX LOG [LIMIT-KB]
-    (ulimit -c 0; ulimit -f "${3:-unlimited}"; exec "$build/ps-server" --insecure \
-      --job "$here/jobs/synthetic.json" --ps "$ports" --index "$1" --checkpoint-dir "$ck" \
-      --checkpoint-secs 1 --keep-checkpoints "$keep" --threads 2) >"$2" 2>&1 &
-    spids[$1]=$!; pids+=($!)
-  }
   # The sets shard 0's processes logged complete / abandoned at shard 1's
   # CUT, oldest first (life L's log: server-0.L.log).
   complete_sets() { cat "$out"/server-0.*.log | sed -n 's/.*checkpoint set \([0-9]*\) complete: .*/\1/p' | sort -n; }
