@@ -37,6 +37,8 @@ int ps_seterr(char *err, int code, const char *fmt, ...)
 int64_t ps_now_ms(void);
 double ps_now_s(void);
 double ps_wall_s(void);
+/* CPU seconds (user and system) this process has used. */
+double ps_cpu_s(void);
 void ps_sleep_ms(int64_t ms);
 
 /* Keeps freed memory for reuse instead of handing it back to the kernel

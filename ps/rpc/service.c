@@ -10,7 +10,6 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
 
 #include "common/auth.h"
 #include "common/crc32c.h"
@@ -655,10 +654,7 @@ static void handle_status(const request *q) {
   resp.job_id = sv->job.job_id;
   resp.mode = sv->job.mode;
   resp.uptime_s = ps_now_s() - sv->start_s;
-  struct rusage ru;
-  if (getrusage(RUSAGE_SELF, &ru) == 0)
-    resp.cpu_seconds = (double)ru.ru_utime.tv_sec + (double)ru.ru_utime.tv_usec * 1e-6 +
-                       (double)ru.ru_stime.tv_sec + (double)ru.ru_stime.tv_usec * 1e-6;
+  resp.cpu_seconds = ps_cpu_s();
   resp.dropped = st.dropped;
   resp.step_time_ms = st.step_time_ms;
   resp.sync_pending = (uint32_t)st.sync_pending;

@@ -543,13 +543,6 @@ static int learn_job(lg_run *r, char *err) {
   return 0;
 }
 
-static double cpu_self_s(void) {
-  struct rusage ru;
-  if (getrusage(RUSAGE_SELF, &ru) != 0) return 0;
-  return (double)ru.ru_utime.tv_sec + (double)ru.ru_utime.tv_usec * 1e-6 +
-         (double)ru.ru_stime.tv_sec + (double)ru.ru_stime.tv_usec * 1e-6;
-}
-
 static json_t *lat_json(const lg_hist *h) {
   return json_pack("{s:I,s:f,s:f,s:f,s:f,s:f}", "count", (json_int_t)h->n, "mean_ms",
                    h->n ? h->sum_us / (double)h->n / 1000.0 : 0.0, "p50_ms",
@@ -836,11 +829,11 @@ int main(int argc, char **argv) {
     pthread_mutex_unlock(&r.mu);
     run_until(&r, r.t_win0, "warm-up");
     status_read(&st, sn.w0);
-    cpu0 = cpu_self_s();
+    cpu0 = ps_cpu_s();
     run_until(&r, r.t_win1, "measuring");
     status_read(&st, sn.w1);
   }
-  double cpu_gen = cpu_self_s() - cpu0;
+  double cpu_gen = ps_cpu_s() - cpu0;
   if (g_signal) {
     /* what was measured so far: the window ends now */
     r.o.duration = ps_now_s() - r.t_win0 > 0 ? ps_now_s() - r.t_win0 : 0;
