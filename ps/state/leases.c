@@ -372,6 +372,18 @@ static void pool_push(ps_leases *t, uint32_t c) {
   t->pool_len++;
 }
 
+/* Chunk c leaves the pool (taken back by a rejoining worker): the pool
+ * holds each chunk at most once, so that it never holds more entries than
+ * the ring has places. Keeps the order of the others. */
+static void pool_remove(ps_leases *t, uint32_t c) {
+  uint32_t kept = 0;
+  for (uint32_t i = 0; i < t->pool_len; i++) {
+    const uint32_t k = t->pool[(t->pool_head + i) % t->n_chunks];
+    if (k != c) t->pool[(t->pool_head + kept++) % t->n_chunks] = k;
+  }
+  t->pool_len = kept;
+}
+
 /* Lease i goes back to the pool. */
 static void reclaim(ps_leases *t, int i) {
   lease *l = &t->leases[i];
@@ -708,7 +720,10 @@ static int adopt(ps_leases *t, uint64_t worker, uint64_t id, uint32_t c, uint32_
   l->chunk = c;
   l->pushed = pushed;
   l->seen_ms = now_ms;
-  t->state[c] = CHUNK_LEASED; /* a pool entry of it is skipped when popped */
+  /* Its pool entry goes: reclaimed again later, it would be in the pool
+   * twice (and the ring overrun). */
+  if (t->state[c] == CHUNK_POOLED) pool_remove(t, c);
+  t->state[c] = CHUNK_LEASED;
   t->n_leased++;
   t->granted_total++;
   if (t->cur.start_ms < 0) t->cur.start_ms = now_ms;
