@@ -137,6 +137,7 @@ int ps_server_ckpt_restore(ps_server *sv, char *err) {
         goto out;
       }
       ps_shard_restore_state(sv->shard, params, slots, got.version);
+      sv->start_version = got.version;
       sv->ckpt_last_version = got.version;
       sv->ckpt_restored_set = got.set_id;
       /* The job had begun: under sync the steps resume once min_workers

@@ -126,6 +126,9 @@ typedef struct ps_server {
    * min_workers have registered again, or at this time (ps_now_ms) with
    * whoever came back (0: not restored) */
   int64_t sync_resume_ms;
+  /* The version this run began at (a restored checkpoint's, else 0):
+   * registrations say it, and a sync job's steps count from it. */
+  uint64_t start_version;
   /* data leases (shard 0, when the job has lease_chunk): made at the first
    * Lease request, which says how many examples the data set has */
   pthread_mutex_t lease_mu;

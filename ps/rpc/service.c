@@ -241,6 +241,7 @@ static void handle_register(const request *q) {
   resp.range_offset = ps_shard_begin(sv->shard);
   resp.range_count = ps_shard_end(sv->shard) - ps_shard_begin(sv->shard);
   resp.heartbeat_timeout_ms = (uint32_t)sv->job.heartbeat_timeout_ms;
+  resp.start_version = sv->start_version;
   resp.job_id = sv->job.job_id;
   if (id == 0 && sv->index != 0) {
     /* Ids come from shard 0: send the worker there. */

@@ -668,19 +668,82 @@ ssp_bound)
   ;;
 sync_backup)
   # sync, 3 workers, 1 backup, one straggler: steps go at the pace of the
-  # two fast workers and the straggler's late gradients are dropped.
+  # two fast workers and the straggler's late gradients are dropped. The
+  # job has 128 steps (12288 examples, 3 shares of 4096, batch 32): the
+  # shards make exactly those, and the straggler, behind, stops with the
+  # others when they are applied. Before, it went on alone after the fast
+  # workers left, each of its steps averaging one gradient.
   "$root/deploy/local-cluster.sh" --job "$here/jobs/backup.json" --bin "$build" --workers 3 \
     --straggler-ms 30 --out "$out" --timeout 180 --threads 1 >"$out/cluster.out" 2>&1 \
     || { tail -20 "$out/cluster.out"; fail "the sync run failed"; }
   dropped=$(status "$out/status-0.json" dropped)
-  fast=$(trained_s "$out/worker-0.log"); slow=$(trained_s "$out/worker-2.log")
-  echo "sync_backup: $dropped late gradients dropped; fast worker ${fast} s, straggler ${slow} s"
+  slow_steps=$(sed -n 's/^trained \([0-9]*\) steps.*/\1/p' "$out/worker-2.log" | tail -1)
+  echo "sync_backup: $dropped late gradients dropped; the straggler made $slow_steps of its 128 steps"
   [ "$dropped" -ge 3 ] || fail "only $dropped late gradients were dropped"
-  # Without the backup, every step would wait for the straggler and the fast
-  # workers could not finish before it (their time includes the start-up
-  # barrier, hence a margin rather than a ratio of step times).
-  python3 -c "import sys; sys.exit(0 if $fast < 0.7 * $slow else 1)" \
-    || fail "the fast workers went at the straggler's pace (${fast} s vs ${slow} s)"
+  for s in 0 1; do
+    v=$(status "$out/status-$s.json" version)
+    [ "$v" -eq 128 ] || fail "shard $s made $v steps; the job has 128"
+  done
+  # Without the backup, every step would wait for the straggler: it would
+  # make all 128 of its steps, in step with the others.
+  [ "$slow_steps" -lt 120 ] || fail "the straggler made $slow_steps steps: the fast workers waited for it"
+  grep -q "sync: the job's steps are applied (version 128)" "$out/worker-2.log" \
+    || fail "the straggler did not say why it stopped early"
+  for k in 0 1; do
+    grep -q "^trained 128 steps" "$out/worker-$k.log" || fail "fast worker $k did not make its 128 steps"
+  done
+  ;;
+slow_start)
+  # A worker registers, then takes longer to load its data than the job's
+  # heartbeat time-out (its training images come through a FIFO that is
+  # fed 3 s later): its heartbeats begin at registration, so no shard
+  # drops it. Before, the shards dropped it after 0.6 s and the sync steps
+  # went on without it (the other worker's gradients alone). Both workers
+  # make their 40 steps, and so do the shards.
+  ports=$(free_ports 2)
+  python3 - "$here/jobs/sync3.json" "$out/job.json" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1]))
+j.update(job_id="slow-start", min_workers=2, heartbeat_timeout_ms=600,
+         dataset={"name": "fashion-mnist", "dir": "/usr/share/datasets/fashion-mnist"})
+j["model"]["input"] = [1, 28, 28]
+j["model"]["classes"] = 10
+[d for d in j["model"]["layers"] if d["type"] == "dense"][-1]["units"] = 10
+json.dump(j, open(sys.argv[2], "w"))
+PY
+  fm=/usr/share/datasets/fashion-mnist
+  mkdir -p "$out/data"
+  for f in train-labels-idx1-ubyte.gz t10k-images-idx3-ubyte.gz t10k-labels-idx1-ubyte.gz; do
+    ln -s "$fm/$f" "$out/data/$f"
+  done
+  mkfifo "$out/data/train-images-idx3-ubyte.gz"
+  start_servers "$out/job.json" "$ports"
+  wargs=(--insecure --ps "${ports%%,*}" --num-workers 2 --threads 1 --max-steps 40 --log-interval 1)
+  "$build/ps-worker" "${wargs[@]}" --index 0 >"$out/worker-0.log" 2>&1 &
+  w0=$!; pids+=($!)
+  "$build/ps-worker" "${wargs[@]}" --index 1 --data-dir "$out/data" >"$out/worker-1.log" 2>&1 &
+  w1=$!; pids+=($!)
+  for _ in $(seq 1 100); do grep -q "registered as worker" "$out/worker-1.log" && break; sleep 0.1; done
+  grep -q "registered as worker" "$out/worker-1.log" || fail "worker 1 did not register"
+  sleep 3 # five heartbeat time-outs, worker 1 blocked opening its images
+  cat "$fm/train-images-idx3-ubyte.gz" >"$out/data/train-images-idx3-ubyte.gz"
+  for w in $w0 $w1; do
+    timeout 120 tail --pid="$w" -f /dev/null || fail "a worker did not finish in 120 s"
+    wait "$w" || { tail -5 "$out"/worker-*.log; fail "a worker failed"; }
+  done
+  for s in 0 1; do
+    clean_exit "$out/server-$s.log" || fail "shard $s crashed"
+    if grep "silent for more than" "$out/server-$s.log"; then
+      fail "shard $s dropped a worker that was loading its data"
+    fi
+  done
+  ps_status() { "$build/ps-server" --insecure --status "$1"; }
+  for s in 0 1; do
+    v=$(ps_status "$(echo "$ports" | cut -d, -f$((s + 1)))" | python3 -c "import json,sys; print(json.load(sys.stdin)['version'])")
+    [ "$v" -eq 40 ] || fail "shard $s made $v steps; each worker made 40"
+  done
+  grep -q "^trained 40 steps" "$out/worker-1.log" || fail "worker 1 did not make its 40 steps"
+  echo "slow_start: worker 1 loaded its data 3 s after registering (time-out 0.6 s); not dropped; 40 steps on both shards"
   ;;
 sync_kill)
   # sync, 3 workers; one is SIGKILLed mid-run: the shards drop it after the

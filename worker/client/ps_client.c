@@ -66,6 +66,7 @@ struct ps_client {
   char host[64], role[16];
   uint64_t worker_id;
   int rank;
+  uint64_t start_version; /* shard 0's, from the first registration */
   char job_id[64];
   char *job_json;
   size_t P;
@@ -623,6 +624,7 @@ static int adopt_registration(ps_client *c, const Ps__RegisterResponse *r, const
   c->nrep = nrep;
   c->worker_id = r->worker_id;
   c->rank = (int)r->worker_rank;
+  c->start_version = r->start_version;
   c->P = r->param_count;
   c->hb_timeout_ms = r->heartbeat_timeout_ms ? (int)r->heartbeat_timeout_ms : 10000;
   snprintf(c->job_id, sizeof c->job_id, "%s", r->job_id ? r->job_id : "");
@@ -743,6 +745,7 @@ void ps_client_destroy(ps_client *c) {
 const char *ps_client_job_json(const ps_client *c) { return c->job_json; }
 uint64_t ps_client_worker_id(const ps_client *c) { return c->worker_id; }
 int ps_client_rank(const ps_client *c) { return c->rank; }
+uint64_t ps_client_start_version(const ps_client *c) { return c->start_version; }
 int ps_client_num_shards(const ps_client *c) { return c->nshards; }
 size_t ps_client_param_count(const ps_client *c) { return c->P; }
 int ps_client_heartbeat_timeout_ms(const ps_client *c) { return c->hb_timeout_ms; }

@@ -53,6 +53,9 @@ void ps_client_destroy(ps_client *c);
 const char *ps_client_job_json(const ps_client *c);
 uint64_t ps_client_worker_id(const ps_client *c);
 int ps_client_rank(const ps_client *c);
+/* The version shard 0's run began at when this worker first registered
+ * (0, or a restored checkpoint's): a sync job's steps count from it. */
+uint64_t ps_client_start_version(const ps_client *c);
 int ps_client_num_shards(const ps_client *c);
 size_t ps_client_param_count(const ps_client *c);
 int ps_client_heartbeat_timeout_ms(const ps_client *c);

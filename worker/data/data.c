@@ -57,7 +57,10 @@ static int idx__open(idx_file *x, const char *path, const char *kind, char *err)
   /* A larger buffer than zlib's 8 KiB default halves the load time. */
   gzbuffer(x->f, 1 << 18);
   struct stat st;
-  x->disk_bytes = stat(path, &st) == 0 ? (uint64_t)st.st_size : UINT64_MAX;
+  /* A pipe (a FIFO, /dev/stdin, a shell's process substitution) has no
+   * size to check against: reading tells. */
+  x->disk_bytes =
+      stat(path, &st) == 0 && S_ISREG(st.st_mode) ? (uint64_t)st.st_size : UINT64_MAX;
   return PS_OK;
 }
 

@@ -13,7 +13,7 @@ static void hb_run(uv_work_t *req) {
   char err[PS_ERRLEN];
   uint64_t held[PS_SOURCE_MAX_HELD];
   ps_client_hb_state st = {.leases = held};
-  st.n_leases = ps_source_heartbeat_state(w->source, held, PS_SOURCE_MAX_HELD, &st.names_leases,
+  st.n_leases = ps_source_heartbeat_state(atomic_load(&w->ev.source), held, PS_SOURCE_MAX_HELD, &st.names_leases,
                                           &st.idle);
   w->ev.idle_said = st.idle;
   if (ps_client_heartbeat(w->client, atomic_load(&w->step), &st, err) != 0)
@@ -41,7 +41,7 @@ static void on_idle_watch(uv_timer_t *t) {
   ps_worker *w = t->data;
   uint64_t held[PS_SOURCE_MAX_HELD];
   int names = 0, idle = 0;
-  ps_source_heartbeat_state(w->source, held, PS_SOURCE_MAX_HELD, &names, &idle);
+  ps_source_heartbeat_state(atomic_load(&w->ev.source), held, PS_SOURCE_MAX_HELD, &names, &idle);
   if (idle != w->ev.idle_said) on_hb_timer(&w->ev.hb_timer);
 }
 
@@ -51,14 +51,16 @@ static void on_stall_watch(uv_timer_t *t) {
   ps_worker *w = t->data;
   uint64_t step = atomic_load(&w->step);
   int64_t now = ps_now_ms();
-  if (step != w->ev.stall_step || atomic_load(&w->stop)) {
+  ps_source *source = atomic_load(&w->ev.source);
+  /* No steps before the input pipeline exists (loading the data). */
+  if (!source || step != w->ev.stall_step || atomic_load(&w->stop)) {
     w->ev.stall_step = step;
     w->ev.stall_since = now;
     return;
   }
   if (now - w->ev.stall_since < PS_WORKER_STALL_S * 1000) return;
   int for_leases = 0;
-  int64_t waiting = ps_source_waiting_ms(w->source, &for_leases);
+  int64_t waiting = ps_source_waiting_ms(source, &for_leases);
   PS_WARN("no step finished for %" PRId64 " s (at step %" PRIu64 "): %s",
           (now - w->ev.stall_since) / 1000, step,
           waiting && for_leases ? "waiting for data: every chunk left of the epoch is leased to "
@@ -105,7 +107,7 @@ int ps_worker_loop_start(ps_worker *w) {
   uv_timer_init(&w->ev.loop, &w->ev.stall_timer);
   w->ev.stall_timer.data = w;
   w->ev.stall_since = ps_now_ms();
-  if (w->source) uv_timer_start(&w->ev.stall_timer, on_stall_watch, 1000, 1000);
+  uv_timer_start(&w->ev.stall_timer, on_stall_watch, 1000, 1000);
   uv_signal_init(&w->ev.loop, &w->ev.sigint);
   w->ev.sigint.data = w;
   uv_signal_start(&w->ev.sigint, on_signal, SIGINT);
@@ -118,7 +120,7 @@ int ps_worker_loop_start(ps_worker *w) {
     int period = ps_client_heartbeat_timeout_ms(w->client) / 3;
     if (period < 50) period = 50;
     uv_timer_start(&w->ev.hb_timer, on_hb_timer, (uint64_t)period, (uint64_t)period);
-    if (w->source) uv_timer_start(&w->ev.idle_timer, on_idle_watch, 100, 100);
+    uv_timer_start(&w->ev.idle_timer, on_idle_watch, 100, 100);
   }
   if (uv_thread_create(&w->ev.thread, loop_main, w) != 0) {
     on_quit(&w->ev.quit);
@@ -137,3 +139,5 @@ void ps_worker_loop_stop(ps_worker *w) {
   uv_loop_close(&w->ev.loop);
   w->ev.running = 0;
 }
+
+void ps_worker_loop_attach_source(ps_worker *w) { atomic_store(&w->ev.source, w->source); }

@@ -255,6 +255,14 @@ int ps_worker_setup(ps_worker *w) {
     }
   }
   int rc = setup_job(w, err);
+  /* Registered: the heartbeats begin now. Loading the data and building
+   * the model can take longer than the job's heartbeat timeout (16 workers
+   * decoding the data set on 2 cores took 6 s), and a shard that drops
+   * the worker meanwhile runs sync steps without it. */
+  if (rc == 0 && ps_worker_loop_start(w) != 0) {
+    fprintf(stderr, "ps-worker: cannot start the event loop thread\n");
+    return PS_WORKER_EXIT_ERROR;
+  }
   if (rc == 0) rc = setup_data(w, err);
   if (rc == 0) rc = setup_compute(w, err);
   if (rc != 0) return rc;
@@ -297,6 +305,7 @@ int ps_worker_setup(ps_worker *w) {
       fprintf(stderr, "ps-worker: cannot start the input pipeline\n");
       return PS_WORKER_EXIT_ERROR;
     }
+    ps_worker_loop_attach_source(w);
   }
   return 0;
 }

@@ -4,7 +4,6 @@
  * worker_options.c. */
 #include "common/rpc.h"
 #include "common/util.h"
-#include "worker/main/loop.h"
 #include "worker/main/setup.h"
 #include "worker/train/worker.h"
 
@@ -17,14 +16,7 @@ int main(int argc, char **argv) {
   ps_log_init("ps-worker", w.o.log_level);
   rpc_global_init();
   rc = ps_worker_setup(&w);
-  if (rc == 0) {
-    if (ps_worker_loop_start(&w) != 0) {
-      fprintf(stderr, "ps-worker: cannot start the event loop thread\n");
-      rc = PS_WORKER_EXIT_ERROR;
-    } else {
-      rc = w.o.evaluator ? ps_worker_evaluator_run(&w) : ps_worker_train(&w);
-    }
-  }
+  if (rc == 0) rc = w.o.evaluator ? ps_worker_evaluator_run(&w) : ps_worker_train(&w);
   ps_worker_teardown(&w);
   rpc_global_shutdown();
   return ps_worker_exit_code(&w, rc);

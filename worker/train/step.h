@@ -31,6 +31,8 @@ typedef struct {
   int count_dropped;     /* ... and its dropped gradients count (sync) */
   ps_push_result res;
   int applied;           /* this batch's gradient is applied by every shard */
+  int job_done;          /* sync: the pull found the job's steps applied; nothing
+                            was computed or pushed, and the loop stops */
 } ps_step_result;
 
 typedef struct {

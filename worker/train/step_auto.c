@@ -80,7 +80,7 @@ static int auto_run(void *state, int64_t step, const ps_batch *b, ps_step_result
   int kind = a->chosen >= 0 ? a->chosen : trial_kind(a->runs);
   int rc = kind ? ps_step_pipeline.run(a->pipe, step, b, r, err)
                 : ps_step_plain.run(a->plain, step, b, r, err);
-  if (rc != 0) return rc;
+  if (rc != 0 || r->job_done) return rc;
   if (a->chosen < 0) {
     if (a->runs >= AUTO_WARM && a->n[kind] < AUTO_BLOCK * AUTO_ROUNDS)
       a->times[kind][a->n[kind]++] = r->pull_s + r->compute_s + r->push_s;

@@ -142,6 +142,11 @@ static int pipe_run(void *state, int64_t step, const ps_batch *b, ps_step_result
   p->early = 0;
   double ta = ps_now_s();
   if (ps_worker_retry(w, "Pull", op_pull, p, err) != 0) return -1;
+  if (ps_worker_sync_steps_done(w)) {
+    ps_model_step_forward(w->model, w->dparams, P); /* the forward pass begun in the pull ends */
+    r->job_done = 1;
+    return 0;
+  }
   double tb = ps_now_s();
   /* An artificial straggler: here, before the first push can start, so
    * that every shard's gradient is late (and, as in the plain step, after

@@ -15,6 +15,10 @@ static int plain_run(void *state, int64_t step, const ps_batch *b, ps_step_resul
   /* The batch's embedding rows go with this step's pull and push. */
   if (w->rows && ps_worker_rows_prepare(w, w->rows, b->ids, b->n, err) != 0) return -1;
   if (ps_worker_pull(w, err) != 0) return -1;
+  if (ps_worker_sync_steps_done(w)) {
+    r->job_done = 1;
+    return 0;
+  }
   double tb = ps_now_s();
   r->loss = ps_compute_step(w, step, b, &r->correct);
   double tc = ps_now_s();

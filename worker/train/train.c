@@ -229,6 +229,14 @@ int ps_worker_train(ps_worker *w) {
   ps_source_log_plan(w->source, w->job.lease_chunk, w->job.epochs);
   const int64_t total = ps_source_total_steps(w->source);
   const ps_step_kind *kind = ps_step_choose(w);
+  /* sync: every step averages the gradients of a full quorum. A worker
+   * behind the others (its gradients dropped as late) stops with them
+   * when the job's steps are applied: the steps it missed, made alone
+   * after they finished, would average one gradient each at a learning
+   * rate chosen for the quorum's batch (16 workers at batch 32: from 512
+   * examples a step to 32, and the model fell from 0.82 to 0.25). */
+  if (w->job.mode_kind == PS_MODE_SYNC && w->client && total > 0 && total < INT64_MAX)
+    w->sync_end_version = ps_client_start_version(w->client) + (uint64_t)total;
   void *state = NULL;
   if (kind->begin(w, &state, err) != 0) return ps_worker_failure(w, err);
   double t0 = ps_now_s(), last_eval = t0;
@@ -250,6 +258,13 @@ int ps_worker_train(ps_worker *w) {
     if (kind->run(state, step, b, &r, err) != 0) {
       ps_source_release(w->source, b);
       rc = ps_worker_failure(w, err);
+      break;
+    }
+    if (r.job_done) {
+      ps_source_release(w->source, b);
+      PS_INFO("sync: the job's steps are applied (version %" PRIu64 "): this worker stops after "
+              "%" PRId64 " of its %" PRId64 " steps (its gradients that came late were dropped)",
+              w->versions[0], step, total);
       break;
     }
     progress_add(&p, &r, b->n, w->nshards);

@@ -78,6 +78,13 @@ static int op_pull(void *ctx, char *err) {
 
 int ps_worker_pull(ps_worker *w, char *err) { return ps_worker_retry(w, "Pull", op_pull, w, err); }
 
+int ps_worker_sync_steps_done(const ps_worker *w) {
+  if (w->sync_end_version == 0) return 0;
+  for (int s = 0; s < w->nshards; s++)
+    if (w->versions[s] < w->sync_end_version) return 0;
+  return 1;
+}
+
 static int op_push(void *ctx, char *err) {
   ps_worker *w = ctx;
   int rc = ps_client_push_end(w->client, w->grads, &w->push_res, err);

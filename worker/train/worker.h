@@ -93,6 +93,12 @@ typedef struct ps_worker {
   float *dparams, *dgrads;
   uint64_t *versions;     /* per shard: the version pulled */
   uint64_t *min_versions; /* per shard: sync mode waits for the step pushed */
+  /* sync with a known number of steps: the shards' version at which the
+   * job's steps are all applied (the run's start version plus the steps
+   * of this worker's share); 0: none. A worker whose gradients were
+   * dropped as late stops there too, rather than making the steps it
+   * missed alone once the others have finished. */
+  uint64_t sync_end_version;
   ps_push_result push_res; /* the last push's answers */
   /* The first give-up on servers that did not answer for --retry-s (any
    * thread sets it once; read after the threads are joined): the process
@@ -118,6 +124,10 @@ typedef struct ps_worker {
     uv_async_t quit;
     uv_work_t hb_work;
     int hb_busy, running;
+    /* The input pipeline, once built: the loop starts as soon as the
+     * worker registers (heartbeats cover loading the data and building
+     * the model), before the source exists. */
+    _Atomic(ps_source *) source;
   } ev;
 } ps_worker;
 
@@ -195,6 +205,11 @@ int ps_worker_failure(ps_worker *w, const char *err);
 /* Pulls every shard into w->params and w->versions, retrying; in sync
  * mode each shard answers once the step this worker pushed is applied. */
 int ps_worker_pull(ps_worker *w, char *err);
+
+/* sync: the pull just made shows every shard at w->sync_end_version or
+ * past it (the job's steps are applied): the step stops there, with
+ * nothing computed or pushed. */
+int ps_worker_sync_steps_done(const ps_worker *w);
 
 /* Ends the push round started with ps_client_push_begin (from w->grads),
  * retrying only the shards that have not applied it; the answers go to
