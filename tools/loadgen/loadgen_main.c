@@ -232,25 +232,13 @@ static void status_close(lg_status *st) {
 
 /* Every shard's counters; a shard that does not answer is marked !ok. */
 static void status_read(lg_status *st, lg_shard_stat *out) {
-  Ps__RequestHeader h = PS__REQUEST_HEADER__INIT;
-  h.protocol_version = PS_PROTOCOL_VERSION;
-  h.job_id = "";
-  h.token = (ProtobufCBinaryData){.len = st->sec->token.len, .data = (uint8_t *)st->sec->token.bytes};
-  Ps__StatusRequest req = PS__STATUS_REQUEST__INIT;
-  req.header = &h;
   for (int i = 0; i < st->n; i++) {
     memset(&out[i], 0, sizeof out[i]);
-    rpc_msg msg;
-    uint8_t *buf = NULL;
-    size_t len = 0;
     char why[PS_ERRLEN];
-    if (wire_encode(&req.base, NULL, 0, NULL, NULL, &msg) != 0) continue;
-    int rc = rpc_call_sync(st->q, st->ch[i], "/ps.ParameterServer/Status", &msg, 10000, 1, &buf,
-                           &len, why);
-    Ps__StatusResponse *r = rc == RPC_OK ? ps__status_response__unpack(NULL, len, buf) : NULL;
-    free(buf);
+    int rc;
+    Ps__StatusResponse *r = ps_status_call(st->q, st->ch[i], &st->sec->token, 10000, &rc, why);
     if (!r) {
-      PS_WARN("shard %s: no Status (%s)", st->cl->ps[i], rc == RPC_OK ? "malformed" : why);
+      PS_WARN("shard %s: no Status (%s)", st->cl->ps[i], why);
       continue;
     }
     out[i] = (lg_shard_stat){.ok = 1,

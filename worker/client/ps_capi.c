@@ -579,34 +579,24 @@ static int status_of(const char *list, const ps_security *sec, int timeout_ms, c
   json_t *all = json_array();
   rpc_channel_opts co = {.tls = ps_security_tls(sec)};
   for (int i = 0; rc == PS_OK && i < cl->n_ps; i++) {
-    Ps__RequestHeader h = PS__REQUEST_HEADER__INIT;
-    h.protocol_version = PS_PROTOCOL_VERSION;
-    h.job_id = "";
-    h.token = (ProtobufCBinaryData){.len = sec->token.len, .data = (uint8_t *)sec->token.bytes};
-    Ps__StatusRequest req = PS__STATUS_REQUEST__INIT;
-    req.header = &h;
     char why[PS_ERRLEN] = "";
     json_t *one = NULL;
     rpc_channel *ch = rpc_channel_create(cl->ps[i], &co, why);
-    rpc_msg msg;
-    uint8_t *buf = NULL;
-    size_t len = 0;
-    int st = ch ? RPC_INTERNAL : -1;
-    if (ch && wire_encode(&req.base, NULL, 0, NULL, NULL, &msg) == 0)
-      st = rpc_call_sync(q, ch, "/ps.ParameterServer/Status", &msg, timeout_ms, 1, &buf, &len, why);
-    if (st == RPC_OK) {
-      Ps__StatusResponse *r = ps__status_response__unpack(NULL, len, buf);
-      if (r) one = message_json(&r->base);
-      if (r) ps__status_response__free_unpacked(r, NULL);
-      if (!r) snprintf(why, sizeof why, "malformed Status reply");
+    int st = -1;
+    Ps__StatusResponse *r = ch ? ps_status_call(q, ch, &sec->token, timeout_ms, &st, why) : NULL;
+    if (r) {
+      one = message_json(&r->base);
+      ps__status_response__free_unpacked(r, NULL);
     }
-    free(buf);
     if (ch) rpc_channel_destroy(ch);
     if (!one) {
       char clean[PS_ERRLEN + 32];
       ps_utf8_sanitize(clean, sizeof clean, why);
-      one = json_pack("{s:s,s:s}", "error", st > 0 ? rpc_status_name(st) : "no channel", "message",
-                      clean);
+      one = json_pack("{s:s,s:s}", "error",
+                      st < 0         ? "no channel"
+                      : st == RPC_OK ? "malformed"
+                                     : rpc_status_name(st),
+                      "message", clean);
     }
     json_object_set_new(one, "address", json_string(cl->ps[i]));
     json_array_append_new(all, one);

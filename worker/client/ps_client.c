@@ -676,6 +676,29 @@ static int check_shard_ranges(ps_client *c, char *err) {
   return PS_OK;
 }
 
+Ps__StatusResponse *ps_status_call(rpc_queue *q, rpc_channel *ch, const ps_token *token,
+                                   int timeout_ms, int *code, char *why) {
+  Ps__RequestHeader h = PS__REQUEST_HEADER__INIT;
+  h.protocol_version = PS_PROTOCOL_VERSION;
+  h.job_id = "";
+  h.token = (ProtobufCBinaryData){.len = token->len, .data = (uint8_t *)token->bytes};
+  Ps__StatusRequest req = PS__STATUS_REQUEST__INIT;
+  req.header = &h;
+  rpc_msg msg;
+  *code = RPC_INTERNAL;
+  if (wire_encode(&req.base, NULL, 0, NULL, NULL, &msg) != 0) {
+    snprintf(why, PS_ERRLEN, "cannot encode the Status request");
+    return NULL;
+  }
+  uint8_t *buf = NULL;
+  size_t len = 0;
+  *code = rpc_call_sync(q, ch, "/ps.ParameterServer/Status", &msg, timeout_ms, 1, &buf, &len, why);
+  Ps__StatusResponse *r = *code == RPC_OK ? ps__status_response__unpack(NULL, len, buf) : NULL;
+  free(buf);
+  if (*code == RPC_OK && !r) snprintf(why, PS_ERRLEN, "malformed Status reply");
+  return r;
+}
+
 ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char *err) {
   ps_client *c = calloc(1, sizeof *c);
   if (!c) {

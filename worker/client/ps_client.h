@@ -48,6 +48,13 @@ typedef struct {
  * Lease with the same request id) for up to failover_ms. With R = 1
  * nothing of this happens. */
 ps_client *ps_client_connect(const char *addr, const ps_client_opts *opts, char *err);
+
+/* One shard's Status over ch, the request signed with token (no
+ * registration needed): the answer, freed with
+ * ps__status_response__free_unpacked; or NULL with the gRPC code in *code
+ * (RPC_OK: a reply that does not parse) and the reason in why. */
+struct Ps__StatusResponse *ps_status_call(rpc_queue *q, rpc_channel *ch, const ps_token *token,
+                                          int timeout_ms, int *code, char *why);
 void ps_client_destroy(ps_client *c);
 
 const char *ps_client_job_json(const ps_client *c);

@@ -59,8 +59,7 @@ static int idx__open(idx_file *x, const char *path, const char *kind, char *err)
   struct stat st;
   /* A pipe (a FIFO, /dev/stdin, a shell's process substitution) has no
    * size to check against: reading tells. */
-  x->disk_bytes =
-      stat(path, &st) == 0 && S_ISREG(st.st_mode) ? (uint64_t)st.st_size : UINT64_MAX;
+  x->disk_bytes = stat(path, &st) == 0 && S_ISREG(st.st_mode) ? (uint64_t)st.st_size : UINT64_MAX;
   return PS_OK;
 }
 

@@ -13,8 +13,8 @@ static void hb_run(uv_work_t *req) {
   char err[PS_ERRLEN];
   uint64_t held[PS_SOURCE_MAX_HELD];
   ps_client_hb_state st = {.leases = held};
-  st.n_leases = ps_source_heartbeat_state(atomic_load(&w->ev.source), held, PS_SOURCE_MAX_HELD, &st.names_leases,
-                                          &st.idle);
+  st.n_leases = ps_source_heartbeat_state(atomic_load(&w->ev.source), held, PS_SOURCE_MAX_HELD,
+                                          &st.names_leases, &st.idle);
   w->ev.idle_said = st.idle;
   if (ps_client_heartbeat(w->client, atomic_load(&w->step), &st, err) != 0)
     PS_WARN("heartbeat: %s", err);
