@@ -247,7 +247,7 @@ int ps_update_apply(ps_server *sv, const ps_update *u, int replay, ps_update_res
     case PS_UPDATE_PUSH:
       return apply_push(sv, u, res, err);
     case PS_UPDATE_SYNC_STEP:
-      res->step = ps_shard_sync_try_apply(sv->shard, u->quorum, &res->version, err);
+      res->step = ps_shard_sync_try_apply(sv->shard, u->quorum, u->divisor, &res->version, err);
       return 0;
     case PS_UPDATE_LEASE: {
       int st = lease_step(sv, u->worker, u->dataset_size, u->complete_lease, u->trained, u->want_next,

@@ -73,6 +73,7 @@ typedef struct ps_update {
   uint64_t lease_id; /* PUSH: the lease its examples were drawn from (0: none) */
   uint32_t batch;    /* PUSH: its examples */
   int quorum, result; /* SYNC_STEP: the quorum, and (in the log) what applying it gave */
+  int divisor;        /* SYNC_STEP: what the sum is divided by (0: the gradients in it) */
 } ps_update;
 
 /* What applying an update gave. */

@@ -55,7 +55,7 @@ typedef struct rentry {
   int64_t now_ms, timeout_ms;
   uint64_t complete_lease, dataset_size;
   int want_next, names_leases;
-  int quorum, result; /* SYNC_STEP */
+  int quorum, result, divisor; /* SYNC_STEP */
   uint64_t *ids; /* LEASE_RENEW: the leases named; REGISTER: the chunks named done */
   size_t n_ids;
   /* REGISTER: the leases a returning worker named (one allocation: n_held
@@ -534,6 +534,7 @@ int ps_replica_append(ps_server *sv, const ps_update *u, rpc_call *call,
   e->want_next = u->want_next;
   e->names_leases = u->names_leases;
   e->quorum = u->quorum;
+  e->divisor = u->divisor;
   e->result = u->result;
   e->call = call;
   e->reply = rb;
@@ -688,6 +689,7 @@ static ps_update entry_update(const Ps__ReplicaEntry *e, ps_segview *view, const
                      .lease_id = e->lease_id,
                      .batch = e->batch_size,
                      .quorum = e->quorum,
+                     .divisor = e->divisor,
                      .result = e->result};
 }
 
@@ -1339,6 +1341,7 @@ static void entry_to_msg(const rentry *e, Ps__ReplicaEntry *m) {
   m->want_next = e->want_next;
   m->names_leases = e->names_leases;
   m->quorum = e->quorum;
+  m->divisor = e->divisor;
   m->result = e->result;
   if (e->kind == PS__REPLICA_ENTRY__KIND__LEASE_RENEW) {
     m->n_leases = e->n_ids;

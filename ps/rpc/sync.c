@@ -315,7 +315,14 @@ void ps_sync_try_step(ps_server *sv) {
     return;
   }
   if (quorum < 1) quorum = 1;
-  ps_update u = {.kind = PS_UPDATE_SYNC_STEP, .quorum = quorum};
+  /* Workers that wait for data (an epoch's last chunks are leased to
+   * others) are not waited for, but the step is still theirs: its sum is
+   * divided by them too, so that the last steps of an epoch, made by fewer
+   * workers, move the model no further per example than the others (at
+   * 16 workers they had made 14 more steps and cost 0.07 of accuracy). */
+  int divisor = live + ps_membership_count_idle(sv->members) - sv->job.backup_workers;
+  if (divisor < quorum) divisor = quorum;
+  ps_update u = {.kind = PS_UPDATE_SYNC_STEP, .quorum = quorum, .divisor = divisor};
   ps_update_result res = {0};
   ps_update_apply(sv, &u, 0, &res, err);
   int rc = res.step;
@@ -333,7 +340,8 @@ void ps_sync_try_step(ps_server *sv) {
    * the cause. */
   if (rc == PS_EINVAL) ps_waits_fail_all(sv, RPC_FAILED_PRECONDITION, err);
   if (rc == 1) {
-    PS_DEBUG("sync: step applied (quorum %d of %d live): version %" PRIu64, quorum, live, v);
+    PS_DEBUG("sync: step applied (quorum %d of %d live, divided by %d): version %" PRIu64, quorum,
+             live, divisor, v);
     ps_waits_recheck(sv);
   }
 }

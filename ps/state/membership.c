@@ -389,6 +389,15 @@ int ps_membership_count(ps_membership *m) {
   return n;
 }
 
+int ps_membership_count_idle(ps_membership *m) {
+  pthread_mutex_lock(&m->mu);
+  int n = 0;
+  for (int i = 0; i < m->n; i++)
+    n += m->members[i].idle && strcmp(m->members[i].role, "evaluator") != 0;
+  pthread_mutex_unlock(&m->mu);
+  return n;
+}
+
 int ps_membership_list(ps_membership *m, ps_member *out, int max) {
   pthread_mutex_lock(&m->mu);
   int n = m->n < max ? m->n : max;

@@ -102,6 +102,8 @@ int ps_membership_set_idle(ps_membership *m, uint64_t id, int idle);
 /* Live workers that train (role "evaluator" and idle workers are not
  * counted). */
 int ps_membership_count(ps_membership *m);
+/* The live workers that wait for data (idle): not in the count above. */
+int ps_membership_count_idle(ps_membership *m);
 /* Copies up to max members into out; returns how many. */
 int ps_membership_list(ps_membership *m, ps_member *out, int max);
 /* Request ids: a mutation a worker may retry (Push, Lease) carries a

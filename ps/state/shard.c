@@ -1019,7 +1019,8 @@ int ps_shard_sync_add_rows(ps_shard *s, uint64_t worker_id, uint64_t base_versio
   return PS_OK;
 }
 
-int ps_shard_sync_try_apply(ps_shard *s, int quorum, uint64_t *new_version, char *err) {
+int ps_shard_sync_try_apply(ps_shard *s, int quorum, int divisor, uint64_t *new_version,
+                            char *err) {
   if (quorum < 1) quorum = 1;
   pthread_mutex_lock(&s->apply_mu);
   if (s->sync_n < quorum) {
@@ -1027,8 +1028,9 @@ int ps_shard_sync_try_apply(ps_shard *s, int quorum, uint64_t *new_version, char
     return 0;
   }
   size_t n = s->end - s->begin;
-  /* The mean of the step's gradients, applied once. */
-  float inv = 1.0f / (float)s->sync_n;
+  /* The step's gradients summed and divided by the workers it is for (at
+   * least the gradients in it), applied once. */
+  float inv = 1.0f / (float)(divisor > s->sync_n ? divisor : s->sync_n);
   int in = s->sync_n;
   /* The rows' mean first (staged, their tables held until the dense mean
    * is applied): a step whose rows are refused never touches the sum. */

@@ -138,13 +138,17 @@ int ps_shard_sync_add_rows(ps_shard *s, uint64_t worker_id, uint64_t base_versio
                            int *dropped, int *have, char *err);
 
 /* sync mode. Applies the current step when at least `quorum` gradients are
- * in: their mean, with the optimizer, once. Returns 1 if it applied (and
+ * in: their sum divided by `divisor` (the workers the step is for; at
+ * least the gradients in it, which 0 means), with the optimizer, once. A
+ * step short of gradients because workers wait for data moves the model
+ * no further per example than a full one. Returns 1 if it applied (and
  * writes the new version), 0 if the quorum is not reached, or a negative
  * code with a message, parameters, slots and version unchanged: PS_EINVAL
  * when the step would make a parameter or slot NaN or Inf (the step's
  * gradients are then dropped and counted, since it never could be
  * applied), PS_ENOMEM (the step stays pending). */
-int ps_shard_sync_try_apply(ps_shard *s, int quorum, uint64_t *new_version, char *err);
+int ps_shard_sync_try_apply(ps_shard *s, int quorum, int divisor, uint64_t *new_version,
+                            char *err);
 /* (With ps_shard_set_sync_rows' hooks, the step's rows are applied with it
  * under the same version; a step they refuse is dropped (PS_EINVAL) or,
  * out of memory, stays pending, as above.) */

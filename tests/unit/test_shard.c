@@ -625,7 +625,7 @@ static void test_sync_overflow(void) {
                    "index 0) +Inf") != NULL,
             "%s", err);
   CHECK(ps_shard_sync_add(s, 2, 0, 0, n, &vn, &dropped, &have, err) == 0 && have == 2);
-  CHECK(ps_shard_sync_try_apply(s, 2, &ver, err) == 1 && ver == 1); /* the mean is 0 */
+  CHECK(ps_shard_sync_try_apply(s, 2, 0, &ver, err) == 1 && ver == 1); /* the mean is 0 */
   shard_state one = state_of(s);
   CHECK(memcmp(one.params, start.params, n * sizeof(float)) == 0);
   /* Steps of -FLT_MAX: p grows by lr*FLT_MAX each, until a step would
@@ -637,7 +637,7 @@ static void test_sync_overflow(void) {
     state_free(&before);
     before = state_of(s);
     CHECK(ps_shard_sync_add(s, 1, steps, 0, n, &vn, &dropped, &have, err) == 0 && have == 1);
-    rc = ps_shard_sync_try_apply(s, 1, &ver, err);
+    rc = ps_shard_sync_try_apply(s, 1, 0, &ver, err);
     steps += rc == 1;
   }
   CHECK_MSG(rc == PS_EINVAL && strstr(err,
@@ -651,7 +651,7 @@ static void test_sync_overflow(void) {
   CHECK(st.sync_pending == 0 && st.dropped == 1 && st.rejected == 1 && st.version == steps);
   /* the next step begins afresh */
   CHECK(ps_shard_sync_add(s, 1, steps, 0, n, &vb, &dropped, &have, err) == 0 && have == 1);
-  CHECK(ps_shard_sync_try_apply(s, 1, &ver, err) == 1 && ver == steps + 1);
+  CHECK(ps_shard_sync_try_apply(s, 1, 0, &ver, err) == 1 && ver == steps + 1);
   state_free(&start);
   state_free(&one);
   state_free(&before);
@@ -720,6 +720,51 @@ static void test_threads(void) {
   ps_shard_destroy(s);
 }
 
+/* A sync step with fewer gradients than the workers it is for (the others
+ * wait for data): its sum is divided by the workers, so that it equals one
+ * push of g / 4 on an async shard, and a divisor below the gradients in
+ * the step divides by the gradients (the mean). */
+static void test_sync_divisor(void) {
+  ps_job job = make_job("sgd");
+  job.mode_kind = PS_MODE_SYNC;
+  ps_shard *s = make_shard(&job, 0), *ref = make_shard(&job, 0);
+  if (!s || !ref) goto done;
+  size_t n = shard_len(s);
+  char err[PS_ERRLEN] = "";
+  float g[512], quarter[512], half[512];
+  for (size_t i = 0; i < n; i++) {
+    g[i] = 0.5f + (float)i * 0.001f;
+    quarter[i] = g[i] / 4.0f;
+    half[i] = g[i];
+  }
+  ps_seg sg = {(const uint8_t *)g, n * 4};
+  ps_segview v = {&sg, 1, n * 4};
+  int dropped = -1, have = -1;
+  uint64_t ver = 0;
+  CHECK(ps_shard_sync_add(s, 101, 0, 0, n, &v, &dropped, &have, err) == 0 && have == 1);
+  CHECK_MSG(ps_shard_sync_try_apply(s, 1, 4, &ver, err) == 1 && ver == 1, "%s", err);
+  CHECK(push_floats(ref, 0, 0, quarter, n, NULL, NULL, err) == PS_OK);
+  float a[512], b[512];
+  ps_shard_copy_params(s, a);
+  ps_shard_copy_params(ref, b);
+  int same = 1;
+  for (size_t i = 0; i < n; i++) same &= fabsf(a[i] - b[i]) <= 1e-6f * fmaxf(1.0f, fabsf(b[i]));
+  CHECK_MSG(same, "one gradient of four workers: not g / 4");
+  /* two gradients, divisor 1: their mean (g), not their sum */
+  CHECK(ps_shard_sync_add(s, 101, 1, 0, n, &v, &dropped, &have, err) == 0);
+  CHECK(ps_shard_sync_add(s, 102, 1, 0, n, &v, &dropped, &have, err) == 0 && have == 2);
+  CHECK(ps_shard_sync_try_apply(s, 2, 1, &ver, err) == 1 && ver == 2);
+  CHECK(push_floats(ref, 1, 0, half, n, NULL, NULL, err) == PS_OK);
+  ps_shard_copy_params(s, a);
+  ps_shard_copy_params(ref, b);
+  same = 1;
+  for (size_t i = 0; i < n; i++) same &= fabsf(a[i] - b[i]) <= 1e-6f * fmaxf(1.0f, fabsf(b[i]));
+  CHECK_MSG(same, "two gradients, divisor 1: not their mean");
+done:
+  ps_shard_destroy(s);
+  ps_shard_destroy(ref);
+}
+
 /* sync mode: gradients of one step are summed and their mean applied once;
  * late and duplicate gradients are dropped and counted; a bad one changes
  * nothing. */
@@ -742,7 +787,7 @@ static void test_sync_steps(void) {
   uint64_t ver = 0;
   CHECK(ps_shard_sync_add(s, 101, 0, 0, n, &v1, &dropped, &have, err) == 0);
   CHECK(dropped == 0 && have == 1);
-  CHECK(ps_shard_sync_try_apply(s, 2, &ver, err) == 0); /* quorum not reached */
+  CHECK(ps_shard_sync_try_apply(s, 2, 0, &ver, err) == 0); /* quorum not reached */
   /* the same worker again: dropped, the step unchanged */
   CHECK(ps_shard_sync_add(s, 101, 0, 0, n, &v2, &dropped, &have, err) == 0);
   CHECK(dropped == 1 && have == 1);
@@ -755,7 +800,7 @@ static void test_sync_steps(void) {
   CHECK(ps_shard_sync_add(s, 102, 0, 0, n - 16, &v2, &dropped, &have, err) == PS_ERANGE);
   CHECK(ps_shard_sync_add(s, 102, 0, 0, n, &v2, &dropped, &have, err) == 0);
   CHECK(dropped == 0 && have == 2);
-  CHECK(ps_shard_sync_try_apply(s, 2, &ver, err) == 1 && ver == 1);
+  CHECK(ps_shard_sync_try_apply(s, 2, 0, &ver, err) == 1 && ver == 1);
   /* equals one push of the mean on a shard in async mode */
   CHECK(push_floats(ref, 0, 0, mean, n, NULL, NULL, err) == PS_OK);
   float a[512], b[512];
@@ -929,7 +974,7 @@ static void test_moving_stats(void) {
   int dropped, have;
   CHECK(ps_shard_sync_add(s, 1, 0, 0, n, &v1, &dropped, &have, err) == 0);
   CHECK(ps_shard_sync_add(s, 2, 0, 0, n, &v2, &dropped, &have, err) == 0 && have == 2);
-  CHECK(ps_shard_sync_try_apply(s, 2, &v, err) == 1 && v == 1);
+  CHECK(ps_shard_sync_try_apply(s, 2, 0, &v, err) == 1 && v == 1);
   float *p = malloc(n * sizeof(float));
   ps_shard_copy_params(s, p);
   ok = 1;
@@ -947,6 +992,7 @@ int main(void) {
   RUN(test_split_push);
   RUN(test_moving_stats);
   RUN(test_sync_steps);
+  RUN(test_sync_divisor);
   RUN(test_staleness_aware_lr);
   RUN(test_create);
   RUN(test_push_segments);

@@ -179,11 +179,11 @@ static void test_mean_step(void) {
   CHECK(ps_rows_sum_count(f.sum) == 6); /* 5 17 300 999 | 7 2^40 */
   /* Nothing applied before the quorum. */
   uint64_t v = 0;
-  CHECK(ps_shard_sync_try_apply(f.shard, 3, &v, err) == 0);
+  CHECK(ps_shard_sync_try_apply(f.shard, 3, 0, &v, err) == 0);
   float now[DIM_A];
   read_row(f.tb[T_ADAM], 17, now);
   CHECK(memcmp(now, before, sizeof now) == 0 && crc_of(f.tb[T_ADAM]) == crc0);
-  CHECK_MSG(ps_shard_sync_try_apply(f.shard, 2, &v, err) == 1 && v == 1, "%s", err);
+  CHECK_MSG(ps_shard_sync_try_apply(f.shard, 2, 0, &v, err) == 1 && v == 1, "%s", err);
   CHECK(ps_rows_sum_count(f.sum) == 0);
   const float inv = 1.0f / 2.0f;
   /* Adam rows: 5 (worker 1 alone), 17 and 300 (both), 999 (worker 2). */
@@ -226,7 +226,7 @@ static void test_mean_step(void) {
   float g3[DIM_A] = {0.5f, -0.5f, 0.25f, 1.0f};
   CHECK(push(&f, 1, 1, again, 1, g3, NULL, 0, NULL, &dropped, &have, err) == 0);
   CHECK(push(&f, 2, 1, NULL, 0, NULL, NULL, 0, NULL, &dropped, &have, err) == 0 && have == 2);
-  CHECK(ps_shard_sync_try_apply(f.shard, 2, &v, err) == 1 && v == 2);
+  CHECK(ps_shard_sync_try_apply(f.shard, 2, 0, &v, err) == 1 && v == 2);
   {
     float g12[2 * DIM_A];
     for (int c = 0; c < DIM_A; c++) {
@@ -256,14 +256,14 @@ static void test_dropped(void) {
         have == 1);
   CHECK(ps_rows_sum_count(f.sum) == 1);
   uint64_t v;
-  CHECK(ps_shard_sync_try_apply(f.shard, 1, &v, err) == 1 && v == 1);
+  CHECK(ps_shard_sync_try_apply(f.shard, 1, 0, &v, err) == 1 && v == 1);
   uint32_t crc1 = crc_of(f.tb[T_ADAM]);
   /* Worker 2's gradient of step 0 comes after it was applied: dropped. */
   CHECK(push(&f, 2, 0, late, 1, g, NULL, 0, NULL, &dropped, &have, err) == 0 && dropped &&
         have == 0);
   CHECK(ps_rows_sum_count(f.sum) == 0);
   CHECK(push(&f, 1, 1, NULL, 0, NULL, NULL, 0, NULL, &dropped, &have, err) == 0 && !dropped);
-  CHECK(ps_shard_sync_try_apply(f.shard, 1, &v, err) == 1 && v == 2);
+  CHECK(ps_shard_sync_try_apply(f.shard, 1, 0, &v, err) == 1 && v == 2);
   CHECK(crc_of(f.tb[T_ADAM]) == crc1);
   CHECK(!record_of(f.tb[T_ADAM], 43).found);
   ps_shard_stats st;
@@ -302,7 +302,7 @@ static void test_refusals(void) {
   float *p0 = malloc(f.n * sizeof(float)), *p1 = malloc(f.n * sizeof(float));
   ps_shard_copy_params(f.shard, p0);
   uint64_t v = 0;
-  CHECK(ps_shard_sync_try_apply(f.shard, 2, &v, err) == PS_EINVAL && strstr(err, "emb_sgd"));
+  CHECK(ps_shard_sync_try_apply(f.shard, 2, 0, &v, err) == PS_EINVAL && strstr(err, "emb_sgd"));
   ps_shard_copy_params(f.shard, p1);
   ps_shard_stats_get(f.shard, &st);
   CHECK(st.version == 0 && st.sync_pending == 0 && st.dropped == 2);
@@ -311,7 +311,7 @@ static void test_refusals(void) {
   CHECK(!record_of(f.tb[T_ADAM], 8).found && ps_rows_sum_count(f.sum) == 0);
   /* The next step goes on from there. */
   CHECK(push(&f, 1, 0, a, 2, g, NULL, 0, NULL, &dropped, &have, err) == 0 && have == 1);
-  CHECK(ps_shard_sync_try_apply(f.shard, 1, &v, err) == 1 && v == 1);
+  CHECK(ps_shard_sync_try_apply(f.shard, 1, 0, &v, err) == 1 && v == 1);
   CHECK(record_of(f.tb[T_ADAM], 8).found);
   /* A restore empties the step, rows with it. */
   CHECK(push(&f, 1, 1, a, 2, g, NULL, 0, NULL, &dropped, &have, err) == 0);
@@ -349,8 +349,8 @@ static void test_snapshot(void) {
   CHECK(ps_shard_sync_import(g.shard, sum, wids, n, mx) == 0);
   CHECK(ps_rows_sum_each(f.sum, copy_row, g.sum) == 0 && ps_rows_sum_count(g.sum) == 3);
   uint64_t v;
-  CHECK(ps_shard_sync_try_apply(f.shard, 2, &v, err) == 1);
-  CHECK(ps_shard_sync_try_apply(g.shard, 2, &v, err) == 1);
+  CHECK(ps_shard_sync_try_apply(f.shard, 2, 0, &v, err) == 1);
+  CHECK(ps_shard_sync_try_apply(g.shard, 2, 0, &v, err) == 1);
   for (int t = 0; t < NT; t++) CHECK(crc_of(f.tb[t]) == crc_of(g.tb[t]));
   float nan2[DIM_S] = {NAN, 0};
   CHECK(ps_rows_sum_put(g.sum, T_SGD, 5, 1, nan2, err) == PS_EINVAL);

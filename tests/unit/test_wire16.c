@@ -136,8 +136,8 @@ static void test_sync(void) {
     CHECK(ps_shard_sync_add(s32, worker, 0, 0, n, &v32, &dropped, &have, err) == PS_OK);
   }
   uint64_t v = 0;
-  CHECK(ps_shard_sync_try_apply(s16, 2, &v, err) == 1 && v == 1);
-  CHECK(ps_shard_sync_try_apply(s32, 2, &v, err) == 1 && v == 1);
+  CHECK(ps_shard_sync_try_apply(s16, 2, 0, &v, err) == 1 && v == 1);
+  CHECK(ps_shard_sync_try_apply(s32, 2, 0, &v, err) == 1 && v == 1);
   ps_shard_copy_params(s16, p16);
   ps_shard_copy_params(s32, p32);
   CHECK(memcmp(p16, p32, sizeof p16) == 0);
