@@ -51,6 +51,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ps_capi_num_shards": (c_int, [W]),
         "ps_capi_worker_id": (c_uint64, [W]),
         "ps_capi_rank": (c_int, [W]),
+        "ps_capi_start_version": (c_uint64, [W]),
         "ps_capi_mode": (c_int, [W]),
         "ps_capi_describe": (None, [W, POINTER(c_char), c_size_t]),
         "ps_capi_shard_range": (c_int, [W, c_int, P_u64, P_u64]),

@@ -150,6 +150,12 @@ class Worker:
         job: the job as shard 0 handed it (the job file's JSON, parsed).
         param_count: P, the length of the flat vector.
         num_shards, worker_id, rank: the cluster's, as registration said.
+        start_version: the version the shards' run began at (0, or a restored
+            checkpoint's). A sync job of N steps is done when every shard's
+            version reaches ``start_version + N``: a worker behind the
+            others (its late gradients dropped under backup workers) stops
+            there, as ps-worker does, rather than making the steps it missed
+            alone.
         mode: ``"async"``, ``"ssp"`` or ``"sync"`` (the job's consistency mode).
         params: the worker's parameter vector (P float32), which :meth:`pull`
             fills unless given another buffer.
@@ -197,6 +203,7 @@ class Worker:
         self.num_shards: int = lib.ps_capi_num_shards(self._handle)
         self.worker_id: int = int(lib.ps_capi_worker_id(self._handle))
         self.rank: int = lib.ps_capi_rank(self._handle)
+        self.start_version: int = int(lib.ps_capi_start_version(self._handle))
         self.mode: str = MODES[lib.ps_capi_mode(self._handle)]
         tf = _tf_config() if servers is None else {}
         task, cluster = tf.get("task", {}), tf.get("cluster", {})

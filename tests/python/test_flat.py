@@ -37,6 +37,7 @@ def served_and_checkpointed(out):
     with LocalCluster(JOB, servers=2, out=os.path.join(out, "a"), checkpoint_dir=ckpt,
                       server_args=["--checkpoint-secs", "1"]) as c:
         with psclient.connect(c.servers, insecure=True) as w:
+            check(w.start_version == 0, f"a fresh run begins at version 0, not {w.start_version}")
             check(list(w.tensors) == ["u", "c", "z"] and w.tensors["z"].shape == (10, 10, 10),
                   w.tensors)
             p0 = w.pull().copy()
@@ -54,6 +55,9 @@ def served_and_checkpointed(out):
     with LocalCluster(JOB, servers=3, out=os.path.join(out, "b"), checkpoint_dir=ckpt) as c:
         with psclient.connect(c.servers, insecure=True) as w:
             check(w.num_shards == 3 and np.array_equal(w.pull(), p1), "restored on 3 shards")
+            # The restored run begins at the checkpoint's version (one push).
+            check(w.start_version == w.versions[0] == 1,
+                  f"start_version {w.start_version}, versions {w.versions}")
     say("restored from 2 shards' checkpoints on 3")
     export = find_program("ps-export")
     job_path = os.path.join(out, "a", "job.json")

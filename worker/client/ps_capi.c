@@ -297,6 +297,7 @@ uint64_t ps_capi_param_count(const ps_capi_worker *w) { return ps_client_param_c
 int ps_capi_num_shards(const ps_capi_worker *w) { return w->nshards; }
 uint64_t ps_capi_worker_id(const ps_capi_worker *w) { return ps_client_worker_id(w->c); }
 int ps_capi_rank(const ps_capi_worker *w) { return ps_client_rank(w->c); }
+uint64_t ps_capi_start_version(const ps_capi_worker *w) { return ps_client_start_version(w->c); }
 int ps_capi_mode(const ps_capi_worker *w) { return w->job->mode_kind; }
 uint64_t ps_capi_step(const ps_capi_worker *w) { return atomic_load(&w->step); }
 int ps_capi_push_pending(const ps_capi_worker *w) { return ps_client_push_pending(w->c); }

@@ -75,6 +75,9 @@ PS_CAPI uint64_t ps_capi_param_count(const ps_capi_worker *w);
 PS_CAPI int ps_capi_num_shards(const ps_capi_worker *w);
 PS_CAPI uint64_t ps_capi_worker_id(const ps_capi_worker *w);
 PS_CAPI int ps_capi_rank(const ps_capi_worker *w);
+/* The version shard 0's run began at (0, or a restored checkpoint's): a
+ * sync job's steps count from it. */
+PS_CAPI uint64_t ps_capi_start_version(const ps_capi_worker *w);
 /* PS_MODE_ASYNC 0, PS_MODE_SSP 1, PS_MODE_SYNC 2 (common/job.h). */
 PS_CAPI int ps_capi_mode(const ps_capi_worker *w);
 /* The model in one line (ps_model_spec_describe) into buf (cap bytes). */
