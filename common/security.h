@@ -17,6 +17,23 @@ typedef struct {
   int tls_require_client_cert; /* servers */
 } ps_security_opts;
 
+/* The option rows (common/options.h) of a client's security flags,
+ * --token-file, --tls-ca, --tls-cert, --tls-key and --insecure, for an
+ * options struct of type T whose ps_security_opts is its field `sec`.
+ * TOKEN_HELP says what the token is to this program, HOLDER whose the
+ * certificate is ("this worker's"). */
+#define PS_CLIENT_SECURITY_OPTIONS(T, TOKEN_HELP, HOLDER)                                      \
+  {"token-file", "FILE", PS_OPT_STR, offsetof(T, sec.token_file),                             \
+   .def_doc = "`$PS_TOKEN_FILE`", .help = TOKEN_HELP},                                         \
+      {"tls-ca", "FILE", PS_OPT_STR, offsetof(T, sec.tls_ca),                                  \
+       .help = "talk TLS, and trust servers whose certificates this CA (PEM) signed"},         \
+      {"tls-cert", "FILE", PS_OPT_STR, offsetof(T, sec.tls_cert),                              \
+       .help = HOLDER " certificate (PEM), for servers that require client certificates"},     \
+      {"tls-key", "FILE", PS_OPT_STR, offsetof(T, sec.tls_key),                                \
+       .help = "its private key (PEM)"},                                                       \
+      {"insecure", NULL, PS_OPT_FLAG, offsetof(T, sec.insecure),                               \
+       .help = "talk plaintext to servers that serve plaintext (said in the log)"}
+
 typedef struct {
   ps_token token;      /* the job token (empty: none) */
   ps_token read_token; /* servers: the read-only token (empty: none) */

@@ -104,15 +104,8 @@ static const ps_option lg_flags[] = {
     {"json", "FILE", PS_OPT_STR, O(json_path), .help = "also write the report as JSON to FILE"},
     {"log-level", "L", PS_OPT_CHOICE, O(log_level), .choices = level_choices, .def = "info",
      .help = "`debug`, `info`, `warn` or `error`"},
-    {"token-file", "FILE", PS_OPT_STR, O(sec.token_file), .def_doc = "`$PS_TOKEN_FILE`",
-     .help = "the job's token, as the servers were given it"},
-    {"tls-ca", "FILE", PS_OPT_STR, O(sec.tls_ca), .help =
-     "talk TLS, and trust servers whose certificates this CA (PEM) signed"},
-    {"tls-cert", "FILE", PS_OPT_STR, O(sec.tls_cert),
-     .help = "the workers' certificate (PEM), for servers that require client certificates"},
-    {"tls-key", "FILE", PS_OPT_STR, O(sec.tls_key), .help = "its private key (PEM)"},
-    {"insecure", NULL, PS_OPT_FLAG, O(sec.insecure), .help =
-     "talk plaintext to servers that serve plaintext"},
+    PS_CLIENT_SECURITY_OPTIONS(lg_opts, "the job's token, as the servers were given it",
+                               "the workers'"),
 };
 
 static const ps_optspec lg_spec = {

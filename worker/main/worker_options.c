@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "common/options.h"
+#include "common/security.h"
 #include "common/util.h"
 #include "worker/train/worker.h" /* the exit codes */
 
@@ -135,16 +136,10 @@ static const ps_option worker_flags[] = {
      "vary, reproducible from the job's seed and the worker's rank"},
     {"log-level", "L", PS_OPT_CHOICE, O(log_level), .choices = level_choices, .def = "info",
      .help = "`debug`, `info`, `warn` or `error`"},
-    {"token-file", "FILE", PS_OPT_STR, O(sec.token_file), .def_doc = "`$PS_TOKEN_FILE`",
-     .help = "the job's token, as the servers were given it (an evaluator may use the servers' "
-     "read-only token instead)"},
-    {"tls-ca", "FILE", PS_OPT_STR, O(sec.tls_ca), .help =
-     "talk TLS, and trust servers whose certificates this CA (PEM) signed"},
-    {"tls-cert", "FILE", PS_OPT_STR, O(sec.tls_cert),
-     .help = "this worker's certificate (PEM), for servers that require client certificates"},
-    {"tls-key", "FILE", PS_OPT_STR, O(sec.tls_key), .help = "its private key (PEM)"},
-    {"insecure", NULL, PS_OPT_FLAG, O(sec.insecure), .help =
-     "talk plaintext to servers that serve plaintext (said in the log)"},
+    PS_CLIENT_SECURITY_OPTIONS(ps_worker_opts,
+                               "the job's token, as the servers were given it (an evaluator may "
+                               "use the servers' read-only token instead)",
+                               "this worker's"),
 };
 
 static const ps_optspec worker_spec = {
