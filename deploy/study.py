@@ -50,6 +50,7 @@ import os
 import shutil
 import signal
 import subprocess
+import statistics
 import sys
 import time
 
@@ -521,17 +522,21 @@ def main():
         for cfg, seed, rd in pending:
             print(f"  {config_key(cfg)} seed {seed}")
         return 0
-    t_start, ran = time.time(), 0
+    took, ran = [], 0
     stopped = False
     for cfg, seed, rd in pending if not a.report_only else []:
         if a.max_runs and ran >= a.max_runs:
             stopped = True
             break
+        t_run = time.time()
         r = run_one(spec, cfg, seed, rd, binary)
+        took.append(time.time() - t_run)
         results.append(r)
         ran += 1
         left = len(pending) - ran
-        per = (time.time() - t_start) / ran
+        # The median run: a run slowed by other work on the machine (or a
+        # study paused with SIGSTOP) does not inflate the estimate.
+        per = statistics.median(took)
         reach = r["to_target"]
         print(f"[{len(results)}/{len(todo)}] {config_key(cfg)} seed {seed}: {r['status']}, "
               f"final accuracy {r['final_accuracy']}, "
