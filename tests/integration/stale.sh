@@ -8,6 +8,7 @@
 #     S = 32 with 64;
 #   - a run is the same bit for bit when run again; another draw seed
 #     changes it; uniform, geometric and hist draw within their support;
+#     group:K gives 0..K-1 in turn;
 #   - bad flags and files are refused with exit 2 and a message.
 # Usage: stale.sh BUILD_DIR
 set -euo pipefail
@@ -75,6 +76,14 @@ hist_of "$out/h.log" | awk -F: '$1 != 0 && $1 != 1 && $1 != 2 && $1 != 3 { bad =
 n3=$(hist_of "$out/h.log" | awk -F: '$1 == 3 { print $2 }')
 [ "${n3:-0}" -gt $((u / 3)) ] || fail "hist: s = 3 (weight 7 of 12) drawn ${n3:-0} times in $u"
 echo "stale: geometric stays within --max-staleness; hist draws from its support"
+# group:5: s = 0, 1, 2, 3, 4 in turn, so each of 0..4 as often as the others
+# (within one, for the last group left unfinished).
+stale --job "$here/jobs/synthetic.json" --virtual-workers 8 --staleness group:5 \
+  >"$out/gr.log" 2>&1 || fail "group:5 failed"
+hist_of "$out/gr.log" | awk -F: '$1 > 4 { bad = 1 } { n[$1] = $2; if (!lo || $2 < lo) lo = $2;
+    if ($2 > hi) hi = $2 } END { exit bad || length(n) != 5 || hi - lo > 1 }' \
+  || fail "group:5: not s = 0..4 equally often: $(hist_of "$out/gr.log" | tr '\n' ' ')"
+echo "stale: group:5 gives s = 0..4 in turn"
 
 # 4. Bad input.
 refused() { # WHAT PATTERN ARGS...

@@ -54,6 +54,8 @@ static const ps_option stale_flags[] = {
      "`i % N == k`, as `ps-worker --index k --num-workers N`), each for the job's epochs"},
     {"staleness", "SPEC", PS_OPT_STR, O(staleness), .def = "fixed:0", .help =
      "the versions each gradient is behind: `fixed:S`; `uniform:S` (uniform on 0..S); "
+     "`group:K` (K updates in a row computed on one version: s = 0, 1, ..., K-1, then again; "
+     "the staleness of workers released together, as `uniform:K-1` is without that order); "
      "`geometric:P` (P(s = k) = (1-P)^k P, 0 < P <= 1); `hist:FILE` (drawn "
      "from counts: FILE holds the count of s = 0, 1, 2, ... separated by spaces, commas or "
      "new lines, as a shard's `staleness_hist` in `ps-server --status`)"},
@@ -99,8 +101,8 @@ static const ps_optspec stale_spec = {
 
 /* The staleness distribution. */
 typedef struct {
-  enum { DRAW_FIXED, DRAW_UNIFORM, DRAW_GEOMETRIC, DRAW_HIST } kind;
-  int s;        /* fixed, uniform: S */
+  enum { DRAW_FIXED, DRAW_UNIFORM, DRAW_GEOMETRIC, DRAW_HIST, DRAW_GROUP } kind;
+  int s;        /* fixed, uniform: S; group: K */
   double p;     /* geometric */
   uint64_t *cum; /* hist: cumulative counts, n of them */
   int n;
@@ -149,8 +151,8 @@ static int parse_draw(const char *spec, uint64_t seed, stale_draw *d, char *err)
   ps_rand_seed(&d->rng, ps_rng_u64(seed, STALE_DRAW_STREAM, 0));
   const char *colon = strchr(spec, ':');
   if (!colon || !colon[1])
-    return ps_seterr(err, PS_EINVAL, "--staleness '%s': want fixed:S, uniform:S, geometric:P or "
-                                     "hist:FILE", spec);
+    return ps_seterr(err, PS_EINVAL, "--staleness '%s': want fixed:S, uniform:S, group:K, "
+                                     "geometric:P or hist:FILE", spec);
   size_t klen = (size_t)(colon - spec);
   const char *arg = colon + 1;
   char *end;
@@ -161,6 +163,16 @@ static int parse_draw(const char *spec, uint64_t seed, stale_draw *d, char *err)
                        STALE_MAX);
     d->kind = klen == 5 ? DRAW_FIXED : DRAW_UNIFORM;
     d->s = d->max = (int)v;
+    return PS_OK;
+  }
+  if (klen == 5 && !strncmp(spec, "group", 5)) {
+    long v = strtol(arg, &end, 10);
+    if (*end || v < 1 || v > STALE_MAX)
+      return ps_seterr(err, PS_EINVAL, "--staleness '%s': K must be an integer in 1..%d", spec,
+                       STALE_MAX);
+    d->kind = DRAW_GROUP;
+    d->s = (int)v;
+    d->max = (int)v - 1;
     return PS_OK;
   }
   if (klen == 9 && !strncmp(spec, "geometric", 9)) {
@@ -177,12 +189,14 @@ static int parse_draw(const char *spec, uint64_t seed, stale_draw *d, char *err)
     return parse_hist(arg, d, err);
   }
   return ps_seterr(err, PS_EINVAL, "--staleness '%s': unknown distribution '%.*s' (fixed, "
-                                   "uniform, geometric, hist)", spec, (int)klen, spec);
+                                   "uniform, group, geometric, hist)", spec, (int)klen, spec);
 }
 
-static int draw_raw(stale_draw *d) {
+/* The staleness of the update that makes version + 1. */
+static int draw_raw(stale_draw *d, uint64_t version) {
   switch (d->kind) {
     case DRAW_FIXED: return d->s;
+    case DRAW_GROUP: return (int)(version % (uint64_t)d->s);
     case DRAW_UNIFORM: return (int)ps_rand_below(&d->rng, (uint64_t)d->s + 1);
     case DRAW_GEOMETRIC: {
       int k = 0;
@@ -202,8 +216,8 @@ static int draw_raw(stale_draw *d) {
   return 0;
 }
 
-static int draw(stale_draw *d) {
-  int s = draw_raw(d);
+static int draw(stale_draw *d, uint64_t version) {
+  int s = draw_raw(d, version);
   return s > d->max ? d->max : s;
 }
 
@@ -338,7 +352,7 @@ static void report(stale_run *r, uint64_t updates, uint64_t examples, double acc
  * versions ago, pushed with that base version. */
 static int step(stale_run *r, int k, uint64_t version, uint64_t *examples, char *err) {
   const size_t P = r->job.model.n_params;
-  int s = draw(&r->draw);
+  int s = draw(&r->draw, version);
   if ((uint64_t)s > version) s = (int)version;
   const uint64_t base = version - (uint64_t)s;
   const float *params = r->ring[base % (uint64_t)r->ring_n];
