@@ -114,6 +114,7 @@ static void on_report(uv_timer_t *t) {
     json_object_set_new(rec, "staleness_hist", hist);
     json_object_set_new(rec, "workers", json_integer(live));
     json_object_set_new(rec, "dropped", json_integer((json_int_t)st.dropped));
+    json_object_set_new(rec, "sync_short_steps", json_integer((json_int_t)st.sync_short_steps));
     json_object_set_new(rec, "step_time_ms", json_real(st.step_time_ms));
     pthread_mutex_lock(&sv->wait_mu);
     uint64_t done = sv->waits - (uint64_t)sv->n_waiting;

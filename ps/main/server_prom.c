@@ -42,6 +42,10 @@ static void collect(ps_prom_buf *b, void *user) {
                  "Sync: late or duplicate gradients dropped, and those of steps refused as "
                  "non-finite.",
                  shard, (double)st.dropped);
+  ps_prom_metric(b, "ps_sync_short_steps_total", "counter",
+                 "Sync: steps applied with fewer gradients than the workers they were for (the "
+                 "others waiting for data), divided by all of them.",
+                 shard, (double)st.sync_short_steps);
 
   /* staleness: the shard's bucket i holds the pushes i versions stale (the
    * last, the rest); Prometheus gets them in fewer buckets */

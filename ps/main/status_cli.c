@@ -224,6 +224,7 @@ static json_t *status_json(const Ps__StatusResponse *r) {
   json_object_set_new(o, "workers_dropped", json_integer((json_int_t)r->workers_dropped));
   json_object_set_new(o, "live_workers", json_integer(r->live_workers));
   json_object_set_new(o, "dropped", json_integer((json_int_t)r->dropped));
+  json_object_set_new(o, "sync_short_steps", json_integer((json_int_t)r->sync_short_steps));
   json_object_set_new(o, "waits", json_integer((json_int_t)r->waits));
   json_object_set_new(o, "wait_ms_mean", json_real(r->wait_ms_mean));
   json_object_set_new(o, "waiting_now", json_integer(r->waiting_now));

@@ -657,6 +657,7 @@ static void handle_status(const request *q) {
   resp.uptime_s = ps_now_s() - sv->start_s;
   resp.cpu_seconds = ps_cpu_s();
   resp.dropped = st.dropped;
+  resp.sync_short_steps = st.sync_short_steps;
   resp.step_time_ms = st.step_time_ms;
   resp.sync_pending = (uint32_t)st.sync_pending;
   resp.backup_workers = (uint32_t)sv->job.backup_workers;

@@ -1030,8 +1030,8 @@ int ps_shard_sync_try_apply(ps_shard *s, int quorum, int divisor, uint64_t *new_
   size_t n = s->end - s->begin;
   /* The step's gradients summed and divided by the workers it is for (at
    * least the gradients in it), applied once. */
-  float inv = 1.0f / (float)(divisor > s->sync_n ? divisor : s->sync_n);
-  int in = s->sync_n;
+  const int in = s->sync_n, by = divisor > in ? divisor : in;
+  float inv = 1.0f / (float)by;
   /* The rows' mean first (staged, their tables held until the dense mean
    * is applied): a step whose rows are refused never touches the sum. */
   int rows = s->sync_rows.stage != NULL;
@@ -1066,6 +1066,11 @@ int ps_shard_sync_try_apply(ps_shard *s, int quorum, int divisor, uint64_t *new_
     s->sync_n = 0;
     sync_rows_clear(s);
     if (new_version) *new_version = before + 1;
+    if (by > in) {
+      pthread_mutex_lock(&s->mu);
+      s->stats.sync_short_steps++;
+      pthread_mutex_unlock(&s->mu);
+    }
   } else if (rc == PS_EINVAL) {
     /* A step whose result would not be finite never will be: its
      * gradients are dropped (and counted), so that the next can begin. */
@@ -1077,7 +1082,7 @@ int ps_shard_sync_try_apply(ps_shard *s, int quorum, int divisor, uint64_t *new_
     ps_seterr(err, rc, "step of %d gradients refused and dropped: %s", in, why);
   } else {
     /* Undo the scaling so that the step can still be applied later. */
-    for (size_t i = 0; i < n; i++) s->sync_sum[i] *= (float)in;
+    for (size_t i = 0; i < n; i++) s->sync_sum[i] *= (float)by;
     ps_seterr(err, rc, "%s", why);
   }
   pthread_mutex_unlock(&s->apply_mu);

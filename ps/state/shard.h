@@ -27,6 +27,8 @@ typedef struct {
                            refused because its result would not be finite */
   double step_time_ms;  /* mean time between two updates */
   int sync_pending;     /* sync: gradients in for the current step */
+  uint64_t sync_short_steps; /* sync: steps applied with fewer gradients than the workers
+                                they were for (the others waited for data) */
 } ps_shard_stats;
 
 /* A read-only, reference-counted copy of the parameters at one version. */

@@ -2027,7 +2027,16 @@ for e in eps:
     assert e["chunks"] == 33 and e["chunks_once"] == 33 and e["examples_completed"] == 8448, e
 print(f"sync + leases, {w} worker(s): version {st['version']}, both epochs: 33 chunks each completed once")
 PY
-    echo "  in $(( $(date +%s) - start )) s; $(grep -c 'waits for data' "$out/w$w/server-0.log" || true) idle spell(s) on shard 0"
+    idle=$(grep -c 'waits for data' "$out/w$w/server-0.log" || true)
+    short=$(status "$out/w$w/status-0.json" sync_short_steps)
+    echo "  in $(( $(date +%s) - start )) s; $idle idle spell(s) on shard 0; $short step(s) made while a worker was idle"
+    # A step made while a worker waited for data is short of its gradient
+    # (and divided by it too); with one worker there is none.
+    if [ "$w" -eq 1 ]; then
+      [ "$short" -eq 0 ] || fail "1 worker: $short short steps"
+    elif [ "$idle" -gt 0 ]; then
+      [ "$short" -gt 0 ] || fail "$w workers: $idle idle spells, yet no step was made short of a gradient"
+    fi
   done
   ;;
 supervision)

@@ -750,6 +750,9 @@ static void test_sync_divisor(void) {
   int same = 1;
   for (size_t i = 0; i < n; i++) same &= fabsf(a[i] - b[i]) <= 1e-6f * fmaxf(1.0f, fabsf(b[i]));
   CHECK_MSG(same, "one gradient of four workers: not g / 4");
+  ps_shard_stats st;
+  ps_shard_stats_get(s, &st);
+  CHECK(st.sync_short_steps == 1);
   /* two gradients, divisor 1: their mean (g), not their sum */
   CHECK(ps_shard_sync_add(s, 101, 1, 0, n, &v, &dropped, &have, err) == 0);
   CHECK(ps_shard_sync_add(s, 102, 1, 0, n, &v, &dropped, &have, err) == 0 && have == 2);
@@ -760,6 +763,8 @@ static void test_sync_divisor(void) {
   same = 1;
   for (size_t i = 0; i < n; i++) same &= fabsf(a[i] - b[i]) <= 1e-6f * fmaxf(1.0f, fabsf(b[i]));
   CHECK_MSG(same, "two gradients, divisor 1: not their mean");
+  ps_shard_stats_get(s, &st);
+  CHECK(st.sync_short_steps == 1); /* a full step is not counted */
 done:
   ps_shard_destroy(s);
   ps_shard_destroy(ref);
