@@ -70,7 +70,8 @@ void ps_membership_destroy(ps_membership *m) {
 /* Index of id in the table, or -1. Called with the lock held. */
 /* Evaluators read the parameters but train nothing: they are not counted
  * among the live workers (quorums, clocks). */
-static int trains(const ps_member *w) { return strcmp(w->role, "evaluator") != 0 && !w->idle; }
+static int is_trainer(const ps_member *w) { return strcmp(w->role, "evaluator") != 0; }
+static int trains(const ps_member *w) { return is_trainer(w) && !w->idle; }
 
 /* Back from idle: not behind the slowest active worker. Lock held. */
 static void wake(ps_membership *m, ps_member *w) {
@@ -393,7 +394,7 @@ int ps_membership_count_idle(ps_membership *m) {
   pthread_mutex_lock(&m->mu);
   int n = 0;
   for (int i = 0; i < m->n; i++)
-    n += m->members[i].idle && strcmp(m->members[i].role, "evaluator") != 0;
+    n += is_trainer(&m->members[i]) && m->members[i].idle;
   pthread_mutex_unlock(&m->mu);
   return n;
 }

@@ -720,6 +720,18 @@ static void test_threads(void) {
   ps_shard_destroy(s);
 }
 
+/* Whether two shards of one range hold the same parameters, within
+ * float32 rounding of one update (1e-6 relative). */
+static int same_params(ps_shard *x, ps_shard *y) {
+  float a[512], b[512];
+  size_t n = shard_len(x);
+  ps_shard_copy_params(x, a);
+  ps_shard_copy_params(y, b);
+  int same = 1;
+  for (size_t i = 0; i < n; i++) same &= fabsf(a[i] - b[i]) <= 1e-6f * fmaxf(1.0f, fabsf(b[i]));
+  return same;
+}
+
 /* A sync step with fewer gradients than the workers it is for (the others
  * wait for data): its sum is divided by the workers, so that it equals one
  * push of g / 4 on an async shard, and a divisor below the gradients in
@@ -744,12 +756,7 @@ static void test_sync_divisor(void) {
   CHECK(ps_shard_sync_add(s, 101, 0, 0, n, &v, &dropped, &have, err) == 0 && have == 1);
   CHECK_MSG(ps_shard_sync_try_apply(s, 1, 4, &ver, err) == 1 && ver == 1, "%s", err);
   CHECK(push_floats(ref, 0, 0, quarter, n, NULL, NULL, err) == PS_OK);
-  float a[512], b[512];
-  ps_shard_copy_params(s, a);
-  ps_shard_copy_params(ref, b);
-  int same = 1;
-  for (size_t i = 0; i < n; i++) same &= fabsf(a[i] - b[i]) <= 1e-6f * fmaxf(1.0f, fabsf(b[i]));
-  CHECK_MSG(same, "one gradient of four workers: not g / 4");
+  CHECK_MSG(same_params(s, ref), "one gradient of four workers: not g / 4");
   ps_shard_stats st;
   ps_shard_stats_get(s, &st);
   CHECK(st.sync_short_steps == 1);
@@ -758,11 +765,7 @@ static void test_sync_divisor(void) {
   CHECK(ps_shard_sync_add(s, 102, 1, 0, n, &v, &dropped, &have, err) == 0 && have == 2);
   CHECK(ps_shard_sync_try_apply(s, 2, 1, &ver, err) == 1 && ver == 2);
   CHECK(push_floats(ref, 1, 0, half, n, NULL, NULL, err) == PS_OK);
-  ps_shard_copy_params(s, a);
-  ps_shard_copy_params(ref, b);
-  same = 1;
-  for (size_t i = 0; i < n; i++) same &= fabsf(a[i] - b[i]) <= 1e-6f * fmaxf(1.0f, fabsf(b[i]));
-  CHECK_MSG(same, "two gradients, divisor 1: not their mean");
+  CHECK_MSG(same_params(s, ref), "two gradients, divisor 1: not their mean");
   ps_shard_stats_get(s, &st);
   CHECK(st.sync_short_steps == 1); /* a full step is not counted */
 done:
@@ -808,12 +811,7 @@ static void test_sync_steps(void) {
   CHECK(ps_shard_sync_try_apply(s, 2, 0, &ver, err) == 1 && ver == 1);
   /* equals one push of the mean on a shard in async mode */
   CHECK(push_floats(ref, 0, 0, mean, n, NULL, NULL, err) == PS_OK);
-  float a[512], b[512];
-  ps_shard_copy_params(s, a);
-  ps_shard_copy_params(ref, b);
-  int same = 1;
-  for (size_t i = 0; i < n; i++) same &= fabsf(a[i] - b[i]) <= 1e-6f * fmaxf(1.0f, fabsf(b[i]));
-  CHECK(same);
+  CHECK(same_params(s, ref));
   /* a late gradient of step 0, now that step 1 is under way: dropped */
   CHECK(ps_shard_sync_add(s, 103, 0, 0, n, &v1, &dropped, &have, err) == 0);
   CHECK(dropped == 1 && have == 0);
