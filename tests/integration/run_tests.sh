@@ -919,6 +919,7 @@ ckpt_abandoned)
   done
   wait_complete 4 60
   kill -9 "${spids[1]}"; wait "${spids[1]}" 2>/dev/null || true
+  n_abandoned=$(abandoned_sets | wc -l)
   for life in 1 2; do
     # Shard 1's file is about 38 KB (4730 parameters and a momentum slot).
     start_shard 1 "$out/server-1-limited-$life.log" 20
@@ -926,6 +927,12 @@ ckpt_abandoned)
     rc=0; wait "${spids[1]}" 2>/dev/null || rc=$?
     [ "$rc" = $((128 + $(kill -l XFSZ))) ] \
       || { tail -5 "$out/server-1-limited-$life.log"; fail "shard 1 under the limit: exit $rc, not SIGXFSZ"; }
+    # Shard 0 logs the set abandoned once its own write of it and the
+    # failed call to shard 1 both returned: wait for that line (10 s).
+    for _ in $(seq 1 100); do
+      [ "$(abandoned_sets | wc -l)" -gt "$n_abandoned" ] && break; sleep 0.1
+    done
+    n_abandoned=$(abandoned_sets | wc -l)
     x=$(abandoned_sets | tail -1)
     [ -n "$x" ] && [ -n "$(on_disk "$x")" ] \
       || { tail -5 "$out/server-0.log"; ls "$ck"; fail "shard 0 wrote no file of a set abandoned at shard 1's CUT"; }
@@ -999,6 +1006,9 @@ ckpt_abandoned_restart)
     rc=0; wait "${spids[1]}" 2>/dev/null || rc=$?
     [ "$rc" = $((128 + $(kill -l XFSZ))) ] \
       || { tail -5 "$out/server-1-limited-$life.log"; fail "shard 1 under the limit: exit $rc, not SIGXFSZ"; }
+    # Shard 0 logs the set abandoned once its own write of it and the
+    # failed call to shard 1 both returned: wait for that line (10 s).
+    for _ in $(seq 1 100); do [ -n "$(abandoned_in "$life")" ] && break; sleep 0.1; done
     x=$(abandoned_in "$life" | tail -1)
     [ -n "$x" ] && [ -n "$(on_disk "$x")" ] \
       || { tail -5 "$out/server-0.$life.log"; ls "$ck"; fail "shard 0 wrote no file of a set abandoned at shard 1's CUT"; }
