@@ -26,7 +26,10 @@ sync+backup), workers, servers, straggler_ms (the last worker sleeps that
 long in every step), straggle_all ("none", or a `ps-worker --straggle` SPEC
 every worker draws its steps' delays from, e.g. "exp:20", in place of
 straggler_ms's one straggler),
-staleness_aware_lr. Every
+staleness_aware_lr. "fixed" holds the rest: epochs, eval_per_epoch,
+threads, data_dir, and for the stale runner max_staleness and drain
+(ps-stale --drain F: the last fraction F of the updates drained, as
+asynchronous workers finishing one by one). Every
 combination runs once per seed, into OUT/runs/<its name>/: the job file,
 the command, its log, its evaluations (metrics.jsonl) and result.json,
 written last. A run that has result.json is not run again (an interrupted
@@ -197,6 +200,8 @@ def command(spec, cfg, seed, rundir, binary):
                "--threads", str(fixed.get("threads", 1))]
         if "max_staleness" in fixed:
             cmd += ["--max-staleness", str(fixed["max_staleness"])]
+        if "drain" in fixed:
+            cmd += ["--drain", str(fixed["drain"])]
         if "data_dir" in fixed:
             cmd += ["--data-dir", fixed["data_dir"]]
         return cmd

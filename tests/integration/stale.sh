@@ -8,7 +8,8 @@
 #     S = 32 with 64;
 #   - a run is the same bit for bit when run again; another draw seed
 #     changes it; uniform, geometric and hist draw within their support;
-#     group:K gives 0..K-1 in turn;
+#     group:K gives 0..K-1 in turn; --drain F scales the last F of the
+#     draws down to 0;
 #   - bad flags and files are refused with exit 2 and a message.
 # Usage: stale.sh BUILD_DIR
 set -euo pipefail
@@ -84,6 +85,18 @@ hist_of "$out/gr.log" | awk -F: '$1 > 4 { bad = 1 } { n[$1] = $2; if (!lo || $2 
     if ($2 > hi) hi = $2 } END { exit bad || length(n) != 5 || hi - lo > 1 }' \
   || fail "group:5: not s = 0..4 equally often: $(hist_of "$out/gr.log" | tr '\n' ' ')"
 echo "stale: group:5 gives s = 0..4 in turn"
+# --drain 0.5 with fixed:8: the last half of the U updates draw
+# floor(8 (U - u) / (U / 2)) at update u, falling to 0 as the workers of an
+# asynchronous run finish one by one; the first half is fixed:8's.
+stale --job "$here/jobs/synthetic.json" --virtual-workers 8 --staleness fixed:8 --drain 0.5 \
+  >"$out/dr.log" 2>&1 || fail "fixed:8 --drain 0.5 failed"
+u=$(updates_of "$out/dr.log")
+want=$(awk -v U="$u" 'BEGIN { d = int(0.5 * U)
+    for (i = 0; i < U; i++) { s = 8; if (i >= U - d) s = int(8 * (U - i) / d); if (s > i) s = i; n[s]++ }
+    for (s = 0; s <= 8; s++) if (n[s]) print s ":" n[s] }')
+[ "$(hist_of "$out/dr.log")" = "$want" ] \
+  || fail "fixed:8 --drain 0.5: the shard's histogram is $(hist_of "$out/dr.log" | tr '\n' ' '), want $(echo $want)"
+echo "stale: --drain 0.5 scales the last $((u / 2)) of $u draws down to 0: $(echo $want)"
 
 # 4. Bad input.
 refused() { # WHAT PATTERN ARGS...
@@ -98,6 +111,8 @@ refused "no job" "--job FILE is required"
 refused "unknown distribution" "unknown distribution" --job "$here/jobs/synthetic.json" --staleness zipf:2
 refused "negative S" "S must be an integer" --job "$here/jobs/synthetic.json" --staleness fixed:-1
 refused "S over the ring" "over --max-staleness" --job "$here/jobs/synthetic.json" --staleness fixed:70
+refused "a drain of the whole run" "want a fraction" --job "$here/jobs/synthetic.json" --drain 1
+refused "a negative drain" "drain" --job "$here/jobs/synthetic.json" --drain -0.1
 refused "geometric P" "P must be in" --job "$here/jobs/synthetic.json" --staleness geometric:0
 printf '3 x 4\n' >"$out/bad.txt"
 refused "a hist file that is not counts" "is not a count" --job "$here/jobs/synthetic.json" --staleness "hist:$out/bad.txt"

@@ -41,6 +41,7 @@ typedef struct {
   const char *job_path, *data_dir, *staleness, *metrics, *save_path, *device;
   int virtual_workers, threads, epochs, eval_per_epoch, max_staleness;
   int64_t seed, max_steps;
+  double drain;
 } stale_opts;
 
 #define O(field) offsetof(stale_opts, field)
@@ -62,6 +63,10 @@ static const ps_option stale_flags[] = {
     {"max-staleness", "N", PS_OPT_INT, O(max_staleness), 0, STALE_MAX, .def = "64", .help =
      "the most versions a gradient is behind: larger draws (geometric, hist) are taken as N. "
      "This program keeps N + 1 copies of the parameters"},
+    {"drain", "F", PS_OPT_SECS, O(drain), 0, .def = "0", .help =
+     "the last fraction F (0 to 1) of the updates come from ever fewer workers, as when "
+     "asynchronous workers finish their shares one by one: in it each draw s is scaled by the "
+     "share of the drain still to come and rounded down, so the staleness falls linearly to 0"},
     {"seed", "S", PS_OPT_I64, O(seed), 0, 9e18, .def = "1", .help =
      "the seed of the staleness draws (the job's seed sets the data order and the model)"},
     {"epochs", "N", PS_OPT_INT, O(epochs), 1, 1000000, .def_doc = "the job's",
@@ -85,7 +90,8 @@ static const ps_option stale_flags[] = {
 static const ps_optspec stale_spec = {
     .prog = "ps-stale",
     .synopsis =
-        "Usage: ps-stale --job FILE [--virtual-workers N] [--staleness SPEC] [--seed S]\n"
+        "Usage: ps-stale --job FILE [--virtual-workers N] [--staleness SPEC] [--drain F]\n"
+        "                [--seed S]\n"
         "                [--epochs N] [--max-steps N] [--metrics FILE] [--save-params FILE]\n"
         "\n"
         "Trains the job with a staleness the experiment sets: N virtual workers take turns,\n"
@@ -284,10 +290,10 @@ static int run_setup(stale_run *r, char *err) {
   if (!r->ops->host_memory && !(r->dparams = ps_model_alloc_params(r->model)))
     return ps_seterr(err, 1, "out of memory on %s", desc);
   PS_INFO("ps-stale: job '%s' (%zu parameters, optimizer %s%s), %d virtual worker(s), "
-          "staleness %s, device %s",
+          "staleness %s (the last %.0f%% of the updates drained), device %s",
           r->job.job_id, P, r->job.optim.name,
           r->job.staleness_aware_lr ? ", staleness-aware learning rate" : "",
-          r->o.virtual_workers, r->o.staleness, desc);
+          r->o.virtual_workers, r->o.staleness, r->o.drain * 100, desc);
   return r->grads ? 0 : ps_seterr(err, 1, "out of memory");
 }
 
@@ -350,9 +356,11 @@ static void report(stale_run *r, uint64_t updates, uint64_t examples, double acc
 
 /* One update: virtual worker k's next batch on the parameters of s
  * versions ago, pushed with that base version. */
-static int step(stale_run *r, int k, uint64_t version, uint64_t *examples, char *err) {
+static int step(stale_run *r, int k, uint64_t version, double scale, uint64_t *examples,
+                char *err) {
   const size_t P = r->job.model.n_params;
   int s = draw(&r->draw, version);
+  if (scale < 1.0) s = (int)floor((double)s * scale);
   if ((uint64_t)s > version) s = (int)version;
   const uint64_t base = version - (uint64_t)s;
   const float *params = r->ring[base % (uint64_t)r->ring_n];
@@ -400,9 +408,13 @@ static int train(stale_run *r, char *err) {
   uint64_t version = 0, examples = 0;
   float loss = 0;
   int k = 0;
+  /* The drain: its last `drain_n` updates, each draw scaled by the share
+   * of the drain still to come (1 at its start, towards 0 at the end). */
+  const int64_t drain_n = (int64_t)floor(r->o.drain * (double)total);
   for (int64_t u = 0; u < total; u++) {
     while (r->left[k] == 0) k = (k + 1) % N;
-    if (step(r, k, version, &examples, err) != 0) return 1;
+    double scale = u < total - drain_n ? 1.0 : (double)(total - u) / (double)drain_n;
+    if (step(r, k, version, scale, &examples, err) != 0) return 1;
     r->left[k]--;
     version++;
     k = (k + 1) % N;
@@ -462,6 +474,8 @@ int main(int argc, char **argv) {
     }
     r.draw.max = r.o.max_staleness;
   }
+  if (rc == 0 && !(r.o.drain < 1.0))
+    rc = ps_seterr(err, 2, "--drain %g: want a fraction of the updates, 0 <= F < 1", r.o.drain);
   if (rc == 0 && r.o.metrics && !(r.metrics = ps_metrics_open(r.o.metrics, err))) rc = 2;
   if (rc == 0) rc = run_setup(&r, err);
   if (rc == 0) rc = run_data(&r, err);
