@@ -130,6 +130,21 @@ sets_sampler_check() {
   [ "$rc" = 0 ] || { head -20 "$out/sampler.log"; fail "more than K + 1 = $(($1 + 1)) sets on disk for 100 ms or more"; }
 }
 
+# died_writing: the set whose write shard 1 of a 2-shard job in $ck died
+# in (SIGXFSZ): the newest set of its temporary files left there.
+died_writing() {
+  ls -A "$ck" | sed -n 's/^\.shard-1-of-2-v[0-9]*-s\([0-9]*\)\.ckpt\.tmp-.*/\1/p' | sort -n | tail -1
+}
+# wait_abandoned SET LOG: until shard 0's LOG says SET was abandoned at
+# shard 1's CUT (10 s). Shard 0 logs it once its own write of the set and
+# its failed call to shard 1 both returned, a while after shard 1 died.
+wait_abandoned() {
+  for _ in $(seq 1 100); do
+    grep -q "checkpoint set $1 abandoned: CUT at shard 1 " "$2" && return 0; sleep 0.1
+  done
+  tail -5 "$2"; ls -A "$ck"; fail "shard 1 died writing set $1, and shard 0 did not log it abandoned at shard 1's CUT in 10 s"
+}
+
 # lease_holder DIR JOB: one shard of JOB (3 chunks of 3 batches) and a
 # holder worker that leases 2 of the chunks and sleeps in its first step;
 # sets port, spid and hpid. Another worker then gets the third chunk and
@@ -919,7 +934,6 @@ ckpt_abandoned)
   done
   wait_complete 4 60
   kill -9 "${spids[1]}"; wait "${spids[1]}" 2>/dev/null || true
-  n_abandoned=$(abandoned_sets | wc -l)
   for life in 1 2; do
     # Shard 1's file is about 38 KB (4730 parameters and a momentum slot).
     start_shard 1 "$out/server-1-limited-$life.log" 20
@@ -927,13 +941,9 @@ ckpt_abandoned)
     rc=0; wait "${spids[1]}" 2>/dev/null || rc=$?
     [ "$rc" = $((128 + $(kill -l XFSZ))) ] \
       || { tail -5 "$out/server-1-limited-$life.log"; fail "shard 1 under the limit: exit $rc, not SIGXFSZ"; }
-    # Shard 0 logs the set abandoned once its own write of it and the
-    # failed call to shard 1 both returned: wait for that line (10 s).
-    for _ in $(seq 1 100); do
-      [ "$(abandoned_sets | wc -l)" -gt "$n_abandoned" ] && break; sleep 0.1
-    done
-    n_abandoned=$(abandoned_sets | wc -l)
-    x=$(abandoned_sets | tail -1)
+    x=$(died_writing)
+    [ -n "$x" ] || { ls -A "$ck"; fail "shard 1 died of SIGXFSZ and left no temporary file of a set"; }
+    wait_abandoned "$x" "$out/server-0.log"
     [ -n "$x" ] && [ -n "$(on_disk "$x")" ] \
       || { tail -5 "$out/server-0.log"; ls "$ck"; fail "shard 0 wrote no file of a set abandoned at shard 1's CUT"; }
     echo "ckpt_abandoned: shard 1 died of SIGXFSZ writing set $x; on disk: $(on_disk "$x")"
@@ -1006,10 +1016,9 @@ ckpt_abandoned_restart)
     rc=0; wait "${spids[1]}" 2>/dev/null || rc=$?
     [ "$rc" = $((128 + $(kill -l XFSZ))) ] \
       || { tail -5 "$out/server-1-limited-$life.log"; fail "shard 1 under the limit: exit $rc, not SIGXFSZ"; }
-    # Shard 0 logs the set abandoned once its own write of it and the
-    # failed call to shard 1 both returned: wait for that line (10 s).
-    for _ in $(seq 1 100); do [ -n "$(abandoned_in "$life")" ] && break; sleep 0.1; done
-    x=$(abandoned_in "$life" | tail -1)
+    x=$(died_writing)
+    [ -n "$x" ] || { ls -A "$ck"; fail "shard 1 died of SIGXFSZ and left no temporary file of a set"; }
+    wait_abandoned "$x" "$out/server-0.$life.log"
     [ -n "$x" ] && [ -n "$(on_disk "$x")" ] \
       || { tail -5 "$out/server-0.$life.log"; ls "$ck"; fail "shard 0 wrote no file of a set abandoned at shard 1's CUT"; }
     echo "ckpt_abandoned_restart: shard 1 died of SIGXFSZ writing set $x; on disk: $(on_disk "$x")"
@@ -2282,11 +2291,19 @@ EOF
     --web.listen-address="$pp" >"$out/prometheus.log" 2>&1 &
   ppid=$!; pids+=($ppid)
   # Without the token, or with a wrong one: 401; the job token also reads.
-  sleep 2
-  code=$(curl -s -o /dev/null -w '%{http_code}' --cacert "$c/ca.pem" "https://$m0/metrics")
+  # The ports open once each process is set up (a worker's after it
+  # registered and built its model): ask until an answer comes (30 s).
+  scrape_code() { # URL [CURL ARGS...]: the HTTP status, 000 while nothing listens
+    local url=$1 code=000; shift
+    for _ in $(seq 1 300); do
+      code=$(curl -s -o /dev/null -w '%{http_code}' "$@" "$url") || true
+      [ "$code" != 000 ] && break; sleep 0.1
+    done
+    echo "$code"
+  }
+  code=$(scrape_code "https://$m0/metrics" --cacert "$c/ca.pem")
   [ "$code" = 401 ] || fail "a scrape without a token got $code, not 401"
-  code=$(curl -s -o /dev/null -w '%{http_code}' -H "Authorization: Bearer nottheone0123456789" \
-    "http://$w0/metrics")
+  code=$(scrape_code "http://$w0/metrics" -H "Authorization: Bearer nottheone0123456789")
   [ "$code" = 401 ] || fail "a worker scrape with a wrong token got $code, not 401"
   # (into a variable: grep -q ending a pipe early would fail curl under pipefail)
   page=$(curl -sf --cacert "$c/ca.pem" -H "Authorization: Bearer $(cat "$c/token")" \
