@@ -1808,10 +1808,16 @@ PY
     # (Not necessarily the same one: a last set the workers' end left
     # incomplete, a shard that lost a step behind its cut, is on one only.)
     python3 - "$out/$variant-status-0.json" "$out/$variant-status-1.json" "$out/$variant-server-0.log" <<'PY' || fail "$variant: Status does not name the newest sets"
-import json, re, sys
+import json, re, sys, time
 a, b = (json.load(open(p)) for p in sys.argv[1:3])
-complete = set(re.findall(r"checkpoint set (\d+) complete", open(sys.argv[3]).read()))
 assert a["checkpoint_set"] > 0 and b["checkpoint_set"] > 0, (a, b)
+# Shard 0 logs a set complete once both CUT answers are in, a moment
+# after both shards wrote it: read its log again for up to 5 s.
+for _ in range(50):
+    complete = set(re.findall(r"checkpoint set (\d+) complete", open(sys.argv[3]).read()))
+    if str(min(a["checkpoint_set"], b["checkpoint_set"])) in complete:
+        break
+    time.sleep(0.1)
 assert str(min(a["checkpoint_set"], b["checkpoint_set"])) in complete, (a, b)
 print(f"Status: the shards' newest sets are {a['checkpoint_set']} (version "
       f"{a['checkpoint_set_version']}) and {b['checkpoint_set']} (version "
