@@ -346,15 +346,18 @@ def band(results, x, grid_n=40):
     curves = [[(e[x], e["test_accuracy"]) for e in r["evals"]] for r in results if r["evals"]]
     if not curves:
         return []
+    # From the first evaluation all seeds have to the last: no value is
+    # drawn where a seed had none (before its first evaluation).
+    lo = max(c[0][0] for c in curves)
     hi = min(c[-1][0] for c in curves)
-    if hi <= 0:
+    if hi <= 0 or hi < lo:
         return []
     pts = []
-    for i in range(1, grid_n + 1):
-        xv = hi * i / grid_n
+    for i in range(0 if hi > lo else grid_n, grid_n + 1):
+        xv = lo + (hi - lo) * i / grid_n
         ys = []
         for c in curves:
-            prev = (0.0, c[0][1])
+            prev = c[0]
             for xp, yp in c:
                 if xp >= xv:
                     x0, y0 = prev

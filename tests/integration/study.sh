@@ -44,6 +44,15 @@ grep -q 'vs s = 0' "$rep" || fail "no column normalized by s = 0"
 if command -v gnuplot >/dev/null; then
   [ "$(ls "$out"/s/*.png | wc -l)" = 4 ] || fail "not 4 plots"
   for png in "$out"/s/*.png; do grep -q "$(basename "$png")" "$rep" || fail "$png not in the report"; done
+  # A band starts at the first evaluation: nothing drawn where no seed
+  # had been evaluated yet.
+  python3 - "$out/s" <<'PY' || fail "a band starts before the runs' first evaluation"
+import glob, json, sys
+first = min(json.loads(open(m).readline())["updates"] for m in glob.glob(f"{sys.argv[1]}/runs/*/metrics.jsonl"))
+for dat in glob.glob(f"{sys.argv[1]}/plots/*-updates.*.dat"):
+    x0 = float(open(dat).readline().split()[0])
+    assert x0 >= first, f"{dat} starts at {x0}, before the first evaluation at {first} updates"
+PY
 else
   echo "study: gnuplot is missing: the plots were not checked (deploy/install-deps.sh installs it)"
 fi
