@@ -33,7 +33,8 @@ asynchronous workers finishing one by one). Every
 combination runs once per seed, into OUT/runs/<its name>/: the job file,
 the command, its log, its evaluations (metrics.jsonl) and result.json,
 written last. A run that has result.json is not run again (an interrupted
-study goes on where it stopped). The report (OUT/report.md, OUT/*.png with
+study goes on where it stopped). The report (OUT/report.md, the same as
+one self-contained page in OUT/report.html, OUT/*.png with
 gnuplot) has one table per model with the mean and standard deviation over
 seeds of the updates, examples and seconds to the target, the final
 accuracy and the staleness, and plots with one band (mean +- sd) per
@@ -477,7 +478,51 @@ def report(spec, out, results, name="report"):
                     lines.append(f"![{model}, {label}: test accuracy against {xl}]({png})")
             lines.append("")
     open(os.path.join(out, f"{name}.md"), "w").write("\n".join(lines) + "\n")
+    write_html(out, name, lines)
     return os.path.join(out, f"{name}.md")
+
+
+def write_html(out, name, lines):
+    """OUT/NAME.html: the report as one self-contained page (the plots
+    inline as data: URLs), from the Markdown lines report() writes:
+    headings, paragraphs, tables and images."""
+    import base64
+    import html
+    import re
+    body, table = [], []
+
+    def flush():
+        if table:
+            head, rows = table[0], table[2:]
+            body.append("<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in head) + "</tr>")
+            body.extend("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
+            body.append("</table>")
+            table.clear()
+
+    for line in lines:
+        if line.startswith("|"):
+            table.append([c.strip() for c in line.strip().strip("|").split("|")])
+            continue
+        flush()
+        m = re.match(r"!\[(.*)\]\((.*)\)$", line)
+        if m:
+            with open(os.path.join(out, m.group(2)), "rb") as f:
+                data = base64.b64encode(f.read()).decode()
+            body.append(f'<img alt="{html.escape(m.group(1))}" src="data:image/png;base64,{data}">')
+        elif line.startswith("## "):
+            body.append(f"<h2>{html.escape(line[3:])}</h2>")
+        elif line.startswith("# "):
+            body.append(f"<h1>{html.escape(line[2:])}</h1>")
+        elif line:
+            body.append(f"<p>{html.escape(line)}</p>")
+    flush()
+    title = html.escape(lines[0][2:] if lines and lines[0].startswith("# ") else name)
+    page = ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>" + title + "</title><style>"
+            "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}"
+            "th,td{border:1px solid #bbb;padding:3px 8px;text-align:right}th{background:#eee}"
+            "img{max-width:100%;display:block;margin:1em 0}</style></head><body>\n"
+            + "\n".join(body) + "\n</body></html>\n")
+    open(os.path.join(out, f"{name}.html"), "w").write(page)
 
 
 def main():

@@ -3,7 +3,7 @@
 # optimizers x 2 staleness values x 2 seeds): a study stopped after 3 runs
 # goes on with the other 5 and runs none twice; a run killed mid-way
 # (no result.json) is run again; the report has a row per configuration
-# with the seeds' mean and sd, and its plots; a bad spec is refused with
+# with the seeds' mean and sd, and its plots, also as one HTML page; a bad spec is refused with
 # exit 2; a cluster study (2 modes, local clusters on loopback) runs and
 # reports too.
 # Usage: study.sh BUILD_DIR
@@ -41,9 +41,14 @@ rep=$out/s/report.md
 [ "$(grep -c '^| momentum\|^| adam' "$rep")" = 4 ] || { cat "$rep"; fail "the report has not 4 configuration rows"; }
 grep -q '^| adam:0.003 | fixed:0 | [0-9]* ± [0-9]* |' "$rep" || { cat "$rep"; fail "no mean ± sd in the report"; }
 grep -q 'vs s = 0' "$rep" || fail "no column normalized by s = 0"
+[ "$(grep -c '^<tr><td>\(momentum\|adam\)' "$out/s/report.html")" = 4 ] \
+  || { head -c 2000 "$out/s/report.html"; fail "report.html has not the 4 configuration rows"; }
 if command -v gnuplot >/dev/null; then
   [ "$(ls "$out"/s/*.png | wc -l)" = 4 ] || fail "not 4 plots"
   for png in "$out"/s/*.png; do grep -q "$(basename "$png")" "$rep" || fail "$png not in the report"; done
+  # The same report as one page, the plots inline.
+  [ "$(grep -o 'src="data:image/png;base64,' "$out/s/report.html" | wc -l)" = 4 ] \
+    || fail "report.html does not hold the 4 plots inline"
   # A band starts at the first evaluation: nothing drawn where no seed
   # had been evaluated yet.
   python3 - "$out/s" <<'PY' || fail "a band starts before the runs' first evaluation"
