@@ -284,7 +284,8 @@ void ps_waits_free(ps_server *sv) {
 /* sync: applies the current step if enough gradients are in; releases the
  * pulls waiting for it. */
 void ps_sync_try_step(ps_server *sv) {
-  int live = ps_membership_count(sv->members);
+  int idle = 0;
+  int live = ps_membership_count_both(sv->members, &idle);
   /* Steps start once the job's min_workers are in, so that the first to
    * register does not run the first steps alone; after that the quorum
    * follows the live workers (a dead one does not hold the others). */
@@ -320,7 +321,7 @@ void ps_sync_try_step(ps_server *sv) {
    * divided by them too, so that the last steps of an epoch, made by fewer
    * workers, move the model no further per example than the others (at
    * 16 workers they had made 14 more steps and cost 0.07 of accuracy). */
-  int divisor = live + ps_membership_count_idle(sv->members) - sv->job.backup_workers;
+  int divisor = live + idle - sv->job.backup_workers;
   if (divisor < quorum) divisor = quorum;
   ps_update u = {.kind = PS_UPDATE_SYNC_STEP, .quorum = quorum, .divisor = divisor};
   ps_update_result res = {0};

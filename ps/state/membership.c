@@ -390,12 +390,15 @@ int ps_membership_count(ps_membership *m) {
   return n;
 }
 
-int ps_membership_count_idle(ps_membership *m) {
+int ps_membership_count_both(ps_membership *m, int *idle) {
   pthread_mutex_lock(&m->mu);
-  int n = 0;
-  for (int i = 0; i < m->n; i++)
-    n += is_trainer(&m->members[i]) && m->members[i].idle;
+  int n = 0, k = 0;
+  for (int i = 0; i < m->n; i++) {
+    n += trains(&m->members[i]);
+    k += is_trainer(&m->members[i]) && m->members[i].idle;
+  }
   pthread_mutex_unlock(&m->mu);
+  *idle = k;
   return n;
 }
 

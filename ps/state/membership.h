@@ -102,8 +102,11 @@ int ps_membership_set_idle(ps_membership *m, uint64_t id, int idle);
 /* Live workers that train (role "evaluator" and idle workers are not
  * counted). */
 int ps_membership_count(ps_membership *m);
-/* The live workers that wait for data (idle): not in the count above. */
-int ps_membership_count_idle(ps_membership *m);
+/* Both counts at one instant: returns ps_membership_count's, and in *idle
+ * the live workers that wait for data (idle), which that count leaves out
+ * (a worker that turned idle between two separate calls would be counted
+ * in neither, or in both). */
+int ps_membership_count_both(ps_membership *m, int *idle);
 /* Copies up to max members into out; returns how many. */
 int ps_membership_list(ps_membership *m, ps_member *out, int max);
 /* Request ids: a mutation a worker may retry (Push, Lease) carries a

@@ -276,9 +276,12 @@ static void test_idle(void) {
   CHECK(ps_membership_set_idle(m, b, 1) == 1);
   CHECK(ps_membership_set_idle(m, b, 1) == 0); /* no change */
   CHECK(ps_membership_count(m) == 1);
+  int idle = -1;
+  CHECK(ps_membership_count_both(m, &idle) == 1 && idle == 1); /* a trains, b waits */
   CHECK(ps_membership_clock(m, a, &clock, &lo) == PS_OK && lo == 5); /* b holds nothing back */
   CHECK(ps_membership_note_push(m, b, 9, 0) == PS_OK); /* back by pushing */
   CHECK(ps_membership_count(m) == 2);
+  CHECK(ps_membership_count_both(m, &idle) == 2 && idle == 0);
   CHECK(ps_membership_clock(m, b, &clock, &lo) == PS_OK && clock == 6 && lo == 5);
   CHECK(ps_membership_set_idle(m, 99, 1) == PS_ENOTFOUND);
   ps_membership_destroy(m);
