@@ -49,8 +49,8 @@ static int set_value(const char *prog, const ps_option *o, const char *arg, void
       double v = strtod(arg, &end);
       int low = o->excl_lo ? !(v > o->lo) : !(v >= o->lo);
       if (!*arg || *end || !isfinite(v) || low) {
-        fprintf(stderr, "%s: --%s wants seconds %s %g, not '%s'\n", prog, o->name,
-                o->excl_lo ? ">" : ">=", o->lo, arg);
+        fprintf(stderr, "%s: --%s wants a number %s %s %g, not '%s'\n", prog, o->name,
+                o->arg ? o->arg : "", o->excl_lo ? ">" : ">=", o->lo, arg);
         return -1;
       }
       *(double *)field = v;

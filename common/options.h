@@ -16,7 +16,8 @@ typedef enum {
   PS_OPT_FLAG,   /* no argument: the int at offset becomes 1 */
   PS_OPT_INT,    /* int in [lo, hi] */
   PS_OPT_I64,    /* int64_t in [lo, hi] */
-  PS_OPT_SECS,   /* double: finite seconds >= lo (> lo when excl_lo) */
+  PS_OPT_SECS,   /* double: a finite number >= lo (> lo when excl_lo): seconds, or any
+                  * other quantity (the error names it by the row's arg) */
   PS_OPT_STR,    /* const char *: the argument itself (argv's storage) */
   PS_OPT_CHOICE, /* int: the index of the argument in choices */
 } ps_opt_kind;

@@ -46,11 +46,14 @@ or not, or diverged), 1 some run failed or timed out (the report says
 which), 2 a bad spec or command line.
 """
 import argparse
+import base64
 import hashlib
+import html
 import itertools
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -486,9 +489,6 @@ def write_html(out, name, lines):
     """OUT/NAME.html: the report as one self-contained page (the plots
     inline as data: URLs), from the Markdown lines report() writes:
     headings, paragraphs, tables and images."""
-    import base64
-    import html
-    import re
     body, table = [], []
 
     def flush():

@@ -383,11 +383,8 @@ void ps_membership_request_end(ps_membership *m, uint64_t worker, int kind, uint
 }
 
 int ps_membership_count(ps_membership *m) {
-  pthread_mutex_lock(&m->mu);
-  int n = 0;
-  for (int i = 0; i < m->n; i++) n += trains(&m->members[i]);
-  pthread_mutex_unlock(&m->mu);
-  return n;
+  int idle;
+  return ps_membership_count_both(m, &idle);
 }
 
 int ps_membership_count_both(ps_membership *m, int *idle) {
