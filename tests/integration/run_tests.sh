@@ -1186,7 +1186,10 @@ loadgen)
   # embedding rows
   ports=$(free_ports 2)
   start_servers "$here/jobs/loadgen_tables.json" "$ports" --log-level warn
-  lg --insecure --ps "$ports" --workers 8 --rows 64 --duration 2 --warmup 0.5 \
+  # ids from [0, 200000): at most 200,000 rows in all, within each shard's
+  # max_rows_per_shard whatever the run's speed (from the default 1M ids a
+  # fast run made 400,000 distinct rows, and a shard refused the push).
+  lg --insecure --ps "$ports" --workers 8 --rows 64 --duration 2 --warmup 0.5 --id-space 200000 \
     --json "$out/rows.json" >"$out/rows.log" 2>&1 || { tail -5 "$out/rows.log"; fail "--rows 64 failed"; }
   [ "$(field "$out/rows.json" 'errors == 0 and rows_moved > 0 and applied_all')" = True ] \
     || fail "--rows: $(field "$out/rows.json" '(errors, rows_moved, applied_all, first_error)')"
